@@ -1,0 +1,36 @@
+# Two entry points: `make serve` (set up, start the daemon on embedded defaults)
+# and `make test` (set up, run every test). Both create or reuse .venv here.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvstore-installed
+
+.PHONY: setup serve test bench proto typecheck clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned, so that nothing pulls a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvstore serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	for b in bench/core.py bench/service.py; do $(PY) $$b --quick || exit 1; done
+
+proto: $(STAMP)
+	$(PY) -m proto.generate
+
+typecheck: $(STAMP)
+	$(PY) -m mypy kvstore tiers admission
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,235 @@
+"""SSD tier benchmark (issue 4). Not a test: it reports numbers.
+
+Figures, all measured in one run, in one directory (``--dir``, default a new
+directory under /tmp):
+
+- SSD tier put and get GB/s (10**9 bytes/s) for 256 KiB, 1 MiB and 4 MiB
+  blocks, in batches of 16 MiB (one ``write``/``read_into`` call each), beside
+  plain sequential file ``writev`` + ``fdatasync`` per batch and ``preadv``
+  of the same bytes. Gets are cold: every file is ``fsync``ed and dropped from
+  the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` before reading.
+  Plain and SSD runs alternate; each figure is the median of ``--repeats``.
+- Recovery: open + ``recover()`` of a tier holding 100,000 blocks (20,000 with
+  ``--quick``) of 1 KiB in chains of 64 (median of 3 opens).
+
+Targets: SSD put and get >= 0.7x the plain-file figures for 1 MiB blocks;
+recovery of the block count named in the target < 5 s.
+
+Usage: python bench/tiers.py [--quick] [--json PATH] [--dir DIR] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchlib import Report  # noqa: E402
+
+from tiers.base import BlockMeta  # noqa: E402
+from tiers.ssd import SsdTier  # noqa: E402
+
+KIB, MIB = 1 << 10, 1 << 20
+BATCH_BYTES = 16 * MIB
+
+
+def drop_cache(paths: list[str]) -> None:
+    """Make later reads of ``paths`` come from the device."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class Case:
+    """One block size: the same bytes through a plain file and the SSD tier."""
+
+    def __init__(self, root: str, size: int, total: int) -> None:
+        self.root = root
+        self.size = size
+        self.n = max(1, total // size)
+        self.per_batch = max(1, BATCH_BYTES // size)
+        rng = np.random.default_rng(size)
+        self.src = rng.integers(0, 256, size=(self.n, size), dtype=np.uint8)
+        self.dst = np.zeros_like(self.src)
+        ns = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+        keys = [bytes(k) for k in rng.integers(0, 256, size=(self.n, 16), dtype=np.uint8)]
+        self.owners = [BlockMeta(ns, k, keys[i - 1] if i else b"") for i, k in enumerate(keys)]
+        self.batches = [range(b, min(self.n, b + self.per_batch)) for b in range(0, self.n, self.per_batch)]
+        self.plain = os.path.join(root, f"plain-{size}")
+        self.tdir = os.path.join(root, f"ssd-{size}")
+        self.tier: SsdTier | None = None
+        self.locs = np.zeros(0, np.int64)
+        self.csums = np.zeros(0, np.uint64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.size
+
+    def plain_put(self) -> float:
+        if os.path.exists(self.plain):
+            os.unlink(self.plain)
+
+        def run() -> None:
+            fd = os.open(self.plain, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                for b in self.batches:
+                    os.writev(fd, [self.src[i] for i in b])
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        return timed(run)
+
+    def plain_get(self) -> float:
+        drop_cache([self.plain])
+        self.dst[:] = 0
+
+        def run() -> None:
+            fd = os.open(self.plain, os.O_RDONLY)
+            try:
+                for b in self.batches:
+                    os.preadv(fd, [self.dst[i] for i in b], b.start * self.size)
+            finally:
+                os.close(fd)
+        t = timed(run)
+        assert np.array_equal(self.dst, self.src)
+        return t
+
+    def ssd_put(self) -> float:
+        if self.tier is not None:
+            self.tier.close()
+        shutil.rmtree(self.tdir, ignore_errors=True)
+        tier = self.tier = SsdTier(self.tdir, self.nbytes + 64 * MIB)
+        locs, csums = [], []
+
+        def run() -> None:
+            for b in self.batches:
+                loc = tier.allocate(self.size, len(b))
+                csums.append(tier.write(loc, [self.src[i] for i in b], self.owners[b.start:b.stop]))
+                locs.append(loc)
+        t = timed(run)
+        self.locs, self.csums = np.concatenate(locs), np.concatenate(csums)
+        return t
+
+    def ssd_get(self) -> float:
+        assert self.tier is not None
+        tier = self.tier
+        drop_cache(glob.glob(os.path.join(self.tdir, "seg-*.kvs")))
+        self.dst[:] = 0
+        sizes = np.full(self.per_batch, self.size, dtype=np.int64)
+        oks = []
+
+        def run() -> None:
+            for b in self.batches:
+                oks.append(tier.read_into(self.locs[b.start:b.stop], sizes[:len(b)], self.csums[b.start:b.stop],
+                                          [self.dst[i] for i in b], self.owners[b.start:b.stop]))
+        t = timed(run)
+        assert all(ok.all() for ok in oks) and np.array_equal(self.dst, self.src)
+        return t
+
+    def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+        shutil.rmtree(self.tdir, ignore_errors=True)
+        if os.path.exists(self.plain):
+            os.unlink(self.plain)
+
+
+def bench_throughput(rep: Report, root: str, total: int, repeats: int) -> None:
+    for size in (256 * KIB, 1 * MIB, 4 * MIB):
+        case = Case(root, size, total)
+        times: dict[str, list[float]] = {k: [] for k in ("plain_put", "ssd_put", "plain_get", "ssd_get")}
+        try:
+            for r in range(repeats):
+                order = ("plain_put", "ssd_put", "plain_get", "ssd_get") if r % 2 == 0 else \
+                    ("ssd_put", "plain_put", "ssd_get", "plain_get")
+                for name in order:
+                    times[name].append(getattr(case, name)())
+        finally:
+            case.close()
+        label = f"{size // KIB}KiB" if size < MIB else f"{size // MIB}MiB"
+        gbps = {k: case.nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+        for k in ("plain_put", "ssd_put", "plain_get", "ssd_get"):
+            rep.figure(f"{k}_{label}_GBps", gbps[k], "GB/s")
+        rep.figure(f"ssd_put_ratio_{label}", gbps["ssd_put"] / gbps["plain_put"], "x")
+        rep.figure(f"ssd_get_ratio_{label}", gbps["ssd_get"] / gbps["plain_get"], "x")
+        if size == MIB:
+            rep.target("SSD put / plain write+fsync, 1 MiB blocks", gbps["ssd_put"] / gbps["plain_put"], 0.7)
+            rep.target("SSD get / plain cold read, 1 MiB blocks", gbps["ssd_get"] / gbps["plain_get"], 0.7)
+
+
+def bench_recovery(rep: Report, root: str, nblocks: int) -> None:
+    tdir = os.path.join(root, "recovery")
+    shutil.rmtree(tdir, ignore_errors=True)
+    size, chain_len, batch = 1 * KIB, 64, 4096
+    rng = np.random.default_rng(4)
+    ns = bytes(16)
+    keys = [bytes(k) for k in rng.integers(0, 256, size=(nblocks, 16), dtype=np.uint8)]
+    owners = [BlockMeta(ns, k, keys[i - 1] if i % chain_len else b"") for i, k in enumerate(keys)]
+    payload = rng.integers(0, 256, size, dtype=np.uint8)
+    t0 = time.perf_counter()
+    with SsdTier(tdir, nblocks * (size + 128) + 64 * MIB, sync=False) as tier:
+        for b in range(0, nblocks, batch):
+            own = owners[b:b + batch]
+            tier.write(tier.allocate(size, len(own)), [payload] * len(own), own)
+    rep.figure(f"recovery_setup_write_{nblocks}_blocks_s", time.perf_counter() - t0, "s")
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with SsdTier(tdir, nblocks * (size + 128) + 64 * MIB) as tier:
+            found = tier.recover()
+            samples.append(time.perf_counter() - t0)
+        assert len(found) == nblocks
+    shutil.rmtree(tdir, ignore_errors=True)
+    rep.figure(f"recovery_{nblocks}_blocks_first_open_s", samples[0], "s")
+    rep.figure(f"recovery_{nblocks}_blocks_s", statistics.median(samples), "s")
+    rep.target(f"recovery (open + recover) of {nblocks:,} blocks (s), under",
+               statistics.median(samples), 5.0, lower_is_better=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller run, under a minute")
+    ap.add_argument("--json", metavar="PATH", help="write figures and targets as JSON")
+    ap.add_argument("--dir", metavar="DIR", help="directory on the disk to measure (default: under /tmp)")
+    ap.add_argument("--repeats", type=int, default=0, help="samples per figure (default 3 quick, 5 full)")
+    a = ap.parse_args(argv)
+    repeats = a.repeats or (3 if a.quick else 5)
+    total = (128 if a.quick else 512) * MIB
+    nblocks = 20_000 if a.quick else 100_000
+    root = tempfile.mkdtemp(prefix="kvstore-bench-tiers-", dir=a.dir or "/tmp")
+    rep = Report("tiers (ssd)")
+    try:
+        bench_throughput(rep, root, total, repeats)
+        bench_recovery(rep, root, nblocks)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rep.figure("bytes_per_figure", total, "B")
+    rep.emit(a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""XXH3-64 payload checksums, and copies that compute one on the way.
+
+Every payload carries an XXH3-64 (seed 0) checksum, checked whenever it
+crosses a tier or a node (DESIGN.md section 4).  :func:`copy_checksum` and
+:func:`copy_verify` copy a block and hash it in one pass over memory when the
+``kvstore._native`` extension is built; otherwise they fall back to
+``np.copyto`` followed by ``xxhash.xxh3_64_intdigest`` of the destination.
+Both paths return the same values (``xxhash.xxh3_64_intdigest`` of the
+bytes), so checksums written by one are verified by the other.
+
+Inputs are anything with a C-contiguous buffer (bytes, bytearray,
+memoryview, numpy arrays of any dtype -- viewed as their raw bytes) and CPU
+torch tensors (read through ``.numpy()`` or a uint8 view; torch itself is
+never imported here).  Errors: ``TypeError`` for objects that are not
+buffers or a read-only ``dst``; ``ValueError`` for non-contiguous buffers,
+``dst``/``src`` of different byte lengths, or partly overlapping buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_verify"]
+
+
+def _load_native() -> ModuleType | None:
+    """``kvstore._native`` if it is built and not disabled by
+    ``NO_KVSTORE_NATIVE=1``; else None (pure-Python fallback)."""
+    if os.environ.get("NO_KVSTORE_NATIVE", "") not in ("", "0"):
+        return None
+    try:
+        from kvstore import _native
+    except ImportError:
+        return None
+    return _native
+
+
+_native: Final = _load_native()
+HAVE_NATIVE: Final[bool] = _native is not None
+"""Whether copies and checksums run in the C extension (values are identical)."""
+
+_BUFFER_TYPES: Final = (bytes, bytearray, memoryview, np.ndarray)
+_MAX_U64: Final = 2**64 - 1
+
+
+def _tensor_bytes(obj: Any, name: str) -> npt.NDArray[np.uint8]:
+    """A CPU torch tensor's bytes as a 1-D uint8 numpy view (shares memory)."""
+    device = getattr(obj, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise ValueError(f"{name} is on {device}; only CPU tensors can be copied here")
+    if callable(getattr(obj, "is_contiguous", None)) and not obj.is_contiguous():
+        raise ValueError(f"{name} must be a C-contiguous tensor")
+    if callable(getattr(obj, "detach", None)):
+        obj = obj.detach()
+    try:
+        arr = obj.numpy()
+    except (TypeError, RuntimeError):
+        # dtypes numpy lacks (bfloat16, float8): reinterpret as uint8 first;
+        # a tensor exists, so torch is already in sys.modules
+        torch = sys.modules.get("torch")
+        if torch is None:
+            raise
+        arr = obj.view(torch.uint8).numpy()
+    return _array_bytes(np.asarray(arr), name)
+
+
+def _array_bytes(arr: np.ndarray[Any, Any], name: str) -> npt.NDArray[np.uint8]:
+    """A C-contiguous numpy array of any dtype as a 1-D uint8 view."""
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be a C-contiguous buffer")
+    if arr.dtype.hasobject:
+        raise TypeError(f"{name} holds Python objects, not bytes (dtype {arr.dtype})")
+    flat = arr.reshape(-1)
+    if flat.dtype != np.uint8:
+        flat = flat.view(np.uint8)
+    return flat
+
+
+def _as_bytes(obj: Any, name: str) -> npt.NDArray[np.uint8]:
+    """Any supported input as a 1-D uint8 numpy view over the same memory."""
+    if isinstance(obj, np.ndarray):
+        return _array_bytes(obj, name)
+    if isinstance(obj, (bytes, bytearray)):
+        return np.frombuffer(obj, dtype=np.uint8)
+    if callable(getattr(obj, "numpy", None)):
+        return _tensor_bytes(obj, name)
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"{name} must support the buffer protocol (bytes, bytearray, memoryview, "
+            f"numpy array) or be a CPU tensor, not {type(obj).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError(f"{name} must be a C-contiguous buffer")
+    return np.frombuffer(view, dtype=np.uint8)
+
+
+def _native_arg(obj: Any, name: str) -> Any:
+    """What to hand the C extension: buffers as they are, tensors as uint8 views."""
+    if isinstance(obj, _BUFFER_TYPES):
+        return obj
+    if callable(getattr(obj, "numpy", None)):
+        return _tensor_bytes(obj, name)
+    return obj  # the extension raises TypeError for non-buffers
+
+
+def _check_pair(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> None:
+    """Fallback-path checks matching the extension's."""
+    if not dst.flags.writeable:
+        raise TypeError("dst must be writable, got a read-only buffer")
+    if dst.nbytes != src.nbytes:
+        raise ValueError(
+            f"dst and src must have the same length in bytes, got dst={dst.nbytes} src={src.nbytes}")
+    if dst.nbytes and np.may_share_memory(dst, src):
+        d = dst.__array_interface__["data"][0]
+        s = src.__array_interface__["data"][0]
+        if d != s:
+            raise ValueError("dst and src overlap (only identical or disjoint buffers are allowed)")
+
+
+def checksum(buf: Any) -> int:
+    """XXH3-64 (seed 0) of ``buf``'s bytes; equal to ``xxhash.xxh3_64_intdigest``."""
+    if _native is not None:
+        return int(_native.checksum(_native_arg(buf, "buf")))
+    return xxhash.xxh3_64_intdigest(_as_bytes(buf, "buf").data)
+
+
+def copy_checksum(dst: Any, src: Any) -> int:
+    """Copy ``src`` into ``dst`` (same byte length; identical or disjoint
+    memory) and return the XXH3-64 of the bytes written.
+
+    Natively this is one pass over memory: each 1 KiB is hashed on its way
+    from ``src`` to ``dst`` (copies of 1 MiB or more use non-temporal
+    stores).  The checksum always describes the bytes in ``dst``, even if
+    another process rewrites ``src`` during the copy.
+    """
+    if _native is not None:
+        return int(_native.copy_checksum(_native_arg(dst, "dst"), _native_arg(src, "src")))
+    d, s = _as_bytes(dst, "dst"), _as_bytes(src, "src")
+    _check_pair(d, s)
+    if d is not s:
+        np.copyto(d, s)
+    return xxhash.xxh3_64_intdigest(d.data)
+
+
+def copy_verify(dst: Any, src: Any, expected: int) -> bool:
+    """Copy ``src`` into ``dst`` like :func:`copy_checksum` and return
+    whether the checksum equals ``expected``.  ``dst`` is written either way:
+    on False the caller must treat the block as a miss."""
+    if not isinstance(expected, (int, np.integer)):
+        raise TypeError(f"expected must be an int checksum, not {type(expected).__name__}")
+    expected = int(expected)
+    if not 0 <= expected <= _MAX_U64:
+        raise ValueError("expected must be an XXH3-64 checksum in [0, 2**64)")
+    if _native is not None:
+        return bool(_native.copy_verify(_native_arg(dst, "dst"), _native_arg(src, "src"), expected))
+    return copy_checksum(dst, src) == expected

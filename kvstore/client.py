@@ -1,0 +1,519 @@
+"""Python clients for the kvstore daemon: ``Client`` (sync) and ``AsyncClient``.
+
+On the same host the client maps the daemon's shared-memory slab and moves
+the bytes itself: a put is ``Reserve`` -> copy into the slots (fused with the
+xxh3_64 checksum) -> ``Commit``; a get is ``Acquire`` -> copy out (checksum
+verified) -> ``Release``. Elsewhere (or with ``use_shm=False``) it falls back
+to inline ``Put``/``Get`` bytes, split under the message size limit. Every
+call takes a whole batch of keys: one RPC per request, not one per block.
+
+A session (``Handshake`` + a ``KeepAlive`` stream held open in the
+background) ties the client's leases and reservations to its life: if the
+process dies, the daemon reclaims them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import grpc
+import numpy as np
+from google.protobuf.json_format import MessageToDict
+
+from kvstore.checksum import copy_checksum, copy_verify
+from kvstore.errors import (CapacityError, DataLoss, DeadlineExceeded, InvalidArgument, KeyStatus,
+                            KVStoreError, NotFound, PermissionDenied, Unauthenticated, Unavailable)
+from kvstore.keys import Namespace
+from kvstore.shm import SlabMapping, host_identity
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
+from tiers.base import Buffer, TierKind
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+_CODE_TO_ERROR: dict[grpc.StatusCode, type[KVStoreError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+}
+
+
+def error_from_rpc(e: grpc.RpcError) -> KVStoreError:
+    """The exception-tree class for a failed call (the inverse of the server's table)."""
+    code = e.code() if hasattr(e, "code") else None
+    cls = _CODE_TO_ERROR.get(code, Unavailable)  # type: ignore[arg-type]
+    detail = e.details() if hasattr(e, "details") else str(e)
+    return cls(f"{code.name if code else 'ERROR'}: {detail}")
+
+
+@dataclass(slots=True, frozen=True)
+class LookupResult:
+    hit_blocks: int
+    tiers: list[str]
+
+
+def _as_u8(buf: Buffer) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def _as_u8_writable(buf: Buffer) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+
+
+def ns_pb(ns: Namespace) -> pb.Namespace:
+    d = ns.to_dict()
+    fields = pb.Namespace.DESCRIPTOR.fields_by_name
+    return pb.Namespace(**{k: v for k, v in d.items() if k in fields})
+
+
+def _tier_name(t: int) -> str:
+    return TierKind(t - 1).label if t else "unspecified"
+
+
+def _read_token(token: str | None, token_file: str | None) -> str | None:
+    if token:
+        return token
+    if token_file:
+        with open(token_file) as f:
+            return f.read().strip()
+    return os.environ.get("KVSTORE_TOKEN") or None
+
+
+class _Base:
+    def __init__(self, target: str | None, token: str | None, token_file: str | None,
+                 tls_ca_file: str | None, name: str, use_shm: bool, timeout: float) -> None:
+        self.target = target or os.environ.get("KVSTORE_ADDRESS") or DEFAULT_TARGET
+        self.token = _read_token(token, token_file)
+        self.tls_ca = open(tls_ca_file, "rb").read() if tls_ca_file else None
+        self.name = name
+        self.use_shm = use_shm
+        self.timeout = timeout
+        self.session = ""
+        self.slab: SlabMapping | None = None
+        self.max_message_bytes = 4 << 20
+        self.server_tenant = ""
+
+    def _creds(self) -> grpc.ChannelCredentials | None:
+        return grpc.ssl_channel_credentials(self.tls_ca) if self.tls_ca is not None else None
+
+    def _options(self) -> list[tuple[str, Any]]:
+        return [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+    def _md(self) -> list[tuple[str, str]]:
+        md = []
+        if self.token:
+            md.append(("authorization", f"Bearer {self.token}"))
+        if self.session:
+            md.append(("x-kvstore-session", self.session))
+        return md
+
+    def _after_handshake(self, resp: pb.HandshakeResponse) -> None:
+        self.session = resp.session_id
+        self.max_message_bytes = resp.max_message_bytes or self.max_message_bytes
+        self.server_tenant = resp.tenant
+        if self.use_shm and resp.same_host and resp.HasField("shm"):
+            try:
+                self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
+            except OSError:
+                self.slab = None  # e.g. another container: fall back to inline bytes
+
+    def _slot_view(self, slot: pb.SlotRef) -> np.ndarray:
+        assert self.slab is not None
+        if not self.slab.covers(slot.offset, slot.length):
+            # the daemon grew its slab: map again
+            path, sid = self.slab.path, self.slab.slab_id
+            self.slab.close()
+            self.slab = SlabMapping(path, 0, sid)
+        return self.slab.view(slot.offset, slot.length)
+
+    def _put_batches(self, keys: list[bytes], payloads: Sequence[Buffer]) -> Iterator[tuple[int, int]]:
+        """Split a put into messages under the size limit: (start, end)."""
+        limit = max(1, self.max_message_bytes - 64 * 1024)
+        start, size = 0, 0
+        for i, p in enumerate(payloads):
+            n = _as_u8(p).size + 64
+            if i > start and size + n > limit:
+                yield start, i
+                start, size = i, 0
+            size += n
+        if start < len(keys):
+            yield start, len(keys)
+
+    @staticmethod
+    def _statuses(results: Any) -> list[KeyStatus]:
+        return [KeyStatus(int(r.status)) for r in results]
+
+
+class Client(_Base):
+    """Synchronous client. Use as a context manager or call ``close()``."""
+
+    def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
+                 tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
+                 timeout: float = 30.0, session: bool = True) -> None:
+        super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
+        creds = self._creds()
+        self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
+                        else grpc.insecure_channel(self.target, self._options()))
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+        self._keepalive: Any = None
+        if session:
+            resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
+                client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
+            self._after_handshake(resp)
+            self._keepalive = self.stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session),
+                                                  metadata=self._md())
+            threading.Thread(target=self._drain_keepalive, daemon=True, name="kvstore-keepalive").start()
+
+    def _drain_keepalive(self) -> None:
+        try:
+            for _ in self._keepalive:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return method(request, metadata=self._md(), timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self.slab is not None:
+            self.slab.close()
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------- queries
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys=list(keys)))
+        return LookupResult(r.hit_blocks, [_tier_name(t) for t in r.tiers])
+
+    def stats(self, include_namespaces: bool = True) -> dict[str, Any]:
+        r = self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))
+        return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    # --------------------------------------------------------------- put
+    def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
+            parent: bytes | None = None) -> list[KeyStatus]:
+        """Store a chain segment; one status per key."""
+        keys = list(keys)
+        if len(keys) != len(payloads):
+            raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
+        if self.slab is not None:
+            return self._put_shm(ns, keys, payloads, parent)
+        return self._put_inline(ns, keys, payloads, parent)
+
+    def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
+                 parent: bytes | None) -> list[KeyStatus]:
+        srcs = [_as_u8(p) for p in payloads]
+        sizes = [s.size for s in srcs]
+        uniform = len(set(sizes)) == 1
+        req = pb.ReserveRequest(ns=ns_pb(ns), keys=keys, parent=parent or b"")
+        if uniform and sizes:
+            req.block_bytes = sizes[0]
+        else:
+            req.sizes.extend(sizes)
+        r = self._call(self.stub.Reserve, req)
+        statuses = self._statuses(r.results)
+        if not r.reservation_id:
+            return statuses
+        csums = []
+        try:
+            for res, src in zip(r.results, srcs):
+                if res.status == pb.STATUS_OK:
+                    csums.append(copy_checksum(self._slot_view(res.slot), src))
+        except BaseException:
+            self._call(self.stub.Abort, pb.AbortRequest(reservation_id=r.reservation_id))
+            raise
+        c = self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
+        committed = iter(self._statuses(c.results))
+        return [next(committed) if s is KeyStatus.OK else s for s in statuses]
+
+    def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
+                    parent: bytes | None) -> list[KeyStatus]:
+        out: list[KeyStatus] = []
+        nsm = ns_pb(ns)
+        for a, b in self._put_batches(keys, payloads):
+            par = parent if a == 0 else keys[a - 1]
+            r = self._call(self.stub.Put, pb.PutRequest(
+                ns=nsm, keys=keys[a:b], parent=par or b"",
+                payloads=[_as_u8(p).tobytes() for p in payloads[a:b]]))
+            out += self._statuses(r.results)
+        return out
+
+    # --------------------------------------------------------------- get
+    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        """Copy the leading present blocks into ``outs``; one status per key."""
+        keys = list(keys)
+        if len(outs) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
+        if self.slab is not None:
+            return self._get_shm(ns, keys, outs)
+        return self._get_inline(ns, keys, outs)
+
+    def get(self, ns: Namespace, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """The present blocks' bytes (None where missing)."""
+        keys = list(keys)
+        if self.slab is not None:
+            with self.acquire(ns, keys) as lease:
+                return [v.copy() if v is not None else None for v in lease.views]
+        bufs: dict[int, bytearray] = {}
+        for idx, chunk in self._stream_get(ns, keys):
+            if chunk.status != pb.STATUS_OK:
+                continue
+            b = bufs.setdefault(idx, bytearray(chunk.total))
+            b[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+        return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
+
+    def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys=keys, promote=True))
+        statuses = self._statuses(r.results)
+        try:
+            for i, res in enumerate(r.results):
+                if res.status != pb.STATUS_OK:
+                    continue
+                dst = _as_u8_writable(outs[i])
+                if dst.size != res.slot.length:
+                    statuses[i] = KeyStatus.INVALID
+                elif not copy_verify(dst, self._slot_view(res.slot), res.checksum):
+                    statuses[i] = KeyStatus.CORRUPT
+        finally:
+            if r.lease_id:
+                self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
+        return statuses
+
+    def _stream_get(self, ns: Namespace, keys: list[bytes]) -> Iterator[tuple[int, pb.GetChunk]]:
+        try:
+            for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=keys), metadata=self._md(),
+                                       timeout=self.timeout):
+                yield chunk.index, chunk
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def _get_inline(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        statuses = [KeyStatus.MISS] * len(keys)
+        for i, chunk in self._stream_get(ns, keys):
+            statuses[i] = KeyStatus(int(chunk.status))
+            if chunk.status != pb.STATUS_OK:
+                continue
+            dst = _as_u8_writable(outs[i])
+            if dst.size != chunk.total:
+                statuses[i] = KeyStatus.INVALID
+                continue
+            dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+        return statuses
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes]) -> "Lease":
+        """Pin the hit prefix and return zero-copy views into the slab
+        (shared-memory clients only). Release with ``Lease.release()`` or a
+        ``with`` block."""
+        if self.slab is None:
+            raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
+        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys=list(keys), promote=True))
+        views: list[np.ndarray | None] = []
+        for res in r.results:
+            views.append(self._slot_view(res.slot) if res.status == pb.STATUS_OK else None)
+        return Lease(self, r.lease_id, int(r.hit_blocks), views, [int(x.checksum) for x in r.results])
+
+    # ------------------------------------------------------------ others
+    def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
+        return self._statuses(self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys))).results)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        req = pb.ClearRequest(ns=ns_pb(ns)) if ns is not None else pb.ClearRequest(all_namespaces=True)
+        return int(self._call(self.stub.Clear, req).removed)
+
+    def watch_events(self, after_seq: int = 0, ns: Namespace | None = None,
+                     timeout: float | None = None) -> Iterator[pb.Event]:
+        req = pb.WatchRequest(after_seq=after_seq)
+        if ns is not None:
+            req.ns.CopyFrom(ns_pb(ns))
+        try:
+            yield from self.stub.WatchEvents(req, metadata=self._md(), timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise error_from_rpc(e) from None
+
+    def admin_get_config(self) -> str:
+        return str(self._call(self.admin.GetConfig, pb.GetConfigRequest()).toml)
+
+    def admin_resize(self, tier: str, capacity_bytes: int) -> dict[str, Any]:
+        r = self._call(self.admin.ResizeTier, pb.ResizeTierRequest(
+            tier=int(TierKind.parse(tier)) + 1, capacity_bytes=capacity_bytes))
+        return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def admin_set_policy(self, name: str) -> dict[str, Any]:
+        r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
+        return MessageToDict(r, preserving_proto_field_name=True)
+
+
+class Lease:
+    """Pinned blocks a shared-memory client reads in place."""
+
+    def __init__(self, client: Client, lease_id: str, hit_blocks: int, views: list[np.ndarray | None],
+                 checksums: list[int]) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self.hit_blocks = hit_blocks
+        self.views = views
+        self.checksums = checksums
+        self._released = not lease_id
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.views = [None] * len(self.views)
+            self.client._call(self.client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class AsyncClient(_Base):
+    """asyncio client with the same calls as ``Client`` (awaitable)."""
+
+    def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
+                 tls_ca_file: str | None = None, name: str = "kvstore-aio-client", use_shm: bool = True,
+                 timeout: float = 30.0) -> None:
+        super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
+        creds = self._creds()
+        self.channel = (grpc.aio.secure_channel(self.target, creds, self._options()) if creds
+                        else grpc.aio.insecure_channel(self.target, self._options()))
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+        self._ka_task: asyncio.Task[None] | None = None
+
+    async def connect(self, session: bool = True) -> "AsyncClient":
+        if session:
+            resp = await self._call(self.stub.Handshake, pb.HandshakeRequest(
+                client_name=self.name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
+            self._after_handshake(resp)
+            call = self.stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session), metadata=self._md())
+            self._ka_task = asyncio.get_running_loop().create_task(self._drain(call))
+        return self
+
+    @staticmethod
+    async def _drain(call: Any) -> None:
+        try:
+            async for _ in call:
+                pass
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, metadata=self._md(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    async def close(self) -> None:
+        if self._ka_task is not None:
+            self._ka_task.cancel()
+        if self.slab is not None:
+            self.slab.close()
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        r = await self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys=list(keys)))
+        return LookupResult(r.hit_blocks, [_tier_name(t) for t in r.tiers])
+
+    async def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
+                  parent: bytes | None = None) -> list[KeyStatus]:
+        keys = list(keys)
+        if len(keys) != len(payloads):
+            raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
+        if self.slab is None:
+            out: list[KeyStatus] = []
+            for a, b in self._put_batches(keys, payloads):
+                par = parent if a == 0 else keys[a - 1]
+                r = await self._call(self.stub.Put, pb.PutRequest(
+                    ns=ns_pb(ns), keys=keys[a:b], parent=par or b"",
+                    payloads=[_as_u8(p).tobytes() for p in payloads[a:b]]))
+                out += self._statuses(r.results)
+            return out
+        srcs = [_as_u8(p) for p in payloads]
+        req = pb.ReserveRequest(ns=ns_pb(ns), keys=keys, parent=parent or b"", sizes=[s.size for s in srcs])
+        r = await self._call(self.stub.Reserve, req)
+        statuses = self._statuses(r.results)
+        if not r.reservation_id:
+            return statuses
+        csums = [copy_checksum(self._slot_view(res.slot), src)
+                 for res, src in zip(r.results, srcs) if res.status == pb.STATUS_OK]
+        c = await self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
+        committed = iter(self._statuses(c.results))
+        return [next(committed) if s is KeyStatus.OK else s for s in statuses]
+
+    async def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        keys = list(keys)
+        if len(outs) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
+        if self.slab is None:
+            statuses = [KeyStatus.MISS] * len(keys)
+            try:
+                async for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=keys), metadata=self._md(),
+                                                 timeout=self.timeout):
+                    i = chunk.index
+                    statuses[i] = KeyStatus(int(chunk.status))
+                    if chunk.status == pb.STATUS_OK:
+                        dst = _as_u8_writable(outs[i])
+                        if dst.size != chunk.total:
+                            statuses[i] = KeyStatus.INVALID
+                        else:
+                            dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+            except grpc.RpcError as e:
+                raise error_from_rpc(e) from None
+            return statuses
+        r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys=keys, promote=True))
+        statuses = self._statuses(r.results)
+        try:
+            for i, res in enumerate(r.results):
+                if res.status != pb.STATUS_OK:
+                    continue
+                dst = _as_u8_writable(outs[i])
+                if dst.size != res.slot.length:
+                    statuses[i] = KeyStatus.INVALID
+                elif not copy_verify(dst, self._slot_view(res.slot), res.checksum):
+                    statuses[i] = KeyStatus.CORRUPT
+        finally:
+            if r.lease_id:
+                await self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
+        return statuses
+
+    async def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
+        r = await self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys)))
+        return self._statuses(r.results)
+
+    async def stats(self) -> dict[str, Any]:
+        r = await self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=True))
+        return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

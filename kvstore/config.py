@@ -1,0 +1,846 @@
+"""One typed config tree for the daemon, and the size/duration parsers.
+
+Layers, lowest first: defaults written here < a TOML file < ``KVSTORE_*``
+environment variables < CLI flags (dotted overrides)::
+
+    cfg = load_config("kvstore.toml", overrides={"dram.capacity": "2GiB"})
+    cfg.dram.capacity               # 2147483648: sizes are ints of bytes
+    cfg.server.reservation_timeout  # 30.0: durations are float seconds
+
+Env vars are ``KVSTORE_<SECTION>_<FIELD>`` (``KVSTORE_DRAM_CAPACITY=4GiB``);
+lists are comma-separated, booleans true/false/1/0/yes/no. Unknown keys and
+bad values raise :class:`ConfigError` (an ``InvalidArgument``) naming the
+dotted key, the value and what is allowed.
+
+A new section is a ``@dataclass(slots=True, frozen=True)`` subclass of
+``_Section`` with ``SECTION = "<name>"`` and a docstring per field, plus a
+field of that type on :class:`Config`; loading, env names, validation,
+``to_dict`` and ``to_toml`` follow from the annotations.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import logging
+import math
+import os
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from decimal import Decimal
+from enum import Enum, StrEnum
+from functools import cache
+from pathlib import Path
+from typing import (Annotated, Any, Callable, ClassVar, Mapping, NoReturn, get_args, get_origin,
+                    get_type_hints)
+
+from kvstore.errors import InvalidArgument
+
+__all__ = [
+    "Config", "ConfigError", "DramConfig", "ENV_ALLOWLIST", "ENV_PREFIX", "EvictionConfig",
+    "EvictionPolicyName", "HbmConfig", "LogConfig", "LogLevel", "MetricsConfig", "ServerConfig",
+    "SsdConfig", "describe", "format_duration", "format_size", "load_config", "parse_duration",
+    "parse_size",
+]
+
+ENV_PREFIX = "KVSTORE_"
+ENV_ALLOWLIST = frozenset({
+    "KVSTORE_CONFIG",   # path of the config file (when load_config gets none)
+    "KVSTORE_ADDRESS",  # daemon address, read by the client and CLI
+    "KVSTORE_TOKEN",    # bearer token, read by the client and CLI
+})
+"""``KVSTORE_*`` variables that are not config keys and are never an error.
+The variable named by ``server.auth_token_env`` is skipped as well."""
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "ki": KiB, "mi": MiB, "gi": GiB, "ti": TiB,
+}
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[kmgt]i?)?b?\s*$", re.I)
+_SIZE_HELP = ('expected a byte count: an integer >= 0 or a string like "1GiB", "512MiB", '
+              '"4GB" or "0" (KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000)')
+_FORMAT_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB),
+                 ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
+
+_DURATION_UNITS: dict[str, Decimal] = {
+    "ns": Decimal("1e-9"), "us": Decimal("1e-6"), "µs": Decimal("1e-6"),
+    "ms": Decimal("0.001"), "s": Decimal(1), "": Decimal(1),
+    "m": Decimal(60), "h": Decimal(3600), "d": Decimal(86400),
+}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ns|us|µs|ms|s|m|h|d)?", re.I)
+_DURATION_RE = re.compile(r"^(?:\s*(?:\d+(?:\.\d*)?|\.\d+)\s*(?:ns|us|µs|ms|s|m|h|d)?)+\s*$", re.I)
+_DURATION_HELP = ('expected a duration >= 0: seconds as a number, or a string like "500ms", '
+                  '"30s", "2m", "1h30m" (units ns, us, ms, s, m, h, d)')
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from an int or a string like "1GiB", "512MiB", "4GB", "0".
+
+    Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones
+    (KB, MB, GB, TB) powers of 1000; case does not matter and the trailing
+    "B" is optional ("4k" == 4000, "4Ki" == 4096). Fractions are allowed when
+    they come to whole bytes ("1.5GiB"). Raises InvalidArgument otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgument(f"invalid size {value!r}: {_SIZE_HELP}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"invalid size {value!r}: {_SIZE_HELP}")
+        return value
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise InvalidArgument(f"invalid size {value!r}: {_SIZE_HELP}")
+    total = Decimal(match["num"]) * _SIZE_UNITS[(match["unit"] or "").lower()]
+    if total != total.to_integral_value():
+        raise InvalidArgument(f"invalid size {value!r}: not a whole number of bytes")
+    return int(total)
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact spelling of a byte count: "1GiB", "4GB", "1000"."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidArgument(f"invalid size {nbytes!r}: expected an integer >= 0")
+    spellings = [f"{nbytes // mult}{unit}" for unit, mult in _FORMAT_UNITS
+                 if nbytes and nbytes % mult == 0]
+    return min(spellings + [str(nbytes)], key=len)  # first shortest: binary units win ties
+
+
+def parse_duration(value: str | float) -> float:
+    """Seconds (float) from a number of seconds or a string like "500ms",
+    "30s", "2m", "1h30m", "1.5s". Raises InvalidArgument when malformed or
+    negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidArgument(f"invalid duration {value!r}: {_DURATION_HELP}")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"invalid duration {value!r}: {_DURATION_HELP}")
+        return float(value)
+    if not value.strip() or _DURATION_RE.match(value) is None:
+        raise InvalidArgument(f"invalid duration {value!r}: {_DURATION_HELP}")
+    total = Decimal(0)
+    for number, unit in _DURATION_PART.findall(value):
+        total += Decimal(number) * _DURATION_UNITS[(unit or "").lower()]
+    return float(total)
+
+
+def format_duration(seconds: float) -> str:
+    """A spelling of ``seconds`` that parse_duration reads back exactly:
+    "30s", "2m", "1h", "500ms", "1.5s"."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+            or not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument(f"invalid duration {seconds!r}: expected a finite number >= 0")
+    exact = Decimal(repr(float(seconds)))
+    candidates = []
+    if exact == exact.to_integral_value():
+        whole = int(exact)
+        if whole and whole % 3600 == 0:
+            candidates.append(f"{whole // 3600}h")
+        if whole and whole % 60 == 0:
+            candidates.append(f"{whole // 60}m")
+        candidates.append(f"{whole}s")
+    millis = exact * 1000
+    if millis == millis.to_integral_value():
+        candidates.append(f"{int(millis)}ms")
+    candidates.append(f"{format(exact.normalize(), 'f')}s")
+    for text in candidates:
+        if parse_duration(text) == float(seconds):
+            return text
+    return f"{format(exact, 'f')}s"  # pragma: no cover - the last candidate is exact
+
+
+class _Kind(Enum):
+    STR, INT, FLOAT, BOOL, SIZE, DURATION, SIZE_LIST, ENUM = range(8)
+
+
+@dataclass(slots=True, frozen=True)
+class _Range:
+    """Annotated metadata: inclusive bounds for an int/size/float field."""
+
+    lo: float | None = None
+    hi: float | None = None
+
+    def describe(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"in {self.lo:g}..{self.hi:g}"
+        return f">= {self.lo:g}" if self.lo is not None else f"<= {self.hi:g}"
+
+
+Size = Annotated[int, _Kind.SIZE]
+"""A byte count; config files and env may spell it "1GiB"."""
+Duration = Annotated[float, _Kind.DURATION]
+"""Seconds; config files and env may spell it "500ms", "30s", "2m"."""
+SizeList = Annotated[tuple[int, ...], _Kind.SIZE_LIST]
+"""Byte counts, ascending; the empty tuple is spelled "auto"."""
+Port = Annotated[int, _Range(0, 65535)]
+
+
+class ConfigError(InvalidArgument):
+    """A config key is unknown or its value is not allowed. ``key`` is the
+    dotted key ("dram.capacity"), or the env var / file it came from."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(slots=True, frozen=True)
+class _FieldSpec:
+    name: str
+    kind: _Kind
+    enum: type[Enum] | None = None
+    bounds: _Range | None = None
+
+
+def _spec_of(name: str, hint: Any) -> _FieldSpec:
+    kind: _Kind | None = None
+    bounds: _Range | None = None
+    base = hint
+    if get_origin(hint) is Annotated:
+        base, *meta = get_args(hint)
+        for item in meta:
+            if isinstance(item, _Kind):
+                kind = item
+            elif isinstance(item, _Range):
+                bounds = item
+    if kind is None:
+        if isinstance(base, type) and issubclass(base, Enum):
+            return _FieldSpec(name, _Kind.ENUM, enum=base)
+        simple = {str: _Kind.STR, bool: _Kind.BOOL, int: _Kind.INT, float: _Kind.FLOAT}
+        if base not in simple:
+            raise TypeError(f"config field {name!r}: unsupported type {hint!r}")
+        kind = simple[base]
+    return _FieldSpec(name, kind, bounds=bounds)
+
+
+_SPECS: dict[type, dict[str, _FieldSpec]] = {}
+
+
+def _specs(cls: type) -> dict[str, _FieldSpec]:
+    specs = _SPECS.get(cls)
+    if specs is None:
+        hints = get_type_hints(cls, include_extras=True)
+        specs = {f.name: _spec_of(f.name, hints[f.name]) for f in dataclasses.fields(cls)}
+        _SPECS[cls] = specs
+    return specs
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_INT_RE = re.compile(r"^\s*[+-]?\d[\d_]*\s*$")
+
+
+def _bad(key: str, value: Any, expected: str) -> NoReturn:
+    raise ConfigError(f"{key}: invalid value {value!r}: {expected}", key=key)
+
+
+def _as_str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError("expected a string")
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else ""
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError("expected true/false (or 1/0, yes/no)")
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, str) and _INT_RE.match(value):
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError("expected an integer")
+
+
+def _as_float(value: Any) -> float:
+    try:
+        if not isinstance(value, bool) and isinstance(value, (int, float, str)) \
+                and math.isfinite(number := float(value)):
+            return number
+    except ValueError:
+        pass
+    raise ValueError("expected a finite number")
+
+
+def _coerce(spec: _FieldSpec, value: Any, key: str) -> Any:
+    """The typed value of ``value`` for field ``spec``; raises ConfigError."""
+    try:
+        if spec.enum is not None:
+            result: Any = _coerce_enum(spec.enum, value)
+        else:
+            result = _PARSERS[spec.kind](value)
+    except InvalidArgument as exc:  # parse_size & co. name the value already
+        raise ConfigError(f"{key}: {exc}", key=key) from None
+    except ValueError as exc:
+        _bad(key, value, str(exc))
+    bounds = spec.bounds
+    if bounds is not None and not ((bounds.lo is None or result >= bounds.lo)
+                                   and (bounds.hi is None or result <= bounds.hi)):
+        _bad(key, value, f"expected a value {bounds.describe()}")
+    return result
+
+
+def _coerce_size_list(value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return ()
+        items: list[Any] = [part.strip() for part in value.split(",") if part.strip()]
+        if not items:
+            raise InvalidArgument(f'invalid size list {value!r}: expected "auto" or sizes '
+                                  'separated by commas, e.g. "64KiB,1MiB"')
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+        if not items:
+            return ()
+    else:
+        raise InvalidArgument(f'invalid size list {value!r}: expected "auto" or a list of sizes')
+    sizes = sorted({parse_size(item) for item in items})
+    if len(sizes) != len(items) or sizes[0] == 0:
+        raise InvalidArgument(f"invalid size list {value!r}: sizes must be > 0 and distinct")
+    return tuple(sizes)
+
+
+def _coerce_enum(enum: type[Enum], value: Any) -> Enum:
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        for member in enum:
+            if str(member.value).lower() == value.strip().lower():
+                return member
+    raise ValueError("expected one of: " + ", ".join(str(m.value) for m in enum))
+
+
+_PARSERS: dict[_Kind, Callable[[Any], Any]] = {
+    _Kind.STR: _as_str, _Kind.BOOL: _as_bool, _Kind.INT: _as_int, _Kind.FLOAT: _as_float,
+    _Kind.SIZE: parse_size, _Kind.DURATION: parse_duration, _Kind.SIZE_LIST: _coerce_size_list,
+}
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready form: enums as their value, tuples as lists."""
+    return value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) \
+        else value
+
+
+def _toml_value(spec: _FieldSpec, value: Any) -> str:
+    if spec.kind is _Kind.SIZE:
+        text = format_size(value)
+        return text if text.isdigit() else _toml_str(text)
+    if spec.kind is _Kind.SIZE_LIST:
+        if not value:
+            return _toml_str("auto")
+        return "[" + ", ".join(_toml_value(_FieldSpec("", _Kind.SIZE), v) for v in value) + "]"
+    if spec.kind is _Kind.DURATION:
+        return _toml_str(format_duration(value))
+    if spec.kind is _Kind.BOOL:
+        return "true" if value else "false"
+    if spec.kind in (_Kind.INT, _Kind.FLOAT):
+        return repr(value)
+    return _toml_str(str(_plain(value)))
+
+
+_TOML_ESCAPES = {i: f"\\u{i:04x}" for i in [*range(0x20), 0x7F]} | {
+    ord('"'): '\\"', ord("\\"): "\\\\", ord("\t"): "\\t", ord("\n"): "\\n", ord("\r"): "\\r"}
+
+
+def _toml_str(text: str) -> str:
+    return '"' + text.translate(_TOML_ESCAPES) + '"'
+
+
+class _Section:
+    """Base of every section: coerces and validates fields from annotations."""
+
+    __slots__ = ()
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for spec in _specs(type(self)).values():
+            raw = getattr(self, spec.name)
+            value = _coerce(spec, raw, f"{self.SECTION}.{spec.name}")
+            if value is not raw:
+                object.__setattr__(self, spec.name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Checks that span fields; override per section."""
+
+    def _fail(self, name: str, message: str) -> NoReturn:
+        key = f"{self.SECTION}.{name}"
+        raise ConfigError(f"{key}: {message}", key=key)
+
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+@dataclass(slots=True, frozen=True)
+class ServerConfig(_Section):
+    """The gRPC listener, authentication, and request lifetimes."""
+
+    SECTION: ClassVar[str] = "server"
+
+    host: str = "127.0.0.1"
+    """Address to listen on for gRPC. Keep 127.0.0.1 unless the daemon must be
+    reachable from other hosts (then configure auth and TLS). Empty: no TCP
+    listener (requires unix_socket)."""
+    port: Port = 50051
+    """TCP port for gRPC; 0 picks a free port (tests)."""
+    unix_socket: str = ""
+    """Path of a Unix socket to listen on as well (mode 0600); empty: none."""
+    max_message_bytes: Annotated[int, _Kind.SIZE, _Range(4 * KiB, 2**31 - 1)] = 64 * MiB
+    """Largest gRPC message either way; bounds inline Put/Get payloads."""
+    auth_token_file: str = ""
+    """File holding accepted bearer tokens, one per line; empty: no token file."""
+    auth_token_env: str = ""
+    """Name of an environment variable holding accepted bearer token(s),
+    comma-separated; empty: none. With neither this nor auth_token_file, the
+    daemon accepts unauthenticated calls (fine on 127.0.0.1 or a Unix socket)."""
+    tls_cert_file: str = ""
+    """PEM certificate chain for TLS; set together with tls_key_file."""
+    tls_key_file: str = ""
+    """PEM private key for TLS; set together with tls_cert_file."""
+    drain_seconds: Duration = 10.0
+    """On shutdown, how long in-flight calls may finish before they are cut."""
+    reservation_timeout: Duration = 30.0
+    """An uncommitted Reserve is aborted after this long."""
+    lease_check_interval: Duration = 1.0
+    """How often reservations, leases and sessions are checked for expiry."""
+    event_buffer: Annotated[int, _Range(0, None)] = 65536
+    """Events kept for WatchEvents replay; a watcher further behind gets a Gap."""
+    tenants_file: str = ""
+    """TOML file mapping bearer tokens to tenants; empty: one tenant for all."""
+    workers: Annotated[int, _Range(1, 1024)] = 2
+    """Threads for data copies (promotion, inline Put/Get)."""
+
+    def _validate(self) -> None:
+        if not self.host and not self.unix_socket:
+            self._fail("host", "is empty and server.unix_socket is unset: nothing to listen on")
+        if self.auth_token_env and not _ENV_NAME_RE.match(self.auth_token_env):
+            self._fail("auth_token_env", f"invalid value {self.auth_token_env!r}: expected an "
+                       "environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
+            self._fail(missing, "server.tls_cert_file and server.tls_key_file must be set together")
+        if self.reservation_timeout <= 0:
+            self._fail("reservation_timeout", "must be > 0")
+        if self.lease_check_interval <= 0:
+            self._fail("lease_check_interval", "must be > 0")
+
+
+@dataclass(slots=True, frozen=True)
+class MetricsConfig(_Section):
+    """The Prometheus endpoint."""
+
+    SECTION: ClassVar[str] = "metrics"
+
+    host: str = "127.0.0.1"
+    """Address the /metrics HTTP endpoint listens on."""
+    port: Port = 9400
+    """Port of the /metrics endpoint; 0 disables it."""
+
+
+@dataclass(slots=True, frozen=True)
+class DramConfig(_Section):
+    """The DRAM tier: a shared-memory slab that same-host clients map."""
+
+    SECTION: ClassVar[str] = "dram"
+
+    capacity: Annotated[int, _Kind.SIZE, _Range(1, None)] = 1 * GiB
+    """Size of the shared-memory slab."""
+    shm_name: str = ""
+    """POSIX shared-memory name of the slab; empty: "kvstore-<uid>-<pid>"."""
+    slot_sizes: SizeList = ()
+    """Slot size classes of the slab, e.g. ["64KiB", "1MiB"]: a payload takes
+    the smallest class that holds it. "auto" (the empty list): each payload
+    size, rounded up to 4 KiB, is its own class (no waste for the uniform
+    blocks of a namespace)."""
+    page_size: Annotated[int, _Kind.SIZE, _Range(4 * KiB, None)] = 16 * MiB
+    """Slab page: the unit of memory that moves between size classes and that
+    a resize adds or retires. Capped at the capacity; the largest block must
+    fit in one page."""
+
+    def _validate(self) -> None:
+        if self.shm_name and not _SHM_NAME_RE.match(self.shm_name):
+            self._fail("shm_name", f"invalid value {self.shm_name!r}: expected letters, digits, "
+                       "'.', '_' or '-' (no '/'), at most 201 characters")
+        if self.slot_sizes and self.slot_sizes[-1] > self.capacity:
+            self._fail("slot_sizes", f"slot size {format_size(self.slot_sizes[-1])} exceeds "
+                       f"dram.capacity {format_size(self.capacity)}")
+
+    def resolved_shm_name(self, pid: int | None = None) -> str:
+        """``shm_name``, or the automatic "kvstore-<uid>-<pid>" when empty."""
+        if self.shm_name:
+            return self.shm_name
+        uid = os.getuid() if hasattr(os, "getuid") else 0
+        return f"kvstore-{uid}-{os.getpid() if pid is None else pid}"
+
+
+@dataclass(slots=True, frozen=True)
+class HbmConfig(_Section):
+    """The HBM tier: GPU memory shared with engines through CUDA IPC."""
+
+    SECTION: ClassVar[str] = "hbm"
+
+    capacity: Size = 0
+    """Bytes of GPU memory for the tier; 0: no HBM tier (always so without CUDA)."""
+    device: Annotated[int, _Range(0, None)] = 0
+    """CUDA device ordinal."""
+
+
+@dataclass(slots=True, frozen=True)
+class SsdConfig(_Section):
+    """The SSD tier: blocks demoted from DRAM, promoted back on use."""
+
+    SECTION: ClassVar[str] = "ssd"
+
+    capacity: Size = 0
+    """Disk budget; 0: the SSD tier is disabled."""
+    path: str = ""
+    """Directory for the tier's files; empty: $XDG_DATA_HOME/kvstore, or
+    ~/.local/share/kvstore."""
+    admit_min_hits: Annotated[int, _Range(0, None)] = 2
+    """A block evicted from DRAM is written to SSD only if it was hit at least
+    this many times; 0 admits every evicted block."""
+    write_budget_mbps: Annotated[int, _Range(0, None)] = 0
+    """Cap on the average SSD write rate, in megabytes (10^6 bytes) per
+    second; 0: unlimited."""
+
+    def resolved_path(self, env: Mapping[str, str] | None = None) -> Path:
+        """``path``, or the default data directory when empty."""
+        if self.path:
+            return Path(self.path).expanduser()
+        environ = os.environ if env is None else env
+        xdg = environ.get("XDG_DATA_HOME", "")
+        if xdg and os.path.isabs(xdg):
+            return Path(xdg) / "kvstore"
+        return Path.home() / ".local" / "share" / "kvstore"
+
+
+class EvictionPolicyName(StrEnum):
+    """Eviction policies ``eviction.policy`` may name."""
+
+    LRU = "lru"
+    LFU = "lfu"
+    COST = "cost"
+
+
+@dataclass(slots=True, frozen=True)
+class EvictionConfig(_Section):
+    """Which blocks leave a full tier first."""
+
+    SECTION: ClassVar[str] = "eviction"
+
+    policy: EvictionPolicyName = EvictionPolicyName.LRU
+    """lru (least recently used), lfu (least frequently used) or cost
+    (cheapest to recompute or refetch first)."""
+
+
+class LogLevel(StrEnum):
+    """Levels ``log.level`` may name."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+    @property
+    def logging_level(self) -> int:
+        """The matching ``logging`` module level."""
+        return int(getattr(logging, self.name))
+
+
+@dataclass(slots=True, frozen=True)
+class LogConfig(_Section):
+    """Logging."""
+
+    SECTION: ClassVar[str] = "log"
+
+    level: LogLevel = LogLevel.INFO
+    """debug, info, warning or error."""
+
+
+@dataclass(slots=True, frozen=True)
+class Config:
+    """The whole daemon config. Build it with :func:`load_config`."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """gRPC listener and request lifetimes."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Prometheus endpoint."""
+    dram: DramConfig = field(default_factory=DramConfig)
+    """Shared-memory DRAM tier."""
+    hbm: HbmConfig = field(default_factory=HbmConfig)
+    """GPU HBM tier."""
+    ssd: SsdConfig = field(default_factory=SsdConfig)
+    """SSD tier."""
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    """Eviction policy."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Logging."""
+
+    def __post_init__(self) -> None:
+        for name, cls in _sections().items():
+            value = getattr(self, name)
+            if not isinstance(value, cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__}, got {value!r}", key=name)
+        if (self.metrics.port != 0 and self.server.host
+                and self.metrics.port == self.server.port
+                and self.metrics.host == self.server.host):
+            raise ConfigError(
+                f"metrics.port: {self.metrics.port} is also server.port on "
+                f"{self.server.host}: use different ports (metrics.port = 0 disables metrics)",
+                key="metrics.port")
+
+    @staticmethod
+    def keys() -> list[str]:
+        """Every dotted key, in tree order."""
+        return [f"{name}.{f}" for name, cls in _sections().items() for f in _specs(cls)]
+
+    def get(self, key: str) -> Any:
+        """The value at a dotted key ("dram.capacity")."""
+        section, name = _split_key(key, "")
+        return getattr(getattr(self, section), name)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (JSON-ready): sizes in bytes, durations in
+        seconds, enums as their names, lists for tuples."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, cls in _sections().items():
+            section = getattr(self, name)
+            out[name] = {f: _plain(getattr(section, f)) for f in _specs(cls)}
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """``to_dict()`` as JSON text."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_toml(self, comments: bool = True) -> str:
+        """The whole tree as TOML that :func:`load_config` reads back equal.
+        Sizes and durations are spelled for people ("1GiB", "30s"); with
+        ``comments``, every key carries its docstring."""
+        docs = describe() if comments else {}
+        lines: list[str] = []
+        for name, cls in _sections().items():
+            if lines:
+                lines.append("")
+            if comments and cls.__doc__:
+                lines.append(f"# {inspect.cleandoc(cls.__doc__).splitlines()[0]}")
+            lines.append(f"[{name}]")
+            section = getattr(self, name)
+            for f, spec in _specs(cls).items():
+                for doc_line in docs.get(f"{name}.{f}", "").splitlines():
+                    lines.append(f"# {doc_line}".rstrip())
+                lines.append(f"{f} = {_toml_value(spec, getattr(section, f))}")
+        return "\n".join(lines) + "\n"
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with some keys changed, validated like a load::
+
+            cfg.replace(**{"dram.capacity": "2GiB", "server.port": 0})
+            cfg.replace(dram={"capacity": "2GiB"})   # a mapping or a DramConfig
+        """
+        values = {name: _raw(getattr(self, name)) for name in _sections()}
+        for key, value in changes.items():
+            if "." in key:
+                section, name = _split_key(key, "")
+                values[section][name] = value
+            elif key not in values:
+                _unknown_section(key, "")
+            elif isinstance(value, _Section):
+                values[key] = _raw(value)
+            elif isinstance(value, Mapping):
+                values[key].update(value)
+            else:
+                raise ConfigError(f"{key}: expected a mapping or a section, got {value!r}",
+                                  key=key)
+        return _build(values, {})
+
+
+@cache
+def _sections() -> dict[str, type[_Section]]:
+    hints = get_type_hints(Config)
+    found: dict[str, type[_Section]] = {}
+    for f in dataclasses.fields(Config):
+        cls = hints[f.name]
+        if not (isinstance(cls, type) and issubclass(cls, _Section)) or cls.SECTION != f.name:
+            raise TypeError(f"Config.{f.name}: expected a _Section with SECTION = {f.name!r}")
+        found[f.name] = cls
+    return found
+
+
+def _raw(section: _Section) -> dict[str, Any]:
+    return {f: getattr(section, f) for f in _specs(type(section))}
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_section(key: str, where: str) -> NoReturn:
+    allowed = list(_sections())
+    raise ConfigError(
+        f"unknown config section {key!r}{where}{_suggest(key, allowed)}; "
+        f"allowed sections: {', '.join(allowed)}", key=key)
+
+
+def _unknown_key(section: str, name: str, where: str) -> NoReturn:
+    allowed = list(_specs(_sections()[section]))
+    key = f"{section}.{name}"
+    raise ConfigError(
+        f"unknown config key {key!r}{where}{_suggest(name, allowed)}; "
+        f"allowed keys in [{section}]: {', '.join(allowed)}", key=key)
+
+
+def _split_key(key: str, where: str) -> tuple[str, str]:
+    section, dot, name = key.partition(".")
+    if not dot or not name or "." in name:
+        raise ConfigError(f"config key {key!r}{where}: expected 'section.field', e.g. "
+                          "'dram.capacity'", key=key)
+    if section not in _sections():
+        _unknown_section(section, where)
+    if name not in _specs(_sections()[section]):
+        _unknown_key(section, name, where)
+    return section, name
+
+
+def _build(values: Mapping[str, Mapping[str, Any]], origin: Mapping[str, str]) -> Config:
+    """Sections from raw values, then the tree; errors name where a value came from."""
+    try:
+        built: dict[str, Any] = {}
+        for name, cls in _sections().items():
+            for key in values.get(name, {}):
+                if key not in _specs(cls):
+                    _unknown_key(name, key, "")
+            built[name] = cls(**values.get(name, {}))
+        return Config(**built)
+    except ConfigError as exc:
+        if exc.key in origin:
+            raise ConfigError(f"{exc} (set by {origin[exc.key]})", key=exc.key) from None
+        raise
+
+
+@cache
+def describe() -> dict[str, str]:
+    """{dotted key: its docstring}, for help texts and the commented TOML.
+    Empty strings where the source is unavailable."""
+    docs = {key: "" for key in Config.keys()}
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    except (OSError, TypeError):  # pragma: no cover - frozen/zipped installs
+        return docs
+    by_class = {cls.__name__: name for name, cls in _sections().items()}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or node.name not in by_class:
+            continue
+        body = node.body
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                key = f"{by_class[node.name]}.{stmt.target.id}"
+                if key in docs:
+                    docs[key] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def _read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {os.fspath(path)!r} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} cannot be read: {exc}") from None
+
+
+def _env_key(var: str) -> tuple[str, str] | ConfigError:
+    """(section, field) for a KVSTORE_* variable, or the error to raise."""
+    rest = var[len(ENV_PREFIX):]
+    for section in sorted(_sections(), key=len, reverse=True):
+        prefix = section.upper() + "_"
+        if rest.startswith(prefix):
+            name = rest[len(prefix):].lower()
+            fields_ = list(_specs(_sections()[section]))
+            if name in fields_:
+                return section, name
+            allowed = ", ".join(f"{ENV_PREFIX}{section.upper()}_{f.upper()}" for f in fields_)
+            return ConfigError(
+                f"unknown environment variable {var}: {section}.{name} is not a config key"
+                f"{_suggest(name, fields_)}; allowed in [{section}]: {allowed}", key=var)
+    sections = ", ".join(s.upper() for s in _sections())
+    return ConfigError(
+        f"unknown environment variable {var}: expected {ENV_PREFIX}<SECTION>_<FIELD> with "
+        f"SECTION one of {sections}, or one of {', '.join(sorted(ENV_ALLOWLIST))}", key=var)
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build the config: defaults < TOML file < KVSTORE_* env < ``overrides``.
+
+    ``path``: the TOML file; None uses ``$KVSTORE_CONFIG`` if set, else none.
+    ``env``: the environment to read (default ``os.environ``).
+    ``overrides``: dotted keys from CLI flags, {"dram.capacity": "2GiB"};
+    None values are skipped (a flag that was not given).
+    Raises ConfigError naming the key on any unknown key or bad value.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    if path is None and environ.get("KVSTORE_CONFIG"):
+        path = environ["KVSTORE_CONFIG"]
+    values: dict[str, dict[str, Any]] = {name: {} for name in _sections()}
+    origin: dict[str, str] = {}
+
+    if path is not None:
+        where = f" in {os.fspath(path)}"
+        for section, table in _read_file(path).items():
+            if section not in values:
+                _unknown_section(section, where)
+            if not isinstance(table, dict):
+                raise ConfigError(f"config key {section!r}{where}: expected a table "
+                                  f"[{section}], got {table!r}", key=section)
+            for name, value in table.items():
+                if name not in _specs(_sections()[section]):
+                    _unknown_key(section, name, where)
+                values[section][name] = value
+                origin[f"{section}.{name}"] = f"config file {os.fspath(path)}"
+
+    unmapped: list[ConfigError] = []
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or var in ENV_ALLOWLIST:
+            continue
+        found = _env_key(var)
+        if isinstance(found, ConfigError):
+            unmapped.append(found)
+            continue
+        section, name = found
+        values[section][name] = environ[var]
+        origin[f"{section}.{name}"] = f"environment variable {var}"
+
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, name = _split_key(key, " in overrides")
+        values[section][name] = value
+        origin[key] = f"override {key}"
+
+    token_env = values["server"].get("auth_token_env", "")
+    for error in unmapped:
+        if error.key != token_env:  # the token variable is not a config key
+            raise error
+
+    return _build(values, origin)

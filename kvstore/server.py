@@ -1,0 +1,676 @@
+"""The kvstore daemon: a thin grpc.aio layer over one ``TieredStore``.
+
+Each handler converts messages, calls the store and converts back; errors
+from the exception tree become status codes through ``STATUS_TABLE`` (the one
+place they are mapped). The store is single-threaded: every handler runs on
+the server's event loop, so store calls never interleave.
+
+Security defaults: listens on 127.0.0.1 (or a Unix socket, mode 0600); with a
+token configured every call needs ``authorization: Bearer <token>`` and the
+caller's tenant comes from its token, never from the namespace it sends;
+optional TLS. Sessions: a client's ``Handshake`` returns a session id; its
+``KeepAlive`` stream lives as long as the client, and when it ends the
+session's leases and reservations are reclaimed. Reservations never committed
+expire after ``server.reservation_timeout``; so do leases taken without a
+session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+import tomllib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore import errors
+from kvstore.checksum import checksum
+from kvstore.config import Config
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, PermissionDenied, Unauthenticated
+from kvstore.keys import Namespace
+from kvstore.metrics import Metrics, loop_stats_fn
+from kvstore.shm import host_identity
+from kvstore.store import BatchResult, Event, SlotResult, StoreConfig, TieredStore
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
+from tiers.base import TierKind
+
+log = logging.getLogger("kvstore.server")
+
+PROTOCOL_VERSION = 1
+SESSION_MD = "x-kvstore-session"
+
+STATUS_TABLE: dict[type[KVStoreError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+"""Exception class -> gRPC status. The only place codes are chosen."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        code = STATUS_TABLE.get(cls)  # type: ignore[arg-type]
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+# ------------------------------------------------------------- conversions
+def tier_pb(t: TierKind | int) -> int:
+    return int(t) + 1
+
+
+def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
+    """Proto namespace -> ``Namespace``; ``tenant`` (from credentials) wins."""
+    if tenant is not None and msg.tenant and msg.tenant != tenant:
+        raise PermissionDenied(f"namespace tenant {msg.tenant!r} is not the caller's tenant")
+    kw: dict[str, Any] = {
+        "tenant": tenant if tenant is not None else (msg.tenant or "default"),
+        "model_id": msg.model_id,
+        "weights_digest": msg.weights_digest,
+        "adapter_id": msg.adapter_id,
+        "block_size": msg.block_size,
+        "tp_size": msg.tp_size or 1,
+        "pp_stage": msg.pp_stage,
+        "schema_version": msg.schema_version or 1,
+    }
+    for name in ("kv_dtype", "layout", "hash_algo"):
+        v = getattr(msg, name)
+        if v:
+            kw[name] = v
+    return Namespace(**kw)
+
+
+def ns_to_pb(ns: Namespace) -> pb.Namespace:
+    d = ns.to_dict()
+    return pb.Namespace(**{k: v for k, v in d.items() if k in pb.Namespace.DESCRIPTOR.fields_by_name})
+
+
+def results_pb(keys: list[bytes], res: BatchResult) -> list[pb.KeyResult]:
+    out = []
+    slots = res.slots if isinstance(res, SlotResult) else None
+    for i, (k, s) in enumerate(zip(keys, res.statuses)):
+        r = pb.KeyResult(key=k, status=int(s), detail=res.messages.get(i, ""))
+        if slots is not None and slots[i] is not None:
+            sl = slots[i]
+            r.slot.tier = tier_pb(sl.tier)
+            r.slot.offset = sl.offset
+            r.slot.length = sl.length
+            r.checksum = sl.checksum
+        out.append(r)
+    return out
+
+
+def _keys(msg_keys: Any, limit: int = 1 << 20) -> list[bytes]:
+    keys = list(msg_keys)
+    if len(keys) > limit:
+        raise InvalidArgument(f"{len(keys)} keys in one call; at most {limit}")
+    for i, k in enumerate(keys):
+        if len(k) != 16:
+            raise InvalidArgument(f"key {i} must be 16 bytes, got {len(k)}")
+    return keys
+
+
+# ---------------------------------------------------------------- auth
+@dataclass(slots=True, frozen=True)
+class Principal:
+    tenant: str | None  # None: auth is off, the namespace names the tenant
+    admin: bool
+
+
+class Auth:
+    """Bearer tokens -> principals. Off when no token is configured.
+
+    Sources: ``server.auth_token_file`` (one token, full access, tenant
+    "default"), the env var named by ``server.auth_token_env`` (same), and
+    ``server.tenants_file``: TOML ``[[tenant]] name = "acme" token = "..."
+    admin = false``.
+    """
+
+    def __init__(self, cfg: Config, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ) if env is None else env
+        self._tokens: dict[str, Principal] = {}
+        s = cfg.server
+        if s.auth_token_file:
+            with open(s.auth_token_file) as f:
+                tok = f.read().strip()
+            if not tok:
+                raise InvalidArgument(f"server.auth_token_file {s.auth_token_file} is empty")
+            self._tokens[tok] = Principal("default", True)
+        if s.auth_token_env:
+            tok = env.get(s.auth_token_env, "").strip()
+            if not tok:
+                raise InvalidArgument(f"server.auth_token_env names {s.auth_token_env}, which is unset or empty")
+            self._tokens[tok] = Principal("default", True)
+        if s.tenants_file:
+            with open(s.tenants_file, "rb") as fb:
+                doc = tomllib.load(fb)
+            for i, t in enumerate(doc.get("tenant", [])):
+                name, tok = t.get("name"), t.get("token")
+                if not name or not tok:
+                    raise InvalidArgument(f"tenants_file entry {i} needs name and token")
+                self._tokens[str(tok)] = Principal(str(name), bool(t.get("admin", False)))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tokens)
+
+    def principal(self, metadata: Any) -> Principal:
+        if not self._tokens:
+            return Principal(None, True)
+        header = ""
+        for k, v in metadata or ():
+            if k == "authorization":
+                header = v
+        if not header.startswith("Bearer "):
+            raise Unauthenticated("missing bearer token (metadata 'authorization: Bearer <token>')")
+        given = header[7:].strip().encode()
+        for tok, p in self._tokens.items():
+            if hmac.compare_digest(tok.encode(), given):
+                return p
+        raise Unauthenticated("unknown token")
+
+
+# --------------------------------------------------------------- events
+class EventLog:
+    """Numbered events in a ring buffer; watchers replay from a sequence."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.buf: collections.deque[pb.Event] = collections.deque(maxlen=self.capacity)
+        self.seq = 0
+        self._wake = asyncio.Event()
+        self.tenant_of: dict[bytes, str] = {}
+
+    def append(self, ev: Event) -> None:
+        self.seq += 1
+        msg = pb.Event(seq=self.seq, time_unix_ns=time.time_ns())
+        if ev.kind == "stored":
+            msg.stored.ns_digest = ev.ns_digest
+            msg.stored.keys.extend(ev.keys)
+            msg.stored.tier = tier_pb(ev.tier) if ev.tier is not None else 0
+            msg.stored.parent = ev.parent or b""
+        elif ev.kind == "removed":
+            msg.removed.ns_digest = ev.ns_digest
+            msg.removed.keys.extend(ev.keys)
+            msg.removed.tier = tier_pb(ev.tier) if ev.tier is not None else 0
+            msg.removed.reason = {"evicted": pb.REMOVE_REASON_EVICTED, "removed": pb.REMOVE_REASON_REMOVED,
+                                  "corrupt": pb.REMOVE_REASON_CORRUPT, "aborted": pb.REMOVE_REASON_ABORTED,
+                                  "moved": pb.REMOVE_REASON_MOVED}.get(ev.reason, pb.REMOVE_REASON_EVICTED)
+        else:
+            msg.cleared.ns_digest = ev.ns_digest
+            msg.cleared.all_namespaces = not ev.ns_digest
+        self.buf.append(msg)
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def since(self, after: int) -> tuple[int | None, list[pb.Event]]:
+        """(first available seq if events after ``after`` were lost, events)."""
+        if not self.buf:
+            return None, []
+        first = self.buf[0].seq
+        gap = first if after + 1 < first else None
+        start = max(0, after + 1 - first)
+        return gap, list(self.buf)[start:] if start < len(self.buf) else []
+
+    async def wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+
+# --------------------------------------------------------------- daemon
+def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
+    """Wrap a unary handler: auth, deadline, metrics, error -> status."""
+
+    def deco(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def wrapper(self: "Daemon", request: Any, context: grpc.aio.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                who = self.auth.principal(context.invocation_metadata())
+                if admin and not who.admin:
+                    raise PermissionDenied(f"{method} needs an admin token")
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    raise errors.DeadlineExceeded(f"{method}: deadline passed before the call started")
+                return await fn(self, request, context, who)
+            except KVStoreError as e:
+                code = status_for(e)
+                self.metrics.rejected(method, code.name)
+                await context.abort(code, str(e))
+            finally:
+                self.metrics.observe(method, time.perf_counter() - t0)
+
+        return wrapper
+
+    return deco
+
+
+class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
+    """Servicer for KVStore and Admin, owning the store and sessions."""
+
+    def __init__(self, config: Config, store: TieredStore | None = None) -> None:
+        self.config = config
+        self.store = store or TieredStore(StoreConfig(
+            dram_bytes=config.dram.capacity,
+            dram_page_bytes=config.dram.page_size,
+            dram_slot_sizes=tuple(config.dram.slot_sizes),
+            shm_name=config.dram.shm_name or None,
+            policy=config.eviction.policy.value,
+            reservation_timeout=config.server.reservation_timeout,
+        ))
+        self.auth = Auth(config)
+        self.events = EventLog(config.server.event_buffer)
+        self.store.subscribe(self.events.append)
+        self.metrics = Metrics(loop_stats_fn(asyncio.get_running_loop(), self.store.stats))
+        self.sessions: dict[str, str | None] = {}  # session id -> tenant
+        self.host_id = host_identity()
+        self.slab_id = secrets.token_hex(8)
+        self.started = time.time()
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # ----------------------------------------------------------- helpers
+    def _ns(self, msg: pb.Namespace, who: Principal) -> Namespace:
+        ns = ns_from_pb(msg, who.tenant)
+        self.events.tenant_of.setdefault(ns.digest, ns.tenant)
+        return ns
+
+    def _owner(self, context: grpc.aio.ServicerContext, who: Principal) -> tuple[str, bool]:
+        """(owner id, has a live session)."""
+        for k, v in context.invocation_metadata() or ():
+            if k == SESSION_MD:
+                if v not in self.sessions:
+                    raise errors.NotFound(f"session {v!r} is unknown (expired or from another daemon run)")
+                if self.sessions[v] != who.tenant:
+                    raise PermissionDenied("session belongs to another tenant")
+                return v, True
+        return "anon:" + context.peer(), False
+
+    # ------------------------------------------------------------ session
+    @_rpc("Handshake")
+    async def Handshake(self, request: pb.HandshakeRequest, context: Any, who: Principal) -> pb.HandshakeResponse:
+        sid = "s-" + secrets.token_hex(12)
+        self.sessions[sid] = who.tenant
+        t = self.store.dram
+        same = bool(request.host_id) and request.host_id == self.host_id
+        resp = pb.HandshakeResponse(
+            session_id=sid, same_host=same, max_message_bytes=self.config.server.max_message_bytes,
+            protocol_version=PROTOCOL_VERSION, server_version=_version(), host_id=self.host_id,
+            tenant=who.tenant or "", reservation_timeout_ms=int(self.config.server.reservation_timeout * 1000))
+        if same:
+            resp.shm.name = t.name
+            resp.shm.path = t.path
+            resp.shm.size_bytes = t.size
+            resp.shm.alignment = t.slot_align
+            resp.shm.slab_id = self.slab_id
+        return resp
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> AsyncIterator[pb.KeepAliveResponse]:
+        try:
+            who = self.auth.principal(context.invocation_metadata())
+        except KVStoreError as e:
+            await context.abort(status_for(e), str(e))
+            return
+        sid = request.session_id
+        if sid not in self.sessions or self.sessions[sid] != who.tenant:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"session {sid!r} is unknown")
+            return
+        interval = max(0.05, float(self.config.server.lease_check_interval))
+        try:
+            while True:
+                yield pb.KeepAliveResponse(time_unix_ns=time.time_ns(), interval_ms=int(interval * 1000))
+                await asyncio.sleep(interval)
+        finally:
+            # the client is gone (or the server is stopping): reclaim
+            self.sessions.pop(sid, None)
+            leases, resv = self.store.release_owner(sid)
+            if leases or resv:
+                log.info("session %s ended: released %d leases, aborted %d reservations", sid, leases, resv)
+
+    # -------------------------------------------------------------- data
+    @_rpc("Lookup")
+    async def Lookup(self, request: pb.LookupRequest, context: Any, who: Principal) -> pb.LookupResponse:
+        res = self.store.lookup(self._ns(request.ns, who), _keys(request.keys))
+        self.metrics.lookup_hits(res.tiers)
+        return pb.LookupResponse(hit_blocks=res.hit_blocks, tiers=[tier_pb(t) for t in res.tiers])
+
+    @_rpc("Reserve")
+    async def Reserve(self, request: pb.ReserveRequest, context: Any, who: Principal) -> pb.ReserveResponse:
+        ns = self._ns(request.ns, who)
+        keys = _keys(request.keys)
+        if request.sizes and request.block_bytes:
+            raise InvalidArgument("give sizes or block_bytes, not both")
+        sizes: list[int] | int
+        if request.sizes:
+            sizes = list(request.sizes)
+        elif request.block_bytes:
+            sizes = int(request.block_bytes)
+        else:
+            raise InvalidArgument("sizes or block_bytes is required")
+        owner, _ = self._owner(context, who)
+        res = self.store.reserve(ns, keys, sizes, owner=owner, parent=request.parent or None)
+        return pb.ReserveResponse(reservation_id=res.handle, results=results_pb(keys, res),
+                                  expires_in_ms=int(self.config.server.reservation_timeout * 1000))
+
+    @_rpc("Commit")
+    async def Commit(self, request: pb.CommitRequest, context: Any, who: Principal) -> pb.CommitResponse:
+        owner, _ = self._owner(context, who)
+        if request.keys:
+            raise InvalidArgument("partial commit is not supported: commit the whole reservation or abort it")
+        res = self.store.commit(request.reservation_id, owner, list(request.checksums) or None)
+        return pb.CommitResponse(results=[pb.KeyResult(status=int(s)) for s in res.statuses])
+
+    @_rpc("Abort")
+    async def Abort(self, request: pb.AbortRequest, context: Any, who: Principal) -> pb.AbortResponse:
+        owner, _ = self._owner(context, who)
+        return pb.AbortResponse(aborted=self.store.abort(request.reservation_id, owner))
+
+    @_rpc("Acquire")
+    async def Acquire(self, request: pb.AcquireRequest, context: Any, who: Principal) -> pb.AcquireResponse:
+        ns = self._ns(request.ns, who)
+        keys = _keys(request.keys)
+        owner, has_session = self._owner(context, who)
+        ttl = None if has_session else self.config.server.reservation_timeout
+        res = self.store.acquire(ns, keys, owner=owner, ttl=ttl)
+        hit = sum(1 for s in res.statuses if s is KeyStatus.OK)
+        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, results=results_pb(keys, res))
+
+    @_rpc("Release")
+    async def Release(self, request: pb.ReleaseRequest, context: Any, who: Principal) -> pb.ReleaseResponse:
+        owner, _ = self._owner(context, who)
+        return pb.ReleaseResponse(released=self.store.release(request.lease_id, owner))
+
+    @_rpc("Put")
+    async def Put(self, request: pb.PutRequest, context: Any, who: Principal) -> pb.PutResponse:
+        ns = self._ns(request.ns, who)
+        keys = _keys(request.keys)
+        payloads = list(request.payloads)
+        if len(payloads) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
+        if request.checksums:
+            if len(request.checksums) != len(keys):
+                raise InvalidArgument(f"{len(request.checksums)} checksums for {len(keys)} payloads")
+            for i, (p, c) in enumerate(zip(payloads, request.checksums)):
+                if checksum(p) != c:
+                    # stop the chain here: this payload and what follows are not stored
+                    keys_ok = keys[:i]
+                    res = self.store.put(ns, keys_ok, payloads[:i], parent=request.parent or None)
+                    res.statuses += [KeyStatus.CORRUPT] + [KeyStatus.PARENT_MISSING] * (len(keys) - i - 1)
+                    res.messages[i] = "payload does not match its checksum"
+                    return pb.PutResponse(results=results_pb(keys, res))
+        res = self.store.put(ns, keys, payloads, parent=request.parent or None)
+        self.metrics.inline_bytes("in", sum(len(p) for p in payloads))
+        return pb.PutResponse(results=results_pb(keys, res))
+
+    async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
+        t0 = time.perf_counter()
+        try:
+            who = self.auth.principal(context.invocation_metadata())
+            ns = self._ns(request.ns, who)
+            keys = _keys(request.keys)
+            limit = self.config.server.max_message_bytes - 4096
+            chunk = min(int(request.max_chunk_bytes or limit), limit)
+            if chunk <= 0:
+                raise InvalidArgument("max_chunk_bytes must be positive")
+            res = self.store.get(ns, keys)
+        except KVStoreError as e:
+            self.metrics.rejected("Get", status_for(e).name)
+            await context.abort(status_for(e), str(e))
+            return
+        sent = 0
+        for i, (k, s, p) in enumerate(zip(keys, res.statuses, res.payloads)):
+            if p is None:
+                yield pb.GetChunk(index=i, key=k, status=int(s))
+                continue
+            c = checksum(p)
+            total = p.size
+            for off in range(0, max(total, 1), chunk):
+                piece = p[off : off + chunk].tobytes()
+                yield pb.GetChunk(index=i, key=k, status=int(s), data=piece, checksum=c, offset=off,
+                                  total=total, tier=tier_pb(TierKind.DRAM))
+            sent += total
+        self.metrics.inline_bytes("out", sent)
+        self.metrics.observe("Get", time.perf_counter() - t0)
+
+    @_rpc("Remove")
+    async def Remove(self, request: pb.RemoveRequest, context: Any, who: Principal) -> pb.RemoveResponse:
+        keys = _keys(request.keys)
+        res = self.store.remove(self._ns(request.ns, who), keys)
+        return pb.RemoveResponse(results=results_pb(keys, res),
+                                 removed=sum(1 for s in res.statuses if s is KeyStatus.OK))
+
+    @_rpc("Clear")
+    async def Clear(self, request: pb.ClearRequest, context: Any, who: Principal) -> pb.ClearResponse:
+        has_ns = request.HasField("ns")
+        if has_ns == request.all_namespaces:
+            raise InvalidArgument("give exactly one of ns or all_namespaces")
+        if has_ns:
+            return pb.ClearResponse(removed=self.store.clear(self._ns(request.ns, who)))
+        if who.tenant is None or who.admin:
+            return pb.ClearResponse(removed=self.store.clear(None))
+        removed = 0
+        for ns in self.store.namespaces():
+            if ns.tenant == who.tenant:
+                removed += self.store.clear(ns)
+        return pb.ClearResponse(removed=removed)
+
+    @_rpc("Stats")
+    async def Stats(self, request: pb.StatsRequest, context: Any, who: Principal) -> pb.StatsResponse:
+        return self.stats_pb(include_namespaces=request.include_namespaces, tenant=who.tenant if not who.admin else None)
+
+    def stats_pb(self, include_namespaces: bool = True, tenant: str | None = None) -> pb.StatsResponse:
+        st = self.store.stats()
+        c = st.counters
+        out = pb.StatsResponse(
+            lookups=c.lookups, hit_blocks=c.lookup_hit_blocks, miss_blocks=c.lookup_blocks - c.lookup_hit_blocks,
+            hit_tokens=c.lookup_hit_tokens, miss_tokens=c.lookup_tokens - c.lookup_hit_tokens,
+            puts=c.put_blocks, gets=c.get_hit_blocks, bytes_written=c.put_bytes, bytes_read=c.get_bytes,
+            checksum_failures=c.checksum_failures, active_reservations=st.reservations,
+            active_leases=st.leases, sessions=len(self.sessions), uptime_seconds=time.time() - self.started)
+        for t in st.tiers:
+            out.tiers.append(pb.TierStats(tier=tier_pb(t.tier), capacity_bytes=t.capacity_bytes,
+                                          used_bytes=t.used_bytes, blocks=t.blocks,
+                                          pinned_bytes=t.pinned_bytes, evictions=t.evictions))
+        if include_namespaces:
+            for n in st.namespaces:
+                if tenant is not None and n.tenant != tenant:
+                    continue
+                out.namespaces.append(pb.NamespaceStats(
+                    namespace_label=n.label, ns_digest=n.digest, lookups=n.lookups, hit_blocks=n.hit_blocks,
+                    queried_blocks=n.queried_blocks, blocks=n.blocks))
+        return out
+
+    async def WatchEvents(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.Event]:
+        try:
+            who = self.auth.principal(context.invocation_metadata())
+            only = self._ns(request.ns, who).digest if request.HasField("ns") else None
+        except KVStoreError as e:
+            await context.abort(status_for(e), str(e))
+            return
+        after = request.after_seq
+        gap, _ = self.events.since(after)
+        if after and gap is not None:
+            yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=gap))
+        elif after > self.events.seq:
+            # from a previous daemon run: everything since is unknown
+            yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=self.events.buf[0].seq if self.events.buf else self.events.seq + 1))
+            after = 0
+        while True:
+            _, evs = self.events.since(after)
+            for ev in evs:
+                after = ev.seq
+                if self._visible(ev, who, only):
+                    yield ev
+            await self.events.wait(1.0)
+
+    def _visible(self, ev: pb.Event, who: Principal, only: bytes | None) -> bool:
+        kind = ev.WhichOneof("kind")
+        digest = getattr(ev, kind).ns_digest if kind in ("stored", "removed", "cleared") else b""
+        if only is not None and digest and digest != only:
+            return False
+        if who.tenant is not None and not who.admin and digest:
+            return self.events.tenant_of.get(digest) == who.tenant
+        return True
+
+    # ------------------------------------------------------------- admin
+    @_rpc("GetConfig", admin=True)
+    async def GetConfig(self, request: pb.GetConfigRequest, context: Any, who: Principal) -> pb.GetConfigResponse:
+        return pb.GetConfigResponse(toml=self.config.to_toml(), json=json.dumps(self.config.to_dict()))
+
+    @_rpc("ResizeTier", admin=True)
+    async def ResizeTier(self, request: pb.ResizeTierRequest, context: Any, who: Principal) -> pb.ResizeTierResponse:
+        if request.tier == 0:
+            raise InvalidArgument("tier is required (dram, ssd, hbm)")
+        tier = TierKind(request.tier - 1)
+        t = self.store.tiers.get(tier)
+        if t is None:
+            raise errors.NotFound(f"tier {tier.label} is not configured")
+        old = t.capacity_bytes
+        evicted = self.store.resize(tier, int(request.capacity_bytes))
+        return pb.ResizeTierResponse(old_capacity_bytes=old, new_capacity_bytes=t.capacity_bytes,
+                                     evicted_blocks=evicted)
+
+    @_rpc("SetEvictionPolicy", admin=True)
+    async def SetEvictionPolicy(self, request: pb.SetEvictionPolicyRequest, context: Any,
+                                who: Principal) -> pb.SetEvictionPolicyResponse:
+        old = self.store.set_policy(request.policy)
+        return pb.SetEvictionPolicyResponse(old_policy=old, new_policy=self.store.policy.name.value)
+
+    # ---------------------------------------------------------- background
+    async def _reaper(self) -> None:
+        interval = max(0.05, float(self.config.server.lease_check_interval))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                n = self.store.reap()
+                if n:
+                    log.info("reclaimed %d expired reservations/leases", n)
+            except Exception:  # never let the reaper die
+                log.exception("reaper failed")
+
+    def start_background(self) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(self._reaper()))
+
+    def stop_background(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvstore")
+    except Exception:
+        return "0"
+
+
+# ------------------------------------------------------------- running
+@dataclass
+class Running:
+    server: grpc.aio.Server
+    daemon: Daemon
+    port: int
+    health: health.HealthServicer
+    address: str
+
+    async def stop(self, grace: float | None = None) -> None:
+        self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.daemon.stop_background()
+
+
+async def start(config: Config, store: TieredStore | None = None) -> Running:
+    """Build and start the daemon's gRPC server on the running loop."""
+    s = config.server
+    opts = [("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=opts)
+    daemon = Daemon(config, store)
+    pb_grpc.add_KVStoreServicer_to_server(daemon, server)
+    pb_grpc.add_AdminServicer_to_server(daemon, server)
+    hs = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    names = (pb.DESCRIPTOR.services_by_name["KVStore"].full_name,
+             pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    creds = None
+    if s.tls_cert_file:
+        with open(s.tls_key_file, "rb") as fk, open(s.tls_cert_file, "rb") as fc:
+            creds = grpc.ssl_server_credentials([(fk.read(), fc.read())])
+    port = 0
+    address = ""
+    if s.host:
+        address = f"{s.host}:{s.port}" if ":" not in s.host else f"[{s.host}]:{s.port}"
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        address = f"{s.host}:{port}"
+    if s.unix_socket:
+        uaddr = f"unix:{s.unix_socket}"
+        server.add_secure_port(uaddr, creds) if creds else server.add_insecure_port(uaddr)
+        address = address or uaddr
+    await server.start()
+    if s.unix_socket:
+        os.chmod(s.unix_socket, 0o600)
+    for n in names[:2]:
+        hs.set(n, health_pb2.HealthCheckResponse.SERVING)
+    hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    daemon.start_background()
+    return Running(server, daemon, port, hs, address)
+
+
+def serve(config: Config) -> int:
+    """Run the daemon until SIGTERM/SIGINT; drain in-flight calls; return 0."""
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: Config) -> int:
+    t0 = time.perf_counter()
+    running = await start(config)
+    d = running.daemon
+    mport = None
+    if config.metrics.port:
+        try:
+            _, mport = d.metrics.start_http(config.metrics.host, config.metrics.port)
+        except Exception:
+            await running.stop(0)
+            d.store.close()
+            raise
+    log.info("kvstore serving on %s (dram %d bytes in %s, policy %s, auth %s, metrics %s) in %.2fs",
+             running.address, d.store.dram.capacity_bytes, d.store.dram.path, d.store.policy.name.value,
+             "on" if d.auth.enabled else "off", f"{config.metrics.host}:{mport}" if mport else "off",
+             time.perf_counter() - t0)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining (up to %.1fs)", config.server.drain_seconds)
+    await running.stop(config.server.drain_seconds)
+    d.store.close()
+    log.info("stopped")
+    return 0
+
+
+__all__ = ["Daemon", "Running", "STATUS_TABLE", "serve", "start", "status_for", "ns_from_pb"]

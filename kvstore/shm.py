@@ -1,0 +1,66 @@
+"""Attaching to the daemon's shared-memory slab from another process.
+
+The daemon creates the slab (``tiers.dram``); a client on the same host maps
+it by path with ``os.open`` + ``mmap``. We never use
+``multiprocessing.shared_memory.SharedMemory(name=...)`` to attach: before
+Python 3.13 it registers the segment with the resource tracker, which
+unlinks it when the *client* exits, destroying the daemon's slab.
+
+``host_identity()`` tells whether a client and the daemon share a host (and so
+can share memory): machine id + boot id, hashed. A client still checks that it
+can open the slab path before using it (containers may share a kernel but not
+``/dev/shm``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import socket
+
+import numpy as np
+
+
+def host_identity() -> str:
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append("")
+    if not any(parts):
+        parts.append(socket.gethostname())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+class SlabMapping:
+    """A client's read/write mapping of the daemon's slab."""
+
+    def __init__(self, path: str, size: int, slab_id: str = "") -> None:
+        self.path = path
+        self.slab_id = slab_id
+        fd = os.open(path, os.O_RDWR)
+        try:
+            actual = os.fstat(fd).st_size
+            self.size = min(int(size), actual) if size else actual
+            self._map = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8)
+
+    def covers(self, offset: int, length: int) -> bool:
+        return 0 <= offset and offset + length <= self.size
+
+    def view(self, offset: int, length: int) -> np.ndarray:
+        if not self.covers(offset, length):
+            raise ValueError(f"slot [{offset}, {offset + length}) is outside the mapped slab ({self.size} bytes)")
+        return self.buf[offset : offset + length]
+
+    def close(self) -> None:
+        self.buf = np.zeros(0, dtype=np.uint8)
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive; unmapped when it goes

@@ -1,0 +1,899 @@
+"""TieredStore: the single owner of the index and the tiers.
+
+Batch-first, in-process API used by the daemon (and by tests and benchmarks):
+
+- ``lookup(ns, keys)``: how many leading blocks are present, and their tiers.
+- ``put(ns, keys, payloads, parent=)`` / ``get(ns, keys)`` / ``get_into``:
+  copy in and out, one status per key.
+- ``reserve`` -> (client writes into the returned slots) -> ``commit`` /
+  ``abort``: the two-phase put of the shared-memory path.
+- ``acquire`` -> (client reads the slots) -> ``release``: pinned zero-copy
+  reads under a lease.
+- ``pin``/``unpin``, ``remove``, ``clear``, ``resize``, ``set_policy``,
+  ``stats``, and events for ``WatchEvents``.
+
+Chains: ``keys[i]``'s parent is ``keys[i-1]`` and ``keys[0]``'s parent is
+``parent`` (None for the first block of a prompt). A block is only stored
+when its parent is stored, eviction is leaf-first and removal takes
+descendants along, so every stored block's parent is stored: a lookup can
+never report a block whose prefix is gone.
+
+Namespaces: blocks are keyed by (namespace id, key), so two namespaces never
+see each other's blocks even for equal key bytes. All blocks of a namespace
+have one payload size, fixed by its first block, so a wrong-size payload is
+rejected.
+
+Single-threaded by design: the daemon calls it from its event loop; there are
+no per-object locks.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvstore.errors import CapacityError, InvalidArgument, KeyStatus, NotFound, PermissionDenied
+from kvstore.eviction import Policy, PolicyName, make_policy, select_victims
+from kvstore.index import NO_ROW, BlockIndex, BlockState, keys_to_array
+from kvstore.keys import Namespace
+from tiers.base import Buffer, TierKind
+from tiers.dram import DramTier
+
+KeysLike = Sequence[bytes] | bytes | np.ndarray
+
+
+# ---------------------------------------------------------------- results
+@dataclass(slots=True)
+class BatchResult:
+    """One status per key, plus a message for keys that failed for a reason
+    worth naming (index -> text)."""
+
+    statuses: list[KeyStatus]
+    messages: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(s in (KeyStatus.OK, KeyStatus.EXISTS) for s in self.statuses)
+
+
+@dataclass(slots=True)
+class GetResult(BatchResult):
+    payloads: list[np.ndarray | None] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class SlotRef:
+    """Where a block's bytes are in a tier: what a zero-copy client needs."""
+
+    tier: TierKind
+    offset: int
+    length: int
+    checksum: int = 0
+
+
+@dataclass(slots=True)
+class SlotResult(BatchResult):
+    """Reserve/acquire result: a slot per OK key (None elsewhere)."""
+
+    handle: str = ""
+    slots: list[SlotRef | None] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class LookupResult:
+    hit_blocks: int
+    tiers: list[TierKind]
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """A change other components may follow (WatchEvents, the cluster directory)."""
+
+    kind: str  # "stored" | "removed" | "cleared"
+    ns_digest: bytes
+    keys: list[bytes]
+    tier: TierKind | None = None
+    reason: str = ""
+    parent: bytes | None = None
+
+
+@dataclass(slots=True)
+class TierStats:
+    tier: TierKind
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    pinned_bytes: int
+    evictions: int
+
+
+@dataclass(slots=True)
+class Counters:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    lookup_hit_blocks: int = 0
+    lookup_tokens: int = 0
+    lookup_hit_tokens: int = 0
+    puts: int = 0
+    put_blocks: int = 0
+    put_bytes: int = 0
+    gets: int = 0
+    get_blocks: int = 0
+    get_hit_blocks: int = 0
+    get_bytes: int = 0
+    checksum_failures: int = 0
+    capacity_rejects: int = 0
+    reservations_expired: int = 0
+    leases_expired: int = 0
+    evictions: dict[tuple[TierKind, str], int] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class NamespaceStats:
+    label: str
+    tenant: str
+    digest: bytes
+    lookups: int
+    queried_blocks: int
+    hit_blocks: int
+    blocks: int
+
+
+@dataclass(slots=True)
+class StoreStats:
+    tiers: list[TierStats]
+    counters: Counters
+    namespaces: list[NamespaceStats]
+    policy: str
+    reservations: int
+    leases: int
+
+
+@dataclass(slots=True)
+class _Hold:
+    """A reservation (rows RESERVED) or a lease (rows pinned) of one owner."""
+
+    owner: str
+    ns: int
+    rows: np.ndarray
+    deadline: float
+
+
+@dataclass(slots=True, frozen=True)
+class StoreConfig:
+    dram_bytes: int = 1 << 30
+    """Bytes of the shared-memory DRAM slab."""
+    dram_page_bytes: int = 16 << 20
+    """Slab page size: the unit that moves between slot size classes."""
+    dram_slot_sizes: tuple[int, ...] = ()
+    """Slot size classes; empty: one class per payload size (4 KiB aligned)."""
+    shm_name: str | None = None
+    """Name of the slab in /dev/shm (default: kvstore-<uid>-<pid>-<random>)."""
+    policy: str = "lru"
+    """Eviction policy: lru, lfu or cost."""
+    reservation_timeout: float = 30.0
+    """Seconds after which an uncommitted reservation is reclaimed."""
+    verify_reads: bool = True
+    """Check each block's xxh3_64 on every read out of DRAM."""
+
+
+def namespace_label(ns: Namespace) -> str:
+    """Readable, unique-enough label: tenant/model[@adapter]/dtype/bsN[/tpN][/ppN]."""
+    parts = [ns.tenant, ns.model_id + (f"@{ns.adapter_id}" if ns.adapter_id else ""),
+             ns.kv_dtype.value, f"bs{ns.block_size}"]
+    if ns.tp_size > 1:
+        parts.append(f"tp{ns.tp_size}")
+    if ns.pp_stage:
+        parts.append(f"pp{ns.pp_stage}")
+    return "/".join(parts)
+
+
+def _as_u8(buf: Buffer) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+class TieredStore:
+    """See the module docstring."""
+
+    def __init__(self, config: StoreConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or StoreConfig()
+        self.clock = clock
+        self.index = BlockIndex()
+        self.dram = DramTier(self.config.dram_bytes, name=self.config.shm_name,
+                             page_bytes=self.config.dram_page_bytes, slot_sizes=self.config.dram_slot_sizes)
+        self.tiers = {TierKind.DRAM: self.dram}
+        self.policy: Policy = make_policy(self.config.policy)
+        self._ns_ids: dict[bytes, int] = {}
+        self._ns: list[Namespace] = []
+        self._ns_size: dict[int, int] = {}
+        self._ns_hits: dict[int, list[int]] = {}
+        self._tick = 1
+        self.counters = Counters()
+        self._reservations: dict[str, _Hold] = {}
+        self._leases: dict[str, _Hold] = {}
+        self._listeners: list[Callable[[Event], None]] = []
+        self._doomed = 0
+
+    # ------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        for t in self.tiers.values():
+            t.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        self._listeners.append(listener)
+
+    def _emit(self, ev: Event) -> None:
+        for fn in self._listeners:
+            fn(ev)
+
+    def _nsid(self, ns: Namespace) -> int:
+        if not isinstance(ns, Namespace):
+            raise InvalidArgument(f"namespace must be a kvstore.keys.Namespace, got {type(ns).__name__}")
+        d = ns.digest
+        nid = self._ns_ids.get(d)
+        if nid is None:
+            nid = len(self._ns)
+            self._ns_ids[d] = nid
+            self._ns.append(ns)
+        return nid
+
+    def _ticks(self, n: int) -> int:
+        t = self._tick
+        self._tick += n
+        return t
+
+    def _touch(self, rows: np.ndarray) -> None:
+        if rows.size == 0:
+            return
+        t = self._ticks(rows.size)
+        idx = self.index
+        idx.hits[rows] += 1
+        idx.last[rows] = np.arange(t, t + rows.size, dtype=np.uint64)
+        self.policy.on_access(idx, rows)
+
+    def _parent_row(self, nid: int, parent: bytes | None) -> int:
+        if parent is None or len(parent) == 0:
+            return NO_ROW
+        rows = self.index.find_committed(nid, keys_to_array([bytes(parent)]))
+        return int(rows[0]) if rows[0] >= 0 else -3  # -3: named but absent
+
+    # -------------------------------------------------------------- lookup
+    def lookup(self, ns: Namespace, keys: KeysLike) -> LookupResult:
+        nid = self._nsid(ns)
+        karr = keys_to_array(keys)
+        res = self.index.lookup(nid, karr)
+        c = self.counters
+        c.lookups += 1
+        c.lookup_blocks += karr.shape[0]
+        c.lookup_hit_blocks += res.hit
+        c.lookup_tokens += karr.shape[0] * ns.block_size
+        c.lookup_hit_tokens += res.hit * ns.block_size
+        h = self._ns_hits.setdefault(nid, [0, 0, 0])
+        h[0] += 1
+        h[1] += karr.shape[0]
+        h[2] += res.hit
+        return LookupResult(res.hit, [TierKind(t) for t in res.tiers.tolist()])
+
+    # ----------------------------------------------------- placing new blocks
+    def _plan(self, nid: int, karr: np.ndarray, sizes: Sequence[int], parent: bytes | None,
+              res: BatchResult) -> tuple[list[int], list[int]]:
+        """Decide which keys get new rows. Returns (batch indices to store,
+        parent refs for insert). Fills statuses for the rest."""
+        n = karr.shape[0]
+        st = res.statuses
+        expected = self._ns_size.get(nid)
+        rows = self.index.find(nid, karr)
+        prow = self._parent_row(nid, parent)
+        todo: list[int] = []
+        prefs: list[int] = []
+        seen: dict[tuple[int, int], int] = {}
+        prev_ok: int | None = prow if prow != -3 else None  # parent ref for the next key
+        prev_reason = KeyStatus.PARENT_MISSING
+        if prow == -3:
+            res.messages[0] = "parent block is not stored"
+        for i in range(n):
+            k = (int(karr[i, 0]), int(karr[i, 1]))
+            size = int(sizes[i])
+            if k in seen:
+                st[i] = KeyStatus.INVALID
+                res.messages[i] = f"key {i} repeats key {seen[k]} of this batch"
+                prev_ok, prev_reason = None, KeyStatus.PARENT_MISSING
+                continue
+            seen[k] = i
+            r = int(rows[i])
+            if r >= 0:
+                if self.index.state[r] == BlockState.COMMITTED:
+                    st[i] = KeyStatus.EXISTS
+                    prev_ok = r
+                else:
+                    st[i] = KeyStatus.BUSY
+                    prev_ok, prev_reason = None, KeyStatus.PARENT_MISSING
+                continue
+            if prev_ok is None:
+                st[i] = prev_reason
+                continue
+            if size <= 0:
+                st[i] = KeyStatus.INVALID
+                res.messages[i] = f"payload {i} is empty"
+                prev_ok, prev_reason = None, KeyStatus.PARENT_MISSING
+                continue
+            want = expected if expected is not None else (int(sizes[todo[0]]) if todo else size)
+            if size != want:
+                st[i] = KeyStatus.INVALID
+                res.messages[i] = (f"payload {i} is {size} bytes; blocks of this namespace are "
+                                   f"{want} bytes")
+                prev_ok, prev_reason = None, KeyStatus.PARENT_MISSING
+                continue
+            try:
+                self.dram.footprint(size)
+            except InvalidArgument as e:
+                st[i] = KeyStatus.INVALID
+                res.messages[i] = str(e)
+                prev_ok, prev_reason = None, KeyStatus.PARENT_MISSING
+                continue
+            todo.append(i)
+            prefs.append(prev_ok)
+            prev_ok = -2 - (len(todo) - 1)  # "the row of the j-th new block"
+        return todo, prefs
+
+    def _make_room(self, tier: TierKind, nbytes: int, count: int, protect: np.ndarray) -> np.ndarray:
+        """Allocate ``count`` slots for ``nbytes`` payloads in ``tier``, evicting
+        leaf-first as needed. ``protect`` rows are not evicted. May return fewer."""
+        t = self.dram
+        first = t.allocate(nbytes, count)
+        if first.size == count:
+            return first
+        parts = [first]
+        got = first.size
+        protect = np.unique(protect)
+        self.index.pins[protect] += 1
+        try:
+            cls = t.class_of(nbytes)
+            while got < count:
+                victims = self._victims(tier, cls, count - got)
+                if victims.size == 0:
+                    victims = self._victims_other_class(tier, cls)
+                    if victims.size == 0:
+                        break
+                self._drop(victims, reason="evicted")
+                more = t.allocate(nbytes, count - got)
+                parts.append(more)
+                got += more.size
+        finally:
+            self.index.pins[protect] -= 1
+        return np.concatenate(parts)
+
+    def _evictable(self, tier: TierKind) -> np.ndarray:
+        idx = self.index
+        rows = idx.used_rows()
+        m = ((idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == tier)
+             & (idx.pins[rows] == 0) & (idx.nchild_tier[rows] == 0))
+        return rows[m]
+
+    def _victims(self, tier: TierKind, cls: int, k: int) -> np.ndarray:
+        cand = self._evictable(tier)
+        if cand.size:
+            cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) == cls]
+        return select_victims(self.index, self.policy, cand, k)
+
+    def _victims_other_class(self, tier: TierKind, cls: int) -> np.ndarray:
+        """To give a page to class ``cls``: the lowest-ranked candidate of
+        another class, so pages drain in policy order."""
+        cand = self._evictable(tier)
+        if cand.size:
+            cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) != cls]
+        return select_victims(self.index, self.policy, cand, 1)
+
+    def _drop(self, rows: np.ndarray, reason: str) -> None:
+        """Remove rows (which must include their descendants) and free slots."""
+        if rows.size == 0:
+            return
+        idx = self.index
+        if reason == "evicted":
+            self.policy.on_evict(idx, rows)
+        by_ns: dict[int, list[int]] = {}
+        for r in rows.tolist():
+            by_ns.setdefault(int(idx.ns[r]), []).append(r)
+        events = []
+        for nid, rs in by_ns.items():
+            arr = np.asarray(rs, dtype=np.int64)
+            committed = arr[idx.state[arr] == BlockState.COMMITTED]
+            if committed.size:
+                events.append(Event("removed", self._ns[nid].digest, idx.keys_of(committed),
+                                    TierKind(int(idx.tier[committed[0]])), reason))
+        tiers = idx.tier[rows]
+        for tk in np.unique(tiers).tolist():
+            sel = rows[tiers == tk]
+            key = (TierKind(tk), reason)
+            self.counters.evictions[key] = self.counters.evictions.get(key, 0) + int(sel.size)
+            self.tiers[TierKind(tk)].free(idx.loc[sel])
+        idx.delete(rows)
+        for ev in events:
+            self._emit(ev)
+
+    def _store_rows(self, nid: int, karr: np.ndarray, sizes: Sequence[int], parent: bytes | None,
+                    state: BlockState, res: BatchResult) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Plan, allocate (evicting) and insert rows. Returns (batch indices,
+        rows, locs) of the blocks that got a slot."""
+        todo, prefs = self._plan(nid, karr, sizes, parent, res)
+        empty = np.zeros(0, dtype=np.int64)
+        if not todo:
+            return [], empty, empty
+        nbytes = int(sizes[todo[0]])
+        protect = np.asarray([p for p in prefs if p >= 0], dtype=np.int64)
+        locs = self._make_room(TierKind.DRAM, nbytes, len(todo), protect)
+        got = locs.size
+        for j in todo[got:]:
+            res.statuses[j] = KeyStatus.CAPACITY
+            self.counters.capacity_rejects += 1
+        todo = todo[:got]
+        if not todo:
+            res.messages[0] = res.messages.get(0, "no room in the dram tier after eviction")
+            return [], empty, empty
+        # a later key whose parent failed has been marked already in _plan; keys
+        # after a CAPACITY one inherit it (their parent will not be stored)
+        sel = np.asarray(todo, dtype=np.int64)
+        rows = self.index.insert(nid, karr[sel], np.asarray(prefs[:got], dtype=np.int64),
+                                 int(TierKind.DRAM), locs, np.full(got, nbytes, dtype=np.int64),
+                                 state, self._ticks(got))
+        self._ns_size.setdefault(nid, nbytes)
+        self._fix_tail_statuses(res)
+        return todo, rows, locs
+
+    @staticmethod
+    def _fix_tail_statuses(res: BatchResult) -> None:
+        # keys after a CAPACITY key in the chain could not be placed either
+        st = res.statuses
+        for i in range(1, len(st)):
+            if st[i] is KeyStatus.PARENT_MISSING and st[i - 1] is KeyStatus.CAPACITY:
+                st[i] = KeyStatus.CAPACITY
+
+    def _committed(self, nid: int, rows: np.ndarray) -> None:
+        idx = self.index
+        idx.state[rows] = BlockState.COMMITTED
+        self.policy.on_insert(idx, rows)
+        par = idx.parent[rows[0]]
+        self._emit(Event("stored", self._ns[nid].digest, idx.keys_of(rows), TierKind.DRAM,
+                         parent=idx.key_of(int(par)) if par >= 0 else None))
+
+    # ----------------------------------------------------------------- put
+    def put(self, ns: Namespace, keys: KeysLike, payloads: Sequence[Buffer],
+            parent: bytes | None = None) -> BatchResult:
+        """Store a chain segment. ``keys[0]``'s parent is ``parent``."""
+        nid = self._nsid(ns)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        if len(payloads) != n:
+            raise InvalidArgument(f"{n} keys but {len(payloads)} payloads")
+        res = BatchResult([KeyStatus.OK] * n)
+        srcs: list[np.ndarray | None] = []
+        sizes: list[int] = []
+        for i, p in enumerate(payloads):
+            try:
+                a = _as_u8(p)
+            except (TypeError, ValueError) as e:
+                a = None
+                res.messages[i] = f"payload {i} is not a buffer: {e}"
+            srcs.append(a)
+            sizes.append(a.size if a is not None else 0)
+        todo, rows, locs = self._store_rows(nid, karr, sizes, parent, BlockState.RESERVED, res)
+        if todo:
+            csums = self.dram.write(locs, [srcs[i] for i in todo])  # type: ignore[misc]
+            self.index.csum[rows] = csums
+            self._committed(nid, rows)
+            self.counters.put_bytes += int(sum(sizes[i] for i in todo))
+        self.counters.puts += 1
+        self.counters.put_blocks += len(todo)
+        return res
+
+    # ----------------------------------------------------------------- get
+    def _read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
+        idx = self.index
+        if self.config.verify_reads:
+            ok = self.dram.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs)
+        else:
+            for off, n, dst in zip(idx.loc[rows].tolist(), idx.size[rows].tolist(), outs):
+                np.copyto(_as_u8(dst), self.dram.buf[off : off + n])
+            ok = np.ones(rows.size, dtype=bool)
+        return ok
+
+    def _corrupt(self, rows: np.ndarray) -> None:
+        """Drop blocks whose bytes failed their checksum, with their subtrees.
+        Where a reader still pins part of a subtree, the subtree becomes
+        DOOMED (invisible at once) and is freed when the pins go."""
+        self.counters.checksum_failures += int(rows.size)
+        idx = self.index
+        sub = idx.subtree(rows)
+        if not np.any(idx.pins[sub] > 0):
+            self._drop(sub, reason="corrupt")
+            return
+        visible = sub[idx.state[sub] == BlockState.COMMITTED]
+        for nid in np.unique(idx.ns[visible]).tolist():
+            mine = visible[idx.ns[visible] == nid]
+            self._emit(Event("removed", self._ns[nid].digest, idx.keys_of(mine),
+                             TierKind(int(idx.tier[mine[0]])), "corrupt"))
+        idx.state[sub] = BlockState.DOOMED
+        self._doomed += int(sub.size)
+        self._sweep_doomed()
+
+    def _sweep_doomed(self) -> None:
+        """Free DOOMED blocks nobody pins any more (leaves first)."""
+        idx = self.index
+        while self._doomed:
+            rows = idx.used_rows()
+            free = rows[(idx.state[rows] == BlockState.DOOMED) & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
+            if free.size == 0:
+                return
+            self._doomed -= int(free.size)
+            self._drop(free, reason="corrupt")
+
+    def get_into(self, ns: Namespace, keys: KeysLike, outs: Sequence[Buffer]) -> BatchResult:
+        """Copy each present block into ``outs[i]`` (exactly its size)."""
+        nid = self._nsid(ns)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        if len(outs) != n:
+            raise InvalidArgument(f"{n} keys but {len(outs)} output buffers")
+        rows = self.index.find_committed(nid, karr)
+        res = BatchResult([KeyStatus.MISS] * n)
+        present = np.nonzero(rows >= 0)[0]
+        good = []
+        for i in present.tolist():
+            want = int(self.index.size[rows[i]])
+            have = _as_u8(outs[i]).size
+            if have != want:
+                res.statuses[i] = KeyStatus.INVALID
+                res.messages[i] = f"output buffer {i} is {have} bytes; the block is {want} bytes"
+            else:
+                good.append(i)
+        self._get_rows(rows, np.asarray(good, dtype=np.int64), [outs[i] for i in good], res)
+        return res
+
+    def _get_rows(self, rows: np.ndarray, which: np.ndarray, outs: Sequence[Buffer],
+                  res: BatchResult) -> np.ndarray:
+        c = self.counters
+        c.gets += 1
+        c.get_blocks += rows.size
+        if which.size == 0:
+            return which
+        sel = rows[which]
+        ok = self._read(sel, outs)
+        bad = sel[~ok]
+        if bad.size:
+            for i in which[~ok].tolist():
+                res.statuses[i] = KeyStatus.CORRUPT
+            self._corrupt(bad)
+        good_rows = sel[ok]
+        for i in which[ok].tolist():
+            res.statuses[i] = KeyStatus.OK
+        self._touch(good_rows)
+        c.get_hit_blocks += int(good_rows.size)
+        c.get_bytes += int(self.index.size[good_rows].sum()) if good_rows.size else 0
+        return which[ok]
+
+    def get(self, ns: Namespace, keys: KeysLike) -> GetResult:
+        """Copies of the present blocks (None where missing)."""
+        nid = self._nsid(ns)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        rows = self.index.find_committed(nid, karr)
+        present = np.nonzero(rows >= 0)[0]
+        outs = [np.empty(int(self.index.size[rows[i]]), dtype=np.uint8) for i in present.tolist()]
+        res = GetResult([KeyStatus.MISS] * n, payloads=[None] * n)
+        ok = set(self._get_rows(rows, present, outs, res).tolist())
+        for i, buf in zip(present.tolist(), outs):
+            if i in ok:
+                res.payloads[i] = buf
+        return res
+
+    # ------------------------------------------------------ two-phase put
+    def reserve(self, ns: Namespace, keys: KeysLike, sizes: Sequence[int] | int,
+                owner: str, parent: bytes | None = None) -> SlotResult:
+        """Allocate slots for new blocks; they stay invisible until ``commit``."""
+        nid = self._nsid(ns)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        if isinstance(sizes, int):
+            sizes = [sizes] * n
+        if len(sizes) != n:
+            raise InvalidArgument(f"{n} keys but {len(sizes)} sizes")
+        res = SlotResult([KeyStatus.OK] * n, slots=[None] * n)
+        todo, rows, locs = self._store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res)
+        if todo:
+            handle = "r-" + secrets.token_hex(8)
+            self._reservations[handle] = _Hold(owner, nid, rows,
+                                               self.clock() + self.config.reservation_timeout)
+            res.handle = handle
+            for i, loc in zip(todo, locs.tolist()):
+                res.slots[i] = SlotRef(TierKind.DRAM, loc, int(sizes[i]))
+        return res
+
+    def _hold(self, table: dict[str, _Hold], handle: str, owner: str, what: str) -> _Hold:
+        h = table.get(handle)
+        if h is None:
+            raise NotFound(f"{what} {handle!r} is not held (never granted, expired or ended already)")
+        if h.owner != owner:
+            raise PermissionDenied(f"{what} {handle!r} belongs to another client")
+        return h
+
+    def commit(self, handle: str, owner: str, checksums: Sequence[int] | None = None) -> BatchResult:
+        """Make a reservation's blocks visible. Without ``checksums`` (xxh3_64
+        per block, as the writer computed them) the store computes them."""
+        h = self._hold(self._reservations, handle, owner, "reservation")
+        del self._reservations[handle]
+        idx = self.index
+        rows = h.rows
+        live = (idx.state[rows] == BlockState.RESERVED) & (idx.ns[rows] == h.ns)
+        rows = rows[live]
+        res = BatchResult([KeyStatus.OK] * int(h.rows.size))
+        for i in np.nonzero(~live)[0].tolist():
+            res.statuses[i] = KeyStatus.MISS
+        if rows.size == 0:
+            return res
+        if checksums is not None:
+            if len(checksums) != h.rows.size:
+                self._drop(idx.subtree(rows), reason="aborted")
+                raise InvalidArgument(f"{len(checksums)} checksums for {h.rows.size} reserved blocks")
+            idx.csum[rows] = np.asarray(checksums, dtype=np.uint64)[live]
+        else:
+            from kvstore.checksum import checksum
+
+            for r in rows.tolist():
+                idx.csum[r] = checksum(self.dram.view(int(idx.loc[r]), int(idx.size[r])))
+        self._committed(h.ns, rows)
+        self.counters.puts += 1
+        self.counters.put_blocks += int(rows.size)
+        self.counters.put_bytes += int(idx.size[rows].sum())
+        return res
+
+    def abort(self, handle: str, owner: str) -> int:
+        h = self._hold(self._reservations, handle, owner, "reservation")
+        del self._reservations[handle]
+        return self._abort_rows(h)
+
+    def _abort_rows(self, h: _Hold) -> int:
+        idx = self.index
+        rows = h.rows[(idx.state[h.rows] == BlockState.RESERVED) & (idx.ns[h.rows] == h.ns)]
+        if rows.size == 0:
+            return 0
+        sub = idx.subtree(rows)
+        self._drop(sub, reason="aborted")
+        return int(rows.size)
+
+    # ---------------------------------------------------------- acquire
+    def acquire(self, ns: Namespace, keys: KeysLike, owner: str, ttl: float | None = None) -> SlotResult:
+        """Pin the leading present blocks for a zero-copy read under a lease.
+        Stops at the first miss (later blocks are useless without it). With
+        ``ttl`` the lease is released by ``reap`` after that many seconds
+        (for holders whose death the caller cannot observe)."""
+        nid = self._nsid(ns)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        look = self.index.lookup(nid, karr)
+        res = SlotResult([KeyStatus.MISS] * n, slots=[None] * n)
+        rows = look.rows
+        if rows.size == 0:
+            self.counters.gets += 1
+            self.counters.get_blocks += n
+            return res
+        idx = self.index
+        idx.pins[rows] += 1
+        handle = "l-" + secrets.token_hex(8)
+        deadline = float("inf") if ttl is None else self.clock() + ttl
+        self._leases[handle] = _Hold(owner, nid, rows.copy(), deadline)
+        res.handle = handle
+        for i, r in enumerate(rows.tolist()):
+            res.statuses[i] = KeyStatus.OK
+            res.slots[i] = SlotRef(TierKind(int(idx.tier[r])), int(idx.loc[r]), int(idx.size[r]),
+                                   int(idx.csum[r]))
+        self._touch(rows)
+        c = self.counters
+        c.gets += 1
+        c.get_blocks += n
+        c.get_hit_blocks += int(rows.size)
+        c.get_bytes += int(idx.size[rows].sum())
+        return res
+
+    def release(self, handle: str, owner: str) -> int:
+        h = self._hold(self._leases, handle, owner, "lease")
+        del self._leases[handle]
+        self.index.pins[h.rows] -= 1
+        self._sweep_doomed()
+        return int(h.rows.size)
+
+    def report_corrupt(self, ns: Namespace, keys: KeysLike) -> int:
+        """A reader found bytes that fail their checksum: drop those blocks."""
+        nid = self._nsid(ns)
+        rows = self.index.find_committed(nid, keys_to_array(keys))
+        rows = rows[rows >= 0]
+        if rows.size:
+            self._corrupt(rows)
+        return int(rows.size)
+
+    def release_owner(self, owner: str) -> tuple[int, int]:
+        """Release every lease and abort every reservation of ``owner`` (its
+        connection is gone). Returns (leases, reservations) ended."""
+        leases = [k for k, h in self._leases.items() if h.owner == owner]
+        for k in leases:
+            self.release(k, owner)
+        resv = [k for k, h in self._reservations.items() if h.owner == owner]
+        for k in resv:
+            self.abort(k, owner)
+        return len(leases), len(resv)
+
+    def reap(self, now: float | None = None) -> int:
+        """Abort reservations and release leases past their deadline.
+        Returns how many."""
+        now = self.clock() if now is None else now
+        expired = [k for k, h in self._reservations.items() if h.deadline <= now]
+        for k in expired:
+            self._abort_rows(self._reservations.pop(k))
+        self.counters.reservations_expired += len(expired)
+        stale = [k for k, h in self._leases.items() if h.deadline <= now]
+        for k in stale:
+            self.index.pins[self._leases.pop(k).rows] -= 1
+        self._sweep_doomed()
+        self.counters.leases_expired += len(stale)
+        return len(expired) + len(stale)
+
+    # ---------------------------------------------------------- pin/unpin
+    def pin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
+        nid = self._nsid(ns)
+        rows = self.index.find_committed(nid, keys_to_array(keys))
+        res = BatchResult([KeyStatus.OK if r >= 0 else KeyStatus.MISS for r in rows.tolist()])
+        hit = rows[rows >= 0]
+        np.add.at(self.index.pins, hit, 1)
+        return res
+
+    def unpin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
+        nid = self._nsid(ns)
+        idx = self.index
+        rows = idx.find(nid, keys_to_array(keys))
+        res = BatchResult([KeyStatus.MISS] * rows.size)
+        for i, r in enumerate(rows.tolist()):
+            if r < 0 or idx.state[r] not in (BlockState.COMMITTED, BlockState.DOOMED):
+                continue
+            if idx.pins[r] > 0:
+                idx.pins[r] -= 1
+                res.statuses[i] = KeyStatus.OK
+            else:
+                res.statuses[i] = KeyStatus.INVALID
+                res.messages[i] = "block is not pinned"
+        self._sweep_doomed()
+        return res
+
+    # ------------------------------------------------------ remove/clear
+    def remove(self, ns: Namespace, keys: KeysLike) -> BatchResult:
+        """Remove blocks and their descendants. A block whose subtree holds a
+        pinned or reserved block stays (BUSY)."""
+        nid = self._nsid(ns)
+        idx = self.index
+        rows = idx.find_committed(nid, keys_to_array(keys))
+        res = BatchResult([KeyStatus.MISS] * rows.size)
+        for i, r in enumerate(rows.tolist()):
+            if r < 0 or idx.state[r] != BlockState.COMMITTED:
+                continue  # gone already (e.g. descendant of an earlier key)
+            sub = idx.subtree(np.asarray([r]))
+            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != BlockState.COMMITTED):
+                res.statuses[i] = KeyStatus.BUSY
+                res.messages[i] = "block or a descendant is pinned or being written"
+                continue
+            self._drop(sub, reason="removed")
+            res.statuses[i] = KeyStatus.OK
+        return res
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        """Remove every block (of ``ns``, or of all namespaces) that is not
+        pinned or being written, nor an ancestor of one. Returns how many."""
+        idx = self.index
+        rows = idx.used_rows()
+        if ns is not None:
+            nid = self._ns_ids.get(ns.digest)
+            if nid is None:
+                return 0
+            rows = rows[idx.ns[rows] == nid]
+        busy = rows[(idx.pins[rows] > 0) | (idx.state[rows] != BlockState.COMMITTED)]
+        keep: set[int] = set()
+        for r in busy.tolist():  # a busy block keeps its ancestors
+            while r >= 0 and r not in keep:
+                keep.add(r)
+                r = int(idx.parent[r])
+        if keep:
+            rows = rows[~np.isin(rows, np.fromiter(keep, dtype=np.int64))]
+        # drop leaves-first is not needed: the set is closed under descendants
+        self._drop(rows, reason="cleared")
+        digest = ns.digest if ns is not None else b""
+        self._emit(Event("cleared", digest, []))
+        if ns is not None and not keep:
+            self._ns_size.pop(self._ns_ids[ns.digest], None)
+        return int(rows.size)
+
+    # ------------------------------------------------------------- admin
+    def set_policy(self, name: str) -> str:
+        old = self.policy.name.value
+        self.policy = make_policy(name, self.index)
+        return old
+
+    def resize(self, tier: TierKind, capacity_bytes: int) -> int:
+        """Change a tier's capacity at run time. Shrinking moves blocks out of
+        the retired region into free slots, evicting (policy order, leaf
+        first) only what no longer fits. Returns blocks evicted."""
+        if tier is not TierKind.DRAM:
+            raise NotFound(f"tier {tier.label} is not configured")
+        t = self.dram
+        pages = t.pages_above(capacity_bytes)
+        evicted = 0
+        idx = self.index
+        if len(pages):
+            rows = idx.used_rows()
+            rows = rows[idx.tier[rows] == TierKind.DRAM]
+            inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
+            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != BlockState.COMMITTED):
+                raise CapacityError("blocks in the region being retired are pinned or being "
+                                    "written; retry after they are released")
+            # stop handing out retired pages, then relocate what is there
+            t.retire_pages(pages)
+            for r in inside.tolist():
+                if idx.state[r] == BlockState.FREE:
+                    continue
+                n = int(idx.size[r])
+                dst = t.allocate(n, 1)
+                if dst.size == 0:
+                    victims = self._victims(TierKind.DRAM, t.class_of(n), 1)
+                    victims = victims[~t.locs_in_pages(idx.loc[victims], pages)]
+                    if victims.size:
+                        self._drop(victims, reason="resized")
+                        evicted += 1
+                        dst = t.allocate(n, 1)
+                if dst.size == 0:
+                    if idx.nchild[r] == 0:
+                        self._drop(np.asarray([r]), reason="resized")
+                        evicted += 1
+                        continue
+                    sub = idx.subtree(np.asarray([r]))
+                    self._drop(sub, reason="resized")
+                    evicted += int(sub.size)
+                    continue
+                src = int(idx.loc[r])
+                np.copyto(t.buf[int(dst[0]) : int(dst[0]) + n], t.buf[src : src + n])
+                t.free(np.asarray([src]))
+                idx.loc[r] = int(dst[0])
+        t.resize(capacity_bytes)
+        return evicted
+
+    # ------------------------------------------------------------- stats
+    def stats(self) -> StoreStats:
+        idx = self.index
+        rows = idx.used_rows()
+        out = []
+        for kind, t in self.tiers.items():
+            sel = rows[idx.tier[rows] == kind]
+            pinned = sel[idx.pins[sel] > 0]
+            ev = sum(v for (tk, _), v in self.counters.evictions.items() if tk == kind)
+            out.append(TierStats(kind, t.capacity_bytes, t.used_bytes, int(sel.size),
+                                 int(idx.size[pinned].sum()) if pinned.size else 0, ev))
+        per_ns = np.bincount(idx.ns[rows[idx.state[rows] == BlockState.COMMITTED]].astype(np.int64),
+                             minlength=len(self._ns))
+        ns_stats = []
+        for nid, ns in enumerate(self._ns):
+            n_l, q, h = self._ns_hits.get(nid, (0, 0, 0))
+            ns_stats.append(NamespaceStats(namespace_label(ns), ns.tenant, ns.digest, n_l, q, h,
+                                           int(per_ns[nid])))
+        return StoreStats(out, self.counters, ns_stats, self.policy.name.value,
+                          len(self._reservations), len(self._leases))
+
+    def namespaces(self) -> Iterable[Namespace]:
+        return list(self._ns)

@@ -1,0 +1,559 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HBM: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_SSD: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+
+class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATUS_OK: _ClassVar[Status]
+    STATUS_MISS: _ClassVar[Status]
+    STATUS_EXISTS: _ClassVar[Status]
+    STATUS_CAPACITY: _ClassVar[Status]
+    STATUS_INVALID: _ClassVar[Status]
+    STATUS_PARENT_MISSING: _ClassVar[Status]
+    STATUS_CORRUPT: _ClassVar[Status]
+    STATUS_BUSY: _ClassVar[Status]
+    STATUS_NOT_OWNER: _ClassVar[Status]
+
+class RemoveReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REMOVE_REASON_UNSPECIFIED: _ClassVar[RemoveReason]
+    REMOVE_REASON_EVICTED: _ClassVar[RemoveReason]
+    REMOVE_REASON_REMOVED: _ClassVar[RemoveReason]
+    REMOVE_REASON_CORRUPT: _ClassVar[RemoveReason]
+    REMOVE_REASON_MOVED: _ClassVar[RemoveReason]
+    REMOVE_REASON_ABORTED: _ClassVar[RemoveReason]
+TIER_UNSPECIFIED: Tier
+TIER_HBM: Tier
+TIER_DRAM: Tier
+TIER_SSD: Tier
+TIER_REMOTE: Tier
+STATUS_OK: Status
+STATUS_MISS: Status
+STATUS_EXISTS: Status
+STATUS_CAPACITY: Status
+STATUS_INVALID: Status
+STATUS_PARENT_MISSING: Status
+STATUS_CORRUPT: Status
+STATUS_BUSY: Status
+STATUS_NOT_OWNER: Status
+REMOVE_REASON_UNSPECIFIED: RemoveReason
+REMOVE_REASON_EVICTED: RemoveReason
+REMOVE_REASON_REMOVED: RemoveReason
+REMOVE_REASON_CORRUPT: RemoveReason
+REMOVE_REASON_MOVED: RemoveReason
+REMOVE_REASON_ABORTED: RemoveReason
+
+class Namespace(_message.Message):
+    __slots__ = ("tenant", "model_id", "weights_digest", "adapter_id", "kv_dtype", "layout", "block_size", "tp_size", "pp_stage", "schema_version", "hash_algo")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_STAGE_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    model_id: str
+    weights_digest: str
+    adapter_id: str
+    kv_dtype: str
+    layout: str
+    block_size: int
+    tp_size: int
+    pp_stage: int
+    schema_version: int
+    hash_algo: str
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., weights_digest: _Optional[str] = ..., adapter_id: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_stage: _Optional[int] = ..., schema_version: _Optional[int] = ..., hash_algo: _Optional[str] = ...) -> None: ...
+
+class SlotRef(_message.Message):
+    __slots__ = ("tier", "device", "offset", "length")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    device: int
+    offset: int
+    length: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class KeyResult(_message.Message):
+    __slots__ = ("key", "status", "slot", "checksum", "detail")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    status: Status
+    slot: SlotRef
+    checksum: int
+    detail: str
+    def __init__(self, key: _Optional[bytes] = ..., status: _Optional[_Union[Status, str]] = ..., slot: _Optional[_Union[SlotRef, _Mapping]] = ..., checksum: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ShmInfo(_message.Message):
+    __slots__ = ("name", "path", "size_bytes", "slot_sizes", "alignment", "slab_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    size_bytes: int
+    slot_sizes: _containers.RepeatedScalarFieldContainer[int]
+    alignment: int
+    slab_id: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., slot_sizes: _Optional[_Iterable[int]] = ..., alignment: _Optional[int] = ..., slab_id: _Optional[str] = ...) -> None: ...
+
+class DeviceMemInfo(_message.Message):
+    __slots__ = ("device", "ipc_handle", "size_bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    ipc_handle: bytes
+    size_bytes: int
+    def __init__(self, device: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("client_name", "pid", "host_id", "protocol_version")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    host_id: str
+    protocol_version: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("session_id", "shm", "same_host", "max_message_bytes", "protocol_version", "server_version", "host_id", "tenant", "hbm", "reservation_timeout_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    HBM_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    shm: ShmInfo
+    same_host: bool
+    max_message_bytes: int
+    protocol_version: int
+    server_version: str
+    host_id: str
+    tenant: str
+    hbm: _containers.RepeatedCompositeFieldContainer[DeviceMemInfo]
+    reservation_timeout_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., same_host: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., server_version: _Optional[str] = ..., host_id: _Optional[str] = ..., tenant: _Optional[str] = ..., hbm: _Optional[_Iterable[_Union[DeviceMemInfo, _Mapping]]] = ..., reservation_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("time_unix_ns", "interval_ms")
+    TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    time_unix_ns: int
+    interval_ms: int
+    def __init__(self, time_unix_ns: _Optional[int] = ..., interval_ms: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("ns", "keys")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_blocks", "tiers")
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    hit_blocks: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("ns", "keys", "sizes", "block_bytes", "parent", "tier")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    parent: bytes
+    tier: Tier
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., parent: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "results", "expires_in_ms")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    expires_in_ms: int
+    def __init__(self, reservation_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id", "keys", "checksums")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_id", "keys")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, reservation_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted", "results")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    def __init__(self, aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("ns", "keys", "promote")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    promote: bool
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "hit_blocks", "results")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    hit_blocks: int
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    def __init__(self, lease_id: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("ns", "keys", "payloads", "parent", "checksums")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    payloads: _containers.RepeatedScalarFieldContainer[bytes]
+    parent: bytes
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., payloads: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("ns", "keys", "max_chunk_bytes")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    max_chunk_bytes: int
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetChunk(_message.Message):
+    __slots__ = ("index", "key", "status", "data", "checksum", "offset", "total", "tier")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    key: bytes
+    status: Status
+    data: bytes
+    checksum: int
+    offset: int
+    total: int
+    tier: Tier
+    def __init__(self, index: _Optional[int] = ..., key: _Optional[bytes] = ..., status: _Optional[_Union[Status, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("ns", "keys")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("results", "removed")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
+    removed: int
+    def __init__(self, results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ..., removed: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("ns", "all_namespaces")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    all_namespaces: bool
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., all_namespaces: _Optional[bool] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("include_namespaces",)
+    INCLUDE_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    include_namespaces: bool
+    def __init__(self, include_namespaces: _Optional[bool] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    pinned_bytes: int
+    evictions: int
+    promotions: int
+    demotions: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace_label", "ns_digest", "lookups", "hit_blocks", "queried_blocks", "blocks")
+    NAMESPACE_LABEL_FIELD_NUMBER: _ClassVar[int]
+    NS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUERIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace_label: str
+    ns_digest: bytes
+    lookups: int
+    hit_blocks: int
+    queried_blocks: int
+    blocks: int
+    def __init__(self, namespace_label: _Optional[str] = ..., ns_digest: _Optional[bytes] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets", "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures", "active_reservations", "active_leases", "sessions", "uptime_seconds", "namespaces")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    hit_tokens: int
+    miss_tokens: int
+    puts: int
+    gets: int
+    bytes_written: int
+    bytes_read: int
+    bytes_promoted: int
+    bytes_demoted: int
+    checksum_failures: int
+    active_reservations: int
+    active_leases: int
+    sessions: int
+    uptime_seconds: float
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("after_seq", "ns")
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NS_FIELD_NUMBER: _ClassVar[int]
+    after_seq: int
+    ns: Namespace
+    def __init__(self, after_seq: _Optional[int] = ..., ns: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("ns_digest", "keys", "tier", "parent")
+    NS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    ns_digest: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: Tier
+    parent: bytes
+    def __init__(self, ns_digest: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("ns_digest", "keys", "tier", "reason")
+    NS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ns_digest: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: Tier
+    reason: RemoveReason
+    def __init__(self, ns_digest: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., reason: _Optional[_Union[RemoveReason, str]] = ...) -> None: ...
+
+class Cleared(_message.Message):
+    __slots__ = ("ns_digest", "all_namespaces")
+    NS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ns_digest: bytes
+    all_namespaces: bool
+    def __init__(self, ns_digest: _Optional[bytes] = ..., all_namespaces: _Optional[bool] = ...) -> None: ...
+
+class Gap(_message.Message):
+    __slots__ = ("first_available_seq",)
+    FIRST_AVAILABLE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    first_available_seq: int
+    def __init__(self, first_available_seq: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("seq", "time_unix_ns", "stored", "removed", "cleared", "gap")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time_unix_ns: int
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: Cleared
+    gap: Gap
+    def __init__(self, seq: _Optional[int] = ..., time_unix_ns: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[Cleared, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ...) -> None: ...
+
+class GetConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetConfigResponse(_message.Message):
+    __slots__ = ("toml", "json")
+    TOML_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    toml: str
+    json: str
+    def __init__(self, toml: _Optional[str] = ..., json: _Optional[str] = ...) -> None: ...
+
+class ResizeTierRequest(_message.Message):
+    __slots__ = ("tier", "capacity_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+
+class ResizeTierResponse(_message.Message):
+    __slots__ = ("old_capacity_bytes", "new_capacity_bytes", "evicted_blocks")
+    OLD_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEW_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    old_capacity_bytes: int
+    new_capacity_bytes: int
+    evicted_blocks: int
+    def __init__(self, old_capacity_bytes: _Optional[int] = ..., new_capacity_bytes: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
+
+class SetEvictionPolicyRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    def __init__(self, policy: _Optional[str] = ...) -> None: ...
+
+class SetEvictionPolicyResponse(_message.Message):
+    __slots__ = ("old_policy", "new_policy")
+    OLD_POLICY_FIELD_NUMBER: _ClassVar[int]
+    NEW_POLICY_FIELD_NUMBER: _ClassVar[int]
+    old_policy: str
+    new_policy: str
+    def __init__(self, old_policy: _Optional[str] = ..., new_policy: _Optional[str] = ...) -> None: ...
