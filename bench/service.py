@@ -129,23 +129,24 @@ def bench_data(rep: Report, target: str, quick: bool) -> None:
         base = median_time(lambda: np.copyto(dst, src), repeats=repeats)
         gb = batch * size / 1e9
         rep.figure(f"memcpy_{label}_GBps", gb / base, "GB/s")
+        ns = Namespace(tenant="bench", model_id=f"data-{label}", block_size=16)
         srcs = [src[i] for i in range(batch)]
         outs = [dst[i] for i in range(batch)]
         for path, use_shm in (("shm", True), ("inline", False)):
             with Client(target, use_shm=use_shm) as c:
                 puts, gets = [], []
                 for r in range(repeats + 1):
-                    keys = block_keys(NS, np.random.default_rng(r * 7 + size).integers(0, 50000, batch * 16))
+                    keys = block_keys(ns, np.random.default_rng(r * 7 + size).integers(0, 50000, batch * 16))
                     t0 = time.perf_counter()
-                    st = c.put(NS, keys, srcs)
+                    st = c.put(ns, keys, srcs)
                     t1 = time.perf_counter()
                     assert st == [KeyStatus.OK] * batch, st[:3]
                     dst[:] = 0
                     t2 = time.perf_counter()
-                    got = c.get_into(NS, keys, outs)
+                    got = c.get_into(ns, keys, outs)
                     t3 = time.perf_counter()
                     assert got == [KeyStatus.OK] * batch and np.array_equal(dst, src)
-                    c.clear(NS)
+                    c.clear(ns)
                     if r:  # the first round warms up
                         puts.append(t1 - t0)
                         gets.append(t3 - t2)

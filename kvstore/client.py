@@ -73,6 +73,14 @@ def _as_u8_writable(buf: Buffer) -> np.ndarray:
     return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
 
 
+def _pack(keys: Sequence[bytes]) -> bytes:
+    """Keys back to back (``keys_packed``), after checking each is 16 bytes."""
+    if keys and set(map(len, keys)) != {16}:
+        bad = next(i for i, k in enumerate(keys) if len(k) != 16)
+        raise InvalidArgument(f"key {bad} must be 16 bytes, got {len(keys[bad])}")
+    return b"".join(keys)
+
+
 def ns_pb(ns: Namespace) -> pb.Namespace:
     d = ns.to_dict()
     fields = pb.Namespace.DESCRIPTOR.fields_by_name
@@ -130,27 +138,84 @@ class _Base:
             except OSError:
                 self.slab = None  # e.g. another container: fall back to inline bytes
 
-    def _slot_view(self, slot: pb.SlotRef) -> np.ndarray:
+    def _view(self, offset: int, length: int) -> np.ndarray:
         assert self.slab is not None
-        if not self.slab.covers(slot.offset, slot.length):
+        if not self.slab.covers(offset, length):
             # the daemon grew its slab: map again
             path, sid = self.slab.path, self.slab.slab_id
             self.slab.close()
             self.slab = SlabMapping(path, 0, sid)
-        return self.slab.view(slot.offset, slot.length)
+        return self.slab.view(offset, length)
 
-    def _put_batches(self, keys: list[bytes], payloads: Sequence[Buffer]) -> Iterator[tuple[int, int]]:
-        """Split a put into messages under the size limit: (start, end)."""
+    # Request building and response handling shared by Client and AsyncClient:
+    # the two differ only in how they call.
+    def _put_requests(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
+                      parent: bytes | None) -> Iterator[pb.PutRequest]:
+        """Inline puts, split into messages under the size limit."""
         limit = max(1, self.max_message_bytes - 64 * 1024)
+        nsm = ns_pb(ns)
         start, size = 0, 0
+        bounds = []
         for i, p in enumerate(payloads):
             n = _as_u8(p).size + 64
             if i > start and size + n > limit:
-                yield start, i
+                bounds.append((start, i))
                 start, size = i, 0
             size += n
         if start < len(keys):
-            yield start, len(keys)
+            bounds.append((start, len(keys)))
+        for a, b in bounds:
+            par = parent if a == 0 else keys[a - 1]
+            yield pb.PutRequest(ns=nsm, keys=keys[a:b], parent=par or b"",
+                                payloads=[_as_u8(p).tobytes() for p in payloads[a:b]])
+
+    @staticmethod
+    def _reserve_request(ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
+                         parent: bytes | None) -> pb.ReserveRequest:
+        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=_pack(keys), parent=parent or b"")
+        sizes = {s.size for s in srcs}
+        if len(sizes) == 1:
+            req.block_bytes = sizes.pop()
+        else:
+            req.sizes.extend(s.size for s in srcs)
+        return req
+
+    def _fill_slots(self, r: pb.ReserveResponse, srcs: list[np.ndarray]) -> tuple[list[KeyStatus], list[int]]:
+        """Write each reserved slot (copy fused with its checksum)."""
+        sa = r.slots
+        statuses = [KeyStatus(x) for x in sa.status]
+        csums = [copy_checksum(self._view(off, n), src)
+                 for st, off, n, src in zip(sa.status, sa.offset, sa.length, srcs) if st == 0]
+        return statuses, csums
+
+    @staticmethod
+    def _merge_commit(statuses: list[KeyStatus], c: pb.CommitResponse) -> list[KeyStatus]:
+        committed = iter(KeyStatus(int(x.status)) for x in c.results)
+        return [next(committed) if s is KeyStatus.OK else s for s in statuses]
+
+    def _read_slots(self, r: pb.AcquireResponse, outs: Sequence[Buffer]) -> list[KeyStatus]:
+        """Copy acquired blocks out of the slab, verifying checksums."""
+        sa = r.slots
+        statuses = [KeyStatus(x) for x in sa.status]
+        for i in range(int(r.hit_blocks)):
+            dst = _as_u8_writable(outs[i])
+            if dst.size != sa.length[i]:
+                statuses[i] = KeyStatus.INVALID
+            elif not copy_verify(dst, self._view(sa.offset[i], sa.length[i]), sa.checksum[i]):
+                statuses[i] = KeyStatus.CORRUPT
+        return statuses
+
+    @staticmethod
+    def _apply_chunk(chunk: pb.GetChunk, outs: Sequence[Buffer], statuses: list[KeyStatus]) -> None:
+        i = chunk.index
+        statuses[i] = KeyStatus(int(chunk.status))
+        if chunk.status != pb.STATUS_OK:
+            return
+        dst = _as_u8_writable(outs[i])
+        if dst.size != chunk.total:
+            statuses[i] = KeyStatus.INVALID
+            return
+        dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
 
     @staticmethod
     def _statuses(results: Any) -> list[KeyStatus]:
@@ -206,7 +271,7 @@ class Client(_Base):
 
     # ----------------------------------------------------------- queries
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys=list(keys)))
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
         return LookupResult(r.hit_blocks, [_tier_name(t) for t in r.tiers])
 
     def stats(self, include_namespaces: bool = True) -> dict[str, Any]:
@@ -227,39 +292,22 @@ class Client(_Base):
     def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                  parent: bytes | None) -> list[KeyStatus]:
         srcs = [_as_u8(p) for p in payloads]
-        sizes = [s.size for s in srcs]
-        uniform = len(set(sizes)) == 1
-        req = pb.ReserveRequest(ns=ns_pb(ns), keys=keys, parent=parent or b"")
-        if uniform and sizes:
-            req.block_bytes = sizes[0]
-        else:
-            req.sizes.extend(sizes)
-        r = self._call(self.stub.Reserve, req)
-        statuses = self._statuses(r.results)
+        r = self._call(self.stub.Reserve, self._reserve_request(ns, keys, srcs, parent))
         if not r.reservation_id:
-            return statuses
-        csums = []
+            return [KeyStatus(x) for x in r.slots.status]
         try:
-            for res, src in zip(r.results, srcs):
-                if res.status == pb.STATUS_OK:
-                    csums.append(copy_checksum(self._slot_view(res.slot), src))
+            statuses, csums = self._fill_slots(r, srcs)
         except BaseException:
             self._call(self.stub.Abort, pb.AbortRequest(reservation_id=r.reservation_id))
             raise
         c = self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
-        committed = iter(self._statuses(c.results))
-        return [next(committed) if s is KeyStatus.OK else s for s in statuses]
+        return self._merge_commit(statuses, c)
 
     def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                     parent: bytes | None) -> list[KeyStatus]:
         out: list[KeyStatus] = []
-        nsm = ns_pb(ns)
-        for a, b in self._put_batches(keys, payloads):
-            par = parent if a == 0 else keys[a - 1]
-            r = self._call(self.stub.Put, pb.PutRequest(
-                ns=nsm, keys=keys[a:b], parent=par or b"",
-                payloads=[_as_u8(p).tobytes() for p in payloads[a:b]]))
-            out += self._statuses(r.results)
+        for req in self._put_requests(ns, keys, payloads, parent):
+            out += self._statuses(self._call(self.stub.Put, req).results)
         return out
 
     # --------------------------------------------------------------- get
@@ -287,21 +335,12 @@ class Client(_Base):
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys=keys, promote=True))
-        statuses = self._statuses(r.results)
+        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
         try:
-            for i, res in enumerate(r.results):
-                if res.status != pb.STATUS_OK:
-                    continue
-                dst = _as_u8_writable(outs[i])
-                if dst.size != res.slot.length:
-                    statuses[i] = KeyStatus.INVALID
-                elif not copy_verify(dst, self._slot_view(res.slot), res.checksum):
-                    statuses[i] = KeyStatus.CORRUPT
+            return self._read_slots(r, outs)
         finally:
             if r.lease_id:
                 self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
-        return statuses
 
     def _stream_get(self, ns: Namespace, keys: list[bytes]) -> Iterator[tuple[int, pb.GetChunk]]:
         try:
@@ -313,15 +352,8 @@ class Client(_Base):
 
     def _get_inline(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
         statuses = [KeyStatus.MISS] * len(keys)
-        for i, chunk in self._stream_get(ns, keys):
-            statuses[i] = KeyStatus(int(chunk.status))
-            if chunk.status != pb.STATUS_OK:
-                continue
-            dst = _as_u8_writable(outs[i])
-            if dst.size != chunk.total:
-                statuses[i] = KeyStatus.INVALID
-                continue
-            dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+        for _, chunk in self._stream_get(ns, keys):
+            self._apply_chunk(chunk, outs, statuses)
         return statuses
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes]) -> "Lease":
@@ -330,11 +362,12 @@ class Client(_Base):
         ``with`` block."""
         if self.slab is None:
             raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
-        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys=list(keys), promote=True))
-        views: list[np.ndarray | None] = []
-        for res in r.results:
-            views.append(self._slot_view(res.slot) if res.status == pb.STATUS_OK else None)
-        return Lease(self, r.lease_id, int(r.hit_blocks), views, [int(x.checksum) for x in r.results])
+        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
+        sa = r.slots
+        hit = int(r.hit_blocks)
+        views: list[np.ndarray | None] = [self._view(sa.offset[i], sa.length[i]) for i in range(hit)]
+        views += [None] * (len(sa.status) - hit)
+        return Lease(self, r.lease_id, hit, views, list(sa.checksum))
 
     # ------------------------------------------------------------ others
     def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
@@ -445,7 +478,7 @@ class AsyncClient(_Base):
         await self.close()
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        r = await self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys=list(keys)))
+        r = await self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
         return LookupResult(r.hit_blocks, [_tier_name(t) for t in r.tiers])
 
     async def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
@@ -455,24 +488,20 @@ class AsyncClient(_Base):
             raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
         if self.slab is None:
             out: list[KeyStatus] = []
-            for a, b in self._put_batches(keys, payloads):
-                par = parent if a == 0 else keys[a - 1]
-                r = await self._call(self.stub.Put, pb.PutRequest(
-                    ns=ns_pb(ns), keys=keys[a:b], parent=par or b"",
-                    payloads=[_as_u8(p).tobytes() for p in payloads[a:b]]))
-                out += self._statuses(r.results)
+            for req in self._put_requests(ns, keys, payloads, parent):
+                out += self._statuses((await self._call(self.stub.Put, req)).results)
             return out
         srcs = [_as_u8(p) for p in payloads]
-        req = pb.ReserveRequest(ns=ns_pb(ns), keys=keys, parent=parent or b"", sizes=[s.size for s in srcs])
-        r = await self._call(self.stub.Reserve, req)
-        statuses = self._statuses(r.results)
+        r = await self._call(self.stub.Reserve, self._reserve_request(ns, keys, srcs, parent))
         if not r.reservation_id:
-            return statuses
-        csums = [copy_checksum(self._slot_view(res.slot), src)
-                 for res, src in zip(r.results, srcs) if res.status == pb.STATUS_OK]
+            return [KeyStatus(x) for x in r.slots.status]
+        try:
+            statuses, csums = self._fill_slots(r, srcs)
+        except BaseException:
+            await self._call(self.stub.Abort, pb.AbortRequest(reservation_id=r.reservation_id))
+            raise
         c = await self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
-        committed = iter(self._statuses(c.results))
-        return [next(committed) if s is KeyStatus.OK else s for s in statuses]
+        return self._merge_commit(statuses, c)
 
     async def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
         keys = list(keys)
@@ -483,32 +512,17 @@ class AsyncClient(_Base):
             try:
                 async for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=keys), metadata=self._md(),
                                                  timeout=self.timeout):
-                    i = chunk.index
-                    statuses[i] = KeyStatus(int(chunk.status))
-                    if chunk.status == pb.STATUS_OK:
-                        dst = _as_u8_writable(outs[i])
-                        if dst.size != chunk.total:
-                            statuses[i] = KeyStatus.INVALID
-                        else:
-                            dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+                    self._apply_chunk(chunk, outs, statuses)
             except grpc.RpcError as e:
                 raise error_from_rpc(e) from None
             return statuses
-        r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys=keys, promote=True))
-        statuses = self._statuses(r.results)
+        r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys),
+                                                                   promote=True))
         try:
-            for i, res in enumerate(r.results):
-                if res.status != pb.STATUS_OK:
-                    continue
-                dst = _as_u8_writable(outs[i])
-                if dst.size != res.slot.length:
-                    statuses[i] = KeyStatus.INVALID
-                elif not copy_verify(dst, self._slot_view(res.slot), res.checksum):
-                    statuses[i] = KeyStatus.CORRUPT
+            return self._read_slots(r, outs)
         finally:
             if r.lease_id:
                 await self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
-        return statuses
 
     async def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
         r = await self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys)))

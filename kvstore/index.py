@@ -69,13 +69,19 @@ def keys_to_array(keys: object) -> np.ndarray:
         seq = list(keys)  # type: ignore[call-overload]
     except TypeError:
         raise InvalidArgument(f"keys must be a sequence of 16-byte strings, got {type(keys).__name__}") from None
-    for i, k in enumerate(seq):
-        if not isinstance(k, (bytes, bytearray)) or len(k) != 16:
-            got = f"{len(k)} bytes" if isinstance(k, (bytes, bytearray)) else type(k).__name__
-            raise InvalidArgument(f"key {i} must be 16 bytes, got {got}")
     if not seq:
         return np.zeros((0, 2), dtype=np.uint64)
-    return np.frombuffer(b"".join(seq), dtype="<u8").reshape(-1, 2)
+    try:
+        ok = set(map(len, seq)) == {16}
+        blob = b"".join(seq) if ok else b""
+    except TypeError:
+        ok = False
+    if not ok:
+        for i, k in enumerate(seq):
+            if not isinstance(k, (bytes, bytearray)) or len(k) != 16:
+                got = f"{len(k)} bytes" if isinstance(k, (bytes, bytearray)) else type(k).__name__
+                raise InvalidArgument(f"key {i} must be 16 bytes, got {got}")
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
 
 
 def key_bytes(k0: int, k1: int) -> bytes:

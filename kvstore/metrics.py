@@ -41,6 +41,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 from wsgiref.simple_server import WSGIServer
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import start_http_server
 from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
@@ -48,6 +49,7 @@ from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFami
 from prometheus_client.registry import Collector
 
 from kvstore.store import StoreStats
+from tiers.base import TierKind
 
 __all__ = ["OP_BUCKETS", "PREFIX", "Metrics", "StoreCollector", "exported_names",
            "loop_stats_fn", "tier_label"]
@@ -321,8 +323,14 @@ class Metrics:
         if nbytes > 0:
             self.inline_bytes_total.labels(direction=direction).inc(nbytes)
 
-    def lookup_hits(self, tiers: Sequence[object]) -> None:
-        """Count a lookup's hit blocks by tier (``LookupResult.tiers``)."""
+    def lookup_hits(self, tiers: Sequence[object] | np.ndarray) -> None:
+        """Count a lookup's hit blocks by tier (``LookupResult.tier_codes``, or
+        a sequence of tiers)."""
+        if isinstance(tiers, np.ndarray):
+            codes, counts = np.unique(tiers, return_counts=True)
+            for code, n in zip(codes.tolist(), counts.tolist()):
+                self.tier_hit_blocks.labels(tier=tier_label(TierKind(code))).inc(n)
+            return
         for tier, n in collections.Counter(tier_label(t) for t in tiers).items():
             self.tier_hit_blocks.labels(tier=tier).inc(n)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -105,28 +106,43 @@ def ns_to_pb(ns: Namespace) -> pb.Namespace:
 
 
 def results_pb(keys: list[bytes], res: BatchResult) -> list[pb.KeyResult]:
-    out = []
-    slots = res.slots if isinstance(res, SlotResult) else None
-    for i, (k, s) in enumerate(zip(keys, res.statuses)):
-        r = pb.KeyResult(key=k, status=int(s), detail=res.messages.get(i, ""))
-        if slots is not None and slots[i] is not None:
-            sl = slots[i]
-            r.slot.tier = tier_pb(sl.tier)
-            r.slot.offset = sl.offset
-            r.slot.length = sl.length
-            r.checksum = sl.checksum
-        out.append(r)
-    return out
+    return [pb.KeyResult(key=k, status=int(s), detail=res.messages.get(i, ""))
+            for i, (k, s) in enumerate(zip(keys, res.statuses))]
 
 
-def _keys(msg_keys: Any, limit: int = 1 << 20) -> list[bytes]:
+def slots_pb(res: SlotResult) -> pb.SlotArray:
+    has = res.offsets >= 0
+    return pb.SlotArray(status=[int(s) for s in res.statuses],
+                        tier=np.where(has, res.tier_codes.astype(np.int64) + 1, 0).tolist(),
+                        offset=np.maximum(res.offsets, 0).tolist(), length=res.lengths.tolist(),
+                        checksum=res.checksums.tolist())
+
+
+MAX_KEYS = 1 << 20
+
+
+def _keys(msg_keys: Any) -> list[bytes]:
     keys = list(msg_keys)
-    if len(keys) > limit:
-        raise InvalidArgument(f"{len(keys)} keys in one call; at most {limit}")
+    if len(keys) > MAX_KEYS:
+        raise InvalidArgument(f"{len(keys)} keys in one call; at most {MAX_KEYS}")
     for i, k in enumerate(keys):
         if len(k) != 16:
             raise InvalidArgument(f"key {i} must be 16 bytes, got {len(k)}")
     return keys
+
+
+def _chain_keys(request: Any) -> bytes | list[bytes]:
+    """``keys`` or ``keys_packed`` of a request (exactly one may be set)."""
+    packed = request.keys_packed
+    if packed:
+        if len(request.keys):
+            raise InvalidArgument("give keys or keys_packed, not both")
+        if len(packed) % 16:
+            raise InvalidArgument(f"keys_packed is {len(packed)} bytes, not a multiple of 16")
+        if len(packed) // 16 > MAX_KEYS:
+            raise InvalidArgument(f"{len(packed) // 16} keys in one call; at most {MAX_KEYS}")
+        return bytes(packed)
+    return _keys(request.keys)
 
 
 # ---------------------------------------------------------------- auth
@@ -258,6 +274,10 @@ def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitab
                 code = status_for(e)
                 self.metrics.rejected(method, code.name)
                 await context.abort(code, str(e))
+            except Exception as e:  # a bug: log it, answer INTERNAL, keep serving
+                log.exception("%s failed", method)
+                self.metrics.rejected(method, "INTERNAL")
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}")
             finally:
                 self.metrics.observe(method, time.perf_counter() - t0)
 
@@ -350,14 +370,14 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
     # -------------------------------------------------------------- data
     @_rpc("Lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any, who: Principal) -> pb.LookupResponse:
-        res = self.store.lookup(self._ns(request.ns, who), _keys(request.keys))
-        self.metrics.lookup_hits(res.tiers)
-        return pb.LookupResponse(hit_blocks=res.hit_blocks, tiers=[tier_pb(t) for t in res.tiers])
+        res = self.store.lookup(self._ns(request.ns, who), _chain_keys(request))
+        self.metrics.lookup_hits(res.tier_codes)
+        return pb.LookupResponse(hit_blocks=res.hit_blocks, tiers=(res.tier_codes.astype(np.int64) + 1).tolist())
 
     @_rpc("Reserve")
     async def Reserve(self, request: pb.ReserveRequest, context: Any, who: Principal) -> pb.ReserveResponse:
         ns = self._ns(request.ns, who)
-        keys = _keys(request.keys)
+        keys = _chain_keys(request)
         if request.sizes and request.block_bytes:
             raise InvalidArgument("give sizes or block_bytes, not both")
         sizes: list[int] | int
@@ -369,7 +389,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             raise InvalidArgument("sizes or block_bytes is required")
         owner, _ = self._owner(context, who)
         res = self.store.reserve(ns, keys, sizes, owner=owner, parent=request.parent or None)
-        return pb.ReserveResponse(reservation_id=res.handle, results=results_pb(keys, res),
+        return pb.ReserveResponse(reservation_id=res.handle, slots=slots_pb(res), details=res.messages,
                                   expires_in_ms=int(self.config.server.reservation_timeout * 1000))
 
     @_rpc("Commit")
@@ -388,12 +408,12 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
     @_rpc("Acquire")
     async def Acquire(self, request: pb.AcquireRequest, context: Any, who: Principal) -> pb.AcquireResponse:
         ns = self._ns(request.ns, who)
-        keys = _keys(request.keys)
+        keys = _chain_keys(request)
         owner, has_session = self._owner(context, who)
         ttl = None if has_session else self.config.server.reservation_timeout
         res = self.store.acquire(ns, keys, owner=owner, ttl=ttl)
-        hit = sum(1 for s in res.statuses if s is KeyStatus.OK)
-        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, results=results_pb(keys, res))
+        hit = int(np.count_nonzero(res.offsets >= 0))
+        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=slots_pb(res))
 
     @_rpc("Release")
     async def Release(self, request: pb.ReleaseRequest, context: Any, who: Principal) -> pb.ReleaseResponse:

@@ -77,16 +77,35 @@ class SlotRef:
 
 @dataclass(slots=True)
 class SlotResult(BatchResult):
-    """Reserve/acquire result: a slot per OK key (None elsewhere)."""
+    """Reserve/acquire result: where each OK key's bytes are, as parallel
+    arrays (no object per block); offset -1 where the key has no slot."""
 
     handle: str = ""
-    slots: list[SlotRef | None] = field(default_factory=list)
+    tier_codes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+
+    @classmethod
+    def empty(cls, n: int, status: KeyStatus) -> "SlotResult":
+        return cls([status] * n, tier_codes=np.zeros(n, np.uint8), offsets=np.full(n, -1, np.int64),
+                   lengths=np.zeros(n, np.int64), checksums=np.zeros(n, np.uint64))
+
+    @property
+    def slots(self) -> list[SlotRef | None]:
+        return [SlotRef(TierKind(int(t)), int(o), int(n), int(c)) if o >= 0 else None
+                for t, o, n, c in zip(self.tier_codes, self.offsets, self.lengths, self.checksums)]
 
 
 @dataclass(slots=True, frozen=True)
 class LookupResult:
     hit_blocks: int
-    tiers: list[TierKind]
+    tier_codes: np.ndarray
+    """TierKind value of each hit block (uint8), ``hit_blocks`` long."""
+
+    @property
+    def tiers(self) -> list[TierKind]:
+        return [TierKind(t) for t in self.tier_codes.tolist()]
 
 
 @dataclass(slots=True, frozen=True)
@@ -285,7 +304,7 @@ class TieredStore:
         h[0] += 1
         h[1] += karr.shape[0]
         h[2] += res.hit
-        return LookupResult(res.hit, [TierKind(t) for t in res.tiers.tolist()])
+        return LookupResult(res.hit, res.tiers)
 
     # ----------------------------------------------------- placing new blocks
     def _plan(self, nid: int, karr: np.ndarray, sizes: Sequence[int], parent: bytes | None,
@@ -610,15 +629,17 @@ class TieredStore:
             sizes = [sizes] * n
         if len(sizes) != n:
             raise InvalidArgument(f"{n} keys but {len(sizes)} sizes")
-        res = SlotResult([KeyStatus.OK] * n, slots=[None] * n)
+        res = SlotResult.empty(n, KeyStatus.OK)
         todo, rows, locs = self._store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res)
         if todo:
             handle = "r-" + secrets.token_hex(8)
             self._reservations[handle] = _Hold(owner, nid, rows,
                                                self.clock() + self.config.reservation_timeout)
             res.handle = handle
-            for i, loc in zip(todo, locs.tolist()):
-                res.slots[i] = SlotRef(TierKind.DRAM, loc, int(sizes[i]))
+            sel = np.asarray(todo, dtype=np.int64)
+            res.tier_codes[sel] = TierKind.DRAM
+            res.offsets[sel] = locs
+            res.lengths[sel] = self.index.size[rows]
         return res
 
     def _hold(self, table: dict[str, _Hold], handle: str, owner: str, what: str) -> _Hold:
@@ -683,7 +704,7 @@ class TieredStore:
         karr = keys_to_array(keys)
         n = karr.shape[0]
         look = self.index.lookup(nid, karr)
-        res = SlotResult([KeyStatus.MISS] * n, slots=[None] * n)
+        res = SlotResult.empty(n, KeyStatus.MISS)
         rows = look.rows
         if rows.size == 0:
             self.counters.gets += 1
@@ -695,10 +716,12 @@ class TieredStore:
         deadline = float("inf") if ttl is None else self.clock() + ttl
         self._leases[handle] = _Hold(owner, nid, rows.copy(), deadline)
         res.handle = handle
-        for i, r in enumerate(rows.tolist()):
-            res.statuses[i] = KeyStatus.OK
-            res.slots[i] = SlotRef(TierKind(int(idx.tier[r])), int(idx.loc[r]), int(idx.size[r]),
-                                   int(idx.csum[r]))
+        hit = rows.size
+        res.statuses[:hit] = [KeyStatus.OK] * hit
+        res.tier_codes[:hit] = idx.tier[rows]
+        res.offsets[:hit] = idx.loc[rows]
+        res.lengths[:hit] = idx.size[rows]
+        res.checksums[:hit] = idx.csum[rows]
         self._touch(rows)
         c = self.counters
         c.gets += 1

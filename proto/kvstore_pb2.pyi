@@ -94,6 +94,22 @@ class SlotRef(_message.Message):
     length: int
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., device: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
+class SlotArray(_message.Message):
+    __slots__ = ("status", "tier", "offset", "length", "checksum", "device")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    status: _containers.RepeatedScalarFieldContainer[Status]
+    tier: _containers.RepeatedScalarFieldContainer[Tier]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    length: _containers.RepeatedScalarFieldContainer[int]
+    checksum: _containers.RepeatedScalarFieldContainer[int]
+    device: int
+    def __init__(self, status: _Optional[_Iterable[_Union[Status, str]]] = ..., tier: _Optional[_Iterable[_Union[Tier, str]]] = ..., offset: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Iterable[int]] = ..., device: _Optional[int] = ...) -> None: ...
+
 class KeyResult(_message.Message):
     __slots__ = ("key", "status", "slot", "checksum", "detail")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,12 +201,14 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, time_unix_ns: _Optional[int] = ..., interval_ms: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ns", "keys")
+    __slots__ = ("ns", "keys", "keys_packed")
     NS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    keys_packed: bytes
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_blocks", "tiers")
@@ -201,30 +219,41 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("ns", "keys", "sizes", "block_bytes", "parent", "tier")
+    __slots__ = ("ns", "keys", "sizes", "block_bytes", "parent", "tier", "keys_packed")
     NS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     block_bytes: int
     parent: bytes
     tier: Tier
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., parent: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    keys_packed: bytes
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., sizes: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., parent: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "results", "expires_in_ms")
+    __slots__ = ("reservation_id", "expires_in_ms", "slots", "details")
+    class DetailsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
-    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
     expires_in_ms: int
-    def __init__(self, reservation_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+    slots: SlotArray
+    details: _containers.ScalarMap[int, str]
+    def __init__(self, reservation_id: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., slots: _Optional[_Union[SlotArray, _Mapping]] = ..., details: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "keys", "checksums")
@@ -259,24 +288,26 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns", "keys", "promote")
+    __slots__ = ("ns", "keys", "promote", "keys_packed")
     NS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     promote: bool
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ...) -> None: ...
+    keys_packed: bytes
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "hit_blocks", "results")
+    __slots__ = ("lease_id", "hit_blocks", "slots")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     hit_blocks: int
-    results: _containers.RepeatedCompositeFieldContainer[KeyResult]
-    def __init__(self, lease_id: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
+    slots: SlotArray
+    def __init__(self, lease_id: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., slots: _Optional[_Union[SlotArray, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

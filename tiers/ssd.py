@@ -51,6 +51,7 @@ API (not thread-safe: the store serializes calls)::
         # emptiest first, <= max_bytes of live data moved (>= 1 segment; None: all);
         # runs after a write (one segment) once garbage > max(segment, capacity/10)
     close(); context manager
+    sync=False skips fdatasync and WAL syncs: for tests and setup only, not crash-safe
 
 ``fs`` (:class:`FileLayer`) does segment and small-file I/O (tests inject
 ENOSPC or slow disks); RocksDB does its own, and after a RocksDB write error
