@@ -356,6 +356,34 @@ class Client(_Base):
             self._apply_chunk(chunk, outs, statuses)
         return statuses
 
+    # ------------------------------------------------ two-phase, low level
+    def view(self, offset: int, length: int) -> np.ndarray:
+        """Writable zero-copy view of slab bytes (same-host clients only)."""
+        if self.slab is None:
+            raise Unavailable("no shared-memory slab: the daemon is on another host or use_shm=False")
+        return self._view(offset, length)
+
+    def reserve(self, ns: Namespace, keys: Sequence[bytes], block_bytes: int,
+                parent: bytes | None = None) -> "Reservation":
+        """Reserve slots for a chain segment of equal-size blocks; write them
+        through ``view(offset, length)`` (from any process that maps the
+        slab, e.g. every TP rank writing its shard), then ``commit``."""
+        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=_pack(keys), parent=parent or b"",
+                                block_bytes=block_bytes)
+        r = self._call(self.stub.Reserve, req)
+        sa = r.slots
+        return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length))
+
+    def commit(self, reservation: "Reservation", checksums: Sequence[int] | None = None) -> list[KeyStatus]:
+        """Make reserved blocks visible. Without ``checksums`` the daemon
+        computes them from the slab."""
+        c = self._call(self.stub.Commit, pb.CommitRequest(reservation_id=reservation.reservation_id,
+                                                          checksums=list(checksums or [])))
+        return self._merge_commit(reservation.statuses, c)
+
+    def abort(self, reservation: "Reservation") -> int:
+        return int(self._call(self.stub.Abort, pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
+
     def acquire(self, ns: Namespace, keys: Sequence[bytes]) -> "Lease":
         """Pin the hit prefix and return zero-copy views into the slab
         (shared-memory clients only). Release with ``Lease.release()`` or a
@@ -367,7 +395,7 @@ class Client(_Base):
         hit = int(r.hit_blocks)
         views: list[np.ndarray | None] = [self._view(sa.offset[i], sa.length[i]) for i in range(hit)]
         views += [None] * (len(sa.status) - hit)
-        return Lease(self, r.lease_id, hit, views, list(sa.checksum))
+        return Lease(self, r.lease_id, hit, views, list(sa.checksum), list(sa.offset[:hit]), list(sa.length[:hit]))
 
     # ------------------------------------------------------------ others
     def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
@@ -402,16 +430,30 @@ class Client(_Base):
         return MessageToDict(r, preserving_proto_field_name=True)
 
 
+@dataclass(slots=True)
+class Reservation:
+    """Slots reserved for new blocks: write ``length`` bytes at ``offset`` of
+    each OK key, then ``Client.commit``."""
+
+    reservation_id: str
+    statuses: list[KeyStatus]
+    offsets: list[int]
+    lengths: list[int]
+
+
 class Lease:
-    """Pinned blocks a shared-memory client reads in place."""
+    """Pinned blocks a shared-memory client reads in place: the first
+    ``hit_blocks`` keys, at ``offsets``/``lengths`` in the slab."""
 
     def __init__(self, client: Client, lease_id: str, hit_blocks: int, views: list[np.ndarray | None],
-                 checksums: list[int]) -> None:
+                 checksums: list[int], offsets: list[int] | None = None, lengths: list[int] | None = None) -> None:
         self.client = client
         self.lease_id = lease_id
         self.hit_blocks = hit_blocks
         self.views = views
         self.checksums = checksums
+        self.offsets = offsets or []
+        self.lengths = lengths or []
         self._released = not lease_id
 
     def release(self) -> None:

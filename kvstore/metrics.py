@@ -327,9 +327,9 @@ class Metrics:
         """Count a lookup's hit blocks by tier (``LookupResult.tier_codes``, or
         a sequence of tiers)."""
         if isinstance(tiers, np.ndarray):
-            codes, counts = np.unique(tiers, return_counts=True)
-            for code, n in zip(codes.tolist(), counts.tolist()):
-                self.tier_hit_blocks.labels(tier=tier_label(TierKind(code))).inc(n)
+            for code, n in enumerate(np.bincount(tiers, minlength=0).tolist()):
+                if n:
+                    self.tier_hit_blocks.labels(tier=tier_label(TierKind(code))).inc(n)
             return
         for tier, n in collections.Counter(tier_label(t) for t in tiers).items():
             self.tier_hit_blocks.labels(tier=tier).inc(n)

@@ -308,11 +308,21 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self.slab_id = secrets.token_hex(8)
         self.started = time.time()
         self._tasks: list[asyncio.Task[Any]] = []
+        self._ns_cache: dict[tuple[str | None, bytes], Namespace] = {}
 
     # ----------------------------------------------------------- helpers
     def _ns(self, msg: pb.Namespace, who: Principal) -> Namespace:
-        ns = ns_from_pb(msg, who.tenant)
-        self.events.tenant_of.setdefault(ns.digest, ns.tenant)
+        """The request's namespace (validated once per distinct message and
+        tenant, then served from a bounded cache: building and hashing a
+        Namespace costs more than a whole small Lookup)."""
+        wire = (who.tenant, msg.SerializeToString(deterministic=True))
+        ns = self._ns_cache.get(wire)
+        if ns is None:
+            ns = ns_from_pb(msg, who.tenant)
+            if len(self._ns_cache) >= 4096:
+                self._ns_cache.clear()
+            self._ns_cache[wire] = ns
+            self.events.tenant_of.setdefault(ns.digest, ns.tenant)
         return ns
 
     def _owner(self, context: grpc.aio.ServicerContext, who: Principal) -> tuple[str, bool]:

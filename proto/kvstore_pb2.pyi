@@ -371,6 +371,26 @@ class GetChunk(_message.Message):
     tier: Tier
     def __init__(self, index: _Optional[int] = ..., key: _Optional[bytes] = ..., status: _Optional[_Union[Status, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("ns", "keys", "keys_packed")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    keys_packed: bytes
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("hit_blocks", "in_dram", "queued")
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_DRAM_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    hit_blocks: int
+    in_dram: int
+    queued: int
+    def __init__(self, hit_blocks: _Optional[int] = ..., in_dram: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+
 class RemoveRequest(_message.Message):
     __slots__ = ("ns", "keys")
     NS_FIELD_NUMBER: _ClassVar[int]

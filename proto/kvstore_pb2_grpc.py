@@ -80,6 +80,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.GetChunk.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvstore.v1.KVStore/Prefetch',
+                request_serializer=kvstore__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/kvstore.v1.KVStore/Remove',
                 request_serializer=kvstore__pb2.RemoveRequest.SerializeToString,
@@ -170,6 +175,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Stage SSD blocks of a chain into DRAM ahead of need (background, at
+        prefetch priority); answers how many are staged now and how many queued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Remove(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -253,6 +266,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=kvstore__pb2.GetRequest.FromString,
                     response_serializer=kvstore__pb2.GetChunk.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvstore__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvstore__pb2.PrefetchResponse.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
@@ -524,6 +542,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Get',
             kvstore__pb2.GetRequest.SerializeToString,
             kvstore__pb2.GetChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Prefetch',
+            kvstore__pb2.PrefetchRequest.SerializeToString,
+            kvstore__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
