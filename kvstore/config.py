@@ -499,6 +499,13 @@ class HbmConfig(_Section):
     """CUDA device ordinal."""
 
 
+class SsdWriteMode(StrEnum):
+    """When blocks are written to the SSD tier (``ssd.write_mode``)."""
+
+    BACK = "back"
+    THROUGH = "through"
+
+
 @dataclass(slots=True, frozen=True)
 class SsdConfig(_Section):
     """The SSD tier: blocks demoted from DRAM, promoted back on use."""
@@ -516,6 +523,16 @@ class SsdConfig(_Section):
     write_budget_mbps: Annotated[int, _Range(0, None)] = 0
     """Cap on the average SSD write rate, in megabytes (10^6 bytes) per
     second; 0: unlimited."""
+    write_mode: SsdWriteMode = SsdWriteMode.BACK
+    """"back": write a block to SSD when it is evicted from DRAM (and keep DRAM
+    free above low_watermark in the background); "through": copy admitted
+    blocks to SSD in the background soon after they are stored, so eviction
+    only drops the DRAM copy."""
+    low_watermark: Annotated[float, _Range(0, 0.5)] = 0.05
+    """Share of DRAM that write-back demotion keeps free in the background."""
+    sync: bool = True
+    """fsync data and index on every write batch (crash-safe). false is for
+    tests and throwaway caches only."""
 
     def resolved_path(self, env: Mapping[str, str] | None = None) -> Path:
         """``path``, or the default data directory when empty."""

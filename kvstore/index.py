@@ -120,6 +120,7 @@ class BlockIndex:
         ("last", "u8", 0),
         ("depth", "u4", 0),
         ("prio", "f8", 0.0),
+        ("ssd_loc", "i8", -1),
     )
 
     k0: np.ndarray
@@ -141,6 +142,8 @@ class BlockIndex:
     last: np.ndarray
     depth: np.ndarray
     prio: np.ndarray
+    ssd_loc: np.ndarray
+    """SSD id of an intact copy of a block read from DRAM, or -1."""
 
     def __init__(self, initial_rows: int = 1024) -> None:
         cap = max(16, int(initial_rows))
@@ -327,6 +330,7 @@ class BlockIndex:
         self.hits[rows] = 0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint64)
         self.prio[rows] = 0.0
+        self.ssd_loc[rows] = -1
         # depth and child links, in order (a parent may precede in the batch)
         for i in range(n):
             r = int(rows[i])
@@ -415,6 +419,7 @@ class BlockIndex:
         self._table[where] = _TOMB
         self.state[rows] = BlockState.FREE
         self.loc[rows] = -1
+        self.ssd_loc[rows] = -1
         self.pins[rows] = 0
         self.first_child[rows] = NO_ROW
         self.nchild[rows] = 0

@@ -291,14 +291,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
 
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
-        self.store = store or TieredStore(StoreConfig(
-            dram_bytes=config.dram.capacity,
-            dram_page_bytes=config.dram.page_size,
-            dram_slot_sizes=tuple(config.dram.slot_sizes),
-            shm_name=config.dram.shm_name or None,
-            policy=config.eviction.policy.value,
-            reservation_timeout=config.server.reservation_timeout,
-        ))
+        self.store = store or TieredStore(store_config(config))
         self.auth = Auth(config)
         self.events = EventLog(config.server.event_buffer)
         self.store.subscribe(self.events.append)
@@ -309,6 +302,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self.started = time.time()
         self._tasks: list[asyncio.Task[Any]] = []
         self._ns_cache: dict[tuple[str | None, bytes], Namespace] = {}
+        self._wake_background = asyncio.Event()
 
     # ----------------------------------------------------------- helpers
     def _ns(self, msg: pb.Namespace, who: Principal) -> Namespace:
@@ -421,7 +415,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         keys = _chain_keys(request)
         owner, has_session = self._owner(context, who)
         ttl = None if has_session else self.config.server.reservation_timeout
-        res = self.store.acquire(ns, keys, owner=owner, ttl=ttl)
+        res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote)
         hit = int(np.count_nonzero(res.offsets >= 0))
         return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=slots_pb(res))
 
@@ -482,6 +476,13 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self.metrics.inline_bytes("out", sent)
         self.metrics.observe("Get", time.perf_counter() - t0)
 
+    @_rpc("Prefetch")
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Any, who: Principal) -> pb.PrefetchResponse:
+        hit, in_dram, queued = self.store.prefetch(self._ns(request.ns, who), _chain_keys(request))
+        if queued:
+            self._wake_background.set()
+        return pb.PrefetchResponse(hit_blocks=hit, in_dram=in_dram, queued=queued)
+
     @_rpc("Remove")
     async def Remove(self, request: pb.RemoveRequest, context: Any, who: Principal) -> pb.RemoveResponse:
         keys = _keys(request.keys)
@@ -520,7 +521,11 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         for t in st.tiers:
             out.tiers.append(pb.TierStats(tier=tier_pb(t.tier), capacity_bytes=t.capacity_bytes,
                                           used_bytes=t.used_bytes, blocks=t.blocks,
-                                          pinned_bytes=t.pinned_bytes, evictions=t.evictions))
+                                          pinned_bytes=t.pinned_bytes, evictions=t.evictions,
+                                          promotions=t.promotions, demotions=t.demotions))
+        if self.store.ssd is not None:
+            out.bytes_promoted = self.store.ssd.bytes_promoted
+            out.bytes_demoted = self.store.ssd.bytes_demoted
         if include_namespaces:
             for n in st.namespaces:
                 if tenant is not None and n.tenant != tenant:
@@ -598,12 +603,57 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             except Exception:  # never let the reaper die
                 log.exception("reaper failed")
 
+    async def _tier_worker(self) -> None:
+        """Background tier work in bounded steps; foreground calls run between
+        steps (the store is single-threaded), so a get never queues behind a
+        backlog of demotions."""
+        while True:
+            try:
+                more = self.store.background()
+            except Exception:
+                log.exception("background tier work failed")
+                more = False
+            if more:
+                await asyncio.sleep(0)
+                continue
+            self._wake_background.clear()
+            try:
+                await asyncio.wait_for(self._wake_background.wait(), 0.05)
+            except asyncio.TimeoutError:
+                pass
+
     def start_background(self) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(self._reaper()))
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._reaper()))
+        if self.store.ssd is not None:
+            self._tasks.append(loop.create_task(self._tier_worker()))
 
     def stop_background(self) -> None:
         for t in self._tasks:
             t.cancel()
+
+
+def store_config(config: Config) -> StoreConfig:
+    """The store's settings from the daemon's config tree."""
+    ssd = None
+    if config.ssd.capacity:
+        from kvstore.tiering import SsdSpec
+
+        path = config.ssd.resolved_path()
+        ssd = SsdSpec(path=str(path), capacity_bytes=config.ssd.capacity,
+                      admit_min_hits=config.ssd.admit_min_hits,
+                      write_budget_mbps=float(config.ssd.write_budget_mbps),
+                      write_mode=config.ssd.write_mode.value, low_watermark=config.ssd.low_watermark,
+                      sync=config.ssd.sync)
+    return StoreConfig(
+        dram_bytes=config.dram.capacity,
+        dram_page_bytes=config.dram.page_size,
+        dram_slot_sizes=tuple(config.dram.slot_sizes),
+        shm_name=config.dram.shm_name or None,
+        policy=config.eviction.policy.value,
+        reservation_timeout=config.server.reservation_timeout,
+        ssd=ssd,
+    )
 
 
 def _version() -> str:
@@ -687,6 +737,10 @@ async def _serve(config: Config) -> int:
             await running.stop(0)
             d.store.close()
             raise
+    rec = d.store.recovery
+    if rec is not None:
+        log.info("ssd tier at %s: recovered %d blocks (%d bytes) in %.3fs; dropped %d unusable records",
+                 d.store.ssd.tier.path if d.store.ssd else "?", rec.blocks, rec.bytes, rec.seconds, rec.dropped)
     log.info("kvstore serving on %s (dram %d bytes in %s, policy %s, auth %s, metrics %s) in %.2fs",
              running.address, d.store.dram.capacity_bytes, d.store.dram.path, d.store.policy.name.value,
              "on" if d.auth.enabled else "off", f"{config.metrics.host}:{mport}" if mport else "off",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from kvstore.index import NO_ROW, BlockIndex, BlockState, keys_to_array
 from kvstore.keys import Namespace
 from tiers.base import Buffer, TierKind
 from tiers.dram import DramTier
+
+if TYPE_CHECKING:
+    from kvstore.tiering import Recovery, SsdMover, SsdSpec
 
 KeysLike = Sequence[bytes] | bytes | np.ndarray
 
@@ -128,6 +131,10 @@ class TierStats:
     blocks: int
     pinned_bytes: int
     evictions: int
+    promotions: int = 0
+    demotions: int = 0
+    disk_bytes: int = 0
+    """Bytes on disk (SSD: segments incl. garbage not yet reclaimed, index)."""
 
 
 @dataclass(slots=True)
@@ -198,6 +205,8 @@ class StoreConfig:
     """Seconds after which an uncommitted reservation is reclaimed."""
     verify_reads: bool = True
     """Check each block's xxh3_64 on every read out of DRAM."""
+    ssd: "SsdSpec | None" = None
+    """The SSD tier (None: no SSD tier)."""
 
 
 def namespace_label(ns: Namespace) -> str:
@@ -239,11 +248,26 @@ class TieredStore:
         self._leases: dict[str, _Hold] = {}
         self._listeners: list[Callable[[Event], None]] = []
         self._doomed = 0
+        self.ssd: SsdMover | None = None
+        self.recovery: Recovery | None = None
+        if self.config.ssd is not None:
+            from kvstore.tiering import SsdMover
+
+            try:
+                self.ssd = SsdMover(self, self.config.ssd)
+                self.tiers[TierKind.SSD] = self.ssd.tier
+                self.recovery = self.ssd.recover()
+            except BaseException:
+                self.dram.close()
+                if self.ssd is not None:
+                    self.ssd.close()
+                raise
 
     # ------------------------------------------------------------ plumbing
     def close(self) -> None:
         for t in self.tiers.values():
             t.close()
+        self.tiers = {}
 
     def __enter__(self) -> "TieredStore":
         return self
@@ -258,7 +282,7 @@ class TieredStore:
         for fn in self._listeners:
             fn(ev)
 
-    def _nsid(self, ns: Namespace) -> int:
+    def _nsid(self, ns: Namespace, persist: bool = True) -> int:
         if not isinstance(ns, Namespace):
             raise InvalidArgument(f"namespace must be a kvstore.keys.Namespace, got {type(ns).__name__}")
         d = ns.digest
@@ -267,7 +291,23 @@ class TieredStore:
             nid = len(self._ns)
             self._ns_ids[d] = nid
             self._ns.append(ns)
+            if persist and self.ssd is not None:
+                self.ssd.register_namespace(d, ns.to_dict(), None)
         return nid
+
+    def _emit_moved(self, rows: np.ndarray, src: TierKind, dst: TierKind) -> None:
+        idx = self.index
+        for nid in np.unique(idx.ns[rows]).tolist():
+            mine = rows[idx.ns[rows] == nid]
+            keys = idx.keys_of(mine)
+            digest = self._ns[nid].digest
+            self._emit(Event("removed", digest, keys, src, "moved"))
+            self._emit(Event("stored", digest, keys, dst))
+
+    def background(self) -> bool:
+        """One bounded step of background tier work (prefetch, write-through,
+        write-back demotion, SSD reclaim). True when more is pending."""
+        return self.ssd.step() if self.ssd is not None else False
 
     def _ticks(self, n: int) -> int:
         t = self._tick
@@ -370,7 +410,9 @@ class TieredStore:
 
     def _make_room(self, tier: TierKind, nbytes: int, count: int, protect: np.ndarray) -> np.ndarray:
         """Allocate ``count`` slots for ``nbytes`` payloads in ``tier``, evicting
-        leaf-first as needed. ``protect`` rows are not evicted. May return fewer."""
+        leaf-first as needed. ``protect`` rows must stay stored (they are the
+        parents of what is being placed): without an SSD tier they are not
+        evicted; with one they may only be demoted. May return fewer."""
         t = self.dram
         first = t.allocate(nbytes, count)
         if first.size == count:
@@ -378,7 +420,8 @@ class TieredStore:
         parts = [first]
         got = first.size
         protect = np.unique(protect)
-        self.index.pins[protect] += 1
+        pin = protect if self.ssd is None else protect[:0]
+        self.index.pins[pin] += 1
         try:
             cls = t.class_of(nbytes)
             while got < count:
@@ -387,12 +430,15 @@ class TieredStore:
                     victims = self._victims_other_class(tier, cls)
                     if victims.size == 0:
                         break
-                self._drop(victims, reason="evicted")
+                if self.ssd is not None:
+                    self.ssd.evict_dram(victims, keep=protect)
+                else:
+                    self._drop(victims, reason="evicted")
                 more = t.allocate(nbytes, count - got)
                 parts.append(more)
                 got += more.size
         finally:
-            self.index.pins[protect] -= 1
+            self.index.pins[pin] -= 1
         return np.concatenate(parts)
 
     def _evictable(self, tier: TierKind) -> np.ndarray:
@@ -439,6 +485,10 @@ class TieredStore:
             key = (TierKind(tk), reason)
             self.counters.evictions[key] = self.counters.evictions.get(key, 0) + int(sel.size)
             self.tiers[TierKind(tk)].free(idx.loc[sel])
+        if self.ssd is not None:
+            copies = rows[idx.ssd_loc[rows] >= 0]
+            if copies.size:
+                self.ssd.tier.free(idx.ssd_loc[copies])
         idx.delete(rows)
         for ev in events:
             self._emit(ev)
@@ -454,6 +504,14 @@ class TieredStore:
         nbytes = int(sizes[todo[0]])
         protect = np.asarray([p for p in prefs if p >= 0], dtype=np.int64)
         locs = self._make_room(TierKind.DRAM, nbytes, len(todo), protect)
+        # a parent that had to leave (its demotion failed) stops the chain there
+        stop = next((j for j, p in enumerate(prefs[: locs.size])
+                     if p >= 0 and self.index.state[p] != BlockState.COMMITTED), None)
+        if stop is not None:
+            self.dram.free(locs[stop:])
+            for j in todo[stop:]:
+                res.statuses[j] = KeyStatus.PARENT_MISSING
+            locs, todo = locs[:stop], todo[:stop]
         got = locs.size
         for j in todo[got:]:
             res.statuses[j] = KeyStatus.CAPACITY
@@ -468,7 +526,10 @@ class TieredStore:
         rows = self.index.insert(nid, karr[sel], np.asarray(prefs[:got], dtype=np.int64),
                                  int(TierKind.DRAM), locs, np.full(got, nbytes, dtype=np.int64),
                                  state, self._ticks(got))
-        self._ns_size.setdefault(nid, nbytes)
+        if nid not in self._ns_size:
+            self._ns_size[nid] = nbytes
+            if self.ssd is not None:
+                self.ssd.register_namespace(self._ns[nid].digest, self._ns[nid].to_dict(), nbytes)
         self._fix_tail_statuses(res)
         return todo, rows, locs
 
@@ -484,6 +545,9 @@ class TieredStore:
         idx = self.index
         idx.state[rows] = BlockState.COMMITTED
         self.policy.on_insert(idx, rows)
+        if self.ssd is not None:
+            self.ssd.admission.seen(idx.keys_of(rows))
+            self.ssd.queue_copy(rows)
         par = idx.parent[rows[0]]
         self._emit(Event("stored", self._ns[nid].digest, idx.keys_of(rows), TierKind.DRAM,
                          parent=idx.key_of(int(par)) if par >= 0 else None))
@@ -521,6 +585,17 @@ class TieredStore:
     # ----------------------------------------------------------------- get
     def _read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
         idx = self.index
+        on_ssd = idx.tier[rows] == TierKind.SSD
+        if self.ssd is not None and np.any(on_ssd):
+            ok = np.zeros(rows.size, dtype=bool)
+            sidx = np.nonzero(on_ssd)[0]
+            ssd_rows = rows[sidx]
+            ok[sidx] = self.ssd.tier.read_into(idx.loc[ssd_rows], idx.size[ssd_rows], idx.csum[ssd_rows],
+                                               [outs[i] for i in sidx.tolist()], self.ssd._meta(ssd_rows))
+            didx = np.nonzero(~on_ssd)[0]
+            if didx.size:
+                ok[didx] = self._read(rows[didx], [outs[i] for i in didx.tolist()])
+            return ok
         if self.config.verify_reads:
             ok = self.dram.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs)
         else:
@@ -599,6 +674,8 @@ class TieredStore:
         for i in which[ok].tolist():
             res.statuses[i] = KeyStatus.OK
         self._touch(good_rows)
+        if self.ssd is not None and good_rows.size:
+            self.ssd.admission.seen(self.index.keys_of(good_rows))
         c.get_hit_blocks += int(good_rows.size)
         c.get_bytes += int(self.index.size[good_rows].sum()) if good_rows.size else 0
         return which[ok]
@@ -695,17 +772,22 @@ class TieredStore:
         return int(rows.size)
 
     # ---------------------------------------------------------- acquire
-    def acquire(self, ns: Namespace, keys: KeysLike, owner: str, ttl: float | None = None) -> SlotResult:
+    def acquire(self, ns: Namespace, keys: KeysLike, owner: str, ttl: float | None = None,
+                promote: bool = True) -> SlotResult:
         """Pin the leading present blocks for a zero-copy read under a lease.
-        Stops at the first miss (later blocks are useless without it). With
-        ``ttl`` the lease is released by ``reap`` after that many seconds
-        (for holders whose death the caller cannot observe)."""
+        Stops at the first miss (later blocks are useless without it). SSD
+        blocks of the prefix are promoted into DRAM first (``promote``; else
+        the lease stops at the first block not in DRAM). With ``ttl`` the
+        lease is released by ``reap`` after that many seconds (for holders
+        whose death the caller cannot observe)."""
         nid = self._nsid(ns)
         karr = keys_to_array(keys)
         n = karr.shape[0]
         look = self.index.lookup(nid, karr)
         res = SlotResult.empty(n, KeyStatus.MISS)
         rows = look.rows
+        if rows.size and self.ssd is not None:
+            rows = self._mappable_prefix(rows, promote)
         if rows.size == 0:
             self.counters.gets += 1
             self.counters.get_blocks += n
@@ -729,6 +811,42 @@ class TieredStore:
         c.get_hit_blocks += int(rows.size)
         c.get_bytes += int(idx.size[rows].sum())
         return res
+
+    def _mappable_prefix(self, rows: np.ndarray, promote: bool) -> np.ndarray:
+        """The leading rows readable from DRAM, promoting SSD ones if asked."""
+        assert self.ssd is not None
+        idx = self.index
+        on_ssd = np.nonzero(idx.tier[rows] == TierKind.SSD)[0]
+        if on_ssd.size == 0:
+            return rows
+        if not promote:
+            return rows[: int(on_ssd[0])]
+        idx.pins[rows] += 1  # the DRAM part must not be evicted to make room
+        try:
+            sel = rows[on_ssd]
+            done = 0
+            for size in dict.fromkeys(idx.size[sel].tolist()):  # one size per namespace, normally
+                part = sel[idx.size[sel] == size]
+                ok = self.ssd.promote(part)
+                done += int(ok.sum())
+                if not ok.all():
+                    break
+        finally:
+            idx.pins[rows] -= 1
+            self._sweep_doomed()
+        live = (idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] != TierKind.SSD)
+        stop = np.nonzero(~live)[0]
+        return rows[: int(stop[0])] if stop.size else rows
+
+    def prefetch(self, ns: Namespace, keys: KeysLike) -> tuple[int, int, int]:
+        """Queue the SSD blocks of a chain's hit prefix for promotion.
+        Returns (hit blocks, of which in DRAM, queued now)."""
+        nid = self._nsid(ns)
+        look = self.index.lookup(nid, keys_to_array(keys))
+        rows = look.rows
+        on_ssd = rows[self.index.tier[rows] == TierKind.SSD]
+        queued = self.ssd.queue_prefetch(on_ssd) if self.ssd is not None and on_ssd.size else 0
+        return look.hit, int(rows.size - on_ssd.size), queued
 
     def release(self, handle: str, owner: str) -> int:
         h = self._hold(self._leases, handle, owner, "lease")
@@ -854,6 +972,8 @@ class TieredStore:
         """Change a tier's capacity at run time. Shrinking moves blocks out of
         the retired region into free slots, evicting (policy order, leaf
         first) only what no longer fits. Returns blocks evicted."""
+        if tier is TierKind.SSD and self.ssd is not None:
+            return self._resize_ssd(capacity_bytes)
         if tier is not TierKind.DRAM:
             raise NotFound(f"tier {tier.label} is not configured")
         t = self.dram
@@ -897,6 +1017,28 @@ class TieredStore:
         t.resize(capacity_bytes)
         return evicted
 
+    def _resize_ssd(self, capacity_bytes: int) -> int:
+        assert self.ssd is not None
+        t = self.ssd.tier
+        idx = self.index
+        evicted = 0
+        while t.used_bytes > capacity_bytes:
+            rows = idx.used_rows()
+            cand = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.SSD)
+                        & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
+            victims = select_victims(idx, self.policy, cand, 64)
+            if victims.size == 0:
+                copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
+                if copies.size == 0:
+                    raise CapacityError("ssd blocks are pinned; retry after they are released")
+                t.free(idx.ssd_loc[copies[:64]])
+                idx.ssd_loc[copies[:64]] = -1
+                continue
+            self._drop(victims, reason="resized")
+            evicted += int(victims.size)
+        t.resize(capacity_bytes)
+        return evicted
+
     # ------------------------------------------------------------- stats
     def stats(self) -> StoreStats:
         idx = self.index
@@ -906,8 +1048,15 @@ class TieredStore:
             sel = rows[idx.tier[rows] == kind]
             pinned = sel[idx.pins[sel] > 0]
             ev = sum(v for (tk, _), v in self.counters.evictions.items() if tk == kind)
-            out.append(TierStats(kind, t.capacity_bytes, t.used_bytes, int(sel.size),
-                                 int(idx.size[pinned].sum()) if pinned.size else 0, ev))
+            ts = TierStats(kind, t.capacity_bytes, t.used_bytes, int(sel.size),
+                           int(idx.size[pinned].sum()) if pinned.size else 0, ev, disk_bytes=t.used_bytes)
+            if self.ssd is not None:
+                if kind is TierKind.DRAM:
+                    ts.promotions, ts.demotions = self.ssd.promoted, self.ssd.demoted
+                elif kind is TierKind.SSD:
+                    ts.promotions, ts.demotions = self.ssd.demoted, self.ssd.promoted
+                    ts.disk_bytes = self.ssd.tier.disk_bytes
+            out.append(ts)
         per_ns = np.bincount(idx.ns[rows[idx.state[rows] == BlockState.COMMITTED]].astype(np.int64),
                              minlength=len(self._ns))
         ns_stats = []

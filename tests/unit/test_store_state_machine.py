@@ -125,7 +125,8 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 1), c=st.integers(0, len(CHAINS) - 1), i=st.integers(0, 5), bit=st.integers(0, 8 * BS - 1))
     def bitflip(self, n, c, i, bit):
         rows = self.store.index.find_committed(n, keys_to_array([CHAINS[c][i]]))
-        if rows[0] >= 0 and self.store.index.pins[rows[0]] == 0:
+        idx = self.store.index
+        if rows[0] >= 0 and idx.pins[rows[0]] == 0 and idx.tier[rows[0]] == 1:  # a DRAM slot
             self.store.dram.corrupt_for_test(int(self.store.index.loc[rows[0]]), bit)
             res = self.store.get(NAMESPACES[n], [CHAINS[c][i]])
             assert res.statuses == [KeyStatus.CORRUPT]
@@ -174,3 +175,70 @@ class StoreMachine(RuleBasedStateMachine):
 StoreMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "150")), stateful_step_count=50, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
+
+
+class TieredStoreMachine(StoreMachine):
+    """The same rules and invariants with an SSD tier below DRAM, plus
+    background movement, prefetch and restarts (DRAM is lost; SSD stays)."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        from kvstore.tiering import SsdSpec
+
+        self._dir = tempfile.mkdtemp(prefix="kvssd-")
+        self._spec = SsdSpec(path=self._dir, capacity_bytes=12 * (BS + 88), admit_min_hits=1, sync=False,
+                             segment_bytes=64 * 1024, write_mode="through")
+        RuleBasedStateMachine.__init__(self)
+        self.store = self._open()
+        self.pins = {}
+        self.resv = []
+        for n, ns in enumerate(NAMESPACES):
+            seed = chain(b"seed", 1)[0]
+            self.store.put(ns, [seed], [self.expected(n, seed)])
+
+    def _open(self) -> TieredStore:
+        return TieredStore(StoreConfig(dram_bytes=10 * BS, dram_page_bytes=2 * BS, ssd=self._spec))
+
+    def teardown(self) -> None:
+        import shutil
+
+        self.store.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @rule(steps=st.integers(1, 20))
+    def background(self, steps):
+        for _ in range(steps):
+            if not self.store.background():
+                break
+
+    @rule(n=st.integers(0, 1), c=st.integers(0, len(CHAINS) - 1))
+    def prefetch(self, n, c):
+        hit, in_dram, queued = self.store.prefetch(NAMESPACES[n], CHAINS[c])
+        assert in_dram + queued <= hit
+
+    @rule()
+    def restart(self):
+        self.store.close()
+        self.store = self._open()
+        self.pins = {}
+        self.resv = []
+
+    @invariant()
+    def accounting_is_exact(self):
+        # DRAM pages as in the parent machine, for the DRAM-resident rows
+        st_ = self.store
+        st_.index.check_invariants()
+        rows = st_.index.used_rows()
+        dram_rows = rows[st_.index.tier[rows] == 1]
+        assert st_.dram.used_bytes == len(dram_rows) * BS
+        ssd_ids = np.concatenate([st_.index.loc[rows[st_.index.tier[rows] == 2]],
+                                  st_.index.ssd_loc[rows][st_.index.ssd_loc[rows] >= 0]])
+        assert len(set(ssd_ids.tolist())) == ssd_ids.size  # no SSD id is shared
+        assert st_.ssd.tier.used_bytes == ssd_ids.size * (BS + 88)
+
+
+TieredStoreMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "150")) // 2, stateful_step_count=50,
+    deadline=None)
+TestTieredStoreMachine = TieredStoreMachine.TestCase
