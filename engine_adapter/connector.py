@@ -64,6 +64,7 @@ _FAULTS: tuple[type[BaseException], ...] = (KVStoreError, grpc.RpcError, OSError
 
 # per-block codes agreed with a MIN all-reduce (worst wins)
 _C_OK, _C_MISS, _C_CORRUPT, _C_INVALID = 1, 0, -1, -2
+_ABORTED = "a rank could not write its shards; the reservation was aborted"
 _CODE_STATUS = {_C_OK: KeyStatus.OK, _C_MISS: KeyStatus.MISS, _C_CORRUPT: KeyStatus.CORRUPT,
                 _C_INVALID: KeyStatus.INVALID}
 
@@ -350,6 +351,8 @@ class KVConnector:
             except _FAULTS as e:
                 self._fault("release", e)
         ok = _leading(codes[:hit]) if hit else 0
+        if ok < hit and fault is None and np.all(codes[:hit] >= _C_MISS):
+            fault = "a rank could not read its shards from the daemon's slab"
         if ok:
             self._scatter(views, pages[:ok], typed[:ok])
         if self.rank == 0 and hit > ok and np.any(codes[:hit] == _C_CORRUPT):
@@ -541,6 +544,8 @@ class KVConnector:
                 code = int(self.group.all_reduce_min(torch.tensor([code], dtype=torch.int32))[0])
             if self.rank == 0:
                 fault = self._finish_save(resv, code, statuses) or fault
+            elif code != 1:
+                fault = _ABORTED
         if self.tp > 1:
             statuses = self.group.broadcast(torch.from_numpy(statuses)).numpy()
             if plan.status == PLAN_FAULT and self.rank != 0:
@@ -594,7 +599,7 @@ class KVConnector:
             statuses[statuses == int(KeyStatus.OK)] = int(KeyStatus.MISS)
             return self._fault("save", e)
         statuses[statuses == int(KeyStatus.OK)] = int(KeyStatus.MISS)
-        return "a rank could not write its shards; the reservation was aborted"
+        return _ABORTED
 
     def _save_inline(self, c: Client, keys: list[bytes], pages: torch.Tensor, views: tuple[torch.Tensor, ...],
                      parent: bytes | None, start: int) -> SaveResult:

@@ -256,11 +256,19 @@ def _base(pt: PreparedTrace, policy: str, capacity: int) -> ReplayResult:
 
 
 # ------------------------------------------------------------------ Bélády
-def belady(pt: PreparedTrace, capacity_blocks: int) -> ReplayResult:
-    """Hits of Bélády's MIN with chains kept contiguous (module docstring)."""
+def belady(pt: PreparedTrace, capacity_blocks: int, bypass: bool = False) -> ReplayResult:
+    """Hits of Bélády's policy with chains kept contiguous (module docstring).
+
+    ``bypass=False`` (policy ``belady``): like the store, every missing block
+    of a request is stored; to make room, the cached block whose next use is
+    furthest ahead is evicted, never one of the request's own blocks.
+    ``bypass=True`` (policy ``belady_min``): MIN, which also declines to store
+    a block whose own next use is the furthest (with the rest of its chain):
+    optimal admission as well as eviction, the bound for a store with perfect
+    admission control."""
     t0 = time.perf_counter()
     cap = int(capacity_blocks)
-    res = _base(pt, "belady", cap)
+    res = _base(pt, "belady_min" if bypass else "belady", cap)
     n = pt.blocks
     nxt = pt.next_use()
     depth = np.arange(n, dtype=np.int64) - np.repeat(pt.offsets[:-1], np.diff(pt.offsets))
@@ -271,32 +279,45 @@ def belady(pt: PreparedTrace, capacity_blocks: int) -> ReplayResult:
     ids_l = ids.tolist()
     nid = pt.distinct_blocks
     present = np.zeros(nid, dtype=bool)
+    inreq = np.full(nid, -1, dtype=np.int64)  # the request that last used a block
     cur = [-1] * nid  # current rank of a cached block
     heap: list[tuple[int, int]] = []  # (-rank, id), lazily invalidated
     push, pop = heapq.heappush, heapq.heappop
-    size = hits = evicted = bypassed = stored = 0
+    size = hits = evicted = bypassed = stored = rejected = 0
     offs = pt.offsets.tolist()
     for r in range(pt.requests):
         s, e = offs[r], offs[r + 1]
         if s == e:
             continue
-        pres = present[ids[s:e]]
+        bid = ids[s:e]
+        pres = present[bid]
         h = (e - s) if pres.all() else int(pres.argmin())
         hits += h
+        inreq[bid] = r
         for p in range(s, s + h):
             b, k = ids_l[p], rank[p]
             cur[b] = k
             push(heap, (-k, b))
+        aside: list[tuple[int, int]] = []  # valid entries of this request's blocks
         for p in range(s + h, e):
             b, k = ids_l[p], rank[p]
             if size >= cap:
-                while True:  # the valid top: the cached block used furthest ahead
+                v, negk = -1, 0
+                while heap:  # the valid top: the cached block used furthest ahead
                     negk, v = heap[0]
-                    if present[v] and cur[v] == -negk:
+                    if not (present[v] and cur[v] == -negk):
+                        pop(heap)
+                    elif not bypass and inreq[v] == r:
+                        aside.append(pop(heap))  # the request's own blocks stay
+                    else:
                         break
-                    pop(heap)
-                if -negk <= k or cap == 0:
-                    bypassed += e - p  # this block and the rest of its chain
+                else:
+                    v = -1
+                if v < 0 or (bypass and -negk <= k):
+                    if v < 0:
+                        rejected += e - p
+                    else:
+                        bypassed += e - p  # this block and the rest of its chain
                     break
                 pop(heap)
                 present[v] = False
@@ -308,6 +329,8 @@ def belady(pt: PreparedTrace, capacity_blocks: int) -> ReplayResult:
             push(heap, (-k, b))
             size += 1
             stored += 1
+        for item in aside:
+            push(heap, item)
         if len(heap) > 4 * (size + 1024):  # drop stale entries now and then
             heap = [(nk, v) for nk, v in heap if present[v] and cur[v] == -nk]
             heapq.heapify(heap)
@@ -316,6 +339,7 @@ def belady(pt: PreparedTrace, capacity_blocks: int) -> ReplayResult:
     res.evictions = {"dram/evicted": evicted}
     res.put_blocks = stored
     res.bypassed_blocks = bypassed
+    res.rejected_blocks = rejected
     res.seconds = time.perf_counter() - t0
     return res
 

@@ -69,6 +69,8 @@ class DaemonThread:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
 
     def stop(self) -> None:
+        if not self.thread.is_alive():
+            return
         try:
             asyncio.run_coroutine_threadsafe(self.running.stop(1.0), self.loop).result(30)
         finally:
