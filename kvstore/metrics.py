@@ -137,6 +137,11 @@ class StoreCollector(Collector):
             g("kvstore_tier_pinned_bytes",
               "Bytes of the tier's blocks held by a pin or a lease (not evictable).",
               labels=tier),
+            g("kvstore_tier_disk_bytes",
+              "Bytes the tier occupies on disk (SSD: segments incl. garbage not yet "
+              "reclaimed, and its index); equals used bytes for memory tiers.", labels=tier),
+            c("kvstore_tier_promotions", "Blocks moved into the tier from a colder one.", labels=tier),
+            c("kvstore_tier_demotions", "Blocks moved out of the tier to a colder one.", labels=tier),
             c("kvstore_evictions_total",
               "Blocks that left a tier, by reason: evicted (for room), resized (tier shrunk), "
               "corrupt (checksum mismatch), removed, cleared, aborted (reservation).",
@@ -201,6 +206,9 @@ class StoreCollector(Collector):
             f["kvstore_tier_used_bytes"].add_metric(lab, t.used_bytes)
             f["kvstore_tier_capacity_bytes"].add_metric(lab, t.capacity_bytes)
             f["kvstore_tier_pinned_bytes"].add_metric(lab, t.pinned_bytes)
+            f["kvstore_tier_disk_bytes"].add_metric(lab, t.disk_bytes)
+            f["kvstore_tier_promotions"].add_metric(lab, t.promotions)
+            f["kvstore_tier_demotions"].add_metric(lab, t.demotions)
         c = st.counters
         for (tier, reason), n in sorted(c.evictions.items(), key=lambda kv: (int(kv[0][0]),
                                                                               kv[0][1])):

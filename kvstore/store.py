@@ -1054,7 +1054,6 @@ class TieredStore:
                 if kind is TierKind.DRAM:
                     ts.promotions, ts.demotions = self.ssd.promoted, self.ssd.demoted
                 elif kind is TierKind.SSD:
-                    ts.promotions, ts.demotions = self.ssd.demoted, self.ssd.promoted
                     ts.disk_bytes = self.ssd.tier.disk_bytes
             out.append(ts)
         per_ns = np.bincount(idx.ns[rows[idx.state[rows] == BlockState.COMMITTED]].astype(np.int64),

@@ -161,3 +161,27 @@ def test_resize_ssd_shrinks(tmp_path, ns):
         st.resize(TierKind.SSD, 3 * (BS + 88))
         assert st.ssd.tier.used_bytes <= 3 * (BS + 88)
         st.index.check_invariants()
+
+
+def test_disk_full_drops_demotions_reads_keep_working_and_writes_resume(tmp_path, ns):
+    import errno
+
+    from tests.unit.test_ssd import FaultyFs
+
+    with make(tmp_path, dram_slots=2, low_watermark=0.0) as st:
+        fs = FaultyFs()
+        st.ssd.tier.fs = fs
+        a = chain(b"a", 2)
+        st.put(ns, a, [P(k) for k in a])
+        fs.fail_write = errno.ENOSPC
+        b = chain(b"b", 2)
+        assert st.put(ns, b, [P(k) for k in b]).statuses == [KeyStatus.OK] * 2  # DRAM keeps serving
+        assert st.ssd.write_errors >= 1
+        assert st.lookup(ns, a).hit_blocks == 0  # its demotion failed: dropped, never half-written
+        assert [g.tobytes() for g in st.get(ns, b).payloads] == [P(k) for k in b]
+        fs.fail_write = None  # space is back
+        c = chain(b"c", 2)
+        st.put(ns, c, [P(k) for k in c])
+        assert st.lookup(ns, b).tiers == [TierKind.SSD] * 2
+        assert [g.tobytes() for g in st.get(ns, b).payloads] == [P(k) for k in b]
+        st.index.check_invariants()
