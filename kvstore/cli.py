@@ -714,6 +714,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="full runs instead of --quick")
     p.add_argument("--json-dir", help="write each benchmark's JSON here")
     p.set_defaults(func=_cmd_bench)
+
+    from kvstore import demo  # light: the model stack is imported when it runs
+
+    p = sub.add_parser("demo", help="prefix-cache experiment on a small model (starts a daemon)",
+                       description=demo.__doc__.split("\n\n")[0] if demo.__doc__ else None)
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
     return ap
 
 

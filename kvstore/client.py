@@ -18,7 +18,7 @@ import asyncio
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 import grpc
 import numpy as np
@@ -82,7 +82,7 @@ def _pack(keys: Sequence[bytes]) -> bytes:
 
 
 def ns_pb(ns: Namespace) -> pb.Namespace:
-    d = ns.to_dict()
+    d: dict[str, Any] = dict(ns.to_dict())
     fields = pb.Namespace.DESCRIPTOR.fields_by_name
     return pb.Namespace(**{k: v for k, v in d.items() if k in fields})
 
@@ -422,7 +422,7 @@ class Client(_Base):
 
     def admin_resize(self, tier: str, capacity_bytes: int) -> dict[str, Any]:
         r = self._call(self.admin.ResizeTier, pb.ResizeTierRequest(
-            tier=int(TierKind.parse(tier)) + 1, capacity_bytes=capacity_bytes))
+            tier=cast(Any, int(TierKind.parse(tier)) + 1), capacity_bytes=capacity_bytes))
         return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     def admin_set_policy(self, name: str) -> dict[str, Any]:

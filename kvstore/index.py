@@ -100,7 +100,7 @@ class Lookup:
 class BlockIndex:
     """Key -> block metadata, struct-of-arrays. See the module docstring."""
 
-    _COLUMNS: tuple[tuple[str, str, int], ...] = (
+    _COLUMNS: tuple[tuple[str, str, float], ...] = (
         ("k0", "u8", 0),
         ("k1", "u8", 0),
         ("ns", "u4", 0),

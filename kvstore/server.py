@@ -75,8 +75,13 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 # ------------------------------------------------------------- conversions
-def tier_pb(t: TierKind | int) -> int:
+def tier_pb(t: TierKind | int) -> Any:
+    """Wire value of a tier (TierKind + 1; typed Any for the generated stubs)."""
     return int(t) + 1
+
+
+def status_pb(s: KeyStatus | int) -> Any:
+    return int(s)
 
 
 def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
@@ -100,19 +105,14 @@ def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
     return Namespace(**kw)
 
 
-def ns_to_pb(ns: Namespace) -> pb.Namespace:
-    d = ns.to_dict()
-    return pb.Namespace(**{k: v for k, v in d.items() if k in pb.Namespace.DESCRIPTOR.fields_by_name})
-
-
 def results_pb(keys: list[bytes], res: BatchResult) -> list[pb.KeyResult]:
-    return [pb.KeyResult(key=k, status=int(s), detail=res.messages.get(i, ""))
+    return [pb.KeyResult(key=k, status=status_pb(s), detail=res.messages.get(i, ""))
             for i, (k, s) in enumerate(zip(keys, res.statuses))]
 
 
 def slots_pb(res: SlotResult) -> pb.SlotArray:
     has = res.offsets >= 0
-    return pb.SlotArray(status=[int(s) for s in res.statuses],
+    return pb.SlotArray(status=[status_pb(s) for s in res.statuses],
                         tier=np.where(has, res.tier_codes.astype(np.int64) + 1, 0).tolist(),
                         offset=np.maximum(res.offsets, 0).tolist(), length=res.lengths.tolist(),
                         checksum=res.checksums.tolist())
@@ -222,12 +222,12 @@ class EventLog:
         if ev.kind == "stored":
             msg.stored.ns_digest = ev.ns_digest
             msg.stored.keys.extend(ev.keys)
-            msg.stored.tier = tier_pb(ev.tier) if ev.tier is not None else 0
+            msg.stored.tier = tier_pb(ev.tier) if ev.tier is not None else pb.TIER_UNSPECIFIED
             msg.stored.parent = ev.parent or b""
         elif ev.kind == "removed":
             msg.removed.ns_digest = ev.ns_digest
             msg.removed.keys.extend(ev.keys)
-            msg.removed.tier = tier_pb(ev.tier) if ev.tier is not None else 0
+            msg.removed.tier = tier_pb(ev.tier) if ev.tier is not None else pb.TIER_UNSPECIFIED
             msg.removed.reason = {"evicted": pb.REMOVE_REASON_EVICTED, "removed": pb.REMOVE_REASON_REMOVED,
                                   "corrupt": pb.REMOVE_REASON_CORRUPT, "aborted": pb.REMOVE_REASON_ABORTED,
                                   "moved": pb.REMOVE_REASON_MOVED}.get(ev.reason, pb.REMOVE_REASON_EVICTED)
@@ -402,7 +402,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         if request.keys:
             raise InvalidArgument("partial commit is not supported: commit the whole reservation or abort it")
         res = self.store.commit(request.reservation_id, owner, list(request.checksums) or None)
-        return pb.CommitResponse(results=[pb.KeyResult(status=int(s)) for s in res.statuses])
+        return pb.CommitResponse(results=[pb.KeyResult(status=status_pb(s)) for s in res.statuses])
 
     @_rpc("Abort")
     async def Abort(self, request: pb.AbortRequest, context: Any, who: Principal) -> pb.AbortResponse:
@@ -464,13 +464,13 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         sent = 0
         for i, (k, s, p) in enumerate(zip(keys, res.statuses, res.payloads)):
             if p is None:
-                yield pb.GetChunk(index=i, key=k, status=int(s))
+                yield pb.GetChunk(index=i, key=k, status=status_pb(s))
                 continue
             c = checksum(p)
             total = p.size
             for off in range(0, max(total, 1), chunk):
                 piece = p[off : off + chunk].tobytes()
-                yield pb.GetChunk(index=i, key=k, status=int(s), data=piece, checksum=c, offset=off,
+                yield pb.GetChunk(index=i, key=k, status=status_pb(s), data=piece, checksum=c, offset=off,
                                   total=total, tier=tier_pb(TierKind.DRAM))
             sent += total
         self.metrics.inline_bytes("out", sent)

@@ -40,7 +40,7 @@ from kvstore.errors import CapacityError, InvalidArgument, KeyStatus, NotFound, 
 from kvstore.eviction import Policy, PolicyName, make_policy, select_victims
 from kvstore.index import NO_ROW, BlockIndex, BlockState, keys_to_array
 from kvstore.keys import Namespace
-from tiers.base import Buffer, TierKind
+from tiers.base import Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class TieredStore:
         self.index = BlockIndex()
         self.dram = DramTier(self.config.dram_bytes, name=self.config.shm_name,
                              page_bytes=self.config.dram_page_bytes, slot_sizes=self.config.dram_slot_sizes)
-        self.tiers = {TierKind.DRAM: self.dram}
+        self.tiers: dict[TierKind, Tier] = {TierKind.DRAM: self.dram}
         self.policy: Policy = make_policy(self.config.policy)
         self._ns_ids: dict[bytes, int] = {}
         self._ns: list[Namespace] = []

@@ -31,7 +31,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -110,7 +110,7 @@ class SsdMover:
             out.append(BlockMeta(st._ns[int(idx.ns[r])].digest, k, idx.key_of(p) if p >= 0 else b""))
         return out
 
-    def register_namespace(self, digest: bytes, ns_dict: dict[str, object], block_bytes: int | None) -> None:
+    def register_namespace(self, digest: bytes, ns_dict: Mapping[str, object], block_bytes: int | None) -> None:
         """Persist a namespace (and its payload size once known) for restarts."""
         doc = {"namespace": ns_dict, "block_bytes": block_bytes}
         self.tier.put_namespace(digest, json.dumps(doc, sort_keys=True).encode())
