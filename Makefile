@@ -24,7 +24,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	for b in bench/core.py bench/service.py; do $(PY) $$b --quick || exit 1; done
+	mkdir -p bench/out
+	for b in core service tiers; do $(PY) bench/$$b.py --quick --json bench/out/$$b.json || exit 1; done
 
 proto: $(STAMP)
 	$(PY) -m proto.generate
