@@ -97,7 +97,7 @@ def bench_lookup(rep: Report, target: str, quick: bool) -> None:
         return lambda: stub.Check(req)
 
     def lookup(n):
-        req = pb.LookupRequest(ns=nsm, keys=keys[:n])
+        req = pb.LookupRequest(ns=nsm, keys_packed=b"".join(keys[:n]))
 
         def mk(ch):
             stub = pb_grpc.KVStoreStub(ch)

@@ -91,6 +91,14 @@ def _tier_name(t: int) -> str:
     return TierKind(t - 1).label if t else "unspecified"
 
 
+_TIER_NAMES = [_tier_name(t) for t in range(len(TierKind) + 1)]
+
+
+def _lookup_result(r: pb.LookupResponse) -> "LookupResult":
+    codes = r.tiers_packed if r.tiers_packed else r.tiers
+    return LookupResult(r.hit_blocks, [_TIER_NAMES[t] for t in codes])
+
+
 def _read_token(token: str | None, token_file: str | None) -> str | None:
     if token:
         return token
@@ -272,7 +280,7 @@ class Client(_Base):
     # ----------------------------------------------------------- queries
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
         r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
-        return LookupResult(r.hit_blocks, [_tier_name(t) for t in r.tiers])
+        return _lookup_result(r)
 
     def stats(self, include_namespaces: bool = True) -> dict[str, Any]:
         r = self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))
@@ -521,7 +529,7 @@ class AsyncClient(_Base):
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
         r = await self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
-        return LookupResult(r.hit_blocks, [_tier_name(t) for t in r.tiers])
+        return _lookup_result(r)
 
     async def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
                   parent: bytes | None = None) -> list[KeyStatus]:

@@ -376,6 +376,9 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
     async def Lookup(self, request: pb.LookupRequest, context: Any, who: Principal) -> pb.LookupResponse:
         res = self.store.lookup(self._ns(request.ns, who), _chain_keys(request))
         self.metrics.lookup_hits(res.tier_codes)
+        if request.keys_packed:
+            return pb.LookupResponse(hit_blocks=res.hit_blocks,
+                                     tiers_packed=(res.tier_codes.astype(np.uint8) + 1).tobytes())
         return pb.LookupResponse(hit_blocks=res.hit_blocks, tiers=(res.tier_codes.astype(np.int64) + 1).tolist())
 
     @_rpc("Reserve")

@@ -211,12 +211,14 @@ class LookupRequest(_message.Message):
     def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_blocks", "tiers")
+    __slots__ = ("hit_blocks", "tiers", "tiers_packed")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_PACKED_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    tiers_packed: bytes
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., tiers_packed: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("ns", "keys", "sizes", "block_bytes", "parent", "tier", "keys_packed")
