@@ -42,9 +42,10 @@ def bench_hashing(rep: Report, repeats: int) -> None:
         rep.figure(f"hash_bs{bs}_tokens_per_s", r["tokens_per_s"], "tokens/s")
         rep.figure(f"hash_bs{bs}_raw_xxh3_tokens_per_s", r["raw_tokens_per_s"], "tokens/s")
         rep.figure(f"hash_bs{bs}_ratio_to_raw", r["ratio"], "x")
-    default_bs = Namespace(tenant="t", model_id="m").block_size
-    ratio = res[default_bs]["ratio"] if default_bs in res else min(r["ratio"] for r in res.values())
-    rep.target(f"chain hashing / raw xxh3 (block_size {default_bs})", ratio, 0.3)
+    # The chain is serial (each key feeds the next hash), so per-block cost
+    # bounds the ratio at small blocks; report the target at each block size.
+    for bs, r in res.items():
+        rep.target(f"chain hashing / raw xxh3, block_size {bs}", r["ratio"], 0.3)
 
 
 def bench_lookup(rep: Report, repeats: int) -> None:
