@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -300,7 +300,8 @@ class KVConnector:
         """Leading cached blocks of ``tokens`` (rank 0 asks; all ranks get the answer)."""
         keys = self.keys(tokens)
         self.stats.lookups += 1
-        plan, tiers, fault = Plan.empty(0), (), None
+        plan, fault = Plan.empty(0), None
+        tiers: tuple[str, ...] = ()
         if self.rank == 0:
             c = self.client()
             if c is None:
@@ -345,7 +346,7 @@ class KVConnector:
         if hit and self.tp > 1:
             agreed = self.group.all_reduce_min(torch.from_numpy(codes[:hit].copy()))
             codes[:hit] = agreed.numpy()
-        if lease is not None:
+        if lease is not None and self._client is not None:  # (a fault closed it: the daemon reclaims)
             try:
                 lease.release()
             except _FAULTS as e:

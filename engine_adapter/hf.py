@@ -67,7 +67,8 @@ def build_model(config: Any, seed: int = 0, dtype: torch.dtype = torch.float32,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(dtype).eval()
+    model = model.to(dtype=dtype)  # type: ignore[call-arg]
+    return model.eval()
 
 
 def weights_digest(model: Any) -> str:
@@ -288,7 +289,7 @@ class HFPrefixCache:
                                   f"TP={group.size} group holds {kv_local}: shard the model with shard_model()")
         p = next(model.parameters())
         bs = ns.block_size
-        max_tokens = int(max_tokens or getattr(cfg, "max_position_embeddings", 4096))
+        max_tokens = int(max_tokens or getattr(cfg, "max_position_embeddings", None) or 4096)
         self.layout = PagedKVLayout(KVLayout.LAYER_KV_PAGE, int(cfg.num_hidden_layers), -(-max_tokens // bs),
                                     bs, kv_local, hd, p.dtype)
         self.pages = torch.zeros(self.layout.tensor_shape, dtype=p.dtype, device=p.device)

@@ -285,6 +285,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="model layers (4)")
     p.add_argument("--hidden", type=int, default=256, help="model hidden size (256)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: leaves a core to the daemon; see bench/engine.py)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
@@ -300,8 +302,15 @@ def run(args: argparse.Namespace) -> int:
         import transformers  # noqa: F401
     except ImportError:
         raise InvalidArgument("kvstore demo needs the 'transformers' package (pip install transformers)") from None
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, args.threads))
     t0 = time.perf_counter()
-    runs, diff = run_demo(args.target, args.requests, args.new_tokens, args.seed, args.layers, args.hidden)
+    try:
+        runs, diff = run_demo(args.target, args.requests, args.new_tokens, args.seed, args.layers, args.hidden)
+    finally:
+        torch.set_num_threads(threads)
     print()
     print(format_runs(runs))
     print("\nHIT RATIO: hit blocks / full prompt blocks over all requests; TTFT: median of requests 2..N;")

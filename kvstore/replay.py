@@ -219,8 +219,12 @@ class ReplayResult:
     ssd_admission: str = ""
     """"on" (the SSD write admission's default rule), "off" (admit all) or ""."""
     ssd_bytes_written: int | None = None
+    demoted_blocks: int = 0
+    """Blocks moved from DRAM to SSD."""
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    request_hits: np.ndarray | None = field(default=None, repr=False)
+    """Hit blocks of each request (int64), for analysis; not in ``to_dict``."""
 
     @property
     def hit_tokens(self) -> int:
@@ -245,7 +249,8 @@ class ReplayResult:
         return self.policy
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "request_hits"}
+        d["tier_hits"], d["evictions"], d["notes"] = dict(self.tier_hits), dict(self.evictions), list(self.notes)
         d.update(label=self.label, hit_tokens=self.hit_tokens, block_hit_ratio=self.block_hit_ratio,
                  token_hit_ratio=self.token_hit_ratio, prefill_tokens_saved=self.prefill_tokens_saved)
         return d
@@ -285,6 +290,7 @@ def belady(pt: PreparedTrace, capacity_blocks: int, bypass: bool = False) -> Rep
     push, pop = heapq.heappush, heapq.heappop
     size = hits = evicted = bypassed = stored = rejected = 0
     offs = pt.offsets.tolist()
+    per_req = np.zeros(pt.requests, dtype=np.int64)
     for r in range(pt.requests):
         s, e = offs[r], offs[r + 1]
         if s == e:
@@ -293,6 +299,7 @@ def belady(pt: PreparedTrace, capacity_blocks: int, bypass: bool = False) -> Rep
         pres = present[bid]
         h = (e - s) if pres.all() else int(pres.argmin())
         hits += h
+        per_req[r] = h
         inreq[bid] = r
         for p in range(s, s + h):
             b, k = ids_l[p], rank[p]
@@ -335,6 +342,7 @@ def belady(pt: PreparedTrace, capacity_blocks: int, bypass: bool = False) -> Rep
             heap = [(nk, v) for nk, v in heap if present[v] and cur[v] == -nk]
             heapq.heapify(heap)
     res.hit_blocks = hits
+    res.request_hits = per_req
     res.tier_hits = {"dram": hits}
     res.evictions = {"dram/evicted": evicted}
     res.put_blocks = stored
@@ -430,7 +438,7 @@ def _ssd_bytes_written(store: Any) -> int | None:
 # --------------------------------------------------------------- in process
 def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, *, ssd_blocks: int = 0,
            ssd_admission: str = "on", ssd_path: str | None = None, payload_bytes: int = _SLOT,
-           label: str | None = None) -> ReplayResult:
+           label: str | None = None, store_cls: Any = None) -> ReplayResult:
     """Run ``pt`` through an in-process ``TieredStore`` (module docstring).
 
     ``policy`` is a policy name, or an object with the ``kvstore.eviction.Policy``
@@ -438,7 +446,8 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
     an SSD tier of that many blocks (in a temporary directory unless
     ``ssd_path``) when this build supports one (else a note says it was
     skipped); ``ssd_admission`` "on" keeps the admission rule's default, "off"
-    admits every demoted block."""
+    admits every demoted block. ``store_cls`` replaces ``TieredStore`` (a
+    subclass prototyping another eviction order)."""
     from kvstore.errors import KeyStatus
     from kvstore.store import TieredStore
     from tiers.base import TierKind
@@ -460,7 +469,7 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
         res.ssd_blocks, res.ssd_admission = ssd_blocks, ssd_admission
     t0 = time.perf_counter()
     try:
-        with TieredStore(cfg) as store:
+        with (store_cls or TieredStore)(cfg) as store:
             if not isinstance(policy, str):
                 store.policy = policy
             background = getattr(store, "background", None)
@@ -468,6 +477,7 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
             payload = np.zeros(payload_bytes, dtype=np.uint8)
             keys, offs, tof = pt.keys, pt.offsets.tolist(), pt.tenant_of.tolist()
             tier_counts = np.zeros(256, dtype=np.int64)
+            per_req = np.zeros(pt.requests, dtype=np.int64)
             hits = rejected = 0
             for r in range(pt.requests):
                 s, e = offs[r], offs[r + 1]
@@ -482,8 +492,9 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
                     lease = store.acquire(ns, karr[:h], OWNER)
                     handle = lease.handle
                     h = int(np.count_nonzero(lease.offsets >= 0))
-                    tier_counts[: 256] += np.bincount(look.tier_codes[:h], minlength=256)[:256]
+                    tier_counts += np.bincount(look.tier_codes[:h], minlength=256)[:256]
                     hits += h
+                    per_req[r] = h
                 if h < e - s:
                     parent = karr[h - 1].tobytes() if h else None
                     put = store.put(ns, karr[h:], [payload] * (e - s - h), parent=parent)
@@ -495,6 +506,7 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
                         pass
             stats = store.stats()
             res.hit_blocks = hits
+            res.request_hits = per_req
             res.rejected_blocks = rejected
             res.tier_hits = {TierKind(t).label: int(c) for t, c in enumerate(tier_counts.tolist()) if c}
             res.evictions = {f"{tk.label}/{reason}": int(n) for (tk, reason), n in
@@ -502,6 +514,7 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
             res.put_blocks = int(stats.counters.put_blocks)
             if has_ssd:
                 res.ssd_bytes_written = _ssd_bytes_written(store)
+                res.demoted_blocks = int(getattr(getattr(store, "ssd", None), "demoted", 0) or 0)
                 if res.ssd_bytes_written is None:
                     res.notes.append("SSD bytes written: this build reports no SSD write counter")
     finally:

@@ -1,0 +1,494 @@
+"""Eviction policy sweep (issue 9). Not a test: it reports numbers.
+
+For every trace kind of ``bench/workloads.py`` (chat, shared_prompt, agent,
+docqa, mix) x three DRAM capacities (``--fractions`` of the trace's live
+peak: the capacity at which Bélády reaches an unbounded cache's hit ratio) x
+the policies ``lru``, ``lfu``, ``cost``, it replays the trace through an
+in-process ``TieredStore`` (``kvstore.replay``) and computes, for the same
+trace and capacity, Bélády's hit ratio (``belady``: store every missing
+block, evict the block used furthest ahead) and MIN's (``belady_min``: also
+decline to store blocks used furthest ahead: optimal admission). With an SSD
+tier in this build, each policy also runs with an SSD of ``--ssd-multiple``
+x the DRAM capacity, SSD write admission on (the store's default rule) and
+off (every demoted block written); those compare with Bélády at DRAM + SSD
+blocks. A build without SSD support reports those rows as skipped.
+
+Analysis of the ``cost`` target (``--analyze``, on by default): at the
+middle capacity of the shared_prompt and agent traces it also runs
+(a) the eviction order the store uses, instrumented: how many eviction rounds
+took *every* evictable leaf (the policy's ranking could not matter);
+(b) a prototype of a different eviction order (``SubtreeOrderStore``: rank
+each block by the largest rank in its subtree, evict the k lowest in one
+round, so the policy's ranking is followed while chains stay contiguous),
+with the current ``cost`` ranking and with ``cost`` without its depth
+weighting (``depth_weight=0``: GreedyDual-Size-Frequency); (c) an oracle
+that ranks blocks by how often the *whole trace* uses them (no online policy
+knows this: a bound for frequency-based ranking), and the hits of each run
+split by how often the hit block is used in the trace.
+
+Output: the table (benchlib.Report; every hit ratio is a figure), the
+targets, a plot of hit ratio against capacity per policy and trace
+(``--plot``, PNG, needs matplotlib: ``pip install -e .[bench]``; skipped
+with a note otherwise) and the raw numbers (``--raw``, JSON).
+
+Targets (issue 9), computed from this run: ``cost`` / Bélády >= 0.9 on
+shared_prompt and agent at the middle capacity; for every trace and
+capacity, lfu and cost reach at least 0.99 x lru's hit ratio (cases below
+are listed with the hit breakdown that explains them).
+
+Usage: python bench/sweep.py [--quick] [--json PATH] [--raw PATH] [--plot PATH]
+       [--jobs N] [--kinds chat,agent] [--fractions 0.1,0.25,0.5] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import sys
+import time
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+from benchlib import Report  # noqa: E402
+
+from kvstore import replay as R  # noqa: E402
+from kvstore.eviction import CostAware, PolicyName  # noqa: E402
+from kvstore.index import BlockIndex, BlockState  # noqa: E402
+from kvstore.store import TieredStore  # noqa: E402
+
+KINDS = ("chat", "shared_prompt", "agent", "docqa", "mix")
+POLICIES = ("lru", "lfu", "cost")
+FRACTIONS = (0.1, 0.25, 0.5)
+TARGET_KINDS = ("shared_prompt", "agent")
+QUICK_SCALE = 0.1
+REUSE_CLASSES = ((1, 1, "used once"), (2, 3, "2-3 uses"), (4, 15, "4-15 uses"), (16, 1 << 62, "16+ uses"))
+WORSE_TOLERANCE = 0.99
+
+
+# ------------------------------------------------------------ prototypes
+class CountingStore(TieredStore):
+    """The store as it is, counting eviction rounds: a round that returns
+    fewer victims than asked took every evictable leaf of the size class,
+    so the policy's ranking could not choose among them."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.rounds = self.all_leaf_rounds = self.round_victims = 0
+
+    def _victims(self, tier: Any, cls: int, k: int) -> np.ndarray:
+        v = super()._victims(tier, cls, k)
+        self.rounds += 1
+        self.round_victims += int(v.size)
+        if v.size < k:
+            self.all_leaf_rounds += 1
+        return v
+
+
+class SubtreeOrderStore(CountingStore):
+    """Prototype eviction order (for kvstore/store.py): every block of the
+    tier is ranked by the *largest* policy rank in its subtree (a block can
+    only go after its descendants), pinned/reserved blocks and their
+    ancestors rank +inf, and the k lowest go in one round (ties: deeper
+    first, so the set is closed under descendants). The victims are
+    exactly what "evict the lowest-ranked leaf, k times" would pick, in one
+    vectorized pass per level of depth instead of one round per level."""
+
+    def _victims(self, tier: Any, cls: int, k: int) -> np.ndarray:
+        idx = self.index
+        rows = idx.used_rows()
+        rows = rows[idx.tier[rows] == tier]
+        self.rounds += 1
+        if rows.size == 0 or k <= 0:
+            return np.zeros(0, dtype=np.int64)
+        rank = self.policy.rank(idx, rows).astype(np.float64)
+        blocked = (idx.state[rows] != BlockState.COMMITTED) | (idx.pins[rows] > 0)
+        blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
+        blocked |= idx.nchild[rows] != idx.nchild_tier[rows]  # children in another tier
+        eff = np.where(blocked, np.inf, rank)
+        pos = np.full(idx.parent.size, -1, dtype=np.int64)
+        pos[rows] = np.arange(rows.size)
+        par = idx.parent[rows].astype(np.int64)
+        ppos = np.where(par >= 0, pos[np.maximum(par, 0)], -1)
+        depth = idx.depth[rows].astype(np.int64)
+        order = np.argsort(-depth, kind="stable")
+        for grp in np.split(order, np.flatnonzero(np.diff(depth[order])) + 1):
+            g = grp[ppos[grp] >= 0]
+            if g.size:
+                np.maximum.at(eff, ppos[g], eff[g])
+        cand = np.flatnonzero(np.isfinite(eff))
+        sel = np.lexsort((idx.last[rows[cand]], -depth[cand], eff[cand]))[:k]
+        v = rows[cand[sel]]
+        self.round_victims += int(v.size)
+        return v
+
+
+class OracleFrequency:
+    """Ranks a block by how many requests of the whole trace use it (known
+    only offline): the bound for a frequency-based ranking."""
+
+    name = PolicyName.LFU
+
+    def __init__(self, counts: dict[tuple[int, int], int]) -> None:
+        self.counts = counts
+
+    def on_insert(self, index: BlockIndex, rows: np.ndarray) -> None:
+        c = self.counts
+        index.prio[rows] = [c.get((a, b), 0) for a, b in zip(index.k0[rows].tolist(), index.k1[rows].tolist())]
+
+    def on_access(self, index: BlockIndex, rows: np.ndarray) -> None:
+        pass
+
+    def rank(self, index: BlockIndex, rows: np.ndarray) -> np.ndarray:
+        return index.prio[rows]
+
+    def on_evict(self, index: BlockIndex, rows: np.ndarray) -> None:
+        pass
+
+
+# --------------------------------------------------------------- workers
+@lru_cache(maxsize=4)
+def _trace(kind: str, seed: int, scale: float) -> R.PreparedTrace:
+    import workloads as W
+
+    p = W.params_for(kind, W.parse_params(kind, {"scale": scale}))
+    return R.prepare(W.make_trace(kind, seed, p), 16, name=kind)
+
+
+def _reuse_breakdown(pt: R.PreparedTrace, hits: np.ndarray) -> dict[str, int]:
+    """Hit blocks split by how many times the trace uses the block."""
+    counts = np.bincount(pt.ids)
+    per = np.diff(pt.offsets)
+    depth = np.arange(pt.blocks) - np.repeat(pt.offsets[:-1], per)
+    hit = depth < np.repeat(hits, per)
+    uses = counts[pt.ids[hit]]
+    return {name: int(((uses >= lo) & (uses <= hi)).sum()) for lo, hi, name in REUSE_CLASSES}
+
+
+def run_task(task: dict[str, Any]) -> dict[str, Any]:
+    """One replay or optimum (runs in a worker process)."""
+    pt = _trace(task["kind"], task["seed"], task["scale"])
+    cap, what = task["cap"], task["what"]
+    store: Any = None
+    extra: dict[str, Any] = {}
+    if what in ("belady", "belady_min"):
+        res = R.belady(pt, cap, bypass=what == "belady_min")
+    else:
+        captured: list[Any] = []
+        base = SubtreeOrderStore if what in ("proto", "proto_gdsf", "oracle") else CountingStore
+
+        class Capture(base):  # type: ignore[valid-type, misc]
+            def __init__(self, *a: Any, **kw: Any) -> None:
+                super().__init__(*a, **kw)
+                captured.append(self)
+
+        policy: Any = task["policy"]
+        label = None
+        if what == "proto_gdsf":
+            policy, label = CostAware(depth_weight=0.0), "cost(depth_weight=0)"
+        elif what == "oracle":
+            counts = np.bincount(pt.ids)[pt.ids]
+            k = pt.keys
+            table = dict(zip(zip(k[:, 0].tolist(), k[:, 1].tolist()), counts.tolist()))
+            policy, label = OracleFrequency(table), "oracle-frequency"
+        res = R.replay(pt, policy, cap, ssd_blocks=task.get("ssd", 0), ssd_admission=task.get("admission", "on"),
+                       label=label, store_cls=Capture)
+        store = captured[0] if captured else None
+        if store is not None:
+            extra = {"rounds": store.rounds, "all_leaf_rounds": store.all_leaf_rounds,
+                     "round_victims": store.round_victims}
+    out = res.to_dict()
+    out.update(task)
+    out.update(extra)
+    out["by_reuse"] = _reuse_breakdown(pt, res.request_hits) if res.request_hits is not None else {}
+    out["live_peak"] = pt.live_peak()
+    return out
+
+
+# --------------------------------------------------------------- the sweep
+def plan(kinds: list[str], fractions: list[float], seed: int, scale: float, ssd_multiple: float,
+         analyze: bool) -> list[dict[str, Any]]:
+    tasks: list[dict[str, Any]] = []
+    ssd_ok = R.ssd_supported() is not None
+    for kind in kinds:
+        pt = _trace(kind, seed, scale)
+        caps = R.capacity_levels(pt, fractions)
+        for level, cap in enumerate(caps):
+            common = dict(kind=kind, seed=seed, scale=scale, cap=cap, level=level, fraction=fractions[level])
+            tasks.append(dict(common, what="belady", policy="belady"))
+            tasks.append(dict(common, what="belady_min", policy="belady_min"))
+            for pol in POLICIES:
+                tasks.append(dict(common, what="store", policy=pol))
+                if ssd_ok and ssd_multiple > 0:
+                    ssd = int(round(cap * ssd_multiple))
+                    for adm in ("on", "off"):
+                        tasks.append(dict(common, what="store", policy=pol, ssd=ssd, admission=adm))
+                        tasks.append(dict(common, what="belady", policy="belady", cap=cap + ssd, dram_cap=cap))
+            if analyze and kind in TARGET_KINDS and level == len(caps) // 2:
+                for what in ("proto", "proto_gdsf", "oracle"):
+                    tasks.append(dict(common, what=what, policy="cost"))
+    # one Bélády per distinct (kind, capacity)
+    seen: set[tuple[str, int, str]] = set()
+    out = []
+    for t in tasks:
+        key = (t["kind"], t["cap"], t["what"])
+        if t["what"].startswith("belady"):
+            if key in seen:
+                continue
+            seen.add(key)
+        out.append(t)
+    # the slowest first, so two workers finish together
+    out.sort(key=lambda t: (t["what"].startswith("belady"), -_trace(t["kind"], seed, scale).blocks))
+    return out
+
+
+def run_all(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    if jobs <= 1:
+        return [run_task(t) for t in tasks]
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
+        return list(ex.map(run_task, tasks))
+
+
+def _key(r: dict[str, Any]) -> str:
+    if r["what"] == "store":
+        return r["policy"] + (f"+ssd/admit-{r['admission']}" if r.get("ssd") and r.get("ssd_blocks") else "")
+    if r["what"] in ("proto", "proto_gdsf", "oracle"):
+        return {"proto": "proto-order/cost", "proto_gdsf": "proto-order/cost-no-depth",
+                "oracle": "proto-order/oracle-freq"}[r["what"]]
+    return r["what"]
+
+
+def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Figures, targets and the explanation lines."""
+    notes: list[str] = []
+    cells: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    opt: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in results:
+        if r["what"] in ("belady", "belady_min"):
+            opt[(r["kind"], r["cap"])] = opt.get((r["kind"], r["cap"]), {})
+            opt[(r["kind"], r["cap"])][r["what"]] = r
+            continue
+        cells.setdefault((r["kind"], r["level"]), {})[_key(r)] = r
+    for (kind, level), row in sorted(cells.items(), key=lambda kv: (kinds.index(kv[0][0]), kv[0][1])):
+        any_r = next(iter(row.values()))
+        cap = any_r["cap"]
+        b = opt[(kind, cap)]["belady"]
+        m = opt[(kind, cap)].get("belady_min")
+        tag = f"{kind}.c{level}"
+        rep.figure(f"{tag}.capacity_blocks", cap, "blocks")
+        rep.figure(f"{tag}.belady.block_hit", b["block_hit_ratio"], "ratio")
+        if m:
+            rep.figure(f"{tag}.belady_min.block_hit", m["block_hit_ratio"], "ratio")
+        for name, r in row.items():
+            total = r["capacity_blocks"] + (r.get("ssd_blocks") or 0)
+            ref = opt.get((kind, total), {}).get("belady", b)
+            rep.figure(f"{tag}.{name}.block_hit", r["block_hit_ratio"], "ratio")
+            rep.figure(f"{tag}.{name}.over_belady", r["block_hit_ratio"] / max(ref["block_hit_ratio"], 1e-12), "x")
+            if r.get("ssd_blocks"):
+                rep.figure(f"{tag}.{name}.ssd_hits", r["tier_hits"].get("ssd", 0), "blocks")
+                rep.figure(f"{tag}.{name}.ssd_written", r["ssd_bytes_written"] or 0, "bytes")
+            if r.get("skipped"):
+                notes.append(f"{kind} c{level} {name}: {r['skipped']}")
+        for n in sorted({n for r in row.values() for n in r.get("notes", [])}):
+            notes.append(f"{kind} c{level}: {n}")
+    # targets ---------------------------------------------------------
+    for kind in TARGET_KINDS:
+        levels = sorted(lv for k, lv in cells if k == kind)
+        if not levels:
+            continue
+        mid = levels[len(levels) // 2]
+        row = cells[(kind, mid)]
+        if "cost" in row:
+            rep.target(f"cost / belady, {kind}, middle capacity", rep.figures[f"{kind}.c{mid}.cost.over_belady"], 0.9)
+    worst = (float("inf"), "")
+    for (kind, level), row in cells.items():
+        lru = row.get("lru")
+        if not lru:
+            continue
+        for pol in ("lfu", "cost"):
+            r = row.get(pol)
+            if not r or lru["block_hit_ratio"] <= 0:
+                continue
+            ratio = r["block_hit_ratio"] / lru["block_hit_ratio"]
+            if ratio < worst[0]:
+                worst = (ratio, f"{pol} on {kind} c{level}")
+            if ratio < WORSE_TOLERANCE:
+                d = {k: r["by_reuse"].get(k, 0) - lru["by_reuse"].get(k, 0) for _, _, k in REUSE_CLASSES}
+                notes.append(f"{pol} < lru on {kind} c{level}: {r['block_hit_ratio']:.4f} vs "
+                             f"{lru['block_hit_ratio']:.4f} ({ratio:.3f}x); hit blocks {pol} - lru by how often the "
+                             "trace uses the block: " + ", ".join(f"{k} {v:+d}" for k, v in d.items()))
+    if worst[1]:
+        rep.target(f"min over traces x capacities of lfu|cost / lru hit ratio (worst: {worst[1]})", worst[0],
+                   WORSE_TOLERANCE)
+    # analysis --------------------------------------------------------
+    for (kind, level), row in sorted(cells.items()):
+        if "proto-order/cost" not in row:
+            continue
+        real = row.get("cost")
+        b = opt[(kind, row["cost"]["cap"])]
+        lines = [f"why cost misses on {kind} c{level} ({row['cost']['cap']} blocks):"]
+        if real and real.get("rounds"):
+            lines.append(f"  store as is: {real['all_leaf_rounds']} of {real['rounds']} eviction rounds took every "
+                         f"evictable leaf ({real['round_victims'] / max(real['rounds'], 1):.1f} victims/round), "
+                         "so lru, lfu and cost evict the same blocks there")
+        for name in ("lru", "lfu", "cost", "proto-order/cost", "proto-order/cost-no-depth", "proto-order/oracle-freq"):
+            r = row.get(name)
+            if r:
+                lines.append(f"  {name:<26} hit {r['block_hit_ratio']:.4f} = {r['block_hit_ratio'] / b['belady']['block_hit_ratio']:.3f}"
+                             f" x belady; hits by use count: " + ", ".join(f"{k} {v}" for k, v in r["by_reuse"].items()))
+        for what in ("belady", "belady_min"):
+            r = b.get(what)
+            if r:
+                lines.append(f"  {what:<26} hit {r['block_hit_ratio']:.4f}; hits by use count: "
+                             + ", ".join(f"{k} {v}" for k, v in r["by_reuse"].items()))
+        notes += lines
+    return cells, notes
+
+
+def plot(cells: dict[tuple[str, int], dict[str, dict[str, Any]]], results: list[dict[str, Any]], kinds: list[str],
+         path: str) -> str | None:
+    """Hit ratio against capacity per policy, one panel per trace. Returns a
+    note if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install -e .[bench])"
+    opt = {(r["kind"], r["cap"], r["what"]): r for r in results if r["what"].startswith("belady")}
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 4.0), squeeze=False)
+    styles = {"lru": ("tab:blue", "-o"), "lfu": ("tab:orange", "-s"), "cost": ("tab:green", "-^")}
+    for ax, kind in zip(axes[0], kinds):
+        levels = sorted(lv for k, lv in cells if k == kind)
+        caps = [next(iter(cells[(kind, lv)].values()))["cap"] for lv in levels]
+        for name, (color, fmt) in styles.items():
+            ys = [cells[(kind, lv)][name]["block_hit_ratio"] for lv in levels if name in cells[(kind, lv)]]
+            if ys:
+                ax.plot(caps[: len(ys)], ys, fmt, color=color, label=name)
+            for adm, ls in (("on", "--"), ("off", ":")):
+                key = f"{name}+ssd/admit-{adm}"
+                ys = [cells[(kind, lv)][key]["block_hit_ratio"] for lv in levels if key in cells[(kind, lv)]]
+                if ys and name == "cost":
+                    ax.plot(caps[: len(ys)], ys, ls, color="tab:purple" if adm == "on" else "tab:brown",
+                            marker="x", label=f"cost + SSD, admission {adm}")
+        for what, fmt, color in (("belady", "-", "black"), ("belady_min", ":", "gray")):
+            ys = [opt[(kind, c, what)]["block_hit_ratio"] for c in caps if (kind, c, what) in opt]
+            if ys:
+                ax.plot(caps[: len(ys)], ys, fmt, color=color, label="Bélády" if what == "belady" else "MIN (bypass)")
+        for lv, cap in zip(levels, caps):
+            for name, marker in (("proto-order/cost-no-depth", "*"),):
+                r = cells[(kind, lv)].get(name)
+                if r:
+                    ax.plot([cap], [r["block_hit_ratio"]], marker, color="tab:red", markersize=12,
+                            label="prototype: subtree order + cost w/o depth")
+        ax.set_xscale("log")
+        ax.set_title(kind)
+        ax.set_xlabel("DRAM capacity (blocks of 16 tokens)")
+        ax.set_ylim(0, 1)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("prefix hit ratio (blocks)")
+    handles, labels = [], []
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"traces at scale {QUICK_SCALE}, under a minute")
+    ap.add_argument("--json", metavar="PATH", help="figures and targets (benchlib format)")
+    ap.add_argument("--raw", metavar="PATH", default=os.path.join(HERE, "out", "sweep.json"),
+                    help="every result in full (default bench/out/sweep.json)")
+    ap.add_argument("--plot", metavar="PATH", default=os.path.join(HERE, "out", "sweep.png"),
+                    help="the PNG (default bench/out/sweep.png)")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
+                    help="DRAM capacities as fractions of each trace's live peak")
+    ap.add_argument("--scale", type=float, default=None, help="trace scale (default 1, --quick 0.1)")
+    ap.add_argument("--ssd-multiple", type=float, default=4.0, help="SSD size / DRAM size (0: no SSD rows)")
+    ap.add_argument("--no-analyze", action="store_true", help="skip the prototype/oracle runs")
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    kinds = [k for k in a.kinds.split(",") if k]
+    fractions = [float(f) for f in a.fractions.split(",") if f]
+    scale = a.scale if a.scale is not None else (QUICK_SCALE if a.quick else 1.0)
+    t0 = time.perf_counter()
+    tasks = plan(kinds, fractions, a.seed, scale, a.ssd_multiple, not a.no_analyze)
+    results = run_all(tasks, a.jobs)
+    rep = Report("sweep")
+    rep.figure("scale", scale)
+    if R.ssd_supported() is None and a.ssd_multiple > 0:
+        rep.figure("ssd_rows_skipped", 1)
+    cells, notes = analyse(results, rep, kinds)
+    note = plot(cells, results, kinds, a.plot)
+    if note:
+        notes.append(note)
+    rep.figure("seconds", time.perf_counter() - t0, "s")
+    print(summary(cells, results, kinds))
+    print()
+    rep.emit(a.json)
+    print()
+    for n in notes:
+        print(n)
+    if not note:
+        print(f"plot: {a.plot}")
+    if a.raw:
+        os.makedirs(os.path.dirname(os.path.abspath(a.raw)), exist_ok=True)
+        with open(a.raw, "w") as f:
+            json.dump({"scale": scale, "seed": a.seed, "fractions": fractions, "results": results,
+                       "notes": notes}, f, indent=1, default=float)
+        print(f"raw: {a.raw}")
+    return 0
+
+
+def summary(cells: dict[tuple[str, int], dict[str, dict[str, Any]]], results: list[dict[str, Any]],
+            kinds: list[str]) -> str:
+    """The readable table: one row per trace x capacity, one column per policy
+    (block hit ratio, and its ratio to Bélády at the same total capacity)."""
+    opt = {(r["kind"], r["cap"], r["what"]): r for r in results if r["what"].startswith("belady")}
+    cols = ["lru", "lfu", "cost", "cost+ssd/admit-on", "cost+ssd/admit-off"]
+    head = ["trace", "cap", "belady", "min"] + cols
+    rows = [head]
+    for (kind, level), row in sorted(cells.items(), key=lambda kv: (kinds.index(kv[0][0]), kv[0][1])):
+        cap = next(iter(row.values()))["cap"]
+        b = opt[(kind, cap, "belady")]["block_hit_ratio"]
+        m = opt.get((kind, cap, "belady_min"), {}).get("block_hit_ratio", float("nan"))
+        cells_txt = []
+        for c in cols:
+            r = row.get(c)
+            if r is None:
+                cells_txt.append("-")
+                continue
+            total = r["capacity_blocks"] + (r.get("ssd_blocks") or 0)
+            ref = opt.get((kind, total, "belady"), {}).get("block_hit_ratio", b)
+            cells_txt.append(f"{r['block_hit_ratio']:.3f} ({r['block_hit_ratio'] / ref:.2f})")
+        rows.append([kind, str(cap), f"{b:.3f}", f"{m:.3f}"] + cells_txt)
+    w = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
+    out.insert(1, "  ".join("-" * x for x in w))
+    out.append("block hit ratio (ratio to Bélády at the same capacity; SSD columns: at DRAM + SSD blocks)")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
