@@ -409,6 +409,10 @@ class Client(_Base):
     def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
         return self._statuses(self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys))).results)
 
+    def report_corrupt(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Tell the daemon these blocks failed their checksum on our side."""
+        return int(self._call(self.stub.ReportCorrupt, pb.ReportCorruptRequest(ns=ns_pb(ns), keys=list(keys))).dropped)
+
     def clear(self, ns: Namespace | None = None) -> int:
         req = pb.ClearRequest(ns=ns_pb(ns)) if ns is not None else pb.ClearRequest(all_namespaces=True)
         return int(self._call(self.stub.Clear, req).removed)

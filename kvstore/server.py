@@ -486,6 +486,12 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             self._wake_background.set()
         return pb.PrefetchResponse(hit_blocks=hit, in_dram=in_dram, queued=queued)
 
+    @_rpc("ReportCorrupt")
+    async def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: Any,
+                            who: Principal) -> pb.ReportCorruptResponse:
+        n = self.store.report_corrupt(self._ns(request.ns, who), _keys(request.keys))
+        return pb.ReportCorruptResponse(dropped=n)
+
     @_rpc("Remove")
     async def Remove(self, request: pb.RemoveRequest, context: Any, who: Principal) -> pb.RemoveResponse:
         keys = _keys(request.keys)

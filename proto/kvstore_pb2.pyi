@@ -393,6 +393,20 @@ class PrefetchResponse(_message.Message):
     queued: int
     def __init__(self, hit_blocks: _Optional[int] = ..., in_dram: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
 
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("ns", "keys")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReportCorruptResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
 class RemoveRequest(_message.Message):
     __slots__ = ("ns", "keys")
     NS_FIELD_NUMBER: _ClassVar[int]

@@ -90,6 +90,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.RemoveRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.RemoveResponse.FromString,
                 _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReportCorrupt',
+                request_serializer=kvstore__pb2.ReportCorruptRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ReportCorruptResponse.FromString,
+                _registered_method=True)
         self.Clear = channel.unary_unary(
                 '/kvstore.v1.KVStore/Clear',
                 request_serializer=kvstore__pb2.ClearRequest.SerializeToString,
@@ -189,6 +194,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCorrupt(self, request, context):
+        """A reader found bytes that fail their checksum (e.g. after copying out of
+        the slab): the daemon drops those blocks (with their descendants) and
+        counts them as checksum failures.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Clear(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -276,6 +290,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Remove,
                     request_deserializer=kvstore__pb2.RemoveRequest.FromString,
                     response_serializer=kvstore__pb2.RemoveResponse.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=kvstore__pb2.ReportCorruptRequest.FromString,
+                    response_serializer=kvstore__pb2.ReportCorruptResponse.SerializeToString,
             ),
             'Clear': grpc.unary_unary_rpc_method_handler(
                     servicer.Clear,
@@ -596,6 +615,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Remove',
             kvstore__pb2.RemoveRequest.SerializeToString,
             kvstore__pb2.RemoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReportCorrupt',
+            kvstore__pb2.ReportCorruptRequest.SerializeToString,
+            kvstore__pb2.ReportCorruptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -294,3 +294,12 @@ def test_concurrent_clients_get_their_own_bytes(daemon):
     for t in ts:
         t.join(120)
     assert not errors, errors
+
+
+def test_report_corrupt_drops_and_counts(daemon):
+    keys = chain_keys(13, 3)
+    with Client(daemon.target) as c:
+        c.put(NS, keys, [P(k) for k in keys])
+        assert c.report_corrupt(NS, keys[1:2]) == 1
+        assert c.lookup(NS, keys).hit_blocks == 1  # the block and its descendant are gone
+        assert int(c.stats()["checksum_failures"]) == 1
