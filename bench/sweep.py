@@ -70,7 +70,8 @@ KINDS = ("chat", "shared_prompt", "agent", "docqa", "mix")
 POLICIES = ("lru", "lfu", "cost")
 FRACTIONS = (0.1, 0.25, 0.5)
 TARGET_KINDS = ("shared_prompt", "agent")
-QUICK_SCALE = 0.1
+QUICK_SCALE = 0.25
+QUICK_BLOCK_SIZE = 64
 REUSE_CLASSES = ((1, 1, "used once"), (2, 3, "2-3 uses"), (4, 15, "4-15 uses"), (16, 1 << 62, "16+ uses"))
 WORSE_TOLERANCE = 0.99
 
@@ -157,11 +158,11 @@ class OracleFrequency:
 
 # --------------------------------------------------------------- workers
 @lru_cache(maxsize=4)
-def _trace(kind: str, seed: int, scale: float) -> R.PreparedTrace:
+def _trace(kind: str, seed: int, scale: float, block_size: int) -> R.PreparedTrace:
     import workloads as W
 
     p = W.params_for(kind, W.parse_params(kind, {"scale": scale}))
-    return R.prepare(W.make_trace(kind, seed, p), 16, name=kind)
+    return R.prepare(W.make_trace(kind, seed, p), block_size, name=kind)
 
 
 def _reuse_breakdown(pt: R.PreparedTrace, hits: np.ndarray) -> dict[str, int]:
@@ -176,7 +177,7 @@ def _reuse_breakdown(pt: R.PreparedTrace, hits: np.ndarray) -> dict[str, int]:
 
 def run_task(task: dict[str, Any]) -> dict[str, Any]:
     """One replay or optimum (runs in a worker process)."""
-    pt = _trace(task["kind"], task["seed"], task["scale"])
+    pt = _trace(task["kind"], task["seed"], task["scale"], task["bs"])
     cap, what = task["cap"], task["what"]
     store: Any = None
     extra: dict[str, Any] = {}
@@ -215,20 +216,22 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------- the sweep
-def plan(kinds: list[str], fractions: list[float], seed: int, scale: float, ssd_multiple: float,
-         analyze: bool) -> list[dict[str, Any]]:
+def plan(kinds: list[str], fractions: list[float], seed: int, scale: float, bs: int, ssd_multiple: float,
+         ssd_policies: list[str], ssd_middle_only: bool, analyze: bool) -> list[dict[str, Any]]:
+    """Every replay and optimum of the sweep, as task dicts for run_task."""
     tasks: list[dict[str, Any]] = []
     ssd_ok = R.ssd_supported() is not None
     for kind in kinds:
-        pt = _trace(kind, seed, scale)
+        pt = _trace(kind, seed, scale, bs)
         caps = R.capacity_levels(pt, fractions)
         for level, cap in enumerate(caps):
-            common = dict(kind=kind, seed=seed, scale=scale, cap=cap, level=level, fraction=fractions[level])
+            common = dict(kind=kind, seed=seed, scale=scale, bs=bs, cap=cap, level=level, fraction=fractions[level])
             tasks.append(dict(common, what="belady", policy="belady"))
             tasks.append(dict(common, what="belady_min", policy="belady_min"))
+            ssd_here = ssd_ok and ssd_multiple > 0 and (not ssd_middle_only or level == len(caps) // 2)
             for pol in POLICIES:
                 tasks.append(dict(common, what="store", policy=pol))
-                if ssd_ok and ssd_multiple > 0:
+                if ssd_here and pol in ssd_policies:
                     ssd = int(round(cap * ssd_multiple))
                     for adm in ("on", "off"):
                         tasks.append(dict(common, what="store", policy=pol, ssd=ssd, admission=adm))
@@ -247,7 +250,8 @@ def plan(kinds: list[str], fractions: list[float], seed: int, scale: float, ssd_
             seen.add(key)
         out.append(t)
     # the slowest first, so two workers finish together
-    out.sort(key=lambda t: (t["what"].startswith("belady"), -_trace(t["kind"], seed, scale).blocks))
+    out.sort(key=lambda t: (t["what"].startswith("belady"), t.get("ssd", 0) == 0, t["level"],
+                            -_trace(t["kind"], seed, scale, bs).blocks))
     return out
 
 
@@ -356,7 +360,7 @@ def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tup
 
 
 def plot(cells: dict[tuple[str, int], dict[str, dict[str, Any]]], results: list[dict[str, Any]], kinds: list[str],
-         path: str) -> str | None:
+         path: str, bs: int = 16, ssd_multiple: float = 4.0) -> str | None:
     """Hit ratio against capacity per policy, one panel per trace. Returns a
     note if matplotlib is missing."""
     try:
@@ -367,45 +371,53 @@ def plot(cells: dict[tuple[str, int], dict[str, dict[str, Any]]], results: list[
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install -e .[bench])"
     opt = {(r["kind"], r["cap"], r["what"]): r for r in results if r["what"].startswith("belady")}
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 4.0), squeeze=False)
+    ncols = 3
+    nrows = -(-(len(kinds) + 1) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.8 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
     styles = {"lru": ("tab:blue", "-o"), "lfu": ("tab:orange", "-s"), "cost": ("tab:green", "-^")}
-    for ax, kind in zip(axes[0], kinds):
-        levels = sorted(lv for k, lv in cells if k == kind)
-        caps = [next(iter(cells[(kind, lv)].values()))["cap"] for lv in levels]
+    extra = {"cost+ssd/admit-on": ("tab:purple", "x", "cost + SSD (admission on)"),
+             "cost+ssd/admit-off": ("tab:brown", "+", "cost + SSD (admission off)"),
+             "proto-order/cost-no-depth": ("tab:red", "*", "prototype: subtree order + cost w/o depth")}
+
+    def series(kind: str, name: str) -> tuple[list[int], list[float]]:
+        pts = sorted((row[name]["cap"], row[name]["block_hit_ratio"]) for (k, _), row in cells.items()
+                     if k == kind and name in row)
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    for ax, kind in zip(flat, kinds):
         for name, (color, fmt) in styles.items():
-            ys = [cells[(kind, lv)][name]["block_hit_ratio"] for lv in levels if name in cells[(kind, lv)]]
+            xs, ys = series(kind, name)
             if ys:
-                ax.plot(caps[: len(ys)], ys, fmt, color=color, label=name)
-            for adm, ls in (("on", "--"), ("off", ":")):
-                key = f"{name}+ssd/admit-{adm}"
-                ys = [cells[(kind, lv)][key]["block_hit_ratio"] for lv in levels if key in cells[(kind, lv)]]
-                if ys and name == "cost":
-                    ax.plot(caps[: len(ys)], ys, ls, color="tab:purple" if adm == "on" else "tab:brown",
-                            marker="x", label=f"cost + SSD, admission {adm}")
-        for what, fmt, color in (("belady", "-", "black"), ("belady_min", ":", "gray")):
-            ys = [opt[(kind, c, what)]["block_hit_ratio"] for c in caps if (kind, c, what) in opt]
+                ax.plot(xs, ys, fmt, color=color, label=name)
+        for name, (color, marker, label) in extra.items():
+            xs, ys = series(kind, name)
             if ys:
-                ax.plot(caps[: len(ys)], ys, fmt, color=color, label="Bélády" if what == "belady" else "MIN (bypass)")
-        for lv, cap in zip(levels, caps):
-            for name, marker in (("proto-order/cost-no-depth", "*"),):
-                r = cells[(kind, lv)].get(name)
-                if r:
-                    ax.plot([cap], [r["block_hit_ratio"]], marker, color="tab:red", markersize=12,
-                            label="prototype: subtree order + cost w/o depth")
+                ax.plot(xs, ys, marker, color=color, markersize=10 if marker == "*" else 8, linestyle="none",
+                        label=label)
+        caps = sorted({c for (k, c, _) in opt if k == kind and any(
+            row.get("lru", {}).get("cap") == c for (kk, _), row in cells.items() if kk == kind)})
+        for what, fmt, color, label in (("belady", "-", "black", "Bélády"), ("belady_min", ":", "gray", "MIN (bypass)")):
+            pts = [(c, opt[(kind, c, what)]["block_hit_ratio"]) for c in caps if (kind, c, what) in opt]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], fmt, color=color, label=label)
         ax.set_xscale("log")
         ax.set_title(kind)
-        ax.set_xlabel("DRAM capacity (blocks of 16 tokens)")
+        ax.set_xlabel(f"DRAM capacity (blocks of {bs} tokens)")
+        ax.set_ylabel("prefix hit ratio (blocks)")
         ax.set_ylim(0, 1)
         ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("prefix hit ratio (blocks)")
     handles, labels = [], []
-    for ax in axes[0]:
+    for ax in flat[: len(kinds)]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    for ax in flat[len(kinds):]:
+        ax.axis("off")
+    flat[len(kinds)].legend(handles, labels, loc="center", fontsize=9,
+                            title=f"SSD points: at DRAM capacity, SSD = {ssd_multiple:g}x DRAM")
+    fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -423,24 +435,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                     help="DRAM capacities as fractions of each trace's live peak")
-    ap.add_argument("--scale", type=float, default=None, help="trace scale (default 1, --quick 0.1)")
+    ap.add_argument("--scale", type=float, default=None, help=f"trace scale (default 1, --quick {QUICK_SCALE})")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help=f"tokens per block (default 16, --quick {QUICK_BLOCK_SIZE})")
     ap.add_argument("--ssd-multiple", type=float, default=4.0, help="SSD size / DRAM size (0: no SSD rows)")
+    ap.add_argument("--ssd-policies", default=None,
+                    help="policies run with the SSD tier (default lru,lfu,cost; --quick: cost, middle capacity)")
     ap.add_argument("--no-analyze", action="store_true", help="skip the prototype/oracle runs")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--from-raw", metavar="PATH", help="redo the table and plot from a --raw file, no replays")
     a = ap.parse_args(argv)
     kinds = [k for k in a.kinds.split(",") if k]
     fractions = [float(f) for f in a.fractions.split(",") if f]
     scale = a.scale if a.scale is not None else (QUICK_SCALE if a.quick else 1.0)
+    bs = a.block_size or (QUICK_BLOCK_SIZE if a.quick else 16)
+    ssd_pols = (a.ssd_policies or ("cost" if a.quick else ",".join(POLICIES))).split(",")
     t0 = time.perf_counter()
-    tasks = plan(kinds, fractions, a.seed, scale, a.ssd_multiple, not a.no_analyze)
-    results = run_all(tasks, a.jobs)
+    if a.from_raw:
+        with open(a.from_raw) as f:
+            raw = json.load(f)
+        results, scale, bs = raw["results"], raw["scale"], raw["block_size"]
+        kinds = [k for k in kinds if any(r["kind"] == k for r in results)]
+        a.raw = None
+    else:
+        tasks = plan(kinds, fractions, a.seed, scale, bs, a.ssd_multiple, ssd_pols,
+                     a.quick and a.ssd_policies is None, not a.no_analyze)
+        results = run_all(tasks, a.jobs)
     rep = Report("sweep")
     rep.figure("scale", scale)
+    rep.figure("block_size", bs, "tokens")
     if R.ssd_supported() is None and a.ssd_multiple > 0:
         rep.figure("ssd_rows_skipped", 1)
     cells, notes = analyse(results, rep, kinds)
-    note = plot(cells, results, kinds, a.plot)
+    note = plot(cells, results, kinds, a.plot, bs, a.ssd_multiple)
     if note:
         notes.append(note)
     rep.figure("seconds", time.perf_counter() - t0, "s")
@@ -455,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.raw:
         os.makedirs(os.path.dirname(os.path.abspath(a.raw)), exist_ok=True)
         with open(a.raw, "w") as f:
-            json.dump({"scale": scale, "seed": a.seed, "fractions": fractions, "results": results,
+            json.dump({"scale": scale, "block_size": bs, "seed": a.seed, "fractions": fractions, "results": results,
                        "notes": notes}, f, indent=1, default=float)
         print(f"raw: {a.raw}")
     return 0

@@ -146,6 +146,10 @@ def format_stats(d: Mapping[str, Any]) -> str:
         ("reservations / leases / sessions",
          f"{_int(d, 'active_reservations'):,} / {_int(d, 'active_leases'):,} / "
          f"{_int(d, 'sessions'):,}"),
+        ("admitted / degraded / rejected",
+         f"{_int(d, 'admitted'):,} / {_int(d, 'admitted_degraded'):,} / {_int(d, 'rejected'):,}"),
+        ("prefill model / TTFT error", f"{float(d.get('prefill_tokens_per_s') or 0):,.0f} tokens/s / "
+                                       f"{float(d.get('ttft_error_ewma_s') or 0) * 1e3:.1f} ms"),
     ]
     width = max(len(k) for k, _ in summary)
     lines.append("")
@@ -721,6 +725,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description=demo.__doc__.split("\n\n")[0] if demo.__doc__ else None)
     demo.add_arguments(p)
     p.set_defaults(func=demo.run)
+
+    from kvstore import replay  # light: the store is imported when it runs
+
+    p = sub.add_parser("replay", help="replay a workload trace; hit ratio per policy and Bélády's optimum")
+    replay.add_arguments(p)
+    p.set_defaults(func=replay.run)
     return ap
 
 

@@ -545,6 +545,28 @@ class SsdConfig(_Section):
         return Path.home() / ".local" / "share" / "kvstore"
 
 
+@dataclass(slots=True, frozen=True)
+class AdmissionSection(_Section):
+    """SLO-aware admission (Admit/Report) and QoS of the daemon's calls."""
+
+    SECTION: ClassVar[str] = "admission"
+
+    prefill_tokens_per_s: Annotated[float, _Range(1, None)] = 20000.0
+    """Initial prefill speed of one engine; recalibrated from reported TTFTs."""
+    attention_s_per_token2: Annotated[float, _Range(0, None)] = 0.0
+    """Attention term of the prefill model: seconds per (new x context) token pair."""
+    qos_max_concurrency: Annotated[int, _Range(1, 1_000_000)] = 64
+    """Calls in progress at once before calls queue by priority class
+    (foreground > write > prefetch > background); full queues fail fast with
+    RESOURCE_EXHAUSTED and a retry-after-ms trailer."""
+    qos_queue_limit: Annotated[int, _Range(1, 1_000_000)] = 1024
+    """Queued calls allowed for the foreground class (write: half, prefetch: a
+    quarter, background: an eighth)."""
+    default_tenant_share: Annotated[float, _Range(0, 1)] = 1.0
+    """Share of each tier a tenant without its own `share` in
+    server.tenants_file may hold before its blocks are evicted first."""
+
+
 class EvictionPolicyName(StrEnum):
     """Eviction policies ``eviction.policy`` may name."""
 
@@ -604,6 +626,8 @@ class Config:
     """SSD tier."""
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
     """Eviction policy."""
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
+    """Admission control and QoS."""
     log: LogConfig = field(default_factory=LogConfig)
     """Logging."""
 

@@ -298,6 +298,20 @@ class Metrics:
             "kvstore_tier_lookup_hit_blocks_total",
             "Leading blocks found by lookups, by the tier that holds them.",
             ["tier"], registry=r)
+        self.admission_decisions = Counter(
+            "kvstore_admission_decisions_total",
+            "Admit decisions by kind (admit, admit_degraded, reject), reason code and tenant.",
+            ["kind", "reason", "tenant"], registry=r)
+        self.predicted_ttft = Histogram(
+            "kvstore_admission_predicted_ttft_seconds", "Predicted TTFT of Admit decisions.",
+            buckets=OP_BUCKETS, registry=r)
+        self.ttft_error = Histogram(
+            "kvstore_admission_ttft_error_seconds",
+            "Absolute error of the TTFT prediction, from engines' Report calls.",
+            buckets=OP_BUCKETS, registry=r)
+        self.prefill_speed = Gauge(
+            "kvstore_admission_prefill_tokens_per_second",
+            "The admission model's calibrated prefill speed.", registry=r)
         self.start_time = Gauge(
             "kvstore_start_time_seconds", "Unix time the metrics (daemon) started.",
             registry=r)
@@ -331,6 +345,16 @@ class Metrics:
         if nbytes > 0:
             self.inline_bytes_total.labels(direction=direction).inc(nbytes)
 
+    def admission_decision(self, tenant: str, kind: str, reason: str, predicted_s: float) -> None:
+        """Count an Admit decision and observe its predicted TTFT."""
+        self.admission_decisions.labels(kind=kind, reason=reason, tenant=tenant).inc()
+        self.predicted_ttft.observe(predicted_s)
+
+    def admission_report(self, error_s: float, prefill_tokens_per_s: float) -> None:
+        """An engine reported the actual TTFT: observe the prediction error."""
+        self.ttft_error.observe(abs(error_s))
+        self.prefill_speed.set(prefill_tokens_per_s)
+
     def lookup_hits(self, tiers: Sequence[object] | np.ndarray) -> None:
         """Count a lookup's hit blocks by tier (``LookupResult.tier_codes``, or
         a sequence of tiers)."""
@@ -352,7 +376,8 @@ class Metrics:
         (``kvstore_lookups_total``, ``kvstore_op_seconds_bucket``...)."""
         fams: list[Metric] = list(self.collector.describe())
         for direct in (self.op_seconds, self.rpc_rejected, self.inline_bytes_total,
-                       self.tier_hit_blocks, self.start_time):
+                       self.tier_hit_blocks, self.admission_decisions, self.predicted_ttft,
+                       self.ttft_error, self.prefill_speed, self.start_time):
             fams.extend(direct.describe())
         return exported_names(fams)
 

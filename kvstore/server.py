@@ -29,13 +29,16 @@ import signal
 import time
 import tomllib
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, cast
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from admission.qos import QosClass, QosConfig, QosGate, QosRejected
+from admission.quota import RateLimit, TenantRateLimiter
+from admission.slo import AdmissionConfig, AdmissionController, DecisionKind, PredictorConfig, TTFTBreakdown, TTFTPredictor
 from kvstore import errors
 from kvstore.checksum import checksum
 from kvstore.config import Config
@@ -158,12 +161,17 @@ class Auth:
     Sources: ``server.auth_token_file`` (one token, full access, tenant
     "default"), the env var named by ``server.auth_token_env`` (same), and
     ``server.tenants_file``: TOML ``[[tenant]] name = "acme" token = "..."
-    admin = false``.
+    admin = false``, optionally ``share = 0.5`` (of each tier: over it, the
+    tenant's blocks are evicted first) and ``rate_limit_rps = 100`` (Admit).
     """
 
     def __init__(self, cfg: Config, env: dict[str, str] | None = None) -> None:
         env = dict(os.environ) if env is None else env
         self._tokens: dict[str, Principal] = {}
+        self.shares: dict[str, float] = {}
+        """tenant -> share of each tier (tenants_file ``share``)."""
+        self.rates: dict[str, RateLimit] = {}
+        """tenant -> Admit rate limit (tenants_file ``rate_limit_rps``)."""
         s = cfg.server
         if s.auth_token_file:
             with open(s.auth_token_file) as f:
@@ -184,10 +192,19 @@ class Auth:
                 if not name or not tok:
                     raise InvalidArgument(f"tenants_file entry {i} needs name and token")
                 self._tokens[str(tok)] = Principal(str(name), bool(t.get("admin", False)))
+                if "share" in t:
+                    self.shares[str(name)] = float(t["share"])
+                if "rate_limit_rps" in t:
+                    self.rates[str(name)] = RateLimit(float(t["rate_limit_rps"]),
+                                                      float(t.get("rate_limit_burst", max(1.0, t["rate_limit_rps"]))))
 
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
+
+    @property
+    def tenants(self) -> set[str]:
+        return {p.tenant for p in self._tokens.values() if p.tenant is not None}
 
     def principal(self, metadata: Any) -> Principal:
         if not self._tokens:
@@ -269,7 +286,15 @@ def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitab
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     raise errors.DeadlineExceeded(f"{method}: deadline passed before the call started")
-                return await fn(self, request, context, who)
+                cls = QosClass.for_method(method)
+                if cls is None:
+                    return await fn(self, request, context, who)
+                async with self.qos.slot(cls):
+                    return await fn(self, request, context, who)
+            except QosRejected as e:
+                context.set_trailing_metadata(e.rejection.metadata())
+                self.metrics.rejected(method, "RESOURCE_EXHAUSTED")
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except KVStoreError as e:
                 code = status_for(e)
                 self.metrics.rejected(method, code.name)
@@ -291,8 +316,17 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
 
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
-        self.store = store or TieredStore(store_config(config))
         self.auth = Auth(config)
+        self.store = store or TieredStore(store_config(config, self.auth.shares))
+        a = config.admission
+        self.admission = AdmissionController(
+            TTFTPredictor(PredictorConfig(prefill_tokens_per_s=a.prefill_tokens_per_s,
+                                          attention_s_per_token2=a.attention_s_per_token2)),
+            AdmissionConfig(tenants=frozenset(self.auth.tenants) if self.auth.tenants else None),
+            rate_limiter=TenantRateLimiter(None, time.monotonic, per_tenant=self.auth.rates) if self.auth.rates else None)
+        q = a.qos_queue_limit
+        self.qos = QosGate(QosConfig(max_concurrency=a.qos_max_concurrency,
+                                     queue_limits=(q, max(1, q // 2), max(1, q // 4), max(1, q // 8))))
         self.events = EventLog(config.server.event_buffer)
         self.store.subscribe(self.events.append)
         self.metrics = Metrics(loop_stats_fn(asyncio.get_running_loop(), self.store.stats))
@@ -479,6 +513,36 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self.metrics.inline_bytes("out", sent)
         self.metrics.observe("Get", time.perf_counter() - t0)
 
+    @_rpc("Admit")
+    async def Admit(self, request: pb.AdmitRequest, context: Any, who: Principal) -> pb.AdmitResponse:
+        ns = self._ns(request.ns, who)
+        keys = _chain_keys(request)
+        if not request.ttft_target_s > 0:
+            raise InvalidArgument(f"ttft_target_s must be > 0, got {request.ttft_target_s}")
+        res = self.store.peek(ns, keys)  # no I/O, not counted as a lookup
+        block_bytes = self.store.block_bytes(ns) or int(request.block_bytes)
+        d = self.admission.decide(ns.tenant, int(request.n_tokens), None, ns.block_size, block_bytes,
+                                  float(request.ttft_target_s), block_tiers=res.tier_codes,
+                                  queue_wait_s=request.queue_wait_s or None, klass=request.klass or None,
+                                  dry_run=request.dry_run)
+        self.metrics.admission_decision(ns.tenant, d.kind.name.lower(), d.reason_code, d.predicted.total_s)
+        return pb.AdmitResponse(
+            kind=cast(Any, {DecisionKind.ADMIT: 1, DecisionKind.ADMIT_DEGRADED: 2, DecisionKind.REJECT: 3}[d.kind]),
+            predicted=_ttft_pb(d.predicted), full=_ttft_pb(d.full), reason=d.reason, reason_code=d.reason_code,
+            hit_blocks=d.hit_blocks, use_blocks=d.use_blocks, decision_id=d.decision_id,
+            retry_after_ms=int(d.retry_after_s * 1000), starved=d.starved)
+
+    @_rpc("Report")
+    async def Report(self, request: pb.ReportRequest, context: Any, who: Principal) -> pb.ReportResponse:
+        if not request.actual_ttft_s > 0:
+            raise InvalidArgument(f"actual_ttft_s must be > 0, got {request.actual_ttft_s}")
+        err = self.admission.report(int(request.decision_id), float(request.actual_ttft_s),
+                                    actual_queue_s=request.queue_s or None)
+        if err is None:
+            return pb.ReportResponse(matched=False)
+        self.metrics.admission_report(err, self.admission.predictor.prefill_tokens_per_s)
+        return pb.ReportResponse(matched=True, error_s=err)
+
     @_rpc("Prefetch")
     async def Prefetch(self, request: pb.PrefetchRequest, context: Any, who: Principal) -> pb.PrefetchResponse:
         hit, in_dram, queued = self.store.prefetch(self._ns(request.ns, who), _chain_keys(request))
@@ -532,6 +596,16 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
                                           used_bytes=t.used_bytes, blocks=t.blocks,
                                           pinned_bytes=t.pinned_bytes, evictions=t.evictions,
                                           promotions=t.promotions, demotions=t.demotions))
+        ast = self.admission.stats()
+        for (_, kind), count in ast.decisions.items():
+            if kind == "admit":
+                out.admitted += count
+            elif kind == "admit_degraded":
+                out.admitted_degraded += count
+            elif kind == "reject":
+                out.rejected += count
+        out.prefill_tokens_per_s = ast.prefill_tokens_per_s
+        out.ttft_error_ewma_s = ast.errors.ewma_abs_s
         if self.store.ssd is not None:
             out.bytes_promoted = self.store.ssd.bytes_promoted
             out.bytes_demoted = self.store.ssd.bytes_demoted
@@ -642,7 +716,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             t.cancel()
 
 
-def store_config(config: Config) -> StoreConfig:
+def store_config(config: Config, shares: dict[str, float] | None = None) -> StoreConfig:
     """The store's settings from the daemon's config tree."""
     ssd = None
     if config.ssd.capacity:
@@ -662,7 +736,16 @@ def store_config(config: Config) -> StoreConfig:
         policy=config.eviction.policy.value,
         reservation_timeout=config.server.reservation_timeout,
         ssd=ssd,
+        tenant_shares=tuple(sorted((shares or {}).items())),
+        default_tenant_share=config.admission.default_tenant_share,
     )
+
+
+def _ttft_pb(b: TTFTBreakdown) -> pb.TTFTParts:
+    return pb.TTFTParts(queue_s=b.queue_s, prefill_s=b.prefill_s, load_hbm_s=float(b.load_s[0]),
+                        load_dram_s=float(b.load_s[1]), load_ssd_s=float(b.load_s[2]),
+                        load_remote_s=float(b.load_s[3]), remote_fetch_s=b.remote_fetch_s, total_s=b.total_s,
+                        cached_tokens=int(b.cached_tokens), uncached_tokens=int(b.uncached_tokens))
 
 
 def _version() -> str:

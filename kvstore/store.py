@@ -207,6 +207,12 @@ class StoreConfig:
     """Check each block's xxh3_64 on every read out of DRAM."""
     ssd: "SsdSpec | None" = None
     """The SSD tier (None: no SSD tier)."""
+    tenant_shares: tuple[tuple[str, float], ...] = ()
+    """(tenant, share of each tier): a tenant holding more than its share of a
+    tier has its blocks evicted first, so another tenant's burst cannot push a
+    tenant below its share."""
+    default_tenant_share: float = 1.0
+    """Share of tenants not named in ``tenant_shares`` (1.0: no limit)."""
 
 
 def namespace_label(ns: Namespace) -> str:
@@ -241,6 +247,12 @@ class TieredStore:
         self._ns_ids: dict[bytes, int] = {}
         self._ns: list[Namespace] = []
         self._ns_size: dict[int, int] = {}
+        from admission.quota import TenantShares
+
+        self._shares = TenantShares(dict(self.config.tenant_shares), self.config.default_tenant_share)
+        self._quotas = bool(self.config.tenant_shares) or self.config.default_tenant_share < 1.0
+        self._tenant_ids: dict[str, int] = {}
+        self._ns_tenant: list[int] = []
         self._ns_hits: dict[int, list[int]] = {}
         self._tick = 1
         self.counters = Counters()
@@ -291,6 +303,7 @@ class TieredStore:
             nid = len(self._ns)
             self._ns_ids[d] = nid
             self._ns.append(ns)
+            self._ns_tenant.append(self._tenant_ids.setdefault(ns.tenant, len(self._tenant_ids)))
             if persist and self.ssd is not None:
                 self.ssd.register_namespace(d, ns.to_dict(), None)
         return nid
@@ -408,7 +421,8 @@ class TieredStore:
             prev_ok = -2 - (len(todo) - 1)  # "the row of the j-th new block"
         return todo, prefs
 
-    def _make_room(self, tier: TierKind, nbytes: int, count: int, protect: np.ndarray) -> np.ndarray:
+    def _make_room(self, tier: TierKind, nbytes: int, count: int, protect: np.ndarray,
+                   for_ns: int | None = None) -> np.ndarray:
         """Allocate ``count`` slots for ``nbytes`` payloads in ``tier``, evicting
         leaf-first as needed. ``protect`` rows must stay stored (they are the
         parents of what is being placed): without an SSD tier they are not
@@ -425,7 +439,7 @@ class TieredStore:
         try:
             cls = t.class_of(nbytes)
             while got < count:
-                victims = self._victims(tier, cls, count - got)
+                victims = self._victims(tier, cls, count - got, for_ns, (count - got) * nbytes)
                 if victims.size == 0:
                     victims = self._victims_other_class(tier, cls)
                     if victims.size == 0:
@@ -448,11 +462,48 @@ class TieredStore:
              & (idx.pins[rows] == 0) & (idx.nchild_tier[rows] == 0))
         return rows[m]
 
-    def _victims(self, tier: TierKind, cls: int, k: int) -> np.ndarray:
+    def _victims(self, tier: TierKind, cls: int, k: int, for_ns: int | None = None,
+                 incoming: int = 0) -> np.ndarray:
         cand = self._evictable(tier)
         if cand.size:
             cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) == cls]
+        return self._select(tier, cand, k, for_ns, incoming)
+
+    def _select(self, tier: TierKind, cand: np.ndarray, k: int, for_ns: int | None = None,
+                incoming: int = 0) -> np.ndarray:
+        """Policy order, but blocks of tenants over their share of ``tier``
+        first; the requester's usage counts the ``incoming`` bytes it asks for,
+        so a tenant at its share makes room from its own blocks."""
+        if self._quotas and cand.size:
+            from admission.quota import victim_mask
+
+            idx = self.index
+            ns_tenant = np.asarray(self._ns_tenant, dtype=np.int64)
+            rows = idx.used_rows()
+            rows = rows[idx.tier[rows] == tier]
+            usage = np.bincount(ns_tenant[idx.ns[rows]], weights=idx.size[rows].astype(np.float64),
+                                minlength=len(self._tenant_ids))
+            if for_ns is not None:
+                usage[ns_tenant[for_ns]] += incoming
+            names = sorted(self._tenant_ids, key=self._tenant_ids.__getitem__)
+            shares = self._shares.array(names, tier)
+            over = victim_mask(ns_tenant[idx.ns[cand]], usage, self.tiers[tier].capacity_bytes, shares)
+            if over.any():
+                first = select_victims(idx, self.policy, cand[over], k)
+                if first.size == k:
+                    return first
+                return np.concatenate([first, select_victims(idx, self.policy, cand[~over], k - first.size)])
         return select_victims(self.index, self.policy, cand, k)
+
+    def peek(self, ns: Namespace, keys: KeysLike) -> LookupResult:
+        """Like ``lookup``, without counting it (for admission decisions)."""
+        res = self.index.lookup(self._nsid(ns), keys_to_array(keys))
+        return LookupResult(res.hit, res.tiers)
+
+    def block_bytes(self, ns: Namespace) -> int | None:
+        """Payload bytes of this namespace's blocks, once known."""
+        nid = self._ns_ids.get(ns.digest)
+        return None if nid is None else self._ns_size.get(nid)
 
     def _victims_other_class(self, tier: TierKind, cls: int) -> np.ndarray:
         """To give a page to class ``cls``: the lowest-ranked candidate of
@@ -503,7 +554,7 @@ class TieredStore:
             return [], empty, empty
         nbytes = int(sizes[todo[0]])
         protect = np.asarray([p for p in prefs if p >= 0], dtype=np.int64)
-        locs = self._make_room(TierKind.DRAM, nbytes, len(todo), protect)
+        locs = self._make_room(TierKind.DRAM, nbytes, len(todo), protect, for_ns=nid)
         # a parent that had to leave (its demotion failed) stops the chain there
         stop = next((j for j, p in enumerate(prefs[: locs.size])
                      if p >= 0 and self.index.state[p] != BlockState.COMMITTED), None)

@@ -127,7 +127,7 @@ class SsdMover:
                         & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
             if protect.size:
                 cand = cand[~np.isin(cand, protect)]
-            victims = select_victims(idx, st.policy, cand, count - n)
+            victims = st._select(TierKind.SSD, cand, count - n)
             if victims.size:
                 st._drop(victims, reason="evicted")
             else:
@@ -229,7 +229,8 @@ class SsdMover:
         nbytes = int(idx.size[rows[0]])
         idx.pins[rows] += 1
         try:
-            locs = st._make_room(TierKind.DRAM, nbytes, rows.size, np.zeros(0, np.int64))
+            locs = st._make_room(TierKind.DRAM, nbytes, rows.size, np.zeros(0, np.int64),
+                                 for_ns=int(idx.ns[rows[0]]))
         finally:
             idx.pins[rows] -= 1
         k = locs.size

@@ -35,6 +35,13 @@ class RemoveReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REMOVE_REASON_CORRUPT: _ClassVar[RemoveReason]
     REMOVE_REASON_MOVED: _ClassVar[RemoveReason]
     REMOVE_REASON_ABORTED: _ClassVar[RemoveReason]
+
+class AdmitKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADMIT_KIND_UNSPECIFIED: _ClassVar[AdmitKind]
+    ADMIT_KIND_ADMIT: _ClassVar[AdmitKind]
+    ADMIT_KIND_ADMIT_DEGRADED: _ClassVar[AdmitKind]
+    ADMIT_KIND_REJECT: _ClassVar[AdmitKind]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
@@ -55,6 +62,10 @@ REMOVE_REASON_REMOVED: RemoveReason
 REMOVE_REASON_CORRUPT: RemoveReason
 REMOVE_REASON_MOVED: RemoveReason
 REMOVE_REASON_ABORTED: RemoveReason
+ADMIT_KIND_UNSPECIFIED: AdmitKind
+ADMIT_KIND_ADMIT: AdmitKind
+ADMIT_KIND_ADMIT_DEGRADED: AdmitKind
+ADMIT_KIND_REJECT: AdmitKind
 
 class Namespace(_message.Message):
     __slots__ = ("tenant", "model_id", "weights_digest", "adapter_id", "kv_dtype", "layout", "block_size", "tp_size", "pp_stage", "schema_version", "hash_algo")
@@ -199,6 +210,94 @@ class KeepAliveResponse(_message.Message):
     time_unix_ns: int
     interval_ms: int
     def __init__(self, time_unix_ns: _Optional[int] = ..., interval_ms: _Optional[int] = ...) -> None: ...
+
+class TTFTParts(_message.Message):
+    __slots__ = ("queue_s", "prefill_s", "load_hbm_s", "load_dram_s", "load_ssd_s", "load_remote_s", "remote_fetch_s", "total_s", "cached_tokens", "uncached_tokens")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_HBM_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_DRAM_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SSD_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_REMOTE_S_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UNCACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    prefill_s: float
+    load_hbm_s: float
+    load_dram_s: float
+    load_ssd_s: float
+    load_remote_s: float
+    remote_fetch_s: float
+    total_s: float
+    cached_tokens: int
+    uncached_tokens: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., load_hbm_s: _Optional[float] = ..., load_dram_s: _Optional[float] = ..., load_ssd_s: _Optional[float] = ..., load_remote_s: _Optional[float] = ..., remote_fetch_s: _Optional[float] = ..., total_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., uncached_tokens: _Optional[int] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("ns", "keys", "keys_packed", "n_tokens", "ttft_target_s", "queue_wait_s", "klass", "dry_run", "block_bytes")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    KLASS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    keys_packed: bytes
+    n_tokens: int
+    ttft_target_s: float
+    queue_wait_s: float
+    klass: str
+    dry_run: bool
+    block_bytes: int
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., keys_packed: _Optional[bytes] = ..., n_tokens: _Optional[int] = ..., ttft_target_s: _Optional[float] = ..., queue_wait_s: _Optional[float] = ..., klass: _Optional[str] = ..., dry_run: _Optional[bool] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("kind", "predicted", "full", "reason", "reason_code", "hit_blocks", "use_blocks", "decision_id", "retry_after_ms", "starved")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REASON_CODE_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    STARVED_FIELD_NUMBER: _ClassVar[int]
+    kind: AdmitKind
+    predicted: TTFTParts
+    full: TTFTParts
+    reason: str
+    reason_code: str
+    hit_blocks: int
+    use_blocks: int
+    decision_id: int
+    retry_after_ms: int
+    starved: bool
+    def __init__(self, kind: _Optional[_Union[AdmitKind, str]] = ..., predicted: _Optional[_Union[TTFTParts, _Mapping]] = ..., full: _Optional[_Union[TTFTParts, _Mapping]] = ..., reason: _Optional[str] = ..., reason_code: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., use_blocks: _Optional[int] = ..., decision_id: _Optional[int] = ..., retry_after_ms: _Optional[int] = ..., starved: _Optional[bool] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("decision_id", "actual_ttft_s", "queue_s")
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    decision_id: int
+    actual_ttft_s: float
+    queue_s: float
+    def __init__(self, decision_id: _Optional[int] = ..., actual_ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ("matched", "error_s")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_S_FIELD_NUMBER: _ClassVar[int]
+    matched: bool
+    error_s: float
+    def __init__(self, matched: _Optional[bool] = ..., error_s: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("ns", "keys", "keys_packed")
@@ -480,7 +579,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_label: _Optional[str] = ..., ns_digest: _Optional[bytes] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets", "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures", "active_reservations", "active_leases", "sessions", "uptime_seconds", "namespaces")
+    __slots__ = ("tiers", "lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets", "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures", "active_reservations", "active_leases", "sessions", "uptime_seconds", "namespaces", "admitted", "admitted_degraded", "rejected", "prefill_tokens_per_s", "ttft_error_ewma_s")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -499,6 +598,11 @@ class StatsResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_ERROR_EWMA_S_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     lookups: int
     hit_blocks: int
@@ -517,7 +621,12 @@ class StatsResponse(_message.Message):
     sessions: int
     uptime_seconds: float
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    admitted: int
+    admitted_degraded: int
+    rejected: int
+    prefill_tokens_per_s: float
+    ttft_error_ewma_s: float
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., admitted: _Optional[int] = ..., admitted_degraded: _Optional[int] = ..., rejected: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_error_ewma_s: _Optional[float] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("after_seq", "ns")

@@ -115,6 +115,16 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/kvstore.v1.KVStore/Admit',
+                request_serializer=kvstore__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.AdmitResponse.FromString,
+                _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/kvstore.v1.KVStore/Report',
+                request_serializer=kvstore__pb2.ReportRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.ReportResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -233,6 +243,24 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Admit(self, request, context):
+        """SLO-aware admission: predict a request's TTFT from what is cached where,
+        and admit, admit degraded (recompute SSD/remote blocks rather than wait
+        for them) or reject early, before any prefill work. Answered from memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Report(self, request, context):
+        """The engine reports the TTFT it measured for an admitted request; the
+        daemon tracks the prediction error and recalibrates its prefill speed.
+        Block transfer between daemons lives in a separate service (cluster).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +343,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=kvstore__pb2.KeepAliveRequest.FromString,
                     response_serializer=kvstore__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=kvstore__pb2.AdmitRequest.FromString,
+                    response_serializer=kvstore__pb2.AdmitResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=kvstore__pb2.ReportRequest.FromString,
+                    response_serializer=kvstore__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +788,60 @@ class KVStore:
             '/kvstore.v1.KVStore/KeepAlive',
             kvstore__pb2.KeepAliveRequest.SerializeToString,
             kvstore__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Admit',
+            kvstore__pb2.AdmitRequest.SerializeToString,
+            kvstore__pb2.AdmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Report',
+            kvstore__pb2.ReportRequest.SerializeToString,
+            kvstore__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
