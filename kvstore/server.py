@@ -692,7 +692,10 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         backlog of demotions."""
         while True:
             try:
-                more = self.store.background()
+                async with self.qos.slot(QosClass.BACKGROUND):  # yields to queued foreground calls
+                    more = self.store.background()
+            except QosRejected:
+                more = False
             except Exception:
                 log.exception("background tier work failed")
                 more = False
