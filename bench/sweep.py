@@ -47,6 +47,7 @@ import concurrent.futures as cf
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from functools import lru_cache
@@ -70,7 +71,10 @@ KINDS = ("chat", "shared_prompt", "agent", "docqa", "mix")
 POLICIES = ("lru", "lfu", "cost")
 FRACTIONS = (0.1, 0.25, 0.5)
 TARGET_KINDS = ("shared_prompt", "agent")
-QUICK_SCALE = 0.25
+FULL_SCALE = 0.25
+QUICK_SCALE = 0.15
+QUICK_SCALE_OF = {"agent": 0.25}
+"""--quick trace scales that differ from QUICK_SCALE (agent needs enough tasks)."""
 QUICK_BLOCK_SIZE = 64
 REUSE_CLASSES = ((1, 1, "used once"), (2, 3, "2-3 uses"), (4, 15, "4-15 uses"), (16, 1 << 62, "16+ uses"))
 WORSE_TOLERANCE = 0.99
@@ -86,8 +90,8 @@ class CountingStore(TieredStore):
         super().__init__(*a, **kw)
         self.rounds = self.all_leaf_rounds = self.round_victims = 0
 
-    def _victims(self, tier: Any, cls: int, k: int) -> np.ndarray:
-        v = super()._victims(tier, cls, k)
+    def _victims(self, tier: Any, cls: int, k: int, *rest: Any, **kw: Any) -> np.ndarray:
+        v = super()._victims(tier, cls, k, *rest, **kw)
         self.rounds += 1
         self.round_victims += int(v.size)
         if v.size < k:
@@ -102,9 +106,10 @@ class SubtreeOrderStore(CountingStore):
     ancestors rank +inf, and the k lowest go in one round (ties: deeper
     first, so the set is closed under descendants). The victims are
     exactly what "evict the lowest-ranked leaf, k times" would pick, in one
-    vectorized pass per level of depth instead of one round per level."""
+    vectorized pass per level of depth instead of one round per level.
+    (Per-tenant quotas, which the replay does not configure, are ignored.)"""
 
-    def _victims(self, tier: Any, cls: int, k: int) -> np.ndarray:
+    def _victims(self, tier: Any, cls: int, k: int, *rest: Any, **kw: Any) -> np.ndarray:
         idx = self.index
         rows = idx.used_rows()
         rows = rows[idx.tier[rows] == tier]
@@ -216,16 +221,18 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------- the sweep
-def plan(kinds: list[str], fractions: list[float], seed: int, scale: float, bs: int, ssd_multiple: float,
+def plan(kinds: list[str], fractions: list[float], seed: int, scale: float | dict[str, float], bs: int,
+         ssd_multiple: float,
          ssd_policies: list[str], ssd_middle_only: bool, analyze: bool) -> list[dict[str, Any]]:
     """Every replay and optimum of the sweep, as task dicts for run_task."""
     tasks: list[dict[str, Any]] = []
     ssd_ok = R.ssd_supported() is not None
     for kind in kinds:
-        pt = _trace(kind, seed, scale, bs)
+        ks = scale if isinstance(scale, float) else scale[kind]
+        pt = _trace(kind, seed, ks, bs)
         caps = R.capacity_levels(pt, fractions)
         for level, cap in enumerate(caps):
-            common = dict(kind=kind, seed=seed, scale=scale, bs=bs, cap=cap, level=level, fraction=fractions[level])
+            common = dict(kind=kind, seed=seed, scale=ks, bs=bs, cap=cap, level=level, fraction=fractions[level])
             tasks.append(dict(common, what="belady", policy="belady"))
             tasks.append(dict(common, what="belady_min", policy="belady_min"))
             ssd_here = ssd_ok and ssd_multiple > 0 and (not ssd_middle_only or level == len(caps) // 2)
@@ -251,16 +258,36 @@ def plan(kinds: list[str], fractions: list[float], seed: int, scale: float, bs: 
         out.append(t)
     # the slowest first, so two workers finish together
     out.sort(key=lambda t: (t["what"].startswith("belady"), t.get("ssd", 0) == 0, t["level"],
-                            -_trace(t["kind"], seed, scale, bs).blocks))
+                            -_trace(t["kind"], seed, t["scale"], bs).blocks))
     return out
 
 
+def _worker_init() -> None:
+    """SIGTERM ends a worker through SystemExit, so each store's ``close``
+    runs and its shared-memory slab is unlinked."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def run_all(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    """Every task, ``jobs`` processes at a time; progress on stderr."""
+    t0 = time.perf_counter()
+
+    def done(i: int, r: dict[str, Any]) -> None:
+        print(f"[{i}/{len(tasks)} {time.perf_counter() - t0:.0f}s] {r['kind']} {_key(r)} @{r['capacity_blocks']}: "
+              f"{r['block_hit_ratio']:.4f} ({r['seconds']:.1f}s)", file=sys.stderr, flush=True)
+
     if jobs <= 1:
-        return [run_task(t) for t in tasks]
+        out = []
+        for i, t in enumerate(tasks, 1):
+            out.append(run_task(t))
+            done(i, out[-1])
+        return out
     ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as ex:
-        return list(ex.map(run_task, tasks))
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as ex:
+        futs = [ex.submit(run_task, t) for t in tasks]
+        for i, f in enumerate(cf.as_completed(futs), 1):
+            done(i, f.result())
+        return [f.result() for f in futs]
 
 
 def _key(r: dict[str, Any]) -> str:
@@ -426,7 +453,8 @@ def plot(cells: dict[tuple[str, int], dict[str, dict[str, Any]]], results: list[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help=f"traces at scale {QUICK_SCALE}, under a minute")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"traces at scale {QUICK_SCALE} (agent 0.25), {QUICK_BLOCK_SIZE}-token blocks: under a minute")
     ap.add_argument("--json", metavar="PATH", help="figures and targets (benchlib format)")
     ap.add_argument("--raw", metavar="PATH", default=os.path.join(HERE, "out", "sweep.json"),
                     help="every result in full (default bench/out/sweep.json)")
@@ -435,22 +463,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                     help="DRAM capacities as fractions of each trace's live peak")
-    ap.add_argument("--scale", type=float, default=None, help=f"trace scale (default 1, --quick {QUICK_SCALE})")
+    ap.add_argument("--scale", type=float, default=None,
+                    help=f"trace scale (default {FULL_SCALE}, --quick {QUICK_SCALE}; 1 = the generators' defaults)")
     ap.add_argument("--block-size", type=int, default=None,
                     help=f"tokens per block (default 16, --quick {QUICK_BLOCK_SIZE})")
     ap.add_argument("--ssd-multiple", type=float, default=4.0, help="SSD size / DRAM size (0: no SSD rows)")
     ap.add_argument("--ssd-policies", default=None,
-                    help="policies run with the SSD tier (default lru,lfu,cost; --quick: cost, middle capacity)")
+                    help="policies run with the SSD tier (default cost; --quick: cost at the middle capacity)")
     ap.add_argument("--no-analyze", action="store_true", help="skip the prototype/oracle runs")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-raw", metavar="PATH", help="redo the table and plot from a --raw file, no replays")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # workers are stopped by the pool's shutdown
     kinds = [k for k in a.kinds.split(",") if k]
     fractions = [float(f) for f in a.fractions.split(",") if f]
-    scale = a.scale if a.scale is not None else (QUICK_SCALE if a.quick else 1.0)
+    scale: float | dict[str, float] = a.scale if a.scale is not None else FULL_SCALE
+    if a.quick and a.scale is None:
+        scale = {k: QUICK_SCALE_OF.get(k, QUICK_SCALE) for k in kinds}
     bs = a.block_size or (QUICK_BLOCK_SIZE if a.quick else 16)
-    ssd_pols = (a.ssd_policies or ("cost" if a.quick else ",".join(POLICIES))).split(",")
+    ssd_pols = (a.ssd_policies or "cost").split(",")
     t0 = time.perf_counter()
     if a.from_raw:
         with open(a.from_raw) as f:
@@ -463,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                      a.quick and a.ssd_policies is None, not a.no_analyze)
         results = run_all(tasks, a.jobs)
     rep = Report("sweep")
-    rep.figure("scale", scale)
+    for k in kinds:
+        rep.figure(f"{k}.scale", scale if isinstance(scale, float) else scale[k])
     rep.figure("block_size", bs, "tokens")
     if R.ssd_supported() is None and a.ssd_multiple > 0:
         rep.figure("ssd_rows_skipped", 1)

@@ -27,10 +27,10 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_verify"]
+__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "verify_many"]
 
 
-def _load_native() -> ModuleType | None:
+def load_native() -> ModuleType | None:
     """``kvstore._native`` if it is built and not disabled by
     ``NO_KVSTORE_NATIVE=1``; else None (pure-Python fallback)."""
     if os.environ.get("NO_KVSTORE_NATIVE", "") not in ("", "0"):
@@ -42,7 +42,7 @@ def _load_native() -> ModuleType | None:
     return _native
 
 
-_native: Final = _load_native()
+_native: Final = load_native()
 HAVE_NATIVE: Final[bool] = _native is not None
 """Whether copies and checksums run in the C extension (values are identical)."""
 
@@ -162,3 +162,70 @@ def copy_verify(dst: Any, src: Any, expected: int) -> bool:
     if _native is not None:
         return bool(_native.copy_verify(_native_arg(dst, "dst"), _native_arg(src, "src"), expected))
     return copy_checksum(dst, src) == expected
+
+
+# ---------------------------------------------------------------- batches
+_POOL: Any = None
+_PARALLEL_MIN_BYTES: Final = 4 << 20
+"""Batches smaller than this are copied on the calling thread."""
+
+
+def _pool() -> Any:
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvstore-copy")
+    return _POOL
+
+
+def _split(n: int, nbytes: int, threads: int) -> list[tuple[int, int]]:
+    """Contiguous ranges of a batch of ``n`` blocks, one per thread (one
+    range when the batch is small or ``threads`` is 1)."""
+    if threads <= 1 or n < 2 or nbytes < _PARALLEL_MIN_BYTES:
+        return [(0, n)]
+    k = min(threads, n)
+    step = -(-n // k)
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def copy_many(dsts: Any, srcs: Any, threads: int = 2) -> np.ndarray:
+    """``copy_checksum`` over a batch of blocks, spread over up to ``threads``
+    threads (the copies release the GIL); returns the checksums (uint64).
+    One thread copies as fast as ``np.copyto`` only with a hash on top; two
+    keep up with memory on a 2-core machine."""
+    n = len(srcs)
+    out = np.empty(n, dtype=np.uint64)
+    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
+
+    def run(a: int, b: int) -> None:
+        for i in range(a, b):
+            out[i] = copy_checksum(dsts[i], srcs[i])
+
+    _run_parts(run, _split(n, nbytes, threads))
+    return out
+
+
+def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.ndarray:
+    """``copy_verify`` over a batch; returns a bool mask (False: mismatch)."""
+    n = len(srcs)
+    ok = np.empty(n, dtype=bool)
+    exp = [int(x) for x in expected]
+    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
+
+    def run(a: int, b: int) -> None:
+        for i in range(a, b):
+            ok[i] = copy_verify(dsts[i], srcs[i], exp[i])
+
+    _run_parts(run, _split(n, nbytes, threads))
+    return ok
+
+
+def _run_parts(run: Any, parts: list[tuple[int, int]]) -> None:
+    if len(parts) == 1:
+        run(*parts[0])
+        return
+    futures = [_pool().submit(run, a, b) for a, b in parts[1:]]
+    run(*parts[0])
+    for f in futures:
+        f.result()

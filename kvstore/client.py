@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.checksum import copy_checksum, copy_verify
+from kvstore.checksum import copy_many, verify_many
 from kvstore.errors import (CapacityError, DataLoss, DeadlineExceeded, InvalidArgument, KeyStatus,
                             KVStoreError, NotFound, PermissionDenied, Unauthenticated, Unavailable)
 from kvstore.keys import Namespace
@@ -121,6 +121,8 @@ class _Base:
         self.slab: SlabMapping | None = None
         self.max_message_bytes = 4 << 20
         self.server_tenant = ""
+        self.copy_threads = 2
+        """Threads that copy one large batch in and out of the slab."""
 
     def _creds(self) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(self.tls_ca) if self.tls_ca is not None else None
@@ -192,8 +194,9 @@ class _Base:
         """Write each reserved slot (copy fused with its checksum)."""
         sa = r.slots
         statuses = [KeyStatus(x) for x in sa.status]
-        csums = [copy_checksum(self._view(off, n), src)
-                 for st, off, n, src in zip(sa.status, sa.offset, sa.length, srcs) if st == 0]
+        ok = [i for i, st in enumerate(sa.status) if st == 0]
+        dsts = [self._view(sa.offset[i], sa.length[i]) for i in ok]
+        csums = copy_many(dsts, [srcs[i] for i in ok], self.copy_threads).tolist()
         return statuses, csums
 
     @staticmethod
@@ -205,11 +208,17 @@ class _Base:
         """Copy acquired blocks out of the slab, verifying checksums."""
         sa = r.slots
         statuses = [KeyStatus(x) for x in sa.status]
+        todo = []
         for i in range(int(r.hit_blocks)):
-            dst = _as_u8_writable(outs[i])
-            if dst.size != sa.length[i]:
+            if _as_u8_writable(outs[i]).size != sa.length[i]:
                 statuses[i] = KeyStatus.INVALID
-            elif not copy_verify(dst, self._view(sa.offset[i], sa.length[i]), sa.checksum[i]):
+            else:
+                todo.append(i)
+        ok = verify_many([_as_u8_writable(outs[i]) for i in todo],
+                         [self._view(sa.offset[i], sa.length[i]) for i in todo],
+                         [sa.checksum[i] for i in todo], self.copy_threads)
+        for i, good in zip(todo, ok.tolist()):
+            if not good:
                 statuses[i] = KeyStatus.CORRUPT
         return statuses
 
@@ -332,8 +341,16 @@ class Client(_Base):
         """The present blocks' bytes (None where missing)."""
         keys = list(keys)
         if self.slab is not None:
+            out: list[np.ndarray | None] = [None] * len(keys)
             with self.acquire(ns, keys) as lease:
-                return [v.copy() if v is not None else None for v in lease.views]
+                hit = [i for i, v in enumerate(lease.views) if v is not None]
+                copies = [np.empty(int(lease.views[i].size), np.uint8) for i in hit]  # type: ignore[union-attr]
+                ok = verify_many(copies, [lease.views[i] for i in hit], [lease.checksums[i] for i in hit],
+                                 self.copy_threads)
+            for i, buf, good in zip(hit, copies, ok.tolist()):
+                out[i] = buf if good else None  # bytes failing their checksum are a miss, never returned
+            self._report_bad(ns, [keys[i] for i, good in zip(hit, ok.tolist()) if not good])
+            return out
         bufs: dict[int, bytearray] = {}
         for idx, chunk in self._stream_get(ns, keys):
             if chunk.status != pb.STATUS_OK:
@@ -345,10 +362,21 @@ class Client(_Base):
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
         r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
         try:
-            return self._read_slots(r, outs)
+            statuses = self._read_slots(r, outs)
         finally:
             if r.lease_id:
                 self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
+        self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
+        return statuses
+
+    def _report_bad(self, ns: Namespace, keys: list[bytes]) -> None:
+        """Tell the daemon which blocks failed their checksum here, so it
+        drops them (best effort: the read already treats them as misses)."""
+        if keys:
+            try:
+                self.report_corrupt(ns, keys)
+            except KVStoreError:
+                pass
 
     def _stream_get(self, ns: Namespace, keys: list[bytes]) -> Iterator[tuple[int, pb.GetChunk]]:
         try:
@@ -573,10 +601,17 @@ class AsyncClient(_Base):
         r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys),
                                                                    promote=True))
         try:
-            return self._read_slots(r, outs)
+            statuses = self._read_slots(r, outs)
         finally:
             if r.lease_id:
                 await self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
+        bad = [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT]
+        if bad:  # the daemon drops them (best effort: they are misses here already)
+            try:
+                await self._call(self.stub.ReportCorrupt, pb.ReportCorruptRequest(ns=ns_pb(ns), keys=bad))
+            except KVStoreError:
+                pass
+        return statuses
 
     async def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
         r = await self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys)))

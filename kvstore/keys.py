@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvstore.checksum import load_native
 from kvstore.errors import InvalidArgument
 
 __all__ = [
@@ -54,19 +55,7 @@ __all__ = [
 ]
 
 
-def _load_native() -> ModuleType | None:
-    """``kvstore._native`` if it is built and not disabled by
-    ``NO_KVSTORE_NATIVE=1``; else None (pure-Python fallback)."""
-    if os.environ.get("NO_KVSTORE_NATIVE", "") not in ("", "0"):
-        return None
-    try:
-        from kvstore import _native
-    except ImportError:
-        return None
-    return _native
-
-
-_native: Final = _load_native()
+_native: Final = load_native()
 HAVE_NATIVE: Final[bool] = _native is not None
 """Whether the XXH3 chain runs in the C extension (results are identical)."""
 
@@ -246,11 +235,14 @@ _TAG_TP_SIZE: Final = 0x0008
 _TAG_PP_STAGE: Final = 0x0009
 _TAG_SCHEMA_VERSION: Final = 0x000A
 _TAG_HASH_ALGO: Final = 0x000B
+_TAG_SALT: Final = 0x000C
+"""Written only when the salt is non-empty, after every other field, so a
+namespace without a salt frames exactly as before salts existed."""
 
 _FIELD_HDR: Final = struct.Struct("<HI")
 _I64: Final = struct.Struct("<q")
 
-_STR_FIELDS: Final = ("tenant", "model_id", "weights_digest", "adapter_id")
+_STR_FIELDS: Final = ("tenant", "model_id", "weights_digest", "adapter_id", "salt")
 _REQUIRED_STR: Final = ("tenant", "model_id")
 # name -> (min, max) inclusive
 _INT_FIELDS: Final[dict[str, tuple[int, int]]] = {
@@ -266,7 +258,7 @@ _ENUM_FIELDS: Final[dict[str, Callable[[Any, str], Enum]]] = {
 }
 _PUBLIC_FIELDS: Final = (
     "tenant", "model_id", "weights_digest", "adapter_id", "kv_dtype", "layout",
-    "block_size", "tp_size", "pp_stage", "schema_version", "hash_algo",
+    "block_size", "tp_size", "pp_stage", "schema_version", "hash_algo", "salt",
 )
 
 
@@ -313,6 +305,11 @@ class Namespace:
     """Version of the cached tensors' schema, bumped by the engine adapter (>= 0)."""
     hash_algo: HashAlgo = HashAlgo.XXH3_128
     """The hash ``H`` of the key chain."""
+    salt: str = ""
+    """Cache-isolation salt (as vLLM's ``cache_salt``): requests share blocks
+    only when their salts are equal, e.g. one salt per user or per request
+    that must not reveal, by its hit rate, what others have cached. "" (the
+    default) adds nothing to the frame."""
     _frame: bytes = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
 
@@ -361,6 +358,8 @@ class Namespace:
             _field_bytes(_TAG_SCHEMA_VERSION, _i64(self.schema_version)),
             _field_bytes(_TAG_HASH_ALGO, _i64(self.hash_algo.code)),
         ]
+        if self.salt:
+            parts.append(_field_bytes(_TAG_SALT, self.salt.encode("utf-8")))
         return b"".join(parts)
 
     def framed(self) -> bytes:
@@ -377,10 +376,13 @@ class Namespace:
         return replace(self, tenant=tenant)
 
     def to_dict(self) -> dict[str, str | int]:
-        """A plain JSON-able dict; enums as their lowercase names."""
+        """A plain JSON-able dict; enums as their lowercase names; ``salt``
+        only when it is set."""
         out: dict[str, str | int] = {}
         for name in _PUBLIC_FIELDS:
             value = getattr(self, name)
+            if name == "salt" and not value:
+                continue
             out[name] = value.value if isinstance(value, Enum) else value
         return out
 

@@ -135,17 +135,20 @@ class PreparedTrace:
         return np.repeat(np.arange(self.requests, dtype=np.int64), np.diff(self.offsets))
 
     def live_peak(self) -> int:
-        """The most blocks that are, at one request boundary, both already
-        seen and needed again later: the capacity at which Bélády reaches
-        the hit ratio of an unbounded cache."""
+        """The most blocks that, just before some request, have been used
+        and will be used again (by that request or a later one): the
+        smallest capacity at which MIN (:func:`belady` with ``bypass``)
+        reaches the hits of an unbounded cache."""
+        if not self.requests:
+            return 0
         nxt = self.next_use()
         req = self.request_of()
         live = nxt >= 0
-        delta = np.zeros(self.requests + 1, dtype=np.int64)
+        delta = np.zeros(self.requests + 2, dtype=np.int64)
+        # live from the boundary after its use through the one before its next use
         np.add.at(delta, req[live] + 1, 1)
-        np.add.at(delta, req[nxt[live]], -1)
-        # a block counts from the request after its use up to its next use
-        return int(max(0, np.cumsum(delta).max())) if self.requests else 0
+        np.add.at(delta, req[nxt[live]] + 1, -1)
+        return int(max(0, np.cumsum(delta).max()))
 
 
 def _as_request(r: Any, i: int) -> TraceRequest:
@@ -188,9 +191,9 @@ def prepare(trace: Iterable[Any], block_size: int = 16, model_id: str = "replay"
 
 def capacity_levels(pt: PreparedTrace, fractions: Sequence[float]) -> list[int]:
     """Capacities (blocks) as fractions of the trace's live peak (see
-    :meth:`PreparedTrace.live_peak`), at least 16 blocks, rounded to 16."""
+    :meth:`PreparedTrace.live_peak`), rounded up to a multiple of 16."""
     peak = max(pt.live_peak(), 1)
-    return [max(16, int(round(peak * f / 16.0)) * 16) for f in fractions]
+    return [max(16, -(-math.ceil(peak * f) // 16) * 16) for f in fractions]
 
 
 # ----------------------------------------------------------------- results
@@ -587,29 +590,29 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
 
 # ------------------------------------------------------------------ output
 def format_table(results: Sequence[ReplayResult], optimum: dict[int, ReplayResult] | None = None) -> str:
-    """One row per result; ``optimum`` (capacity -> Bélády result) adds the
-    Bélády rows and each policy's ratio to the optimum at its capacity (for
-    runs with an SSD tier: at DRAM + SSD blocks)."""
+    """One row per result, and per capacity the Bélády row from ``optimum``
+    (capacity -> Bélády result); each row's ``/ belady`` is its hit ratio over
+    Bélády's at the same capacity (for runs with an SSD tier: at DRAM + SSD
+    blocks). ``belady_min`` results may be among ``results``."""
     optimum = optimum or {}
-    rows = [("policy", "capacity", "block hit", "token hit", "/ belady", "hits by tier", "evictions",
-             "ssd written", "tokens saved")]
+    rows = [["policy", "capacity", "block hit", "token hit", "/ belady", "hits by tier", "evicted",
+             "demoted", "ssd written", "tokens saved"]]
     items: list[ReplayResult] = list(results)
-    shown = set()
-    for r in results:
-        cap = r.capacity_blocks + r.ssd_blocks
-        if cap in optimum and cap not in shown:
-            shown.add(cap)
-            items.append(optimum[cap])
-    items.sort(key=lambda r: (r.capacity_blocks + r.ssd_blocks, r.policy == "belady", r.label))
+    for total in sorted({r.capacity_blocks + r.ssd_blocks for r in results}):
+        if total in optimum and optimum[total] not in items:
+            items.append(optimum[total])
+    order = {"belady": 1, "belady_min": 2}
+    items.sort(key=lambda r: (r.capacity_blocks + r.ssd_blocks, order.get(r.policy, 0), r.label))
     for r in items:
         opt = optimum.get(r.capacity_blocks + r.ssd_blocks)
         ratio = f"{r.block_hit_ratio / opt.block_hit_ratio:.3f}" if opt and opt.block_hit_ratio else "-"
-        cap = f"{r.capacity_blocks}" + (f"+{r.ssd_blocks}" if r.ssd_blocks else "")
-        rows.append((r.label, cap, f"{r.block_hit_ratio:.4f}", f"{r.token_hit_ratio:.4f}", ratio,
+        capacity = f"{r.capacity_blocks}" + (f"+{r.ssd_blocks}" if r.ssd_blocks else "")
+        rows.append([r.label, capacity, f"{r.block_hit_ratio:.4f}", f"{r.token_hit_ratio:.4f}", ratio,
                      " ".join(f"{k}={v}" for k, v in r.tier_hits.items()) or "-",
                      str(sum(v for k, v in r.evictions.items() if k.endswith("/evicted"))),
+                     str(r.demoted_blocks) if r.ssd_blocks else "-",
                      "-" if r.ssd_bytes_written is None else _human(r.ssd_bytes_written),
-                     str(r.prefill_tokens_saved)))
+                     str(r.prefill_tokens_saved)])
     w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w[i]) if i in (0, 5) else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
@@ -730,18 +733,21 @@ def run(args: argparse.Namespace) -> int:
                 for a in (adm if ssd else ["on"]):
                     results.append(replay(pt, pol, cap, ssd_blocks=ssd, ssd_admission=a,
                                           payload_bytes=args.payload_bytes))
+    bounds: list[ReplayResult] = []
     if not args.no_belady:
-        for r in results:
+        for r in list(results):
             total = r.capacity_blocks + r.ssd_blocks
             if total and total not in optimum:
                 optimum[total] = belady(pt, total)
-    print(format_table(results, optimum))
+                bounds.append(belady(pt, total, bypass=True))
+    print(format_table(results + bounds, optimum))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trace": name, "requests": pt.requests, "blocks": pt.blocks,
                        "distinct_blocks": pt.distinct_blocks, "live_peak": pt.live_peak(),
                        "results": [r.to_dict() for r in results],
-                       "belady": {str(k): v.to_dict() for k, v in optimum.items()}}, f, indent=2)
+                       "belady": {str(k): v.to_dict() for k, v in optimum.items()},
+                       "belady_min": {str(b.capacity_blocks): b.to_dict() for b in bounds}}, f, indent=2)
     return 0
 
 

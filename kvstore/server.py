@@ -100,6 +100,7 @@ def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
         "tp_size": msg.tp_size or 1,
         "pp_stage": msg.pp_stage,
         "schema_version": msg.schema_version or 1,
+        "salt": msg.salt,
     }
     for name in ("kv_dtype", "layout", "hash_algo"):
         v = getattr(msg, name)
@@ -231,7 +232,6 @@ class EventLog:
         self.buf: collections.deque[pb.Event] = collections.deque(maxlen=self.capacity)
         self.seq = 0
         self._wake = asyncio.Event()
-        self.tenant_of: dict[bytes, str] = {}
 
     def append(self, ev: Event) -> None:
         self.seq += 1
@@ -271,6 +271,13 @@ class EventLog:
             pass
 
 
+def _gave_up(context: Any) -> bool:
+    """Whether the caller can no longer receive the answer (its deadline
+    passed, or it cancelled the call)."""
+    remaining = context.time_remaining()
+    return (remaining is not None and remaining <= 0) or context.cancelled()
+
+
 # --------------------------------------------------------------- daemon
 def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
     """Wrap a unary handler: auth, deadline, metrics, error -> status."""
@@ -290,6 +297,8 @@ def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitab
                 if cls is None:
                     return await fn(self, request, context, who)
                 async with self.qos.slot(cls):
+                    if _gave_up(context):
+                        raise errors.DeadlineExceeded(f"{method}: deadline passed while the call was queued")
                     return await fn(self, request, context, who)
             except QosRejected as e:
                 context.set_trailing_metadata(e.rejection.metadata())
@@ -331,6 +340,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self.store.subscribe(self.events.append)
         self.metrics = Metrics(loop_stats_fn(asyncio.get_running_loop(), self.store.stats))
         self.sessions: dict[str, str | None] = {}  # session id -> tenant
+        self._unbound: dict[str, float] = {}  # session id -> when it ends unless its KeepAlive opens
         self.host_id = host_identity()
         self.slab_id = secrets.token_hex(8)
         self.started = time.time()
@@ -350,7 +360,6 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             if len(self._ns_cache) >= 4096:
                 self._ns_cache.clear()
             self._ns_cache[wire] = ns
-            self.events.tenant_of.setdefault(ns.digest, ns.tenant)
         return ns
 
     def _owner(self, context: grpc.aio.ServicerContext, who: Principal) -> tuple[str, bool]:
@@ -369,6 +378,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
     async def Handshake(self, request: pb.HandshakeRequest, context: Any, who: Principal) -> pb.HandshakeResponse:
         sid = "s-" + secrets.token_hex(12)
         self.sessions[sid] = who.tenant
+        self._unbound[sid] = time.monotonic() + self.config.server.reservation_timeout
         t = self.store.dram
         same = bool(request.host_id) and request.host_id == self.host_id
         resp = pb.HandshakeResponse(
@@ -393,6 +403,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         if sid not in self.sessions or self.sessions[sid] != who.tenant:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"session {sid!r} is unknown")
             return
+        self._unbound.pop(sid, None)
         interval = max(0.05, float(self.config.server.lease_check_interval))
         try:
             while True:
@@ -430,6 +441,9 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             raise InvalidArgument("sizes or block_bytes is required")
         owner, _ = self._owner(context, who)
         res = self.store.reserve(ns, keys, sizes, owner=owner, parent=request.parent or None)
+        if res.handle and _gave_up(context):  # nobody will write or commit these slots
+            self.store.abort(res.handle, owner)
+            raise errors.DeadlineExceeded("Reserve: the caller's deadline passed; the reservation was aborted")
         return pb.ReserveResponse(reservation_id=res.handle, slots=slots_pb(res), details=res.messages,
                                   expires_in_ms=int(self.config.server.reservation_timeout * 1000))
 
@@ -453,6 +467,9 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         owner, has_session = self._owner(context, who)
         ttl = None if has_session else self.config.server.reservation_timeout
         res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote)
+        if res.handle and _gave_up(context):  # (e.g. a slow promotion): nobody will release this lease
+            self.store.release(res.handle, owner)
+            raise errors.DeadlineExceeded("Acquire: the caller's deadline passed; the lease was released")
         hit = int(np.count_nonzero(res.offsets >= 0))
         return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=slots_pb(res))
 
@@ -647,7 +664,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         if only is not None and digest and digest != only:
             return False
         if who.tenant is not None and not who.admin and digest:
-            return self.events.tenant_of.get(digest) == who.tenant
+            return self.store.tenant_of(digest) == who.tenant
         return True
 
     # ------------------------------------------------------------- admin
@@ -659,6 +676,8 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
     async def ResizeTier(self, request: pb.ResizeTierRequest, context: Any, who: Principal) -> pb.ResizeTierResponse:
         if request.tier == 0:
             raise InvalidArgument("tier is required (dram, ssd, hbm)")
+        if request.tier - 1 not in set(TierKind):
+            raise InvalidArgument(f"unknown tier {request.tier}; allowed: dram, ssd, hbm")
         tier = TierKind(request.tier - 1)
         t = self.store.tiers.get(tier)
         if t is None:
@@ -683,6 +702,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
                 n = self.store.reap()
                 if n:
                     log.info("reclaimed %d expired reservations/leases", n)
+                self._end_unbound_sessions()
             except Exception:  # never let the reaper die
                 log.exception("reaper failed")
 
@@ -707,6 +727,17 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
                 await asyncio.wait_for(self._wake_background.wait(), 0.05)
             except asyncio.TimeoutError:
                 pass
+
+    def _end_unbound_sessions(self) -> None:
+        """End sessions whose client never opened the KeepAlive stream (it
+        died right after its Handshake, or never meant to): their leases and
+        reservations would otherwise be held for ever, and their entries
+        pile up."""
+        now = time.monotonic()
+        for sid in [s for s, t in self._unbound.items() if t <= now]:
+            del self._unbound[sid]
+            self.sessions.pop(sid, None)
+            self.store.release_owner(sid)
 
     def start_background(self) -> None:
         loop = asyncio.get_running_loop()
@@ -739,6 +770,7 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
         policy=config.eviction.policy.value,
         reservation_timeout=config.server.reservation_timeout,
         ssd=ssd,
+        copy_threads=config.server.workers,
         tenant_shares=tuple(sorted((shares or {}).items())),
         default_tenant_share=config.admission.default_tenant_share,
     )

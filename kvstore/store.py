@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from kvstore.tiering import Recovery, SsdMover, SsdSpec
 
 KeysLike = Sequence[bytes] | bytes | np.ndarray
+NO_NS = 0xFFFFFFFF
+"""Namespace id of calls that only read, for a namespace never stored into (no block has it)."""
+QUERY_NAMESPACES = 1024
+"""Lookups register an unknown namespace (for its stats) only while fewer
+namespaces than this are known; stores always do."""
 
 
 # ---------------------------------------------------------------- results
@@ -207,6 +212,8 @@ class StoreConfig:
     """Check each block's xxh3_64 on every read out of DRAM."""
     ssd: "SsdSpec | None" = None
     """The SSD tier (None: no SSD tier)."""
+    copy_threads: int = 2
+    """Threads that copy (and checksum) one large batch in parallel."""
     tenant_shares: tuple[tuple[str, float], ...] = ()
     """(tenant, share of each tier): a tenant holding more than its share of a
     tier has its blocks evicted first, so another tenant's burst cannot push a
@@ -241,10 +248,12 @@ class TieredStore:
         self.clock = clock
         self.index = BlockIndex()
         self.dram = DramTier(self.config.dram_bytes, name=self.config.shm_name,
-                             page_bytes=self.config.dram_page_bytes, slot_sizes=self.config.dram_slot_sizes)
+                             page_bytes=self.config.dram_page_bytes, slot_sizes=self.config.dram_slot_sizes,
+                             copy_threads=self.config.copy_threads)
         self.tiers: dict[TierKind, Tier] = {TierKind.DRAM: self.dram}
         self.policy: Policy = make_policy(self.config.policy)
-        self._ns_ids: dict[bytes, int] = {}
+        self._ns_ids: dict[bytes, int] = {}  # namespace frame -> id
+        self._digest_tenant: dict[bytes, str | None] = {}
         self._ns: list[Namespace] = []
         self._ns_size: dict[int, int] = {}
         from admission.quota import TenantShares
@@ -294,19 +303,34 @@ class TieredStore:
         for fn in self._listeners:
             fn(ev)
 
-    def _nsid(self, ns: Namespace, persist: bool = True) -> int:
+    def _nsid(self, ns: Namespace, persist: bool = True, create: bool = True) -> int:
+        """The namespace's id. Namespaces are told apart by their full frame,
+        not by their digest, so two whose digests collide never share blocks.
+        ``create=False`` (calls that only read) answers ``NO_NS``, an id no
+        block has, for a namespace never stored into: queries with made-up
+        namespaces cost the daemon no memory."""
         if not isinstance(ns, Namespace):
             raise InvalidArgument(f"namespace must be a kvstore.keys.Namespace, got {type(ns).__name__}")
-        d = ns.digest
-        nid = self._ns_ids.get(d)
+        frame = ns.framed()
+        nid = self._ns_ids.get(frame)
         if nid is None:
+            if not create:
+                return NO_NS
+            d = ns.digest
             nid = len(self._ns)
-            self._ns_ids[d] = nid
+            self._ns_ids[frame] = nid
             self._ns.append(ns)
             self._ns_tenant.append(self._tenant_ids.setdefault(ns.tenant, len(self._tenant_ids)))
+            if self._digest_tenant.setdefault(d, ns.tenant) != ns.tenant:
+                self._digest_tenant[d] = None  # two tenants' digests collide: their events go to neither
             if persist and self.ssd is not None:
                 self.ssd.register_namespace(d, ns.to_dict(), None)
         return nid
+
+    def tenant_of(self, digest: bytes) -> str | None:
+        """The tenant of the namespace with this digest; None when unknown or
+        when namespaces of two tenants share the digest."""
+        return self._digest_tenant.get(digest)
 
     def _emit_moved(self, rows: np.ndarray, src: TierKind, dst: TierKind) -> None:
         idx = self.index
@@ -344,7 +368,9 @@ class TieredStore:
 
     # -------------------------------------------------------------- lookup
     def lookup(self, ns: Namespace, keys: KeysLike) -> LookupResult:
-        nid = self._nsid(ns)
+        # a queried namespace is counted in the per-namespace stats, but
+        # queries alone register at most QUERY_NAMESPACES namespaces
+        nid = self._nsid(ns, create=len(self._ns) < QUERY_NAMESPACES)
         karr = keys_to_array(keys)
         res = self.index.lookup(nid, karr)
         c = self.counters
@@ -353,10 +379,11 @@ class TieredStore:
         c.lookup_hit_blocks += res.hit
         c.lookup_tokens += karr.shape[0] * ns.block_size
         c.lookup_hit_tokens += res.hit * ns.block_size
-        h = self._ns_hits.setdefault(nid, [0, 0, 0])
-        h[0] += 1
-        h[1] += karr.shape[0]
-        h[2] += res.hit
+        if nid != NO_NS:
+            h = self._ns_hits.setdefault(nid, [0, 0, 0])
+            h[0] += 1
+            h[1] += karr.shape[0]
+            h[2] += res.hit
         return LookupResult(res.hit, res.tiers)
 
     # ----------------------------------------------------- placing new blocks
@@ -497,12 +524,12 @@ class TieredStore:
 
     def peek(self, ns: Namespace, keys: KeysLike) -> LookupResult:
         """Like ``lookup``, without counting it (for admission decisions)."""
-        res = self.index.lookup(self._nsid(ns), keys_to_array(keys))
+        res = self.index.lookup(self._nsid(ns, create=False), keys_to_array(keys))
         return LookupResult(res.hit, res.tiers)
 
     def block_bytes(self, ns: Namespace) -> int | None:
         """Payload bytes of this namespace's blocks, once known."""
-        nid = self._ns_ids.get(ns.digest)
+        nid = self._ns_ids.get(ns.framed())
         return None if nid is None else self._ns_size.get(nid)
 
     def _victims_other_class(self, tier: TierKind, cls: int) -> np.ndarray:
@@ -687,7 +714,7 @@ class TieredStore:
 
     def get_into(self, ns: Namespace, keys: KeysLike, outs: Sequence[Buffer]) -> BatchResult:
         """Copy each present block into ``outs[i]`` (exactly its size)."""
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         karr = keys_to_array(keys)
         n = karr.shape[0]
         if len(outs) != n:
@@ -733,7 +760,7 @@ class TieredStore:
 
     def get(self, ns: Namespace, keys: KeysLike) -> GetResult:
         """Copies of the present blocks (None where missing)."""
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         karr = keys_to_array(keys)
         n = karr.shape[0]
         rows = self.index.find_committed(nid, karr)
@@ -831,7 +858,7 @@ class TieredStore:
         the lease stops at the first block not in DRAM). With ``ttl`` the
         lease is released by ``reap`` after that many seconds (for holders
         whose death the caller cannot observe)."""
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         karr = keys_to_array(keys)
         n = karr.shape[0]
         look = self.index.lookup(nid, karr)
@@ -892,7 +919,7 @@ class TieredStore:
     def prefetch(self, ns: Namespace, keys: KeysLike) -> tuple[int, int, int]:
         """Queue the SSD blocks of a chain's hit prefix for promotion.
         Returns (hit blocks, of which in DRAM, queued now)."""
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         look = self.index.lookup(nid, keys_to_array(keys))
         rows = look.rows
         on_ssd = rows[self.index.tier[rows] == TierKind.SSD]
@@ -908,7 +935,7 @@ class TieredStore:
 
     def report_corrupt(self, ns: Namespace, keys: KeysLike) -> int:
         """A reader found bytes that fail their checksum: drop those blocks."""
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         rows = self.index.find_committed(nid, keys_to_array(keys))
         rows = rows[rows >= 0]
         if rows.size:
@@ -943,7 +970,7 @@ class TieredStore:
 
     # ---------------------------------------------------------- pin/unpin
     def pin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         rows = self.index.find_committed(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.OK if r >= 0 else KeyStatus.MISS for r in rows.tolist()])
         hit = rows[rows >= 0]
@@ -951,7 +978,7 @@ class TieredStore:
         return res
 
     def unpin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         idx = self.index
         rows = idx.find(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.MISS] * rows.size)
@@ -971,7 +998,7 @@ class TieredStore:
     def remove(self, ns: Namespace, keys: KeysLike) -> BatchResult:
         """Remove blocks and their descendants. A block whose subtree holds a
         pinned or reserved block stays (BUSY)."""
-        nid = self._nsid(ns)
+        nid = self._nsid(ns, create=False)
         idx = self.index
         rows = idx.find_committed(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.MISS] * rows.size)
@@ -993,7 +1020,7 @@ class TieredStore:
         idx = self.index
         rows = idx.used_rows()
         if ns is not None:
-            nid = self._ns_ids.get(ns.digest)
+            nid = self._ns_ids.get(ns.framed())
             if nid is None:
                 return 0
             rows = rows[idx.ns[rows] == nid]
@@ -1010,7 +1037,7 @@ class TieredStore:
         digest = ns.digest if ns is not None else b""
         self._emit(Event("cleared", digest, []))
         if ns is not None and not keep:
-            self._ns_size.pop(self._ns_ids[ns.digest], None)
+            self._ns_size.pop(self._ns_ids[ns.framed()], None)
         return int(rows.size)
 
     # ------------------------------------------------------------- admin

@@ -98,6 +98,10 @@ class SsdMover:
         self.bytes_demoted = 0
         self.bytes_promoted = 0
         self.write_errors = 0
+        self.refused: set[str] = set()
+        """Namespaces (as sorted JSON) whose digest another namespace holds on SSD."""
+        self.pending: dict[bytes, tuple[dict[str, object], int | None]] = {}
+        """Namespaces whose descriptor could not be written yet (digest -> its registration)."""
 
     # ------------------------------------------------------------ helpers
     def _meta(self, rows: np.ndarray) -> list[BlockMeta]:
@@ -111,9 +115,36 @@ class SsdMover:
         return out
 
     def register_namespace(self, digest: bytes, ns_dict: Mapping[str, object], block_bytes: int | None) -> None:
-        """Persist a namespace (and its payload size once known) for restarts."""
+        """Persist a namespace (and its payload size once known) for restarts.
+
+        SSD records name their namespace by digest only. Should two different
+        namespaces' digests collide, the one persisted first keeps the
+        digest and the other's blocks are never written to SSD (evicting
+        them drops them), so a restart cannot hand one's blocks to the other."""
+        old = self.tier.namespaces().get(bytes(digest))
+        if old is not None:
+            try:
+                theirs = json.loads(old)["namespace"]
+            except (ValueError, KeyError, TypeError):
+                theirs = None  # unreadable: recovery skipped it too; replace it
+            if theirs is not None and theirs != dict(ns_dict):
+                self.refused.add(json.dumps(dict(ns_dict), sort_keys=True))
+                log.warning("ssd: namespace digest %s already names another namespace; blocks of %s stay "
+                            "out of the ssd tier", bytes(digest).hex(), ns_dict)
+                return
         doc = {"namespace": ns_dict, "block_bytes": block_bytes}
-        self.tier.put_namespace(digest, json.dumps(doc, sort_keys=True).encode())
+        try:
+            self.tier.put_namespace(digest, json.dumps(doc, sort_keys=True).encode())
+        except KVStoreError as e:
+            # disk full or failing: puts into DRAM go on; until its descriptor
+            # is written (retried before each SSD write), a namespace never
+            # persisted keeps its blocks out of the SSD tier
+            self.write_errors += 1
+            if old is None:
+                self.pending[bytes(digest)] = (dict(ns_dict), block_bytes)
+            log.warning("ssd: namespace descriptor not written (%s)", e)
+            return
+        self.pending.pop(bytes(digest), None)
 
     def _ssd_room(self, nbytes: int, count: int, protect: np.ndarray) -> np.ndarray:
         """Up to ``count`` SSD ids, evicting SSD blocks (no cached children)."""
@@ -150,6 +181,15 @@ class SsdMover:
         out = np.full(rows.size, -1, dtype=np.int64)
         if rows.size == 0:
             return out
+        for digest, (ns_dict, block_bytes) in list(self.pending.items()):
+            self.register_namespace(digest, ns_dict, block_bytes)
+        if self.refused or self.pending:
+            blocked = self.refused | {json.dumps(d, sort_keys=True) for d, _ in self.pending.values()}
+            names = {int(n): json.dumps(st._ns[int(n)].to_dict(), sort_keys=True) for n in np.unique(idx.ns[rows])}
+            keep = np.fromiter((names[int(n)] not in blocked for n in idx.ns[rows]), bool, rows.size)
+            if not keep.all():
+                out[keep] = self._write(rows[keep])
+                return out
         nbytes = int(idx.size[rows[0]])
         idx.pins[rows] += 1  # in flight: not evicted, not reused
         try:

@@ -68,7 +68,7 @@ ADMIT_KIND_ADMIT_DEGRADED: AdmitKind
 ADMIT_KIND_REJECT: AdmitKind
 
 class Namespace(_message.Message):
-    __slots__ = ("tenant", "model_id", "weights_digest", "adapter_id", "kv_dtype", "layout", "block_size", "tp_size", "pp_stage", "schema_version", "hash_algo")
+    __slots__ = ("tenant", "model_id", "weights_digest", "adapter_id", "kv_dtype", "layout", "block_size", "tp_size", "pp_stage", "schema_version", "hash_algo", "salt")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class Namespace(_message.Message):
     PP_STAGE_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     model_id: str
     weights_digest: str
@@ -91,7 +92,8 @@ class Namespace(_message.Message):
     pp_stage: int
     schema_version: int
     hash_algo: str
-    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., weights_digest: _Optional[str] = ..., adapter_id: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_stage: _Optional[int] = ..., schema_version: _Optional[int] = ..., hash_algo: _Optional[str] = ...) -> None: ...
+    salt: str
+    def __init__(self, tenant: _Optional[str] = ..., model_id: _Optional[str] = ..., weights_digest: _Optional[str] = ..., adapter_id: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., layout: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_stage: _Optional[int] = ..., schema_version: _Optional[int] = ..., hash_algo: _Optional[str] = ..., salt: _Optional[str] = ...) -> None: ...
 
 class SlotRef(_message.Message):
     __slots__ = ("tier", "device", "offset", "length")

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstore.checksum import copy_checksum, copy_verify
+from kvstore.checksum import copy_many, verify_many
 from kvstore.errors import CapacityError, InvalidArgument
 from tiers.base import BlockMeta, Buffer, TierKind
 
@@ -61,7 +61,7 @@ class DramTier:
 
     def __init__(self, capacity_bytes: int, *, name: str | None = None,
                  page_bytes: int = 16 << 20, slot_align: int = _ALIGN,
-                 slot_sizes: Sequence[int] = ()) -> None:
+                 slot_sizes: Sequence[int] = (), copy_threads: int = 2) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgument(f"dram capacity must be > 0 bytes, got {capacity_bytes}")
         if slot_align <= 0 or slot_align & (slot_align - 1):
@@ -73,6 +73,7 @@ class DramTier:
         self.page_bytes = page_bytes
         self.slot_align = slot_align
         self.slot_sizes = sorted(-(-int(x) // slot_align) * slot_align for x in slot_sizes)
+        self.copy_threads = max(1, int(copy_threads))
         self.name = name or default_shm_name()
         self.path = os.path.join(SHM_DIR, self.name)
         self._npages = int(capacity_bytes) // page_bytes
@@ -201,21 +202,16 @@ class DramTier:
 
     def write(self, locs: np.ndarray, payloads: Sequence[Buffer],
               owners: Sequence[BlockMeta] | None = None) -> np.ndarray:
-        csums = np.empty(len(payloads), dtype=np.uint64)
         buf = self.buf
-        for i, (off, p) in enumerate(zip(np.asarray(locs).tolist(), payloads)):
-            src = _as_u8(p)
-            csums[i] = copy_checksum(buf[off : off + src.size], src)
-        return csums
+        srcs = [_as_u8(p) for p in payloads]
+        dsts = [buf[off : off + src.size] for off, src in zip(np.asarray(locs).tolist(), srcs)]
+        return copy_many(dsts, srcs, self.copy_threads)
 
     def read_into(self, locs: np.ndarray, sizes: np.ndarray, checksums: np.ndarray,
                   outs: Sequence[Buffer], owners: Sequence[BlockMeta] | None = None) -> np.ndarray:
-        ok = np.empty(len(outs), dtype=bool)
         buf = self.buf
-        for i, (off, n, c, dst) in enumerate(zip(np.asarray(locs).tolist(), np.asarray(sizes).tolist(),
-                                                  np.asarray(checksums).tolist(), outs)):
-            ok[i] = copy_verify(_as_u8(dst), buf[off : off + n], c)
-        return ok
+        srcs = [buf[off : off + n] for off, n in zip(np.asarray(locs).tolist(), np.asarray(sizes).tolist())]
+        return verify_many([_as_u8(d) for d in outs], srcs, np.asarray(checksums).tolist(), self.copy_threads)
 
     # ---------------------------------------------------------------- resize
     def pages_above(self, capacity_bytes: int) -> range:

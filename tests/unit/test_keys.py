@@ -90,6 +90,8 @@ def ref_namespace_frame(d: dict[str, Any]) -> bytes:
         _ref_field(0x0009, i64(d["pp_stage"])),
         _ref_field(0x000A, i64(d["schema_version"])),
         _ref_field(0x000B, i64(_REF_ALGO[d["hash_algo"]])),
+        # the salt: written only when set, so frames without one are unchanged
+        _ref_field(0x000C, d["salt"].encode()) if d.get("salt") else b"",
     ])
 
 
@@ -294,6 +296,7 @@ _CHANGES: list[dict[str, Any]] = [
     # length prefixes: moving bytes between adjacent strings must matter
     {"tenant": "acm", "model_id": "ellama"}, {"tenant": "acmel", "model_id": "lama"},
     {"weights_digest": "", "adapter_id": "x"}, {"weights_digest": "x", "adapter_id": ""},
+    {"salt": "x"}, {"salt": "X"}, {"adapter_id": "x", "salt": "x"}, {"salt": "xx"},
 ]
 
 

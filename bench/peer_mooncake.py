@@ -1,0 +1,580 @@
+"""Side by side with Mooncake Store (issue 9). Not a test: it reports numbers.
+
+The same operations, in the same run, on this project's daemon (local
+client, shared-memory data path) and on Mooncake Store (its Python client,
+``MooncakeDistributedStore``, with a local ``mooncake_master``):
+
+- batched put, then get, of 64 KiB, 1 MiB and 4 MiB values in batches of 8
+  and 64 (fresh keys every round, removed afterwards, untimed; the first
+  round of each shape warms up and is not counted). Ours: ``Client.put``
+  (Reserve -> copy into the slab -> Commit) and ``Client.get_into`` (Acquire
+  -> copy out -> Release). Mooncake, both of its APIs: ``put_batch`` /
+  ``get_batch`` (values copied through its local buffer, gets returned as
+  ``bytes``) and ``batch_put_from`` / ``batch_get_into`` (from/into buffers
+  registered with ``register_buffer``: its zero-copy path). The ratio is
+  taken against the *faster* Mooncake API.
+- existence checks of 1, 64 and 1,024 present keys: our ``Lookup`` (the
+  prefix lookup of a chain of 4 KiB blocks) against Mooncake's
+  ``batch_is_exist``.
+
+Rounds alternate between the two systems (ours, Mooncake copy, Mooncake
+zero-copy, ours, ...) and each figure is the median; both clients run on
+this host, one at a time.
+
+Install (once; commands as run on Debian 12)::
+
+    apt-get update && apt-get install -y libibverbs1 iproute2
+    python3 -m venv /tmp/kvstore-mooncake-venv
+    /tmp/kvstore-mooncake-venv/bin/pip install mooncake-transfer-engine-non-cuda numpy
+
+Run::
+
+    python bench/peer_mooncake.py [--quick] [--json PATH] [--mooncake-venv DIR]
+
+(``--mooncake-venv`` defaults to $MOONCAKE_VENV, else ./.venv-mooncake, else
+/tmp/kvstore-mooncake-venv.) What it starts, all inside one new network
+namespace, because some of Mooncake's listeners bind every interface whatever
+they are told: the script re-runs itself as::
+
+    unshare -rn --pid --fork --kill-child python bench/peer_mooncake.py --in-netns ...
+
+then, in there::
+
+    ip link set lo up
+    python -m kvstore serve --host "" --unix-socket TMP/kv.sock --metrics-port 0 --dram 2GiB --log-level warning
+    VENV/bin/mooncake_master --rpc_address=127.0.0.1 --rpc_port=50151 --metrics_host=127.0.0.1 \\
+        --metrics_port=50152 --http_metadata_server_host=127.0.0.1 --enable_http_metadata_server=false
+    VENV/bin/python bench/peer_mooncake.py --worker     # the Mooncake client:
+        # store.setup("127.0.0.1", "P2PHANDSHAKE", 1 GiB segment, 512 MiB buffer, "tcp", "", "127.0.0.1:50151")
+
+Cleanup: every process it starts is terminated (SIGTERM, then SIGKILL after
+10 s) on exit, on an error and on SIGINT/SIGTERM; and the namespace has its
+own PID namespace (``--pid --fork --kill-child``), so if the script dies
+anyway, the kernel kills everything left in it. The temporary directory
+(socket, logs) is removed.
+
+If Mooncake cannot run (no venv, ``unshare`` refused, the master or the
+client failing), the reason is printed and our side is still measured.
+
+Targets (issue 9): our put and get GB/s >= 1.0x Mooncake's for 1 MiB and
+4 MiB values at batch 64; our Lookup of 1,024 keys <= 1.0x the time of
+Mooncake's ``batch_is_exist`` of 1,024 keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+KIB, MIB = 1 << 10, 1 << 20
+SIZES = (64 * KIB, 1 * MIB, 4 * MIB)
+BATCHES = (8, 64)
+EXIST_N = (1, 64, 1024)
+MASTER_PORT, METRICS_PORT = 50151, 50152
+SEGMENT, LOCAL_BUFFER = 1 << 30, 512 << 20
+
+
+def label(size: int) -> str:
+    return f"{size // KIB}KiB" if size < MIB else f"{size // MIB}MiB"
+
+
+# ----------------------------------------------------------------- worker
+def worker_main() -> int:
+    """The Mooncake client, run by the Mooncake venv's python. Reads one JSON
+    command per line on stdin, answers one JSON line on stdout. Imports only
+    numpy and mooncake."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything else printed goes to the log
+
+    def reply(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except Exception as e:  # noqa: BLE001 - reported to the controller
+        reply({"ok": False, "error": f"import mooncake.store: {e!r}"})
+        return 1
+    cfg = json.loads(sys.stdin.readline())
+    store = MooncakeDistributedStore()
+    rc = store.setup(cfg["host"], "P2PHANDSHAKE", cfg["segment"], cfg["buffer"], "tcp", "", cfg["master"])
+    if rc != 0:
+        reply({"ok": False, "error": f"MooncakeDistributedStore.setup returned {rc}"})
+        return 1
+    cap = max(BATCHES) * max(SIZES)
+    src = np.random.default_rng(1).integers(0, 255, cap, dtype=np.uint8)
+    dst = np.zeros(cap, dtype=np.uint8)
+    reg = [store.register_buffer(src.ctypes.data, cap), store.register_buffer(dst.ctypes.data, cap)]
+    reply({"ok": all(r == 0 for r in reg), "error": "" if all(r == 0 for r in reg) else f"register_buffer: {reg}"})
+    exist_keys: list[str] = []
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "round":
+            size, batch, api, tag = cmd["size"], cmd["batch"], cmd["api"], cmd["tag"]
+            keys = [f"{tag}-{i}" for i in range(batch)]
+            sizes = [size] * batch
+            sptr = [src.ctypes.data + i * size for i in range(batch)]
+            dptr = [dst.ctypes.data + i * size for i in range(batch)]
+            err = ""
+            if api == "zero":
+                t0 = time.perf_counter()
+                r = store.batch_put_from(keys, sptr, sizes)
+                t1 = time.perf_counter()
+                g = store.batch_get_into(keys, dptr, sizes)
+                t2 = time.perf_counter()
+                if any(x != 0 for x in r) or any(x != size for x in g):
+                    err = f"batch_put_from {sorted(set(r))} batch_get_into {sorted(set(g))}"
+                elif cmd.get("verify") and not np.array_equal(src[: batch * size], dst[: batch * size]):
+                    err = "batch_get_into returned other bytes"
+                dst[: batch * size] = 0
+            else:
+                values = [src[i * size : (i + 1) * size] for i in range(batch)]
+                t0 = time.perf_counter()
+                rc = store.put_batch(keys, values)
+                t1 = time.perf_counter()
+                got = store.get_batch(keys)
+                t2 = time.perf_counter()
+                if rc != 0 or len(got) != batch or any(len(v) != size for v in got):
+                    err = f"put_batch {rc}, get_batch {[len(v) for v in got][:3]}"
+                elif cmd.get("verify") and not all(
+                        np.array_equal(np.frombuffer(v, np.uint8), x) for v, x in zip(got, values)):
+                    err = "get_batch returned other bytes"
+                del got
+            store.batch_remove(keys, True)
+            reply({"put": t1 - t0, "get": t2 - t1, "error": err})
+        elif op == "exist_setup":
+            exist_keys = [f"exist-{i}" for i in range(cmd["n"])]
+            v = src[: 4 * KIB]
+            rc = 0
+            for a in range(0, len(exist_keys), 256):
+                rc = rc or store.put_batch(exist_keys[a : a + 256], [v] * len(exist_keys[a : a + 256]))
+            reply({"error": "" if rc == 0 else f"put_batch {rc}"})
+        elif op == "exist":
+            keys = exist_keys[: cmd["n"]]
+            res = store.batch_is_exist(keys)
+            times = []
+            for _ in range(cmd["calls"]):
+                t0 = time.perf_counter()
+                store.batch_is_exist(keys)
+                times.append(time.perf_counter() - t0)
+            reply({"seconds": statistics.median(times), "present": int(sum(1 for x in res if x == 1))})
+        elif op == "close":
+            store.batch_remove(exist_keys, True) if exist_keys else None
+            for p in (src, dst):
+                store.unregister_buffer(p.ctypes.data)
+            store.close()
+            reply({"ok": True})
+            return 0
+    return 0
+
+
+# ------------------------------------------------------------ processes
+class Procs:
+    """Every process this run starts; ``stop`` ends them all."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen[Any]]] = []
+
+    def start(self, name: str, argv: list[str], **kw: Any) -> subprocess.Popen[Any]:
+        p = subprocess.Popen(argv, **kw)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self) -> None:
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 10
+        for _, p in reversed(self.procs):
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+
+def wait_port(host: str, port: int, timeout: float) -> bool:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
+class Mooncake:
+    """Controller side of the worker: master + client, one command at a time."""
+
+    def __init__(self, venv: str, tmp: str, procs: Procs) -> None:
+        self.venv, self.tmp, self.procs = venv, tmp, procs
+        self.worker: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        master = os.path.join(self.venv, "bin", "mooncake_master")
+        py = os.path.join(self.venv, "bin", "python")
+        for f in (master, py):
+            if not os.path.exists(f):
+                raise RuntimeError(f"{f} not found (see the install commands in this script's docstring)")
+        env = dict(os.environ, GLOG_minloglevel="1")
+        log = open(os.path.join(self.tmp, "mooncake_master.log"), "w")
+        argv = [master, "--rpc_address=127.0.0.1", f"--rpc_port={MASTER_PORT}", "--metrics_host=127.0.0.1",
+                f"--metrics_port={METRICS_PORT}", "--http_metadata_server_host=127.0.0.1",
+                "--enable_http_metadata_server=false"]
+        m = self.procs.start("mooncake_master", argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if not wait_port("127.0.0.1", MASTER_PORT, 30):
+            raise RuntimeError(f"mooncake_master did not listen on 127.0.0.1:{MASTER_PORT} "
+                               f"(exit {m.poll()}): {self._tail('mooncake_master.log')}")
+        wlog = open(os.path.join(self.tmp, "mooncake_client.log"), "w")
+        self.worker = self.procs.start("mooncake client", [py, os.path.abspath(__file__), "--worker"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=wlog, text=True,
+                                       env=env, cwd=self.tmp)
+        r = self.call({"host": "127.0.0.1", "segment": SEGMENT, "buffer": LOCAL_BUFFER,
+                       "master": f"127.0.0.1:{MASTER_PORT}"})
+        if not r.get("ok"):
+            raise RuntimeError(f"{r.get('error')}: {self._tail('mooncake_client.log')}")
+
+    def _tail(self, name: str) -> str:
+        try:
+            with open(os.path.join(self.tmp, name)) as f:
+                lines = [x.rstrip() for x in f if x.strip()]
+            return " | ".join(lines[-5:])
+        except OSError:
+            return ""
+
+    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        assert self.worker is not None and self.worker.stdin is not None and self.worker.stdout is not None
+        self.worker.stdin.write(json.dumps(cmd) + "\n")
+        self.worker.stdin.flush()
+        line = self.worker.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the Mooncake client exited ({self.worker.poll()}): "
+                               f"{self._tail('mooncake_client.log')}")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def close(self) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            try:
+                self.call({"op": "close"})
+            except (RuntimeError, OSError, ValueError):
+                pass
+
+
+# ---------------------------------------------------------------- ours
+class Ours:
+    """This project's daemon and its local client (shared-memory path)."""
+
+    def __init__(self, tmp: str, procs: Procs) -> None:
+        self.tmp, self.procs = tmp, procs
+        self.client: Any = None
+
+    def start(self) -> None:
+        sys.path.insert(0, ROOT)
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from kvstore.client import Client
+
+        sock = os.path.join(self.tmp, "kv.sock")
+        log = open(os.path.join(self.tmp, "kvstore.log"), "w")
+        self.procs.start("kvstore serve", [sys.executable, "-m", "kvstore", "serve", "--host", "", "--unix-socket",
+                                           sock, "--metrics-port", "0", "--dram", "2GiB", "--log-level", "warning"],
+                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        target = f"unix:{sock}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with grpc.insecure_channel(target) as ch:
+                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvstore serve did not become healthy")
+            time.sleep(0.1)
+        self.client = Client(target, use_shm=True)
+        if self.client.slab is None:
+            raise RuntimeError("the client did not map the daemon's slab (no shared-memory path)")
+
+    def ns(self, tag: str) -> Any:
+        from kvstore.keys import Namespace
+
+        return Namespace(tenant="bench", model_id=tag, block_size=16)
+
+    def round(self, size: int, batch: int, tag: str, src: np.ndarray, dst: np.ndarray, verify: bool) -> dict[str, Any]:
+        from kvstore.errors import KeyStatus
+        from kvstore.keys import block_keys
+
+        ns = self.ns(tag)
+        keys = block_keys(ns, np.arange(batch * 16, dtype=np.uint32))
+        srcs = [src[i * size : (i + 1) * size] for i in range(batch)]
+        outs = [dst[i * size : (i + 1) * size] for i in range(batch)]
+        c = self.client
+        t0 = time.perf_counter()
+        st = c.put(ns, keys, srcs)
+        t1 = time.perf_counter()
+        got = c.get_into(ns, keys, outs)
+        t2 = time.perf_counter()
+        err = ""
+        if st != [KeyStatus.OK] * batch or got != [KeyStatus.OK] * batch:
+            err = f"put {st[:2]} get {got[:2]}"
+        elif verify and not np.array_equal(src[: batch * size], dst[: batch * size]):
+            err = "get_into returned other bytes"
+        dst[: batch * size] = 0
+        c.clear(ns)
+        return {"put": t1 - t0, "get": t2 - t1, "error": err}
+
+    def exist_setup(self, n: int) -> list[bytes]:
+        from kvstore.keys import block_keys
+
+        ns = self.ns("exist")
+        keys = block_keys(ns, np.arange(n * 16, dtype=np.uint32) % 50021)
+        v = np.zeros(4 * KIB, np.uint8)
+        for a in range(0, n, 256):
+            self.client.put(ns, keys[a : a + 256], [v] * len(keys[a : a + 256]), parent=keys[a - 1] if a else None)
+        return keys
+
+    def empty_call(self, calls: int) -> float:
+        """Median seconds of an empty unary call on the same channel (the
+        standard health ``Check``): the floor under every ``Lookup``."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.client.channel)
+        req = health_pb2.HealthCheckRequest()
+        stub.Check(req)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            stub.Check(req)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def exist(self, keys: list[bytes], n: int, calls: int) -> tuple[float, int]:
+        ns = self.ns("exist")
+        c = self.client
+        hit = c.lookup(ns, keys[:n]).hit_blocks
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            c.lookup(ns, keys[:n])
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), int(hit)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+# ------------------------------------------------------------ measuring
+def measure(quick: bool, venv: str, mooncake_note: str) -> tuple[dict[str, float], dict[str, str], list[str]]:
+    """Run both sides; returns (figures, units, notes)."""
+    figures: dict[str, float] = {}
+    units: dict[str, str] = {}
+    notes: list[str] = []
+    tmp = tempfile.mkdtemp(prefix="kvpeer-")
+    procs = Procs()
+    ours = Ours(tmp, procs)
+    mc: Mooncake | None = None
+    try:
+        ours.start()
+        if mooncake_note:
+            notes.append(f"Mooncake not measured: {mooncake_note}")
+        else:
+            try:
+                mc = Mooncake(venv, tmp, procs)
+                mc.start()
+            except (RuntimeError, OSError, ValueError) as e:
+                notes.append(f"Mooncake not measured: {e}")
+                mc = None
+        repeats = 3 if quick else 7
+        cap = max(BATCHES) * max(SIZES)
+        src = np.random.default_rng(0).integers(0, 255, cap, dtype=np.uint8)
+        dst = np.zeros(cap, dtype=np.uint8)
+        apis = ("copy", "zero") if mc is not None else ()
+        for size in SIZES:
+            for batch in BATCHES:
+                gb = size * batch / 1e9
+                samples: dict[str, dict[str, list[float]]] = {k: {"put": [], "get": []} for k in ("ours", *apis)}
+                for r in range(repeats + 1):
+                    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                        ("ours", lambda: ours.round(size, batch, f"b{size}-{batch}-{r}", src, dst, r < 2))]
+                    for api in apis:
+                        runs.append((api, lambda api=api: mc.call(  # type: ignore[union-attr]
+                            {"op": "round", "size": size, "batch": batch, "api": api,
+                             "tag": f"{api}-{size}-{batch}-{r}", "verify": r < 2})))
+                    for name, fn in runs:
+                        try:
+                            res = fn()
+                        except RuntimeError as e:  # the Mooncake client died: go on with ours
+                            res = {"error": str(e)}
+                        if res.get("error"):
+                            if name == "ours":
+                                raise RuntimeError(f"kvstore {label(size)} x{batch}: {res['error']}")
+                            notes.append(f"Mooncake stopped at {name} {label(size)} x{batch}: {res['error']}")
+                            if mc is not None:
+                                mc.close()
+                            mc, apis = None, ()
+                            break
+                        if r:  # round 0 warms up
+                            samples[name]["put"].append(res["put"])
+                            samples[name]["get"].append(res["get"])
+                key = f"{label(size)}_b{batch}"
+                for name, s in samples.items():
+                    who = "kvstore" if name == "ours" else f"mooncake_{name}"
+                    for op in ("put", "get"):
+                        if s[op]:
+                            figures[f"{who}_{op}_{key}_GBps"] = gb / statistics.median(s[op])
+                            units[f"{who}_{op}_{key}_GBps"] = "GB/s"
+                if mc is not None and apis:
+                    for op in ("put", "get"):
+                        best = max(figures[f"mooncake_{api}_{op}_{key}_GBps"] for api in apis)
+                        figures[f"ratio_{op}_{key}"] = figures[f"kvstore_{op}_{key}_GBps"] / best
+                        units[f"ratio_{op}_{key}"] = "x best mooncake"
+        # existence checks ---------------------------------------------
+        n_max = max(EXIST_N)
+        keys = ours.exist_setup(n_max)
+        if mc is not None:
+            r = mc.call({"op": "exist_setup", "n": n_max})
+            if r.get("error"):
+                raise RuntimeError(f"mooncake exist setup: {r['error']}")
+        figures["kvstore_empty_call_us"] = ours.empty_call(100 if quick else 400) * 1e6
+        units["kvstore_empty_call_us"] = "us"
+        for n in EXIST_N:
+            calls = (100 if quick else 400) if n < 1024 else (50 if quick else 200)
+            t, hit = ours.exist(keys, n, calls)
+            if hit != n:
+                raise RuntimeError(f"Lookup of {n} stored keys found {hit}")
+            figures[f"kvstore_lookup_{n}_us"] = t * 1e6
+            units[f"kvstore_lookup_{n}_us"] = "us"
+            if mc is not None:
+                r = mc.call({"op": "exist", "n": n, "calls": calls})
+                if r["present"] != n:
+                    raise RuntimeError(f"batch_is_exist of {n} stored keys found {r['present']}")
+                figures[f"mooncake_is_exist_{n}_us"] = r["seconds"] * 1e6
+                units[f"mooncake_is_exist_{n}_us"] = "us"
+                figures[f"ratio_lookup_{n}"] = t / r["seconds"]
+                units[f"ratio_lookup_{n}"] = "x mooncake time"
+    finally:
+        if mc is not None:
+            mc.close()
+        ours.close()
+        procs.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return figures, units, notes
+
+
+def report(figures: dict[str, float], units: dict[str, str], notes: list[str], json_path: str | None) -> None:
+    sys.path.insert(0, HERE)
+    from benchlib import Report
+
+    rep = Report("peer_mooncake")
+    for k, v in figures.items():
+        rep.figure(k, v, units.get(k, ""))
+    for size in (1 * MIB, 4 * MIB):
+        for op in ("put", "get"):
+            k = f"ratio_{op}_{label(size)}_b64"
+            if k in figures:
+                rep.target(f"kvstore {op} {label(size)} x64 / best Mooncake", figures[k], 1.0)
+    if "ratio_lookup_1024" in figures:
+        rep.target("kvstore Lookup 1024 time / Mooncake batch_is_exist 1024 time", figures["ratio_lookup_1024"], 1.0,
+                   lower_is_better=True)
+    print(side_by_side(figures))
+    print()
+    rep.emit(json_path)
+    for n in notes:
+        print(n)
+
+
+def side_by_side(f: dict[str, float]) -> str:
+    """The readable table: one row per operation, both systems and the ratio."""
+    rows = [["operation", "kvstore", "mooncake copy", "mooncake zero-copy", "kvstore / best"]]
+    for size in SIZES:
+        for batch in BATCHES:
+            k = f"{label(size)}_b{batch}"
+            for op in ("put", "get"):
+                rows.append([f"{op} {label(size)} x{batch} (GB/s)", _fmt(f.get(f"kvstore_{op}_{k}_GBps")),
+                             _fmt(f.get(f"mooncake_copy_{op}_{k}_GBps")), _fmt(f.get(f"mooncake_zero_{op}_{k}_GBps")),
+                             _fmt(f.get(f"ratio_{op}_{k}"), "x")])
+    rows.append(["empty unary call (us; health Check)", _fmt(f.get("kvstore_empty_call_us")), "", "", ""])
+    for n in EXIST_N:
+        rows.append([f"exists {n} keys (us; Lookup vs batch_is_exist)", _fmt(f.get(f"kvstore_lookup_{n}_us")),
+                     _fmt(f.get(f"mooncake_is_exist_{n}_us")), "", _fmt(f.get(f"ratio_lookup_{n}"), "x time")])
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
+    out.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(out)
+
+
+def _fmt(v: float | None, suffix: str = "") -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3g}" + (f" {suffix}" if suffix else "")
+
+
+# ----------------------------------------------------------------- main
+def default_venv() -> str:
+    for cand in (os.environ.get("MOONCAKE_VENV", ""), os.path.join(ROOT, ".venv-mooncake"),
+                 "/tmp/kvstore-mooncake-venv"):
+        if cand and os.path.exists(os.path.join(cand, "bin", "python")):
+            return cand
+    return "/tmp/kvstore-mooncake-venv"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="3 rounds per shape instead of 7; fewer lookups")
+    ap.add_argument("--json", metavar="PATH", help="write figures and targets as JSON")
+    ap.add_argument("--mooncake-venv", default=default_venv(), help="virtual env with mooncake installed")
+    ap.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-netns", action="store_true",
+                    help="do not create a network namespace (Mooncake is then skipped)")
+    a = ap.parse_args(argv)
+    note = ""
+    if a.in_netns:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # PID 1 ignores them otherwise
+            signal.signal(sig, lambda *_: sys.exit(128 + 15))
+        up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+        if up.returncode != 0:
+            note = f"`ip link set lo up` failed: {up.stderr.strip()}"
+    elif not a.no_netns:
+        ns = ["unshare", "-rn", "--pid", "--fork", "--kill-child"]
+        try:
+            probe = subprocess.run([*ns, "true"], capture_output=True, text=True)
+            if probe.returncode == 0:
+                return subprocess.run([*ns, sys.executable, os.path.abspath(__file__), "--in-netns", *argv]).returncode
+            note = f"`{' '.join(ns)} true` failed: {probe.stderr.strip()}"
+        except OSError as e:
+            note = f"unshare could not run: {e}"
+        print(f"peer_mooncake: {note}; measuring our side only, outside a namespace", file=sys.stderr)
+    else:
+        note = "--no-netns: Mooncake runs only inside its own network namespace"
+    figures, units, notes = measure(a.quick, a.mooncake_venv, note)
+    report(figures, units, notes, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
