@@ -283,11 +283,21 @@ def run_all(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
             done(i, out[-1])
         return out
     ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init) as ex:
-        futs = [ex.submit(run_task, t) for t in tasks]
+    ex = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init)
+    futs = [ex.submit(run_task, t) for t in tasks]
+    try:
         for i, f in enumerate(cf.as_completed(futs), 1):
             done(i, f.result())
         return [f.result() for f in futs]
+    except BaseException:
+        # stop the workers: SIGTERM makes the running replay close its store
+        for f in futs:
+            f.cancel()
+        for p in list(getattr(ex, "_processes", {}).values()):
+            p.terminate()
+        raise
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def _key(r: dict[str, Any]) -> str:
