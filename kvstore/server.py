@@ -18,16 +18,13 @@ session.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import hmac
 import json
 import logging
 import os
 import secrets
 import signal
 import time
-import tomllib
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, cast
 
@@ -37,16 +34,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from admission.qos import QosClass, QosConfig, QosGate, QosRejected
-from admission.quota import RateLimit, TenantRateLimiter
+from admission.quota import TenantRateLimiter
 from admission.slo import AdmissionConfig, AdmissionController, DecisionKind, PredictorConfig, TTFTBreakdown, TTFTPredictor
 from kvstore import errors
 from kvstore.checksum import checksum
 from kvstore.config import Config
-from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, PermissionDenied, Unauthenticated
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, PermissionDenied
+from kvstore.auth import Auth, Principal
+from kvstore.events import EventLog
 from kvstore.keys import Namespace
 from kvstore.metrics import Metrics, loop_stats_fn
 from kvstore.shm import host_identity
-from kvstore.store import BatchResult, Event, SlotResult, StoreConfig, TieredStore
+from kvstore.store import BatchResult, SlotResult, StoreConfig, TieredStore
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierKind
@@ -149,128 +148,7 @@ def _chain_keys(request: Any) -> bytes | list[bytes]:
     return _keys(request.keys)
 
 
-# ---------------------------------------------------------------- auth
-@dataclass(slots=True, frozen=True)
-class Principal:
-    tenant: str | None  # None: auth is off, the namespace names the tenant
-    admin: bool
-
-
-class Auth:
-    """Bearer tokens -> principals. Off when no token is configured.
-
-    Sources: ``server.auth_token_file`` (one token, full access, tenant
-    "default"), the env var named by ``server.auth_token_env`` (same), and
-    ``server.tenants_file``: TOML ``[[tenant]] name = "acme" token = "..."
-    admin = false``, optionally ``share = 0.5`` (of each tier: over it, the
-    tenant's blocks are evicted first) and ``rate_limit_rps = 100`` (Admit).
-    """
-
-    def __init__(self, cfg: Config, env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ) if env is None else env
-        self._tokens: dict[str, Principal] = {}
-        self.shares: dict[str, float] = {}
-        """tenant -> share of each tier (tenants_file ``share``)."""
-        self.rates: dict[str, RateLimit] = {}
-        """tenant -> Admit rate limit (tenants_file ``rate_limit_rps``)."""
-        s = cfg.server
-        if s.auth_token_file:
-            with open(s.auth_token_file) as f:
-                tok = f.read().strip()
-            if not tok:
-                raise InvalidArgument(f"server.auth_token_file {s.auth_token_file} is empty")
-            self._tokens[tok] = Principal("default", True)
-        if s.auth_token_env:
-            tok = env.get(s.auth_token_env, "").strip()
-            if not tok:
-                raise InvalidArgument(f"server.auth_token_env names {s.auth_token_env}, which is unset or empty")
-            self._tokens[tok] = Principal("default", True)
-        if s.tenants_file:
-            with open(s.tenants_file, "rb") as fb:
-                doc = tomllib.load(fb)
-            for i, t in enumerate(doc.get("tenant", [])):
-                name, tok = t.get("name"), t.get("token")
-                if not name or not tok:
-                    raise InvalidArgument(f"tenants_file entry {i} needs name and token")
-                self._tokens[str(tok)] = Principal(str(name), bool(t.get("admin", False)))
-                if "share" in t:
-                    self.shares[str(name)] = float(t["share"])
-                if "rate_limit_rps" in t:
-                    self.rates[str(name)] = RateLimit(float(t["rate_limit_rps"]),
-                                                      float(t.get("rate_limit_burst", max(1.0, t["rate_limit_rps"]))))
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._tokens)
-
-    @property
-    def tenants(self) -> set[str]:
-        return {p.tenant for p in self._tokens.values() if p.tenant is not None}
-
-    def principal(self, metadata: Any) -> Principal:
-        if not self._tokens:
-            return Principal(None, True)
-        header = ""
-        for k, v in metadata or ():
-            if k == "authorization":
-                header = v
-        if not header.startswith("Bearer "):
-            raise Unauthenticated("missing bearer token (metadata 'authorization: Bearer <token>')")
-        given = header[7:].strip().encode()
-        for tok, p in self._tokens.items():
-            if hmac.compare_digest(tok.encode(), given):
-                return p
-        raise Unauthenticated("unknown token")
-
-
-# --------------------------------------------------------------- events
-class EventLog:
-    """Numbered events in a ring buffer; watchers replay from a sequence."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self.buf: collections.deque[pb.Event] = collections.deque(maxlen=self.capacity)
-        self.seq = 0
-        self._wake = asyncio.Event()
-
-    def append(self, ev: Event) -> None:
-        self.seq += 1
-        msg = pb.Event(seq=self.seq, time_unix_ns=time.time_ns())
-        if ev.kind == "stored":
-            msg.stored.ns_digest = ev.ns_digest
-            msg.stored.keys.extend(ev.keys)
-            msg.stored.tier = tier_pb(ev.tier) if ev.tier is not None else pb.TIER_UNSPECIFIED
-            msg.stored.parent = ev.parent or b""
-        elif ev.kind == "removed":
-            msg.removed.ns_digest = ev.ns_digest
-            msg.removed.keys.extend(ev.keys)
-            msg.removed.tier = tier_pb(ev.tier) if ev.tier is not None else pb.TIER_UNSPECIFIED
-            msg.removed.reason = {"evicted": pb.REMOVE_REASON_EVICTED, "removed": pb.REMOVE_REASON_REMOVED,
-                                  "corrupt": pb.REMOVE_REASON_CORRUPT, "aborted": pb.REMOVE_REASON_ABORTED,
-                                  "moved": pb.REMOVE_REASON_MOVED}.get(ev.reason, pb.REMOVE_REASON_EVICTED)
-        else:
-            msg.cleared.ns_digest = ev.ns_digest
-            msg.cleared.all_namespaces = not ev.ns_digest
-        self.buf.append(msg)
-        self._wake.set()
-        self._wake = asyncio.Event()
-
-    def since(self, after: int) -> tuple[int | None, list[pb.Event]]:
-        """(first available seq if events after ``after`` were lost, events)."""
-        if not self.buf:
-            return None, []
-        first = self.buf[0].seq
-        gap = first if after + 1 < first else None
-        start = max(0, after + 1 - first)
-        return gap, list(self.buf)[start:] if start < len(self.buf) else []
-
-    async def wait(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-
-
+# --------------------------------------------------------------- daemon
 def _gave_up(context: Any) -> bool:
     """Whether the caller can no longer receive the answer (its deadline
     passed, or it cancelled the call)."""
@@ -278,7 +156,6 @@ def _gave_up(context: Any) -> bool:
     return (remaining is not None and remaining <= 0) or context.cancelled()
 
 
-# --------------------------------------------------------------- daemon
 def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
     """Wrap a unary handler: auth, deadline, metrics, error -> status."""
 

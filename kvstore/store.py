@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
@@ -40,6 +40,8 @@ from kvstore.errors import CapacityError, InvalidArgument, KeyStatus, NotFound, 
 from kvstore.eviction import Policy, PolicyName, make_policy, select_victims
 from kvstore.index import NO_ROW, BlockIndex, BlockState, keys_to_array
 from kvstore.keys import Namespace
+from kvstore.results import (BatchResult, Counters, Event, GetResult, LookupResult, NamespaceStats,
+                             SlotResult, StoreStats, TierStats)
 from tiers.base import Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
@@ -52,136 +54,6 @@ NO_NS = 0xFFFFFFFF
 QUERY_NAMESPACES = 1024
 """Lookups register an unknown namespace (for its stats) only while fewer
 namespaces than this are known; stores always do."""
-
-
-# ---------------------------------------------------------------- results
-@dataclass(slots=True)
-class BatchResult:
-    """One status per key, plus a message for keys that failed for a reason
-    worth naming (index -> text)."""
-
-    statuses: list[KeyStatus]
-    messages: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return all(s in (KeyStatus.OK, KeyStatus.EXISTS) for s in self.statuses)
-
-
-@dataclass(slots=True)
-class GetResult(BatchResult):
-    payloads: list[np.ndarray | None] = field(default_factory=list)
-
-
-@dataclass(slots=True, frozen=True)
-class SlotRef:
-    """Where a block's bytes are in a tier: what a zero-copy client needs."""
-
-    tier: TierKind
-    offset: int
-    length: int
-    checksum: int = 0
-
-
-@dataclass(slots=True)
-class SlotResult(BatchResult):
-    """Reserve/acquire result: where each OK key's bytes are, as parallel
-    arrays (no object per block); offset -1 where the key has no slot."""
-
-    handle: str = ""
-    tier_codes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-
-    @classmethod
-    def empty(cls, n: int, status: KeyStatus) -> "SlotResult":
-        return cls([status] * n, tier_codes=np.zeros(n, np.uint8), offsets=np.full(n, -1, np.int64),
-                   lengths=np.zeros(n, np.int64), checksums=np.zeros(n, np.uint64))
-
-    @property
-    def slots(self) -> list[SlotRef | None]:
-        return [SlotRef(TierKind(int(t)), int(o), int(n), int(c)) if o >= 0 else None
-                for t, o, n, c in zip(self.tier_codes, self.offsets, self.lengths, self.checksums)]
-
-
-@dataclass(slots=True, frozen=True)
-class LookupResult:
-    hit_blocks: int
-    tier_codes: np.ndarray
-    """TierKind value of each hit block (uint8), ``hit_blocks`` long."""
-
-    @property
-    def tiers(self) -> list[TierKind]:
-        return [TierKind(t) for t in self.tier_codes.tolist()]
-
-
-@dataclass(slots=True, frozen=True)
-class Event:
-    """A change other components may follow (WatchEvents, the cluster directory)."""
-
-    kind: str  # "stored" | "removed" | "cleared"
-    ns_digest: bytes
-    keys: list[bytes]
-    tier: TierKind | None = None
-    reason: str = ""
-    parent: bytes | None = None
-
-
-@dataclass(slots=True)
-class TierStats:
-    tier: TierKind
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    pinned_bytes: int
-    evictions: int
-    promotions: int = 0
-    demotions: int = 0
-    disk_bytes: int = 0
-    """Bytes on disk (SSD: segments incl. garbage not yet reclaimed, index)."""
-
-
-@dataclass(slots=True)
-class Counters:
-    lookups: int = 0
-    lookup_blocks: int = 0
-    lookup_hit_blocks: int = 0
-    lookup_tokens: int = 0
-    lookup_hit_tokens: int = 0
-    puts: int = 0
-    put_blocks: int = 0
-    put_bytes: int = 0
-    gets: int = 0
-    get_blocks: int = 0
-    get_hit_blocks: int = 0
-    get_bytes: int = 0
-    checksum_failures: int = 0
-    capacity_rejects: int = 0
-    reservations_expired: int = 0
-    leases_expired: int = 0
-    evictions: dict[tuple[TierKind, str], int] = field(default_factory=dict)
-
-
-@dataclass(slots=True, frozen=True)
-class NamespaceStats:
-    label: str
-    tenant: str
-    digest: bytes
-    lookups: int
-    queried_blocks: int
-    hit_blocks: int
-    blocks: int
-
-
-@dataclass(slots=True)
-class StoreStats:
-    tiers: list[TierStats]
-    counters: Counters
-    namespaces: list[NamespaceStats]
-    policy: str
-    reservations: int
-    leases: int
 
 
 @dataclass(slots=True)
