@@ -114,6 +114,8 @@ def test_a_client_dead_before_its_keepalive_opens_is_reclaimed(make_daemon) -> N
     shared = block_keys(NS, np.arange(4 * 16, dtype=np.int64))
     with Client(d.target) as c:
         assert c.put(NS, shared, [payload_for(b"d", k, BS) for k in shared]) == [KeyStatus.OK] * 4
+    # the closed client's session ends when the daemon sees its KeepAlive go
+    wait_until(lambda: _snapshot(d)["sessions"] == 0, timeout=30, what="the closed client's session to end")
     base = _snapshot(d)
     ch = grpc.insecure_channel(d.target)
     stub = pb_grpc.KVStoreStub(ch)
