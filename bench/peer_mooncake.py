@@ -64,6 +64,7 @@ Mooncake's ``batch_is_exist`` of 1,024 keys.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -386,6 +387,10 @@ class Ours:
 
 
 # ------------------------------------------------------------ measuring
+def _mc_round(mc: Mooncake | None, cmd: dict[str, Any]) -> dict[str, Any]:
+    return mc.call(cmd) if mc is not None else {"error": "stopped"}
+
+
 def measure(quick: bool, venv: str, mooncake_note: str) -> tuple[dict[str, float], dict[str, str], list[str]]:
     """Run both sides; returns (figures, units, notes)."""
     figures: dict[str, float] = {}
@@ -419,9 +424,9 @@ def measure(quick: bool, venv: str, mooncake_note: str) -> tuple[dict[str, float
                     runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
                         ("ours", lambda: ours.round(size, batch, f"b{size}-{batch}-{r}", src, dst, r < 2))]
                     for api in apis:
-                        runs.append((api, lambda api=api: mc.call(  # type: ignore[union-attr]
-                            {"op": "round", "size": size, "batch": batch, "api": api,
-                             "tag": f"{api}-{size}-{batch}-{r}", "verify": r < 2})))
+                        cmd = {"op": "round", "size": size, "batch": batch, "api": api,
+                               "tag": f"{api}-{size}-{batch}-{r}", "verify": r < 2}
+                        runs.append((api, functools.partial(_mc_round, mc, cmd)))
                     for name, fn in runs:
                         try:
                             res = fn()
@@ -454,9 +459,9 @@ def measure(quick: bool, venv: str, mooncake_note: str) -> tuple[dict[str, float
         n_max = max(EXIST_N)
         keys = ours.exist_setup(n_max)
         if mc is not None:
-            r = mc.call({"op": "exist_setup", "n": n_max})
-            if r.get("error"):
-                raise RuntimeError(f"mooncake exist setup: {r['error']}")
+            setup = mc.call({"op": "exist_setup", "n": n_max})
+            if setup.get("error"):
+                raise RuntimeError(f"mooncake exist setup: {setup['error']}")
         figures["kvstore_empty_call_us"] = ours.empty_call(100 if quick else 400) * 1e6
         units["kvstore_empty_call_us"] = "us"
         for n in EXIST_N:
@@ -467,12 +472,12 @@ def measure(quick: bool, venv: str, mooncake_note: str) -> tuple[dict[str, float
             figures[f"kvstore_lookup_{n}_us"] = t * 1e6
             units[f"kvstore_lookup_{n}_us"] = "us"
             if mc is not None:
-                r = mc.call({"op": "exist", "n": n, "calls": calls})
-                if r["present"] != n:
-                    raise RuntimeError(f"batch_is_exist of {n} stored keys found {r['present']}")
-                figures[f"mooncake_is_exist_{n}_us"] = r["seconds"] * 1e6
+                ex = mc.call({"op": "exist", "n": n, "calls": calls})
+                if ex["present"] != n:
+                    raise RuntimeError(f"batch_is_exist of {n} stored keys found {ex['present']}")
+                figures[f"mooncake_is_exist_{n}_us"] = ex["seconds"] * 1e6
                 units[f"mooncake_is_exist_{n}_us"] = "us"
-                figures[f"ratio_lookup_{n}"] = t / r["seconds"]
+                figures[f"ratio_lookup_{n}"] = t / ex["seconds"]
                 units[f"ratio_lookup_{n}"] = "x mooncake time"
     finally:
         if mc is not None:

@@ -309,10 +309,14 @@ def _key(r: dict[str, Any]) -> str:
     return r["what"]
 
 
-def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tuple[dict[str, Any], list[str]]:
+Cells = dict[tuple[str, int], dict[str, dict[str, Any]]]
+"""(trace kind, capacity level) -> result label -> result."""
+
+
+def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tuple[Cells, list[str]]:
     """Figures, targets and the explanation lines."""
     notes: list[str] = []
-    cells: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    cells: Cells = {}
     opt: dict[tuple[str, int], dict[str, Any]] = {}
     for r in results:
         if r["what"] in ("belady", "belady_min"):
@@ -357,15 +361,15 @@ def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tup
         if not lru:
             continue
         for pol in ("lfu", "cost"):
-            r = row.get(pol)
-            if not r or lru["block_hit_ratio"] <= 0:
+            other = row.get(pol)
+            if not other or lru["block_hit_ratio"] <= 0:
                 continue
-            ratio = r["block_hit_ratio"] / lru["block_hit_ratio"]
+            ratio = other["block_hit_ratio"] / lru["block_hit_ratio"]
             if ratio < worst[0]:
                 worst = (ratio, f"{pol} on {kind} c{level}")
             if ratio < WORSE_TOLERANCE:
-                d = {k: r["by_reuse"].get(k, 0) - lru["by_reuse"].get(k, 0) for _, _, k in REUSE_CLASSES}
-                notes.append(f"{pol} < lru on {kind} c{level}: {r['block_hit_ratio']:.4f} vs "
+                d = {k: other["by_reuse"].get(k, 0) - lru["by_reuse"].get(k, 0) for _, _, k in REUSE_CLASSES}
+                notes.append(f"{pol} < lru on {kind} c{level}: {other['block_hit_ratio']:.4f} vs "
                              f"{lru['block_hit_ratio']:.4f} ({ratio:.3f}x); hit blocks {pol} - lru by how often the "
                              "trace uses the block: " + ", ".join(f"{k} {v:+d}" for k, v in d.items()))
     if worst[1]:
@@ -382,21 +386,22 @@ def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tup
             lines.append(f"  store as is: {real['all_leaf_rounds']} of {real['rounds']} eviction rounds took every "
                          f"evictable leaf ({real['round_victims'] / max(real['rounds'], 1):.1f} victims/round), "
                          "so lru, lfu and cost evict the same blocks there")
+        ref = b["belady"]["block_hit_ratio"]
         for name in ("lru", "lfu", "cost", "proto-order/cost", "proto-order/cost-no-depth", "proto-order/oracle-freq"):
-            r = row.get(name)
-            if r:
-                lines.append(f"  {name:<26} hit {r['block_hit_ratio']:.4f} = {r['block_hit_ratio'] / b['belady']['block_hit_ratio']:.3f}"
-                             f" x belady; hits by use count: " + ", ".join(f"{k} {v}" for k, v in r["by_reuse"].items()))
+            x = row.get(name)
+            if x:
+                lines.append(f"  {name:<26} hit {x['block_hit_ratio']:.4f} = {x['block_hit_ratio'] / ref:.3f}"
+                             f" x belady; hits by use count: " + ", ".join(f"{k} {v}" for k, v in x["by_reuse"].items()))
         for what in ("belady", "belady_min"):
-            r = b.get(what)
-            if r:
-                lines.append(f"  {what:<26} hit {r['block_hit_ratio']:.4f}; hits by use count: "
-                             + ", ".join(f"{k} {v}" for k, v in r["by_reuse"].items()))
+            y = b.get(what)
+            if y:
+                lines.append(f"  {what:<26} hit {y['block_hit_ratio']:.4f}; hits by use count: "
+                             + ", ".join(f"{k} {v}" for k, v in y["by_reuse"].items()))
         notes += lines
     return cells, notes
 
 
-def plot(cells: dict[tuple[str, int], dict[str, dict[str, Any]]], results: list[dict[str, Any]], kinds: list[str],
+def plot(cells: Cells, results: list[dict[str, Any]], kinds: list[str],
          path: str, bs: int = 16, ssd_multiple: float = 4.0) -> str | None:
     """Hit ratio against capacity per policy, one panel per trace. Returns a
     note if matplotlib is missing."""
@@ -532,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summary(cells: dict[tuple[str, int], dict[str, dict[str, Any]]], results: list[dict[str, Any]],
+def summary(cells: Cells, results: list[dict[str, Any]],
             kinds: list[str]) -> str:
     """The readable table: one row per trace x capacity, one column per policy
     (block hit ratio, and its ratio to Bélády at the same total capacity)."""

@@ -13,7 +13,8 @@ Semantics, per request (docs/replay.md has the long form):
    ``payload_bytes`` (4 KiB: one slot each) of zeros.
 5. In process, the store's background work (SSD demotion, copies) runs to
    completion between requests (a daemon's background loop between
-   arrivals); arrival times only order the requests.
+   arrivals; at most 1,024 steps, noted if more was pending); arrival
+   times only order the requests.
 
 Bélády (:func:`belady`): the same trace, the same capacity in blocks,
 offline. A block is *used* by every request whose chain contains it; seen as
@@ -67,6 +68,8 @@ __all__ = ["PreparedTrace", "ReplayResult", "TraceRequest", "prepare", "replay",
 
 OWNER = "replay"
 _SLOT = 4096
+_MAX_STEPS = 1024
+"""Background steps run between two requests at most."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -408,7 +411,7 @@ def _store_config(capacity: int, policy: str, payload: int, ssd_blocks: int, adm
 
                 spec_fields = {f.name for f in dataclasses.fields(SsdSpec)}
                 skw: dict[str, Any] = dict(path=ssd_path, capacity_bytes=nbytes)
-                for k, v in (("sync", False), ("segment_bytes", 4 << 20)):
+                for k, v in (("sync", False),):
                     if k in spec_fields:
                         skw[k] = v
                 if admit is not None and how["admit"]:
@@ -481,7 +484,7 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
             keys, offs, tof = pt.keys, pt.offsets.tolist(), pt.tenant_of.tolist()
             tier_counts = np.zeros(256, dtype=np.int64)
             per_req = np.zeros(pt.requests, dtype=np.int64)
-            hits = rejected = 0
+            hits = rejected = capped = 0
             for r in range(pt.requests):
                 s, e = offs[r], offs[r + 1]
                 if s == e:
@@ -505,9 +508,15 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
                 if handle:
                     store.release(handle, OWNER)
                 if background is not None:
+                    steps = 0
                     while background():
-                        pass
+                        steps += 1
+                        if steps >= _MAX_STEPS:  # a step that reports work pending without doing any
+                            capped += 1
+                            break
             stats = store.stats()
+            if capped:
+                res.notes.append(f"background work still pending after {_MAX_STEPS} steps after {capped} requests")
             res.hit_blocks = hits
             res.request_hits = per_req
             res.rejected_blocks = rejected
