@@ -36,8 +36,17 @@ shared_prompt and agent at the middle capacity; for every trace and
 capacity, lfu and cost reach at least 0.99 x lru's hit ratio (cases below
 are listed with the hit breakdown that explains them).
 
+Sizes: by default the traces run at ``scale`` 0.25 of the generators'
+defaults with 16-token blocks, SSD rows for ``cost`` at every capacity
+(about 6 minutes on 2 cores). ``--quick``: scale 0.15 (agent 0.25), 64-token
+blocks (4x fewer blocks: the store's eviction rounds make small blocks
+slow), SSD rows at the middle capacity only (under a minute). Replays run in
+``--jobs`` processes; hit ratios do not depend on timing.
+
 Usage: python bench/sweep.py [--quick] [--json PATH] [--raw PATH] [--plot PATH]
        [--jobs N] [--kinds chat,agent] [--fractions 0.1,0.25,0.5] [--seed N]
+       [--scale X] [--block-size N] [--ssd-multiple 4] [--ssd-policies cost,lru]
+       [--from-raw PATH]
 """
 
 from __future__ import annotations

@@ -463,6 +463,9 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
     if ssd_admission not in ("on", "off"):
         raise InvalidArgument(f"ssd_admission must be on or off, got {ssd_admission!r}")
     name = policy if isinstance(policy, str) else "lru"
+    from kvstore.eviction import PolicyName
+
+    PolicyName.parse(name)  # before the store maps its slab: a bad name must not leak one
     tmp = None
     if ssd_blocks and ssd_path is None:
         tmp = ssd_path = tempfile.mkdtemp(prefix="kvreplay-ssd-")
@@ -542,9 +545,9 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
     """Run ``pt`` against the daemon at ``target`` through ``kvstore.client``
     (the shared-memory path when the daemon is local). The daemon's tiers are
     used as configured; ``policy`` switches its eviction policy first (admin).
-    Counters are differences of ``Stats`` before and after. Prepare ``pt``
-    with a model id not used on the daemon before (``kvstore replay --target``
-    makes one up per run), or blocks of earlier runs count as hits. Other
+    Counters are differences of ``Stats`` before and after. The trace's
+    namespaces are cleared first, so prepare ``pt`` with a model id of its
+    own (``kvstore replay --target`` makes one up per invocation). Other
     namespaces' blocks on the daemon share the capacity."""
     from kvstore.client import Client
     from kvstore.errors import KeyStatus
@@ -554,6 +557,8 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
     with Client(target, token=token, name="kvstore-replay") as c:
         if policy:
             c.admin_set_policy(policy)
+        for ns in nss:  # a fresh start: drop this trace's blocks of an earlier run
+            c.clear(ns)
         before = c.stats(include_namespaces=False)
         cap_bytes = sum(int(t.get("capacity_bytes", 0)) for t in before.get("tiers", [])
                         if str(t.get("tier", "")).lower().endswith("dram"))

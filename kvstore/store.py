@@ -119,11 +119,11 @@ class TieredStore:
         self.config = config or StoreConfig()
         self.clock = clock
         self.index = BlockIndex()
+        self.policy: Policy = make_policy(self.config.policy)  # validated before the slab exists
         self.dram = DramTier(self.config.dram_bytes, name=self.config.shm_name,
                              page_bytes=self.config.dram_page_bytes, slot_sizes=self.config.dram_slot_sizes,
                              copy_threads=self.config.copy_threads)
         self.tiers: dict[TierKind, Tier] = {TierKind.DRAM: self.dram}
-        self.policy: Policy = make_policy(self.config.policy)
         self._ns_ids: dict[bytes, int] = {}  # namespace frame -> id
         self._digest_tenant: dict[bytes, str | None] = {}
         self._ns: list[Namespace] = []

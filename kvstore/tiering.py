@@ -364,8 +364,9 @@ class SsdMover:
                     self.evict_dram(victims)
                     return True
         if self.tier.garbage_bytes > self.spec.segment_bytes:
-            self.tier.reclaim(budget)
-            return self.tier.garbage_bytes > self.spec.segment_bytes
+            # more only while reclaim makes progress: garbage spread thinly over
+            # segments may stay above the threshold with nothing worth compacting
+            return self.tier.reclaim(budget) > 0 and self.tier.garbage_bytes > self.spec.segment_bytes
         return bool(self.prefetch_q or self.copy_q)
 
     # ----------------------------------------------------------- recovery
