@@ -487,6 +487,13 @@ class DramConfig(_Section):
         return f"kvstore-{uid}-{os.getpid() if pid is None else pid}"
 
 
+class HbmAdmit(StrEnum):
+    """Which puts land in HBM (``hbm.admit``)."""
+
+    RESERVE = "reserve"
+    ALL = "all"
+
+
 @dataclass(slots=True, frozen=True)
 class HbmConfig(_Section):
     """The HBM tier: GPU memory shared with engines through CUDA IPC."""
@@ -497,6 +504,15 @@ class HbmConfig(_Section):
     """Bytes of GPU memory for the tier; 0: no HBM tier (always so without CUDA)."""
     device: Annotated[int, _Range(0, None)] = 0
     """CUDA device ordinal."""
+    admit: HbmAdmit = HbmAdmit.RESERVE
+    """Which new blocks land in HBM: "reserve" (only Reserve calls that ask
+    for tier hbm; every other put goes to DRAM) or "all" (every put, while
+    HBM has room after demoting its coldest blocks to DRAM)."""
+    page_size: Annotated[int, _Kind.SIZE, _Range(4 * KiB, None)] = 16 * MiB
+    """Slab page of the HBM tier (as dram.page_size)."""
+    on_cpu: bool = False
+    """Run the tier on a host tensor instead of a GPU (tests and development:
+    the whole tier logic without CUDA; no IPC, engines read through DRAM)."""
 
 
 class SsdWriteMode(StrEnum):

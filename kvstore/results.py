@@ -101,6 +101,8 @@ class TierStats:
     demotions: int = 0
     disk_bytes: int = 0
     """Bytes on disk (SSD: segments incl. garbage not yet reclaimed, index)."""
+    hits: int = 0
+    """Blocks served from this tier (Acquire, Get)."""
 
 
 @dataclass(slots=True)

@@ -46,6 +46,7 @@ from tiers.base import Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
 if TYPE_CHECKING:
+    from kvstore.hbm_path import HbmMover, HbmSpec
     from kvstore.tiering import Recovery, SsdMover, SsdSpec
 
 KeysLike = Sequence[bytes] | bytes | np.ndarray
@@ -92,6 +93,8 @@ class StoreConfig:
     tenant below its share."""
     default_tenant_share: float = 1.0
     """Share of tenants not named in ``tenant_shares`` (1.0: no limit)."""
+    hbm: "HbmSpec | None" = None
+    """The HBM tier (None: no HBM tier; see kvstore.hbm_path)."""
 
 
 def namespace_label(ns: Namespace) -> str:
@@ -155,6 +158,18 @@ class TieredStore:
                 if self.ssd is not None:
                     self.ssd.close()
                 raise
+        self.hbm: HbmMover | None = None
+        self.tier_hits = np.zeros(len(TierKind), dtype=np.int64)
+        """Blocks served (Acquire, Get) from each tier, by TierKind value."""
+        if self.config.hbm is not None:
+            from kvstore.hbm_path import HbmMover
+
+            try:
+                self.hbm = HbmMover(self, self.config.hbm)
+            except BaseException:
+                self.close()
+                raise
+            self.tiers = {TierKind.HBM: self.hbm.tier, **self.tiers}  # closed first: unpins the DRAM slab
 
     # ------------------------------------------------------------ plumbing
     def close(self) -> None:
@@ -359,6 +374,8 @@ class TieredStore:
         rows = idx.used_rows()
         m = ((idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == tier)
              & (idx.pins[rows] == 0) & (idx.nchild_tier[rows] == 0))
+        if tier is TierKind.DRAM and self.ssd is None:
+            m &= idx.nchild[rows] == 0  # nowhere to demote: only blocks without children (e.g. in hbm) go
         return rows[m]
 
     def _victims(self, tier: TierKind, cls: int, k: int, for_ns: int | None = None,
@@ -444,21 +461,31 @@ class TieredStore:
             self._emit(ev)
 
     def _store_rows(self, nid: int, karr: np.ndarray, sizes: Sequence[int], parent: bytes | None,
-                    state: BlockState, res: BatchResult) -> tuple[list[int], np.ndarray, np.ndarray]:
-        """Plan, allocate (evicting) and insert rows. Returns (batch indices,
-        rows, locs) of the blocks that got a slot."""
+                    state: BlockState, res: BatchResult,
+                    tier: TierKind | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Plan, allocate (evicting) and insert rows in ``tier`` (None: the
+        default, DRAM unless hbm.admit is "all"). Returns (batch indices,
+        rows, locs) of the blocks that got a slot; ``index.tier`` of the rows
+        says where."""
         todo, prefs = self._plan(nid, karr, sizes, parent, res)
         empty = np.zeros(0, dtype=np.int64)
         if not todo:
             return [], empty, empty
         nbytes = int(sizes[todo[0]])
         protect = np.asarray([p for p in prefs if p >= 0], dtype=np.int64)
-        locs = self._make_room(TierKind.DRAM, nbytes, len(todo), protect, for_ns=nid)
+        where = self.hbm.target(tier) if self.hbm is not None else TierKind.DRAM
+        if where is TierKind.HBM:
+            assert self.hbm is not None
+            locs = self.hbm.place(nbytes, len(todo), protect, nid)
+            if locs.size == 0:
+                where = TierKind.DRAM  # no room in hbm for the whole batch
+        if where is TierKind.DRAM:
+            locs = self._make_room(TierKind.DRAM, nbytes, len(todo), protect, for_ns=nid)
         # a parent that had to leave (its demotion failed) stops the chain there
         stop = next((j for j, p in enumerate(prefs[: locs.size])
                      if p >= 0 and self.index.state[p] != BlockState.COMMITTED), None)
         if stop is not None:
-            self.dram.free(locs[stop:])
+            self.tiers[where].free(locs[stop:])
             for j in todo[stop:]:
                 res.statuses[j] = KeyStatus.PARENT_MISSING
             locs, todo = locs[:stop], todo[:stop]
@@ -474,7 +501,7 @@ class TieredStore:
         # after a CAPACITY one inherit it (their parent will not be stored)
         sel = np.asarray(todo, dtype=np.int64)
         rows = self.index.insert(nid, karr[sel], np.asarray(prefs[:got], dtype=np.int64),
-                                 int(TierKind.DRAM), locs, np.full(got, nbytes, dtype=np.int64),
+                                 int(where), locs, np.full(got, nbytes, dtype=np.int64),
                                  state, self._ticks(got))
         if nid not in self._ns_size:
             self._ns_size[nid] = nbytes
@@ -499,13 +526,14 @@ class TieredStore:
             self.ssd.admission.seen(idx.keys_of(rows))
             self.ssd.queue_copy(rows)
         par = idx.parent[rows[0]]
-        self._emit(Event("stored", self._ns[nid].digest, idx.keys_of(rows), TierKind.DRAM,
+        self._emit(Event("stored", self._ns[nid].digest, idx.keys_of(rows), TierKind(int(idx.tier[rows[0]])),
                          parent=idx.key_of(int(par)) if par >= 0 else None))
 
     # ----------------------------------------------------------------- put
     def put(self, ns: Namespace, keys: KeysLike, payloads: Sequence[Buffer],
-            parent: bytes | None = None) -> BatchResult:
-        """Store a chain segment. ``keys[0]``'s parent is ``parent``."""
+            parent: bytes | None = None, tier: TierKind | None = None) -> BatchResult:
+        """Store a chain segment. ``keys[0]``'s parent is ``parent``; ``tier``
+        asks for HBM (see kvstore.hbm_path)."""
         nid = self._nsid(ns)
         karr = keys_to_array(keys)
         n = karr.shape[0]
@@ -522,10 +550,15 @@ class TieredStore:
                 res.messages[i] = f"payload {i} is not a buffer: {e}"
             srcs.append(a)
             sizes.append(a.size if a is not None else 0)
-        todo, rows, locs = self._store_rows(nid, karr, sizes, parent, BlockState.RESERVED, res)
-        if todo:
+        todo, rows, locs = self._store_rows(nid, karr, sizes, parent, BlockState.RESERVED, res, tier)
+        if todo and self.hbm is not None and self.index.tier[rows[0]] == TierKind.HBM:
+            from kvstore.hbm_path import write_put
+
+            todo, rows = write_put(self, todo, rows, locs, srcs, res)
+        elif todo:
             csums = self.dram.write(locs, [srcs[i] for i in todo])  # type: ignore[misc]
             self.index.csum[rows] = csums
+        if todo:
             self._committed(nid, rows)
             self.counters.put_bytes += int(sum(sizes[i] for i in todo))
         self.counters.puts += 1
@@ -535,6 +568,14 @@ class TieredStore:
     # ----------------------------------------------------------------- get
     def _read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
         idx = self.index
+        if self.hbm is not None and np.any(idx.tier[rows] == TierKind.HBM):
+            on_hbm = idx.tier[rows] == TierKind.HBM
+            ok = np.zeros(rows.size, dtype=bool)
+            for mask, read in ((on_hbm, self.hbm.read), (~on_hbm, self._read)):
+                at = np.nonzero(mask)[0]
+                if at.size:
+                    ok[at] = read(rows[at], [outs[i] for i in at.tolist()])
+            return ok
         on_ssd = idx.tier[rows] == TierKind.SSD
         if self.ssd is not None and np.any(on_ssd):
             ok = np.zeros(rows.size, dtype=bool)
@@ -624,6 +665,7 @@ class TieredStore:
         for i in which[ok].tolist():
             res.statuses[i] = KeyStatus.OK
         self._touch(good_rows)
+        self.tier_hits += np.bincount(self.index.tier[good_rows], minlength=len(TierKind))
         if self.ssd is not None and good_rows.size:
             self.ssd.admission.seen(self.index.keys_of(good_rows))
         c.get_hit_blocks += int(good_rows.size)
@@ -647,8 +689,10 @@ class TieredStore:
 
     # ------------------------------------------------------ two-phase put
     def reserve(self, ns: Namespace, keys: KeysLike, sizes: Sequence[int] | int,
-                owner: str, parent: bytes | None = None) -> SlotResult:
-        """Allocate slots for new blocks; they stay invisible until ``commit``."""
+                owner: str, parent: bytes | None = None, tier: TierKind | None = None) -> SlotResult:
+        """Allocate slots for new blocks; they stay invisible until ``commit``.
+        ``tier`` HBM asks for device slots (DRAM when there is no HBM tier or
+        no room in it: ``tier_codes`` say where)."""
         nid = self._nsid(ns)
         karr = keys_to_array(keys)
         n = karr.shape[0]
@@ -657,14 +701,14 @@ class TieredStore:
         if len(sizes) != n:
             raise InvalidArgument(f"{n} keys but {len(sizes)} sizes")
         res = SlotResult.empty(n, KeyStatus.OK)
-        todo, rows, locs = self._store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res)
+        todo, rows, locs = self._store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res, tier)
         if todo:
             handle = "r-" + secrets.token_hex(8)
             self._reservations[handle] = _Hold(owner, nid, rows,
                                                self.clock() + self.config.reservation_timeout)
             res.handle = handle
             sel = np.asarray(todo, dtype=np.int64)
-            res.tier_codes[sel] = TierKind.DRAM
+            res.tier_codes[sel] = self.index.tier[rows]
             res.offsets[sel] = locs
             res.lengths[sel] = self.index.size[rows]
         return res
@@ -699,8 +743,13 @@ class TieredStore:
         else:
             from kvstore.checksum import checksum
 
-            for r in rows.tolist():
+            on_hbm = idx.tier[rows] == TierKind.HBM
+            for r in rows[~on_hbm].tolist():
                 idx.csum[r] = checksum(self.dram.view(int(idx.loc[r]), int(idx.size[r])))
+            if self.hbm is not None and on_hbm.any():
+                rows = self.hbm.commit_checksums(rows, h.rows, res)
+                if rows.size == 0:
+                    return res
         self._committed(h.ns, rows)
         self.counters.puts += 1
         self.counters.put_blocks += int(rows.size)
@@ -723,13 +772,15 @@ class TieredStore:
 
     # ---------------------------------------------------------- acquire
     def acquire(self, ns: Namespace, keys: KeysLike, owner: str, ttl: float | None = None,
-                promote: bool = True) -> SlotResult:
+                promote: bool = True, tier: TierKind | None = None) -> SlotResult:
         """Pin the leading present blocks for a zero-copy read under a lease.
         Stops at the first miss (later blocks are useless without it). SSD
         blocks of the prefix are promoted into DRAM first (``promote``; else
         the lease stops at the first block not in DRAM). With ``ttl`` the
         lease is released by ``reap`` after that many seconds (for holders
-        whose death the caller cannot observe)."""
+        whose death the caller cannot observe). ``tier`` HBM: the caller maps
+        the HBM slab (blocks are promoted into it); else every slot is in
+        DRAM (HBM blocks are demoted first, see kvstore.hbm_path)."""
         nid = self._nsid(ns, create=False)
         karr = keys_to_array(keys)
         n = karr.shape[0]
@@ -738,6 +789,8 @@ class TieredStore:
         rows = look.rows
         if rows.size and self.ssd is not None:
             rows = self._mappable_prefix(rows, promote)
+        if rows.size and self.hbm is not None:
+            rows = self.hbm.for_reader(rows, tier)
         if rows.size == 0:
             self.counters.gets += 1
             self.counters.get_blocks += n
@@ -755,6 +808,7 @@ class TieredStore:
         res.lengths[:hit] = idx.size[rows]
         res.checksums[:hit] = idx.csum[rows]
         self._touch(rows)
+        self.tier_hits += np.bincount(idx.tier[rows], minlength=len(TierKind))
         c = self.counters
         c.gets += 1
         c.get_blocks += n
@@ -924,6 +978,8 @@ class TieredStore:
         first) only what no longer fits. Returns blocks evicted."""
         if tier is TierKind.SSD and self.ssd is not None:
             return self._resize_ssd(capacity_bytes)
+        if tier is TierKind.HBM and self.hbm is not None:
+            return self.hbm.resize(capacity_bytes)
         if tier is not TierKind.DRAM:
             raise NotFound(f"tier {tier.label} is not configured")
         t = self.dram
@@ -1005,6 +1061,9 @@ class TieredStore:
                     ts.promotions, ts.demotions = self.ssd.promoted, self.ssd.demoted
                 elif kind is TierKind.SSD:
                     ts.disk_bytes = self.ssd.tier.disk_bytes
+            if kind is TierKind.HBM and self.hbm is not None:
+                ts.promotions, ts.demotions = self.hbm.promoted, self.hbm.demoted
+            ts.hits = int(self.tier_hits[int(kind)])
             out.append(ts)
         per_ns = np.bincount(idx.ns[rows[idx.state[rows] == BlockState.COMMITTED]].astype(np.int64),
                              minlength=len(self._ns))

@@ -42,3 +42,21 @@ def ns2():
     from kvstore.keys import Namespace
 
     return Namespace(tenant="u", model_id="m", block_size=4)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip cleanly on a machine without CUDA."""
+    gpu = [it for it in items if it.get_closest_marker("gpu") is not None]
+    if gpu and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for it in gpu:
+            it.add_marker(skip)
