@@ -47,6 +47,7 @@ the daemon. cupy would work the same way but is not a dependency.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -281,8 +282,10 @@ class HbmTier(PagedSlots):
 
         srcs = [_as_u8(p) for p in payloads]
         csums = np.fromiter((checksum(s) for s in srcs), dtype=np.uint64, count=len(srcs))
-        pairs = [(self.view(off, s.size), torch.from_numpy(s)) for off, s in
-                 zip(np.asarray(locs).tolist(), srcs)]
+        with warnings.catch_warnings():  # read-only sources: torch warns, we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            pairs = [(self.view(off, s.size), torch.from_numpy(s)) for off, s in
+                     zip(np.asarray(locs).tolist(), srcs)]
         ok, _ = self._copy_batch(pairs, "load", None, "host->device")
         return csums, ok
 
