@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, cast
 
 import grpc
@@ -81,6 +81,16 @@ def _pack(keys: Sequence[bytes]) -> bytes:
     return b"".join(keys)
 
 
+def _tier_field(tier: str | None) -> Any:
+    """A request's tier field from "hbm"/"dram"/None."""
+    if tier is None:
+        return 0
+    t = TierKind.parse(tier)
+    if t not in (TierKind.HBM, TierKind.DRAM):
+        raise InvalidArgument(f"tier {tier!r} cannot be asked for; allowed: hbm, dram")
+    return int(t) + 1
+
+
 def ns_pb(ns: Namespace) -> pb.Namespace:
     d: dict[str, Any] = dict(ns.to_dict())
     fields = pb.Namespace.DESCRIPTOR.fields_by_name
@@ -123,6 +133,10 @@ class _Base:
         self.server_tenant = ""
         self.copy_threads = 2
         """Threads that copy one large batch in and out of the slab."""
+        self.hbm_regions: list[pb.DeviceMemInfo] = []
+        """The daemon's HBM tier regions (same host only); map with map_hbm()."""
+        self.hbm: Any = None
+        """The mapped HBM region (kvstore.hbm_ipc.HbmMapping), once map_hbm() ran."""
 
     def _creds(self) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(self.tls_ca) if self.tls_ca is not None else None
@@ -147,6 +161,7 @@ class _Base:
                 self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
             except OSError:
                 self.slab = None  # e.g. another container: fall back to inline bytes
+        self.hbm_regions = list(resp.hbm) if resp.same_host else []
 
     def _view(self, offset: int, length: int) -> np.ndarray:
         assert self.slab is not None
@@ -399,16 +414,37 @@ class Client(_Base):
             raise Unavailable("no shared-memory slab: the daemon is on another host or use_shm=False")
         return self._view(offset, length)
 
+    def map_hbm(self) -> Any:
+        """Map the daemon's HBM slab through CUDA IPC (once per process) and
+        return the mapping (``view(offset, length)`` gives device tensors).
+        Raises Unavailable without an HBM tier, on another host, when the
+        tier runs on the host (hbm.on_cpu) or without CUDA here."""
+        if self.hbm is None:
+            if not self.hbm_regions:
+                raise Unavailable("the daemon has no hbm tier this client can map (none, or another host)")
+            from kvstore.hbm_ipc import open_region
+
+            r = self.hbm_regions[0]
+            self.hbm = open_region(r.device, r.ipc_handle, r.base_offset, r.size_bytes, r.slab_id, r.ipc)
+        return self.hbm
+
+    def hbm_view(self, offset: int, length: int) -> Any:
+        """Device tensor view of an HBM slot (after map_hbm)."""
+        return self.map_hbm().view(offset, length)
+
     def reserve(self, ns: Namespace, keys: Sequence[bytes], block_bytes: int,
-                parent: bytes | None = None) -> "Reservation":
+                parent: bytes | None = None, tier: str | None = None) -> "Reservation":
         """Reserve slots for a chain segment of equal-size blocks; write them
         through ``view(offset, length)`` (from any process that maps the
-        slab, e.g. every TP rank writing its shard), then ``commit``."""
+        slab, e.g. every TP rank writing its shard), then ``commit``.
+        ``tier="hbm"`` asks for device slots: those whose ``tiers`` entry is
+        HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
         req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=_pack(keys), parent=parent or b"",
-                                block_bytes=block_bytes)
+                                block_bytes=block_bytes, tier=_tier_field(tier))
         r = self._call(self.stub.Reserve, req)
         sa = r.slots
-        return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length))
+        return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length),
+                           [TierKind(t - 1) if t else None for t in sa.tier], int(sa.device))
 
     def commit(self, reservation: "Reservation", checksums: Sequence[int] | None = None) -> list[KeyStatus]:
         """Make reserved blocks visible. Without ``checksums`` the daemon
@@ -420,18 +456,28 @@ class Client(_Base):
     def abort(self, reservation: "Reservation") -> int:
         return int(self._call(self.stub.Abort, pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes]) -> "Lease":
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], tier: str | None = None) -> "Lease":
         """Pin the hit prefix and return zero-copy views into the slab
         (shared-memory clients only). Release with ``Lease.release()`` or a
-        ``with`` block."""
+        ``with`` block. ``tier="hbm"`` (after ``map_hbm``): blocks are
+        promoted into HBM where possible and HBM slots come back as device
+        tensor views (``Lease.tiers`` says which)."""
         if self.slab is None:
             raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
-        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
+        want = _tier_field(tier)
+        if want == TierKind.HBM + 1:
+            self.map_hbm()
+        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True,
+                                                            tier=want))
         sa = r.slots
         hit = int(r.hit_blocks)
-        views: list[np.ndarray | None] = [self._view(sa.offset[i], sa.length[i]) for i in range(hit)]
+        tiers = [TierKind(sa.tier[i] - 1) for i in range(hit)]
+        views: list[Any] = [self.hbm.view(sa.offset[i], sa.length[i]) if t is TierKind.HBM
+                            else self._view(sa.offset[i], sa.length[i]) for i, t in enumerate(tiers)]
         views += [None] * (len(sa.status) - hit)
-        return Lease(self, r.lease_id, hit, views, list(sa.checksum), list(sa.offset[:hit]), list(sa.length[:hit]))
+        lease = Lease(self, r.lease_id, hit, views, list(sa.checksum), list(sa.offset[:hit]), list(sa.length[:hit]))
+        lease.tiers = tiers
+        return lease
 
     # ------------------------------------------------------------ others
     def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
@@ -479,6 +525,10 @@ class Reservation:
     statuses: list[KeyStatus]
     offsets: list[int]
     lengths: list[int]
+    tiers: list[TierKind | None] = field(default_factory=list)
+    """Tier of each slot (HBM: write through Client.hbm_view)."""
+    device: int = 0
+    """CUDA device of the HBM slots."""
 
 
 class Lease:
@@ -494,6 +544,7 @@ class Lease:
         self.checksums = checksums
         self.offsets = offsets or []
         self.lengths = lengths or []
+        self.tiers: list[TierKind] = [TierKind.DRAM] * hit_blocks
         self._released = not lease_id
 
     def release(self) -> None:

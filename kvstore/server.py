@@ -48,7 +48,9 @@ from kvstore.shm import host_identity
 from kvstore.store import BatchResult, SlotResult, StoreConfig, TieredStore
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.hbm_path import spec_from_config as hbm_spec_from_config
 from tiers.base import TierKind
+from tiers.hbm import HbmTier
 
 log = logging.getLogger("kvstore.server")
 
@@ -268,6 +270,8 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             resp.shm.size_bytes = t.size
             resp.shm.alignment = t.slot_align
             resp.shm.slab_id = self.slab_id
+            if self.store.hbm is not None:
+                resp.hbm.append(hbm_pb(self.store.hbm.tier, self.slab_id))
         return resp
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> AsyncIterator[pb.KeepAliveResponse]:
@@ -317,11 +321,12 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         else:
             raise InvalidArgument("sizes or block_bytes is required")
         owner, _ = self._owner(context, who)
-        res = self.store.reserve(ns, keys, sizes, owner=owner, parent=request.parent or None)
+        res = self.store.reserve(ns, keys, sizes, owner=owner, parent=request.parent or None,
+                                 tier=_want_tier(request.tier))
         if res.handle and _gave_up(context):  # nobody will write or commit these slots
             self.store.abort(res.handle, owner)
             raise errors.DeadlineExceeded("Reserve: the caller's deadline passed; the reservation was aborted")
-        return pb.ReserveResponse(reservation_id=res.handle, slots=slots_pb(res), details=res.messages,
+        return pb.ReserveResponse(reservation_id=res.handle, slots=self._slots(res), details=res.messages,
                                   expires_in_ms=int(self.config.server.reservation_timeout * 1000))
 
     @_rpc("Commit")
@@ -343,12 +348,19 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         keys = _chain_keys(request)
         owner, has_session = self._owner(context, who)
         ttl = None if has_session else self.config.server.reservation_timeout
-        res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote)
+        res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote,
+                                 tier=_want_tier(request.tier))
         if res.handle and _gave_up(context):  # (e.g. a slow promotion): nobody will release this lease
             self.store.release(res.handle, owner)
             raise errors.DeadlineExceeded("Acquire: the caller's deadline passed; the lease was released")
         hit = int(np.count_nonzero(res.offsets >= 0))
-        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=slots_pb(res))
+        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=self._slots(res))
+
+    def _slots(self, res: SlotResult) -> pb.SlotArray:
+        sa = slots_pb(res)
+        if self.store.hbm is not None:
+            sa.device = self.store.hbm.tier.device_index
+        return sa
 
     @_rpc("Release")
     async def Release(self, request: pb.ReleaseRequest, context: Any, who: Principal) -> pb.ReleaseResponse:
@@ -489,7 +501,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             out.tiers.append(pb.TierStats(tier=tier_pb(t.tier), capacity_bytes=t.capacity_bytes,
                                           used_bytes=t.used_bytes, blocks=t.blocks,
                                           pinned_bytes=t.pinned_bytes, evictions=t.evictions,
-                                          promotions=t.promotions, demotions=t.demotions))
+                                          promotions=t.promotions, demotions=t.demotions, hits=t.hits))
         ast = self.admission.stats()
         for (_, kind), count in ast.decisions.items():
             if kind == "admit":
@@ -650,7 +662,28 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
         copy_threads=config.server.workers,
         tenant_shares=tuple(sorted((shares or {}).items())),
         default_tenant_share=config.admission.default_tenant_share,
+        hbm=hbm_spec_from_config(config),
     )
+
+
+def _want_tier(value: int) -> TierKind | None:
+    """A request's tier field: None when unset; HBM or DRAM."""
+    if value == 0:
+        return None
+    if value not in (TierKind.HBM + 1, TierKind.DRAM + 1):
+        raise InvalidArgument(f"tier {value} cannot be asked for here; allowed: TIER_HBM, TIER_DRAM")
+    return TierKind(value - 1)
+
+
+def hbm_pb(tier: HbmTier, slab_id: str) -> pb.DeviceMemInfo:
+    """What a same-host client needs to map the HBM slab (raw IPC handle
+    bytes, offset, size, device; never a pickled object)."""
+    info = pb.DeviceMemInfo(device=tier.device_index, size_bytes=tier.size, ipc=tier.is_cuda,
+                            slab_id=slab_id, device_name=str(tier.device))
+    if tier.is_cuda:
+        exp = tier.ipc_export()
+        info.ipc_handle, info.base_offset = exp.handle, exp.offset
+    return info
 
 
 def _ttft_pb(b: TTFTBreakdown) -> pb.TTFTParts:

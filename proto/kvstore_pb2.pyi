@@ -154,14 +154,22 @@ class ShmInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., slot_sizes: _Optional[_Iterable[int]] = ..., alignment: _Optional[int] = ..., slab_id: _Optional[str] = ...) -> None: ...
 
 class DeviceMemInfo(_message.Message):
-    __slots__ = ("device", "ipc_handle", "size_bytes")
+    __slots__ = ("device", "ipc_handle", "size_bytes", "base_offset", "ipc", "slab_id", "device_name")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IPC_FIELD_NUMBER: _ClassVar[int]
+    SLAB_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     device: int
     ipc_handle: bytes
     size_bytes: int
-    def __init__(self, device: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    base_offset: int
+    ipc: bool
+    slab_id: str
+    device_name: str
+    def __init__(self, device: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., base_offset: _Optional[int] = ..., ipc: _Optional[bool] = ..., slab_id: _Optional[str] = ..., device_name: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("client_name", "pid", "host_id", "protocol_version")
@@ -391,16 +399,18 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns", "keys", "promote", "keys_packed")
+    __slots__ = ("ns", "keys", "promote", "tier", "keys_packed")
     NS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     promote: bool
+    tier: Tier
     keys_packed: bytes
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "hit_blocks", "slots")
@@ -545,7 +555,7 @@ class StatsRequest(_message.Message):
     def __init__(self, include_namespaces: _Optional[bool] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions")
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions", "hits")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +564,7 @@ class TierStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_bytes: int
     used_bytes: int
@@ -562,7 +573,8 @@ class TierStats(_message.Message):
     evictions: int
     promotions: int
     demotions: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ...) -> None: ...
+    hits: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace_label", "ns_digest", "lookups", "hit_blocks", "queried_blocks", "blocks")

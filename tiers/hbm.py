@@ -199,6 +199,7 @@ class HbmTier(PagedSlots):
         self.fences = FenceTable()
         self.copy_errors = 0
         self._registered: list[int] = []
+        self._ipc: IpcExport | None = None
         self._closed = False
 
     # ----------------------------------------------------------- properties
@@ -367,10 +368,13 @@ class HbmTier(PagedSlots):
         if not self.is_cuda:
             raise Unavailable(f"the hbm tier is on {self.device}: no CUDA IPC handle to share "
                               "(engines read its blocks through DRAM)")
-        info = self.slab.untyped_storage()._share_cuda_()
-        # (device, handle, storage size, storage offset, ref counter handle,
-        #  ref counter offset, event handle, event sync required)
-        return IpcExport(device=int(info[0]), handle=bytes(info[1]), offset=int(info[3]), size=self._allocated)
+        if self._ipc is None:
+            info = self.slab.untyped_storage()._share_cuda_()
+            # (device, handle, storage size, storage offset, ref counter handle,
+            #  ref counter offset, event handle, event sync required)
+            self._ipc = IpcExport(device=int(info[0]), handle=bytes(info[1]), offset=int(info[3]),
+                                  size=self._allocated)
+        return self._ipc
 
     # ---------------------------------------------------------------- resize
     def resize(self, capacity_bytes: int) -> None:
