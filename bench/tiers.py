@@ -12,8 +12,15 @@ directory under /tmp):
 - Recovery: open + ``recover()`` of a tier holding 100,000 blocks (20,000 with
   ``--quick``) of 1 KiB in chains of 64 (median of 3 opens).
 
+- HBM rows (``bench/hbm.py``): with CUDA, HBM<->DRAM through the tier beside
+  raw pinned copies, and IPC device-to-device between two processes beside a
+  raw device-to-device copy; without CUDA they print as SKIPPED (the GPU
+  figures stay open) and only the ``cpu_logic`` rows (the tier on the host
+  device: bookkeeping + checksums against a plain numpy copy) are measured.
+
 Targets: SSD put and get >= 0.7x the plain-file figures for 1 MiB blocks;
-recovery of the block count named in the target < 5 s.
+recovery of the block count named in the target < 5 s; with CUDA, tier
+HBM<->DRAM >= 0.8x raw pinned and IPC d2d >= 0.8x raw d2d.
 
 Usage: python bench/tiers.py [--quick] [--json PATH] [--dir DIR] [--repeats N]
 """
@@ -234,15 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write figures and targets as JSON")
     ap.add_argument("--dir", metavar="DIR", help="directory on the disk to measure (default: under /tmp)")
     ap.add_argument("--repeats", type=int, default=0, help="samples per figure (default 3 quick, 5 full)")
+    ap.add_argument("--no-hbm", action="store_true", help="skip the HBM rows")
     a = ap.parse_args(argv)
     repeats = a.repeats or (3 if a.quick else 5)
     total = (128 if a.quick else 512) * MIB
     nblocks = 20_000 if a.quick else 100_000
     root = tempfile.mkdtemp(prefix="kvstore-bench-tiers-", dir=a.dir or "/tmp")
-    rep = Report("tiers (ssd)")
+    rep = Report("tiers (ssd, hbm)")
     try:
         bench_throughput(rep, root, total, repeats)
         bench_recovery(rep, root, nblocks)
+        if not a.no_hbm:
+            import hbm
+
+            hbm.run(rep, a.quick, repeats, 2 * MIB, cpu=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rep.figure("bytes_per_figure", total, "B")
