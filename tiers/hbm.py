@@ -199,7 +199,8 @@ class HbmTier(PagedSlots):
         self.load_stream: Any = None
         self.store_stream: Any = None
         if self.is_cuda:
-            lo, hi = torch.cuda.Stream.priority_range()  # (least, greatest) priority: hi < lo
+            # (least, greatest) priority: hi < lo; a static method (the stubs say otherwise)
+            lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
             self.load_stream = torch.cuda.Stream(self.device, priority=hi)
             self.store_stream = torch.cuda.Stream(self.device, priority=lo)
         self.fences = FenceTable()

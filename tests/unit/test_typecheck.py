@@ -11,7 +11,8 @@ import pytest
 CORE = ["kvstore/errors.py", "kvstore/keys.py", "kvstore/index.py", "kvstore/eviction.py", "kvstore/store.py",
         "kvstore/config.py", "kvstore/server.py", "kvstore/client.py", "kvstore/shm.py", "kvstore/results.py", "kvstore/auth.py", "kvstore/events.py",
         "kvstore/checksum.py", "kvstore/metrics.py", "tiers/base.py", "tiers/dram.py", "tiers/ssd.py",
-        "tiers/ssd_admit.py", "kvstore/tiering.py", "admission"]
+        "tiers/ssd_admit.py", "kvstore/tiering.py", "admission",
+        "tiers/slots.py", "tiers/hbm.py", "kvstore/hbm_path.py", "kvstore/hbm_ipc.py"]
 
 
 def test_core_is_mypy_clean():
