@@ -105,6 +105,8 @@ class HbmMover:
         self.tier = HbmTier(spec.capacity_bytes, device=spec.device, page_bytes=spec.page_bytes,
                             slot_sizes=spec.slot_sizes, mem_get_info=spec.mem_get_info, copy_fn=spec.copy_fn)
         self.pinned_dram = self.tier.register_host(store.dram.buf)
+        log.info("hbm tier on %s: %d bytes, admit=%s, dram slab pinned: %s", self.tier.device,
+                 self.tier.capacity_bytes, spec.admit, self.pinned_dram)
         self.promoted = 0
         self.demoted = 0
         self.dropped = 0

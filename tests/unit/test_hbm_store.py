@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import chain, payload_for  # noqa: E402
+from tests.conftest import chain, payload_for  # noqa: E402
 from kvstore.errors import InvalidArgument, KeyStatus  # noqa: E402
 from kvstore.hbm_path import HbmSpec  # noqa: E402
 from kvstore.store import StoreConfig, TieredStore  # noqa: E402
