@@ -206,6 +206,21 @@ def copy_many(dsts: Any, srcs: Any, threads: int = 2) -> np.ndarray:
     return out
 
 
+def checksum_many(bufs: Any, threads: int = 2) -> np.ndarray:
+    """``checksum`` over a batch of blocks, spread over up to ``threads``
+    threads (the hash releases the GIL); returns the checksums (uint64)."""
+    n = len(bufs)
+    out = np.empty(n, dtype=np.uint64)
+    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in bufs[: min(n, 4)]) * max(1, n // 4)
+
+    def run(a: int, b: int) -> None:
+        for i in range(a, b):
+            out[i] = checksum(bufs[i])
+
+    _run_parts(run, _split(n, nbytes, threads))
+    return out
+
+
 def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.ndarray:
     """``copy_verify`` over a batch; returns a bool mask (False: mismatch)."""
     n = len(srcs)
