@@ -204,3 +204,23 @@ def test_failing_device_copy_is_a_miss_logged_and_daemon_keeps_serving(make_daem
         got = c.get(NS, keys)
         assert [bytes(g) for g in got] == [payload_for(b"h", k, BS) for k in keys]
         assert d.call(lambda: d.store.hbm.tier.copy_errors) == 1
+
+
+def test_client_api_tiers_on_a_cpu_tier(make_daemon):
+    from kvstore.errors import InvalidArgument
+    from tiers.base import TierKind
+
+    d = hbm_daemon(make_daemon)
+    with Client(d.target) as c:
+        keys = keys_of(7, 3)
+        r = c.reserve(NS, keys, BS, tier="hbm")
+        assert r.tiers == [TierKind.HBM] * 3 and r.device == 0
+        c.abort(r)
+        assert d.call(lambda: d.store.hbm.tier.used_bytes) == 0  # aborted: slots back
+        r = c.reserve(NS, keys, BS)  # no tier: DRAM, as before
+        assert r.tiers == [TierKind.DRAM] * 3
+        c.abort(r)
+        with pytest.raises(InvalidArgument, match="hbm, dram"):
+            c.reserve(NS, keys, BS, tier="ssd")
+        with pytest.raises(Unavailable, match="hbm.on_cpu"):
+            c.acquire(NS, keys, tier="hbm")  # cannot map a host tier: a clear error, no call made

@@ -232,3 +232,45 @@ def test_three_tiers_hbm_dram_ssd_cascade(ns, tmp_path):
             assert bytes(st.dram.view(off, B)) == payload_for(b"x", k, B)
         st.release(lease.handle, "o")
         st.index.check_invariants()
+
+
+def test_refusal_at_start_names_both_numbers_and_leaks_no_slab():
+    import os
+
+    from kvstore.errors import CapacityError
+
+    probe = lambda dev: (2 * B, 1 << 30)  # noqa: E731
+    name = f"kvstore-test-refuse-{os.getpid()}"
+    spec = HbmSpec(8 * B, "cpu", page_bytes=B, mem_get_info=probe)
+    with pytest.raises(CapacityError) as e:
+        TieredStore(StoreConfig(dram_bytes=8 * B, dram_page_bytes=B, shm_name=name, hbm=spec))
+    assert str(8 * B) in str(e.value) and str(2 * B) in str(e.value)
+    assert not os.path.exists(f"/dev/shm/{name}")  # the DRAM slab made first was removed
+
+
+def test_spec_from_config():
+    from kvstore.config import load_config
+    from kvstore.hbm_path import spec_from_config
+
+    assert spec_from_config(load_config(None, {}, {})) is None
+    s = spec_from_config(load_config(None, {}, {"hbm.capacity": "8MiB", "hbm.on_cpu": True, "hbm.admit": "all"}))
+    assert s is not None and s.device == "cpu" and s.capacity_bytes == 8 << 20 and s.admit == "all"
+
+
+def test_tenant_over_its_share_of_hbm_is_demoted_first():
+    from kvstore.keys import Namespace
+
+    a, b = Namespace(tenant="a", model_id="m", block_size=4), Namespace(tenant="b", model_id="m", block_size=4)
+    spec = HbmSpec(4 * B, "cpu", admit="all", page_bytes=B)
+    with TieredStore(StoreConfig(dram_bytes=32 * B, dram_page_bytes=B, hbm=spec,
+                                 tenant_shares=(("a", 0.5), ("b", 0.5)))) as st:
+        ka = [chain(b"a%d" % i, 1)[0] for i in range(3)]  # three one-block chains of tenant a
+        for k in ka:
+            st.put(a, [k], pl(a, [k]))
+        kb = chain(b"b", 1)
+        st.put(b, kb, pl(b, kb))
+        st.get(a, ka)  # a's blocks are the most recently used ...
+        kb2 = chain(b"b2", 1)
+        st.put(b, kb2, pl(b, kb2))  # ... but a holds 3/4 > its half: a's block goes down
+        assert tiers_of(st, b, kb) == [HBM] and tiers_of(st, b, kb2) == [HBM]
+        assert sorted(t for k in ka for t in tiers_of(st, a, [k])) == [HBM, HBM, DRAM]
