@@ -15,6 +15,7 @@ process dies, the daemon reclaims them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import Buffer, TierKind
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+log = logging.getLogger("kvstore.client")
 
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -119,6 +121,9 @@ class _Base:
         self.timeout = timeout
         self.session = ""
         self.slab: SlabMapping | None = None
+        self._fast_path = ""  # the daemon's fast Lookup socket, when same host
+        self._fast: Any = None
+        self._ns_wire: dict[Namespace, bytes] = {}
         self.max_message_bytes = 4 << 20
         self.server_tenant = ""
         self.copy_threads = 2
@@ -147,6 +152,7 @@ class _Base:
                 self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
             except OSError:
                 self.slab = None  # e.g. another container: fall back to inline bytes
+        self._fast_path = resp.lookup_socket if resp.same_host else ""
 
     def _view(self, offset: int, length: int) -> np.ndarray:
         assert self.slab is not None
@@ -244,7 +250,9 @@ class Client(_Base):
 
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
-                 timeout: float = 30.0, session: bool = True) -> None:
+                 timeout: float = 30.0, session: bool = True, fast_lookup: bool = True) -> None:
+        """``fast_lookup``: on the daemon's host, send ``lookup`` over its fast
+        Lookup socket (kvstore/fastlookup.py) instead of gRPC."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
@@ -259,6 +267,13 @@ class Client(_Base):
             self._keepalive = self.stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session),
                                                   metadata=self._md())
             threading.Thread(target=self._drain_keepalive, daemon=True, name="kvstore-keepalive").start()
+            if fast_lookup and self._fast_path:
+                from kvstore.fastlookup import LookupSocketClient
+
+                try:
+                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout)
+                except (OSError, KVStoreError) as e:
+                    log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
 
     def _drain_keepalive(self) -> None:
         try:
@@ -274,6 +289,9 @@ class Client(_Base):
             raise error_from_rpc(e) from None
 
     def close(self) -> None:
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         if self._keepalive is not None:
             self._keepalive.cancel()
         if self.slab is not None:
@@ -288,6 +306,18 @@ class Client(_Base):
 
     # ----------------------------------------------------------- queries
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        fast = self._fast
+        if fast is not None:
+            wire = self._ns_wire.get(ns)
+            if wire is None:
+                wire = self._ns_wire[ns] = ns_pb(ns).SerializeToString(deterministic=True)
+            try:
+                hit, tiers = fast.lookup(wire, _pack(keys))
+                return LookupResult(hit, [_TIER_NAMES[t] for t in tiers])
+            except OSError as e:  # the socket broke: gRPC from now on
+                log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
+                fast.close()
+                self._fast = None
         r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
         return _lookup_result(r)
 

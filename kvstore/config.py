@@ -399,6 +399,9 @@ class ServerConfig(_Section):
     """TCP port for gRPC; 0 picks a free port (tests)."""
     unix_socket: str = ""
     """Path of a Unix socket to listen on as well (mode 0600); empty: none."""
+    lookup_socket: str = ""
+    """Same-host fast Lookup socket (mode 0600, kvstore/fastlookup.py): empty:
+    ``<unix_socket>.lookup`` when unix_socket is set; "off": none."""
     max_message_bytes: Annotated[int, _Kind.SIZE, _Range(4 * KiB, 2**31 - 1)] = 64 * MiB
     """Largest gRPC message either way; bounds inline Put/Get payloads."""
     auth_token_file: str = ""
