@@ -587,6 +587,10 @@ class EvictionConfig(_Section):
     policy: EvictionPolicyName = EvictionPolicyName.LRU
     """lru (least recently used), lfu (least frequently used) or cost
     (cheapest to recompute or refetch first)."""
+    dram_admission: bool = False
+    """When DRAM is full, store a new block only if it was looked up at least
+    as often as the block it would evict (TinyLFU-style; docs/replay.md:
+    better on shared-prompt, agent and document workloads, worse on chat)."""
 
 
 class LogLevel(StrEnum):

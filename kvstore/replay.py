@@ -695,6 +695,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd", default="0", help="SSD tier: blocks, a size, or a multiple of the DRAM "
                                               "capacity like 4x (0 = none)")
     p.add_argument("--ssd-admission", choices=["on", "off", "both"], default="on")
+    p.add_argument("--dram-admission", choices=["on", "off", "both"], default="off",
+                   help="the store's DRAM admission filter (StoreConfig.dram_admission); rows labelled POLICY+adm")
     p.add_argument("--no-belady", action="store_true", help="skip the optimum")
     p.add_argument("--target", help="replay against the daemon at this address instead of in process")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -748,8 +750,10 @@ def run(args: argparse.Namespace) -> int:
             ssd = _ssd_blocks(args.ssd, cap, args.payload_bytes)
             for pol in policies:
                 for a in (adm if ssd else ["on"]):
-                    results.append(replay(pt, pol, cap, ssd_blocks=ssd, ssd_admission=a,
-                                          payload_bytes=args.payload_bytes))
+                    for d in {"on": [True], "off": [False], "both": [False, True]}[args.dram_admission]:
+                        results.append(replay(pt, pol, cap, ssd_blocks=ssd, ssd_admission=a,
+                                              payload_bytes=args.payload_bytes, dram_admission=d,
+                                              label=pol + "+adm" if d else None))
     bounds: list[ReplayResult] = []
     if not args.no_belady:
         for r in list(results):

@@ -657,6 +657,7 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
         dram_slot_sizes=tuple(config.dram.slot_sizes),
         shm_name=config.dram.shm_name or None,
         policy=config.eviction.policy.value,
+        dram_admission=config.eviction.dram_admission,
         reservation_timeout=config.server.reservation_timeout,
         ssd=ssd,
         copy_threads=config.server.workers,
