@@ -271,7 +271,7 @@ class Client(_Base):
                 from kvstore.fastlookup import LookupSocketClient
 
                 try:
-                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout)
+                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token)
                 except (OSError, KVStoreError) as e:
                     log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
 
@@ -287,6 +287,24 @@ class Client(_Base):
             return method(request, metadata=self._md(), timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
+
+    def _unary(self, name: str, request: Any) -> Any:
+        """A control call of the shared-memory path: over the fast socket when
+        there is one (kvstore/fastlookup.py), else gRPC. A socket that breaks
+        mid-call fails the call (it may have run) and gRPC is used from then on."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                data = fast.call(name, request.SerializeToString())
+            except KVStoreError:  # the daemon's answer (some are OSError subclasses)
+                raise
+            except OSError as e:
+                log.warning("fast socket failed (%s): control calls go over gRPC", e)
+                fast.close()
+                self._fast = None
+                raise Unavailable(f"UNAVAILABLE: {name} over the fast socket failed: {e}") from None
+            return getattr(pb, name + "Response").FromString(data)
+        return self._call(getattr(self.stub, name), request)
 
     def close(self) -> None:
         if self._fast is not None:
@@ -314,6 +332,8 @@ class Client(_Base):
             try:
                 hit, tiers = fast.lookup(wire, _pack(keys))
                 return LookupResult(hit, [_TIER_NAMES[t] for t in tiers])
+            except KVStoreError:  # the daemon's answer (some are OSError subclasses)
+                raise
             except OSError as e:  # the socket broke: gRPC from now on
                 log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
                 fast.close()
@@ -339,15 +359,15 @@ class Client(_Base):
     def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                  parent: bytes | None) -> list[KeyStatus]:
         srcs = [_as_u8(p) for p in payloads]
-        r = self._call(self.stub.Reserve, self._reserve_request(ns, keys, srcs, parent))
+        r = self._unary("Reserve", self._reserve_request(ns, keys, srcs, parent))
         if not r.reservation_id:
             return [KeyStatus(x) for x in r.slots.status]
         try:
             statuses, csums = self._fill_slots(r, srcs)
         except BaseException:
-            self._call(self.stub.Abort, pb.AbortRequest(reservation_id=r.reservation_id))
+            self._unary("Abort", pb.AbortRequest(reservation_id=r.reservation_id))
             raise
-        c = self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
+        c = self._unary("Commit", pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
         return self._merge_commit(statuses, c)
 
     def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
@@ -390,12 +410,12 @@ class Client(_Base):
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
         try:
             statuses = self._read_slots(r, outs)
         finally:
             if r.lease_id:
-                self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
+                self._unary("Release", pb.ReleaseRequest(lease_id=r.lease_id))
         self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
         return statuses
 
@@ -436,19 +456,19 @@ class Client(_Base):
         slab, e.g. every TP rank writing its shard), then ``commit``."""
         req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=_pack(keys), parent=parent or b"",
                                 block_bytes=block_bytes)
-        r = self._call(self.stub.Reserve, req)
+        r = self._unary("Reserve", req)
         sa = r.slots
         return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length))
 
     def commit(self, reservation: "Reservation", checksums: Sequence[int] | None = None) -> list[KeyStatus]:
         """Make reserved blocks visible. Without ``checksums`` the daemon
         computes them from the slab."""
-        c = self._call(self.stub.Commit, pb.CommitRequest(reservation_id=reservation.reservation_id,
+        c = self._unary("Commit", pb.CommitRequest(reservation_id=reservation.reservation_id,
                                                           checksums=list(checksums or [])))
         return self._merge_commit(reservation.statuses, c)
 
     def abort(self, reservation: "Reservation") -> int:
-        return int(self._call(self.stub.Abort, pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
+        return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes]) -> "Lease":
         """Pin the hit prefix and return zero-copy views into the slab
@@ -456,7 +476,7 @@ class Client(_Base):
         ``with`` block."""
         if self.slab is None:
             raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
-        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
         sa = r.slots
         hit = int(r.hit_blocks)
         views: list[np.ndarray | None] = [self._view(sa.offset[i], sa.length[i]) for i in range(hit)]
@@ -530,7 +550,7 @@ class Lease:
         if not self._released:
             self._released = True
             self.views = [None] * len(self.views)
-            self.client._call(self.client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+            self.client._unary("Release", pb.ReleaseRequest(lease_id=self.lease_id))
 
     def __enter__(self) -> "Lease":
         return self

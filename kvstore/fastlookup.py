@@ -1,4 +1,5 @@
-"""Same-host fast ``Lookup``: a Unix socket next to the gRPC one (issue 9).
+"""Same-host fast ``Lookup`` (and the shared-memory data path's control
+calls): a Unix socket next to the gRPC one (issue 9).
 
 A ``Lookup`` is the first call of every request an engine serves, and on a
 small machine a gRPC round trip costs more than the lookup itself (an empty
@@ -7,6 +8,12 @@ lookup ~0.1 ms). Same-host clients therefore send ``Lookup`` over a plain
 stream socket with fixed little-endian frames; everything else stays on
 gRPC. The answer is the same as the gRPC ``Lookup``'s (the same store call,
 namespace validation, tenant binding, QoS gate, metrics and error codes).
+
+The four control calls of the shared-memory data path (``Reserve``,
+``Commit``, ``Abort``, ``Acquire``, ``Release``: two per put or get, each a
+~1 ms gRPC round trip here) go over the same socket as their protobuf
+messages, handled by the very same servicer methods (auth, QoS, deadlines,
+metrics, errors) through a small stand-in for the gRPC call context.
 
 Who may use it: the socket is created mode 0600 beside ``server.unix_socket``
 (``server.lookup_socket``; default ``<unix_socket>.lookup``, ``off`` to
@@ -17,10 +24,12 @@ connection, and the connection is refused or closed once the session ends.
 
 Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
 
-    hello     u32 len | session id (ASCII)
+    hello     u32 len | session id (ASCII) [| "\n" | bearer token]
     hello ok  u32 len=1 | u8 0            (else an error frame, then close)
     lookup    u32 len | u16 ns_len | Namespace message (protobuf) | keys (n x 16 bytes)
     answer    u32 len | u8 0 | u32 hit_blocks | hit_blocks x u8 Tier value
+    call      u32 len | u16 0xFFFF | u8 method (1-based in CALLS) | request message (protobuf)
+    reply     u32 len | u8 0 | response message (protobuf)
     error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
 
 No pickle, no Python objects on the wire; frames over ``MAX_FRAME`` are
@@ -51,6 +60,44 @@ MAX_FRAME = 16 + 65536 + 16 * 65536
 """Largest request frame: a namespace and 65,536 keys."""
 _U32 = struct.Struct("<I")
 _HIT = struct.Struct("<BI")
+_CALL = b"\xff\xff"
+CALLS = ("Reserve", "Commit", "Abort", "Acquire", "Release")
+"""The unary calls the socket carries besides Lookup (method id = index + 1)."""
+
+
+class _Aborted(BaseException):
+    """``context.abort`` on the socket (BaseException: it must pass through the
+    handlers' ``except Exception``, like grpc.aio's abort)."""
+
+    def __init__(self, code: Any, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _LocalContext:
+    """What the daemon's unary handlers use of a ``grpc.aio`` call context."""
+
+    def __init__(self, metadata: list[tuple[str, str]], peer: str) -> None:
+        self._md = metadata
+        self._peer = peer
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._md
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def peer(self) -> str:
+        return self._peer
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def abort(self, code: Any, details: str = "") -> None:
+        raise _Aborted(code, details)
 
 
 def _frame(body: bytes) -> bytes:
@@ -96,10 +143,11 @@ class LookupSocketServer:
         self._conns.add(writer)
         try:
             n = _U32.unpack(await reader.readexactly(4))[0]
-            if n > 256:
+            if n > 8192:
                 writer.write(_error(grpc.StatusCode.INVALID_ARGUMENT.value[0], "hello too long"))
                 return
-            sid = (await reader.readexactly(n)).decode("ascii", "replace")
+            sid, _, token = (await reader.readexactly(n)).decode("ascii", "replace").partition("\n")
+            md = [("x-kvstore-session", sid)] + ([("authorization", f"Bearer {token}")] if token else [])
             d = self.daemon
             if sid not in d.sessions:
                 writer.write(_error(grpc.StatusCode.NOT_FOUND.value[0], f"session {sid!r} is unknown"))
@@ -116,12 +164,35 @@ class LookupSocketServer:
                 if sid not in d.sessions:  # the session ended (its KeepAlive stream closed)
                     writer.write(_error(grpc.StatusCode.NOT_FOUND.value[0], f"session {sid!r} ended"))
                     return
-                writer.write(await self._lookup(body, who))
+                if body[:2] == _CALL:
+                    writer.write(await self._call(body, md, sid))
+                else:
+                    writer.write(await self._lookup(body, who))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             self._conns.discard(writer)
             writer.close()
+
+    async def _call(self, body: bytes, md: list[tuple[str, str]], sid: str) -> bytes:
+        """One of ``CALLS``, through the daemon's own (wrapped) handler."""
+        import grpc
+
+        from proto import kvstore_pb2 as pb
+
+        op = body[2] - 1 if len(body) > 2 else -1
+        if not 0 <= op < len(CALLS):
+            return _error(grpc.StatusCode.INVALID_ARGUMENT.value[0], f"unknown method id {op + 1}")
+        name = CALLS[op]
+        try:
+            req = getattr(pb, name + "Request").FromString(body[3:])
+        except Exception:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT.value[0], f"{name}: not a valid request message")
+        try:
+            resp = await getattr(self.daemon, name)(req, _LocalContext(md, f"local:{sid}"))
+        except _Aborted as e:
+            return _error(e.code.value[0], e.details)
+        return _frame(b"\x00" + resp.SerializeToString())
 
     async def _lookup(self, body: bytes, who: Any) -> bytes:
         import grpc
@@ -166,15 +237,15 @@ class LookupSocketServer:
 class LookupSocketClient:
     """The client side: one connected socket, one call at a time (a lock)."""
 
-    def __init__(self, path: str, session: str, timeout: float = 30.0) -> None:
+    def __init__(self, path: str, session: str, timeout: float = 30.0, token: str | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.lock = threading.Lock()
         self._ns_wire: dict[Any, bytes] = {}
         try:
             self.sock.connect(path)
-            sid = session.encode("ascii")
-            self.sock.sendall(_frame(sid))
+            hello = session + ("\n" + token if token else "")
+            self.sock.sendall(_frame(hello.encode("ascii")))
             self._answer()
         except BaseException:
             self.sock.close()
@@ -208,7 +279,7 @@ class LookupSocketClient:
 
     def lookup(self, ns_wire: bytes, packed_keys: bytes) -> tuple[int, bytes]:
         """(hit_blocks, one Tier value byte per hit block)."""
-        if len(ns_wire) > 0xFFFF:
+        if len(ns_wire) >= 0xFFFF:
             raise InvalidArgument("namespace message too long")
         body_len = 2 + len(ns_wire) + len(packed_keys)
         with self.lock:
@@ -219,3 +290,12 @@ class LookupSocketClient:
         if len(tiers) != hit:
             raise NotFound(f"malformed lookup answer: {hit} hits, {len(tiers)} tiers")
         return hit, tiers
+
+    def call(self, name: str, request: bytes) -> bytes:
+        """One of ``CALLS``: the serialized request in, the serialized response
+        out (errors raise the exception-tree class of their status)."""
+        op = CALLS.index(name) + 1
+        with self.lock:
+            self.sock.sendall(_U32.pack(3 + len(request)) + _CALL + bytes([op]) + request)
+            body = self._answer()
+        return bytes(body[1:])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client, ns_pb
-from kvstore.errors import InvalidArgument, NotFound
+from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from kvstore.fastlookup import LookupSocketClient
 from kvstore.keys import Namespace, block_keys
 
@@ -127,3 +127,84 @@ def test_lookup_socket_off(make_daemon, tmp_path):
     assert d.running.fast is None
     with Client(d.target) as c:
         assert c._fast is None
+
+
+# ---------------------------------------------- control calls of the shm path
+class _NoGrpc:
+    """Stands in for the gRPC stub: any data-path call through it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"{name} went over gRPC, not the fast socket")
+
+
+def test_put_get_and_two_phase_calls_go_over_the_socket(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 6, dtype=np.uint32))
+        data = [np.full(BS, i, np.uint8) for i in range(6)]
+        stub, c.stub = c.stub, _NoGrpc()
+        try:
+            assert c.put(ns, keys, data) == [KeyStatus.OK] * 6
+            outs = [np.zeros(BS, np.uint8) for _ in keys]
+            assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 6
+            assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+            more = block_keys(ns, np.arange(16 * 8, dtype=np.uint32))[6:]
+            res = c.reserve(ns, more, BS, parent=keys[-1])
+            for off, ln in zip(res.offsets, res.lengths):
+                c._view(off, ln)[:] = 7
+            assert c.commit(res) == [KeyStatus.OK] * 2
+            with c.acquire(ns, keys + more) as lease:
+                assert lease.hit_blocks == 8 and int(lease.views[7][0]) == 7
+                assert uds_daemon.call(uds_daemon.store.stats).tiers[0].pinned_bytes == 8 * BS
+            r2 = c.reserve(ns, block_keys(ns, np.arange(16 * 9, dtype=np.uint32))[8:], BS, parent=more[-1])
+            assert c.abort(r2) == 1
+        finally:
+            c.stub = stub
+        assert uds_daemon.call(uds_daemon.store.stats).tiers[0].pinned_bytes == 0  # the lease was released
+        assert c.lookup(ns, keys + more).hit_blocks == 8
+
+
+def test_socket_calls_keep_the_handlers_checks(make_daemon, tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "acme"\ntoken = "tok-acme"\n')
+    d = make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"),
+                    server__tenants_file=str(tenants))
+    from proto import kvstore_pb2 as pb
+
+    with Client(d.target, token="tok-acme") as c:
+        ns = _ns("acme")
+        keys = _fill(c, ns, 3)
+        assert c.lookup(ns, keys).hit_blocks == 3
+        with pytest.raises(PermissionDenied):  # another tenant's namespace: refused, socket kept
+            c.lookup(_ns("beta"), keys)
+        assert c._fast is not None
+        # without the token the same session gets UNAUTHENTICATED for a call
+        raw = LookupSocketClient(d.running.fast.path, c.session)
+        try:
+            with pytest.raises(Unauthenticated):
+                raw.call("Release", pb.ReleaseRequest(lease_id="x").SerializeToString())
+        finally:
+            raw.close()
+        raw = LookupSocketClient(d.running.fast.path, c.session, token="tok-acme")
+        try:
+            with pytest.raises(NotFound):  # a lease this session does not hold
+                raw.call("Release", pb.ReleaseRequest(lease_id="nope").SerializeToString())
+            with pytest.raises(InvalidArgument):
+                raw.call("Acquire", b"\xff\xff\xff")
+            raw.sock.sendall(struct.pack("<I", 3) + b"\xff\xff\x09")  # method 9 does not exist
+            with pytest.raises(InvalidArgument, match="unknown method"):
+                raw._answer()
+        finally:
+            raw.close()
+
+
+def test_a_broken_socket_fails_the_call_then_grpc_takes_over(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 2, dtype=np.uint32))
+        c._fast.sock.close()
+        with pytest.raises(Unavailable):
+            c.put(ns, keys, [np.zeros(BS, np.uint8)] * 2)
+        assert c._fast is None
+        assert c.put(ns, keys, [np.zeros(BS, np.uint8)] * 2) == [KeyStatus.OK] * 2
+        assert c.get(ns, keys)[1] is not None
