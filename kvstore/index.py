@@ -49,8 +49,8 @@ class BlockState(IntEnum):
 
 _SHARED = -2
 """In the key-half map: more than one key starts with these 8 bytes."""
-_PROBE_WINDOW = 8
-"""Hash-table slots examined per key per vectorised probing round."""
+_DICT_LOOKUP_MAX = 2048
+"""Chains up to this many keys are looked up through the key-half dict."""
 
 
 def keys_to_array(keys: object) -> np.ndarray:
@@ -207,30 +207,22 @@ class BlockIndex:
             return rows, where
         table = self._table
         mask = table.size - 1
-        base = self._home(k0, ns)
+        pos = self._home(k0, ns)
         active = np.arange(n)
-        # a window of _PROBE_WINDOW slots per key per round (most keys resolve
-        # in the first): one pass of gathers instead of one per probe step
-        steps = np.arange(_PROBE_WINDOW)
-        for _ in range(0, table.size, _PROBE_WINDOW):
-            p = (base[active][:, None] + steps) & mask
+        for _ in range(table.size):
+            p = pos[active]
             s = table[p]
             occupied = s >= 0
             sr = np.where(occupied, s, 0)
-            match = (occupied & (self.k0[sr] == k0[active][:, None]) & (self.k1[sr] == k1[active][:, None])
-                     & (self.ns[sr] == ns))
-            stop = match | (s == _EMPTY)  # tombstones are probed past
-            done = stop.any(axis=1)
-            first = stop.argmax(axis=1)
-            ar = np.arange(active.size)
-            found = done & match[ar, first]
-            hit = active[found]
-            rows[hit] = s[ar[found], first[found]]
-            where[hit] = p[ar[found], first[found]]
-            active = active[~done]
+            match = occupied & (self.k0[sr] == k0[active]) & (self.k1[sr] == k1[active]) & (self.ns[sr] == ns)
+            hit = active[match]
+            rows[hit] = s[match]
+            where[hit] = p[match]
+            keep = ~(match | (s == _EMPTY))
+            active = active[keep]
             if active.size == 0:
                 break
-            base[active] += _PROBE_WINDOW
+            pos[active] = (pos[active] + 1) & mask
         return rows, where
 
     def _table_insert(self, rows: np.ndarray) -> None:
@@ -287,17 +279,21 @@ class BlockIndex:
 
     def lookup(self, ns: int, keys: np.ndarray) -> Lookup:
         """The leading committed keys of a chain: rows and tiers."""
-        m = self._bykey.get(ns)
-        got: list[int | None] = list(map(m.get, keys[:, 0].tolist())) if m else []
-        if None in got:
-            got = got[: got.index(None)]
-        rows = np.asarray(got, dtype=np.int64)
-        shared = rows == _SHARED
-        if shared.any():
-            rows[shared] = self.find(ns, keys[: rows.size][shared])
-        ok = rows >= 0
-        ok[ok] = (self.state[rows[ok]] == BlockState.COMMITTED) & (self.k1[rows[ok]] == keys[: rows.size, 1][ok])
-        bad = np.nonzero(~ok)[0]
+        if keys.shape[0] > _DICT_LOOKUP_MAX:  # long chains: vectorised probing amortises better
+            rows = self.find_committed(ns, keys)
+            bad = np.nonzero(rows < 0)[0]
+        else:
+            m = self._bykey.get(ns)
+            got: list[int | None] = list(map(m.get, keys[:, 0].tolist())) if m else []
+            if None in got:
+                got = got[: got.index(None)]
+            rows = np.asarray(got, dtype=np.int64)
+            shared = rows == _SHARED
+            if shared.any():
+                rows[shared] = self.find(ns, keys[: rows.size][shared])
+            ok = rows >= 0
+            ok[ok] = (self.state[rows[ok]] == BlockState.COMMITTED) & (self.k1[rows[ok]] == keys[: rows.size, 1][ok])
+            bad = np.nonzero(~ok)[0]
         hit = int(bad[0]) if bad.size else int(rows.size)
         hrows = rows[:hit]
         return Lookup(hit, hrows, self.tier[hrows])
