@@ -15,7 +15,9 @@ client, shared-memory data path) and on Mooncake Store (its Python client,
   taken against the *faster* Mooncake API.
 - existence checks of 1, 64 and 1,024 present keys: our ``Lookup`` (the
   prefix lookup of a chain of 4 KiB blocks) against Mooncake's
-  ``batch_is_exist``.
+  ``batch_is_exist``. Ours is ``Client.lookup`` as an engine calls it: on
+  the daemon's host it goes over the fast Lookup socket
+  (kvstore/fastlookup.py); the same lookup over gRPC is reported beside it.
 
 Rounds alternate between the two systems (ours, Mooncake copy, Mooncake
 zero-copy, ours, ...) and each figure is the median; both clients run on
@@ -316,6 +318,9 @@ class Ours:
         self.client = Client(target, use_shm=True)
         if self.client.slab is None:
             raise RuntimeError("the client did not map the daemon's slab (no shared-memory path)")
+        if self.client._fast is None:
+            raise RuntimeError("the client did not connect to the daemon's fast Lookup socket")
+        self.grpc_client = Client(target, use_shm=True, fast_lookup=False)  # Lookup over gRPC, for reference
 
     def ns(self, tag: str) -> Any:
         from kvstore.keys import Namespace
@@ -370,9 +375,9 @@ class Ours:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    def exist(self, keys: list[bytes], n: int, calls: int) -> tuple[float, int]:
+    def exist(self, keys: list[bytes], n: int, calls: int, grpc_lookup: bool = False) -> tuple[float, int]:
         ns = self.ns("exist")
-        c = self.client
+        c = self.grpc_client if grpc_lookup else self.client
         hit = c.lookup(ns, keys[:n]).hit_blocks
         times = []
         for _ in range(calls):
@@ -384,6 +389,8 @@ class Ours:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        if getattr(self, "grpc_client", None) is not None:
+            self.grpc_client.close()
 
 
 # ------------------------------------------------------------ measuring
@@ -471,6 +478,9 @@ def measure(quick: bool, venv: str, mooncake_note: str) -> tuple[dict[str, float
                 raise RuntimeError(f"Lookup of {n} stored keys found {hit}")
             figures[f"kvstore_lookup_{n}_us"] = t * 1e6
             units[f"kvstore_lookup_{n}_us"] = "us"
+            tg, _ = ours.exist(keys, n, calls, grpc_lookup=True)
+            figures[f"kvstore_lookup_grpc_{n}_us"] = tg * 1e6
+            units[f"kvstore_lookup_grpc_{n}_us"] = "us"
             if mc is not None:
                 ex = mc.call({"op": "exist", "n": n, "calls": calls})
                 if ex["present"] != n:
@@ -524,6 +534,8 @@ def side_by_side(f: dict[str, float]) -> str:
     for n in EXIST_N:
         rows.append([f"exists {n} keys (us; Lookup vs batch_is_exist)", _fmt(f.get(f"kvstore_lookup_{n}_us")),
                      _fmt(f.get(f"mooncake_is_exist_{n}_us")), "", _fmt(f.get(f"ratio_lookup_{n}"), "x time")])
+        rows.append([f"  (Lookup of {n} over gRPC instead, us)", _fmt(f.get(f"kvstore_lookup_grpc_{n}_us")),
+                     "", "", ""])
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
     out.insert(1, "  ".join("-" * x for x in w))

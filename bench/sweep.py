@@ -13,34 +13,30 @@ x the DRAM capacity, SSD write admission on (the store's default rule) and
 off (every demoted block written); those compare with Bélády at DRAM + SSD
 blocks. A build without SSD support reports those rows as skipped.
 
-Analysis of the ``cost`` target (``--analyze``, on by default): at the
-middle capacity of the shared_prompt and agent traces it also runs
-(a) the eviction order the store uses, instrumented: how many eviction rounds
-took *every* evictable leaf (the policy's ranking could not matter);
-(b) a prototype of a different eviction order (``SubtreeOrderStore``: rank
-each block by the largest rank in its subtree, evict the k lowest in one
-round, so the policy's ranking is followed while chains stay contiguous),
-with the current ``cost`` ranking and with ``cost`` without its depth
-weighting (``depth_weight=0``: GreedyDual-Size-Frequency); (c) an oracle
-that ranks blocks by how often the *whole trace* uses them (no online policy
-knows this: a bound for frequency-based ranking), and the hits of each run
-split by how often the hit block is used in the trace.
+Each policy also runs with the store's DRAM admission filter
+(``lru+adm``, ``lfu+adm``, ``cost+adm``: ``StoreConfig.dram_admission``, a
+new block is stored only if it was looked up at least as often as the block
+it would evict). Analysis (``--analyze``, on by default): at the middle
+capacity of the shared_prompt and agent traces it also runs an oracle that
+ranks blocks by how often the *whole trace* uses them (no online policy
+knows this: a bound for frequency-based ranking), and prints the hits of
+each run split by how often the hit block is used in the trace.
 
 Output: the table (benchlib.Report; every hit ratio is a figure), the
 targets, a plot of hit ratio against capacity per policy and trace
 (``--plot``, PNG, needs matplotlib: ``pip install -e .[bench]``; skipped
 with a note otherwise) and the raw numbers (``--raw``, JSON).
 
-Targets (issue 9), computed from this run: ``cost`` / Bélády >= 0.9 on
-shared_prompt and agent at the middle capacity; for every trace and
-capacity, lfu and cost reach at least 0.99 x lru's hit ratio (cases below
-are listed with the hit breakdown that explains them).
+Targets (issue 9), computed from this run: ``cost`` (with DRAM admission,
+and without it as a figure) / Bélády >= 0.9 on shared_prompt and agent at
+the middle capacity; for every trace and capacity, every other policy
+reaches at least 0.99 x lru's hit ratio (cases below are listed with the hit
+breakdown that explains them).
 
 Sizes: by default the traces run at ``scale`` 0.25 of the generators'
 defaults with 16-token blocks, SSD rows for ``cost`` at every capacity
 (about 6 minutes on 2 cores). ``--quick``: scale 0.15 (agent 0.25), 64-token
-blocks (4x fewer blocks: the store's eviction rounds make small blocks
-slow), SSD rows at the middle capacity only (under a minute). Replays run in
+blocks (4x fewer blocks), SSD rows at the middle capacity only (under a minute). Replays run in
 ``--jobs`` processes; hit ratios do not depend on timing.
 
 Usage: python bench/sweep.py [--quick] [--json PATH] [--raw PATH] [--plot PATH]
@@ -72,12 +68,14 @@ sys.path.insert(0, ROOT)
 from benchlib import Report  # noqa: E402
 
 from kvstore import replay as R  # noqa: E402
-from kvstore.eviction import CostAware, PolicyName  # noqa: E402
-from kvstore.index import BlockIndex, BlockState  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
+from kvstore.eviction import PolicyName  # noqa: E402
+from kvstore.index import BlockIndex  # noqa: E402
 
 KINDS = ("chat", "shared_prompt", "agent", "docqa", "mix")
 POLICIES = ("lru", "lfu", "cost")
+ADMIT = "+adm"
+"""Suffix of a policy run with the store's DRAM admission filter."""
+STORE_LABELS = POLICIES + tuple(p + ADMIT for p in POLICIES)
 FRACTIONS = (0.1, 0.25, 0.5)
 TARGET_KINDS = ("shared_prompt", "agent")
 FULL_SCALE = 0.25
@@ -90,63 +88,6 @@ WORSE_TOLERANCE = 0.99
 
 
 # ------------------------------------------------------------ prototypes
-class CountingStore(TieredStore):
-    """The store as it is, counting eviction rounds: a round that returns
-    fewer victims than asked took every evictable leaf of the size class,
-    so the policy's ranking could not choose among them."""
-
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.rounds = self.all_leaf_rounds = self.round_victims = 0
-
-    def _victims(self, tier: Any, cls: int, k: int, *rest: Any, **kw: Any) -> np.ndarray:
-        v = super()._victims(tier, cls, k, *rest, **kw)
-        self.rounds += 1
-        self.round_victims += int(v.size)
-        if v.size < k:
-            self.all_leaf_rounds += 1
-        return v
-
-
-class SubtreeOrderStore(CountingStore):
-    """Prototype eviction order (for kvstore/store.py): every block of the
-    tier is ranked by the *largest* policy rank in its subtree (a block can
-    only go after its descendants), pinned/reserved blocks and their
-    ancestors rank +inf, and the k lowest go in one round (ties: deeper
-    first, so the set is closed under descendants). The victims are
-    exactly what "evict the lowest-ranked leaf, k times" would pick, in one
-    vectorized pass per level of depth instead of one round per level.
-    (Per-tenant quotas, which the replay does not configure, are ignored.)"""
-
-    def _victims(self, tier: Any, cls: int, k: int, *rest: Any, **kw: Any) -> np.ndarray:
-        idx = self.index
-        rows = idx.used_rows()
-        rows = rows[idx.tier[rows] == tier]
-        self.rounds += 1
-        if rows.size == 0 or k <= 0:
-            return np.zeros(0, dtype=np.int64)
-        rank = self.policy.rank(idx, rows).astype(np.float64)
-        blocked = (idx.state[rows] != BlockState.COMMITTED) | (idx.pins[rows] > 0)
-        blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
-        blocked |= idx.nchild[rows] != idx.nchild_tier[rows]  # children in another tier
-        eff = np.where(blocked, np.inf, rank)
-        pos = np.full(idx.parent.size, -1, dtype=np.int64)
-        pos[rows] = np.arange(rows.size)
-        par = idx.parent[rows].astype(np.int64)
-        ppos = np.where(par >= 0, pos[np.maximum(par, 0)], -1)
-        depth = idx.depth[rows].astype(np.int64)
-        order = np.argsort(-depth, kind="stable")
-        for grp in np.split(order, np.flatnonzero(np.diff(depth[order])) + 1):
-            g = grp[ppos[grp] >= 0]
-            if g.size:
-                np.maximum.at(eff, ppos[g], eff[g])
-        cand = np.flatnonzero(np.isfinite(eff))
-        sel = np.lexsort((idx.last[rows[cand]], -depth[cand], eff[cand]))[:k]
-        v = rows[cand[sel]]
-        self.round_victims += int(v.size)
-        return v
-
-
 class OracleFrequency:
     """Ranks a block by how many requests of the whole trace use it (known
     only offline): the bound for a frequency-based ranking."""
@@ -193,34 +134,22 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
     """One replay or optimum (runs in a worker process)."""
     pt = _trace(task["kind"], task["seed"], task["scale"], task["bs"])
     cap, what = task["cap"], task["what"]
-    store: Any = None
     extra: dict[str, Any] = {}
     if what in ("belady", "belady_min"):
         res = R.belady(pt, cap, bypass=what == "belady_min")
     else:
-        captured: list[Any] = []
-        base = SubtreeOrderStore if what in ("proto", "proto_gdsf", "oracle") else CountingStore
-
-        class Capture(base):  # type: ignore[valid-type, misc]
-            def __init__(self, *a: Any, **kw: Any) -> None:
-                super().__init__(*a, **kw)
-                captured.append(self)
-
         policy: Any = task["policy"]
         label = None
-        if what == "proto_gdsf":
-            policy, label = CostAware(depth_weight=0.0), "cost(depth_weight=0)"
-        elif what == "oracle":
+        adm = policy.endswith(ADMIT)
+        if adm:
+            policy, label = policy[: -len(ADMIT)], policy
+        if what == "oracle":
             counts = np.bincount(pt.ids)[pt.ids]
             k = pt.keys
             table = dict(zip(zip(k[:, 0].tolist(), k[:, 1].tolist()), counts.tolist()))
             policy, label = OracleFrequency(table), "oracle-frequency"
         res = R.replay(pt, policy, cap, ssd_blocks=task.get("ssd", 0), ssd_admission=task.get("admission", "on"),
-                       label=label, store_cls=Capture)
-        store = captured[0] if captured else None
-        if store is not None:
-            extra = {"rounds": store.rounds, "all_leaf_rounds": store.all_leaf_rounds,
-                     "round_victims": store.round_victims}
+                       label=label, dram_admission=adm)
     out = res.to_dict()
     out.update(task)
     out.update(extra)
@@ -247,14 +176,14 @@ def plan(kinds: list[str], fractions: list[float], seed: int, scale: float | dic
             ssd_here = ssd_ok and ssd_multiple > 0 and (not ssd_middle_only or level == len(caps) // 2)
             for pol in POLICIES:
                 tasks.append(dict(common, what="store", policy=pol))
+                tasks.append(dict(common, what="store", policy=pol + ADMIT))
                 if ssd_here and pol in ssd_policies:
                     ssd = int(round(cap * ssd_multiple))
                     for adm in ("on", "off"):
                         tasks.append(dict(common, what="store", policy=pol, ssd=ssd, admission=adm))
                         tasks.append(dict(common, what="belady", policy="belady", cap=cap + ssd, dram_cap=cap))
             if analyze and kind in TARGET_KINDS and level == len(caps) // 2:
-                for what in ("proto", "proto_gdsf", "oracle"):
-                    tasks.append(dict(common, what=what, policy="cost"))
+                tasks.append(dict(common, what="oracle", policy="cost"))
     # one Bélády per distinct (kind, capacity)
     seen: set[tuple[str, int, str]] = set()
     out = []
@@ -312,9 +241,8 @@ def run_all(tasks: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
 def _key(r: dict[str, Any]) -> str:
     if r["what"] == "store":
         return r["policy"] + (f"+ssd/admit-{r['admission']}" if r.get("ssd") and r.get("ssd_blocks") else "")
-    if r["what"] in ("proto", "proto_gdsf", "oracle"):
-        return {"proto": "proto-order/cost", "proto_gdsf": "proto-order/cost-no-depth",
-                "oracle": "proto-order/oracle-freq"}[r["what"]]
+    if r["what"] == "oracle":
+        return "oracle-freq"
     return r["what"]
 
 
@@ -363,13 +291,16 @@ def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tup
         mid = levels[len(levels) // 2]
         row = cells[(kind, mid)]
         if "cost" in row:
-            rep.target(f"cost / belady, {kind}, middle capacity", rep.figures[f"{kind}.c{mid}.cost.over_belady"], 0.9)
+            rep.figure(f"{kind}.c{mid}.cost_no_admission.over_belady", rep.figures[f"{kind}.c{mid}.cost.over_belady"], "x")
+        if "cost" + ADMIT in row:
+            rep.target(f"cost (DRAM admission on) / belady, {kind}, middle capacity",
+                       rep.figures[f"{kind}.c{mid}.cost{ADMIT}.over_belady"], 0.9)
     worst = (float("inf"), "")
     for (kind, level), row in cells.items():
         lru = row.get("lru")
         if not lru:
             continue
-        for pol in ("lfu", "cost"):
+        for pol in STORE_LABELS[1:]:
             other = row.get(pol)
             if not other or lru["block_hit_ratio"] <= 0:
                 continue
@@ -382,21 +313,16 @@ def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tup
                              f"{lru['block_hit_ratio']:.4f} ({ratio:.3f}x); hit blocks {pol} - lru by how often the "
                              "trace uses the block: " + ", ".join(f"{k} {v:+d}" for k, v in d.items()))
     if worst[1]:
-        rep.target(f"min over traces x capacities of lfu|cost / lru hit ratio (worst: {worst[1]})", worst[0],
+        rep.target(f"min over traces x capacities of any policy / lru hit ratio (worst: {worst[1]})", worst[0],
                    WORSE_TOLERANCE)
     # analysis --------------------------------------------------------
     for (kind, level), row in sorted(cells.items()):
-        if "proto-order/cost" not in row:
+        if "oracle-freq" not in row or "cost" not in row:
             continue
-        real = row.get("cost")
         b = opt[(kind, row["cost"]["cap"])]
-        lines = [f"why cost misses on {kind} c{level} ({row['cost']['cap']} blocks):"]
-        if real and real.get("rounds"):
-            lines.append(f"  store as is: {real['all_leaf_rounds']} of {real['rounds']} eviction rounds took every "
-                         f"evictable leaf ({real['round_victims'] / max(real['rounds'], 1):.1f} victims/round), "
-                         "so lru, lfu and cost evict the same blocks there")
+        lines = [f"hits by how often the trace uses the block, {kind} c{level} ({row['cost']['cap']} blocks):"]
         ref = b["belady"]["block_hit_ratio"]
-        for name in ("lru", "lfu", "cost", "proto-order/cost", "proto-order/cost-no-depth", "proto-order/oracle-freq"):
+        for name in STORE_LABELS + ("oracle-freq",):
             x = row.get(name)
             if x:
                 lines.append(f"  {name:<26} hit {x['block_hit_ratio']:.4f} = {x['block_hit_ratio'] / ref:.3f}"
@@ -426,10 +352,10 @@ def plot(cells: Cells, results: list[dict[str, Any]], kinds: list[str],
     nrows = -(-(len(kinds) + 1) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.8 * nrows), squeeze=False)
     flat = [ax for row in axes for ax in row]
-    styles = {"lru": ("tab:blue", "-o"), "lfu": ("tab:orange", "-s"), "cost": ("tab:green", "-^")}
+    styles = {"lru": ("tab:blue", "-o"), "lfu": ("tab:orange", "-s"), "cost": ("tab:green", "-^"),
+              "lru+adm": ("tab:blue", "--o"), "lfu+adm": ("tab:orange", "--s"), "cost+adm": ("tab:green", "--^")}
     extra = {"cost+ssd/admit-on": ("tab:purple", "x", "cost + SSD (admission on)"),
-             "cost+ssd/admit-off": ("tab:brown", "+", "cost + SSD (admission off)"),
-             "proto-order/cost-no-depth": ("tab:red", "*", "prototype: subtree order + cost w/o depth")}
+             "cost+ssd/admit-off": ("tab:brown", "+", "cost + SSD (admission off)")}
 
     def series(kind: str, name: str) -> tuple[list[int], list[float]]:
         pts = sorted((row[name]["cap"], row[name]["block_hit_ratio"]) for (k, _), row in cells.items()
@@ -440,7 +366,8 @@ def plot(cells: Cells, results: list[dict[str, Any]], kinds: list[str],
         for name, (color, fmt) in styles.items():
             xs, ys = series(kind, name)
             if ys:
-                ax.plot(xs, ys, fmt, color=color, label=name)
+                ax.plot(xs, ys, fmt, color=color, label=name + (" (DRAM admission)" if name.endswith(ADMIT) else ""),
+                        alpha=0.75 if name.endswith(ADMIT) else 1.0)
         for name, (color, marker, label) in extra.items():
             xs, ys = series(kind, name)
             if ys:
@@ -494,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ssd-multiple", type=float, default=4.0, help="SSD size / DRAM size (0: no SSD rows)")
     ap.add_argument("--ssd-policies", default=None,
                     help="policies run with the SSD tier (default cost; --quick: cost at the middle capacity)")
-    ap.add_argument("--no-analyze", action="store_true", help="skip the prototype/oracle runs")
+    ap.add_argument("--no-analyze", action="store_true", help="skip the oracle runs")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--from-raw", metavar="PATH", help="redo the table and plot from a --raw file, no replays")
@@ -551,7 +478,7 @@ def summary(cells: Cells, results: list[dict[str, Any]],
     """The readable table: one row per trace x capacity, one column per policy
     (block hit ratio, and its ratio to Bélády at the same total capacity)."""
     opt = {(r["kind"], r["cap"], r["what"]): r for r in results if r["what"].startswith("belady")}
-    cols = ["lru", "lfu", "cost", "cost+ssd/admit-on", "cost+ssd/admit-off"]
+    cols = list(STORE_LABELS) + ["cost+ssd/admit-on", "cost+ssd/admit-off"]
     head = ["trace", "cap", "belady", "min"] + cols
     rows = [head]
     for (kind, level), row in sorted(cells.items(), key=lambda kv: (kinds.index(kv[0][0]), kv[0][1])):
@@ -571,7 +498,8 @@ def summary(cells: Cells, results: list[dict[str, Any]],
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     out = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     out.insert(1, "  ".join("-" * x for x in w))
-    out.append("block hit ratio (ratio to Bélády at the same capacity; SSD columns: at DRAM + SSD blocks)")
+    out.append("block hit ratio (ratio to Bélády at the same capacity; SSD columns: at DRAM + SSD blocks; "
+               "+adm: DRAM admission on)")
     return "\n".join(out)
 
 

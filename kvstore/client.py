@@ -15,6 +15,7 @@ process dies, the daemon reclaims them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import Buffer, TierKind
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+log = logging.getLogger("kvstore.client")
 
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -129,6 +131,9 @@ class _Base:
         self.timeout = timeout
         self.session = ""
         self.slab: SlabMapping | None = None
+        self._fast_path = ""  # the daemon's fast Lookup socket, when same host
+        self._fast: Any = None
+        self._ns_wire: dict[Namespace, bytes] = {}
         self.max_message_bytes = 4 << 20
         self.server_tenant = ""
         self.copy_threads = 2
@@ -162,6 +167,7 @@ class _Base:
             except OSError:
                 self.slab = None  # e.g. another container: fall back to inline bytes
         self.hbm_regions = list(resp.hbm) if resp.same_host else []
+        self._fast_path = resp.lookup_socket if resp.same_host else ""
 
     def _view(self, offset: int, length: int) -> np.ndarray:
         assert self.slab is not None
@@ -259,7 +265,9 @@ class Client(_Base):
 
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
-                 timeout: float = 30.0, session: bool = True) -> None:
+                 timeout: float = 30.0, session: bool = True, fast_lookup: bool = True) -> None:
+        """``fast_lookup``: on the daemon's host, send ``lookup`` over its fast
+        Lookup socket (kvstore/fastlookup.py) instead of gRPC."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
@@ -274,6 +282,13 @@ class Client(_Base):
             self._keepalive = self.stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session),
                                                   metadata=self._md())
             threading.Thread(target=self._drain_keepalive, daemon=True, name="kvstore-keepalive").start()
+            if fast_lookup and self._fast_path:
+                from kvstore.fastlookup import LookupSocketClient
+
+                try:
+                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token)
+                except (OSError, KVStoreError) as e:
+                    log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
 
     def _drain_keepalive(self) -> None:
         try:
@@ -288,7 +303,28 @@ class Client(_Base):
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
+    def _unary(self, name: str, request: Any) -> Any:
+        """A control call of the shared-memory path: over the fast socket when
+        there is one (kvstore/fastlookup.py), else gRPC. A socket that breaks
+        mid-call fails the call (it may have run) and gRPC is used from then on."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                data = fast.call(name, request.SerializeToString())
+            except KVStoreError:  # the daemon's answer (some are OSError subclasses)
+                raise
+            except OSError as e:
+                log.warning("fast socket failed (%s): control calls go over gRPC", e)
+                fast.close()
+                self._fast = None
+                raise Unavailable(f"UNAVAILABLE: {name} over the fast socket failed: {e}") from None
+            return getattr(pb, name + "Response").FromString(data)
+        return self._call(getattr(self.stub, name), request)
+
     def close(self) -> None:
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         if self._keepalive is not None:
             self._keepalive.cancel()
         if self.slab is not None:
@@ -303,6 +339,20 @@ class Client(_Base):
 
     # ----------------------------------------------------------- queries
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        fast = self._fast
+        if fast is not None:
+            wire = self._ns_wire.get(ns)
+            if wire is None:
+                wire = self._ns_wire[ns] = ns_pb(ns).SerializeToString(deterministic=True)
+            try:
+                hit, tiers = fast.lookup(wire, _pack(keys))
+                return LookupResult(hit, [_TIER_NAMES[t] for t in tiers])
+            except KVStoreError:  # the daemon's answer (some are OSError subclasses)
+                raise
+            except OSError as e:  # the socket broke: gRPC from now on
+                log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
+                fast.close()
+                self._fast = None
         r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
         return _lookup_result(r)
 
@@ -324,15 +374,15 @@ class Client(_Base):
     def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                  parent: bytes | None) -> list[KeyStatus]:
         srcs = [_as_u8(p) for p in payloads]
-        r = self._call(self.stub.Reserve, self._reserve_request(ns, keys, srcs, parent))
+        r = self._unary("Reserve", self._reserve_request(ns, keys, srcs, parent))
         if not r.reservation_id:
             return [KeyStatus(x) for x in r.slots.status]
         try:
             statuses, csums = self._fill_slots(r, srcs)
         except BaseException:
-            self._call(self.stub.Abort, pb.AbortRequest(reservation_id=r.reservation_id))
+            self._unary("Abort", pb.AbortRequest(reservation_id=r.reservation_id))
             raise
-        c = self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
+        c = self._unary("Commit", pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
         return self._merge_commit(statuses, c)
 
     def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
@@ -375,12 +425,12 @@ class Client(_Base):
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
         try:
             statuses = self._read_slots(r, outs)
         finally:
             if r.lease_id:
-                self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
+                self._unary("Release", pb.ReleaseRequest(lease_id=r.lease_id))
         self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
         return statuses
 
@@ -441,7 +491,7 @@ class Client(_Base):
         HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
         req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=_pack(keys), parent=parent or b"",
                                 block_bytes=block_bytes, tier=_tier_field(tier))
-        r = self._call(self.stub.Reserve, req)
+        r = self._unary("Reserve", req)
         sa = r.slots
         return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length),
                            [TierKind(t - 1) if t else None for t in sa.tier], int(sa.device))
@@ -449,12 +499,12 @@ class Client(_Base):
     def commit(self, reservation: "Reservation", checksums: Sequence[int] | None = None) -> list[KeyStatus]:
         """Make reserved blocks visible. Without ``checksums`` the daemon
         computes them from the slab."""
-        c = self._call(self.stub.Commit, pb.CommitRequest(reservation_id=reservation.reservation_id,
+        c = self._unary("Commit", pb.CommitRequest(reservation_id=reservation.reservation_id,
                                                           checksums=list(checksums or [])))
         return self._merge_commit(reservation.statuses, c)
 
     def abort(self, reservation: "Reservation") -> int:
-        return int(self._call(self.stub.Abort, pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
+        return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes], tier: str | None = None) -> "Lease":
         """Pin the hit prefix and return zero-copy views into the slab
@@ -467,8 +517,8 @@ class Client(_Base):
         want = _tier_field(tier)
         if want == TierKind.HBM + 1:
             self.map_hbm()
-        r = self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True,
-                                                            tier=want))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True,
+                                                     tier=want))
         sa = r.slots
         hit = int(r.hit_blocks)
         tiers = [TierKind(sa.tier[i] - 1) for i in range(hit)]
@@ -551,7 +601,7 @@ class Lease:
         if not self._released:
             self._released = True
             self.views = [None] * len(self.views)
-            self.client._call(self.client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+            self.client._unary("Release", pb.ReleaseRequest(lease_id=self.lease_id))
 
     def __enter__(self) -> "Lease":
         return self

@@ -399,6 +399,9 @@ class ServerConfig(_Section):
     """TCP port for gRPC; 0 picks a free port (tests)."""
     unix_socket: str = ""
     """Path of a Unix socket to listen on as well (mode 0600); empty: none."""
+    lookup_socket: str = ""
+    """Same-host fast Lookup socket (mode 0600, kvstore/fastlookup.py): empty:
+    ``<unix_socket>.lookup`` when unix_socket is set; "off": none."""
     max_message_bytes: Annotated[int, _Kind.SIZE, _Range(4 * KiB, 2**31 - 1)] = 64 * MiB
     """Largest gRPC message either way; bounds inline Put/Get payloads."""
     auth_token_file: str = ""
@@ -600,6 +603,10 @@ class EvictionConfig(_Section):
     policy: EvictionPolicyName = EvictionPolicyName.LRU
     """lru (least recently used), lfu (least frequently used) or cost
     (cheapest to recompute or refetch first)."""
+    dram_admission: bool = False
+    """When DRAM is full, store a new block only if it was looked up at least
+    as often as the block it would evict (TinyLFU-style; docs/replay.md:
+    better on shared-prompt, agent and document workloads, worse on chat)."""
 
 
 class LogLevel(StrEnum):

@@ -151,17 +151,24 @@ class HbmMover:
     def _victims(self, cls: int, k: int, protect: np.ndarray, for_ns: int | None, incoming: int,
                  same_class: bool) -> np.ndarray:
         st = self.store
-        cand = st._evictable(HBM)
-        if cand.size and protect.size:
-            cand = cand[~np.isin(cand, protect)]
-        if cand.size:
-            in_cls = self.tier.classes_of_locs(st.index.loc[cand]) == cls
-            cand = cand[in_cls if same_class else ~in_cls]
-        if not same_class:
+        if not same_class:  # one leaf of another size class, to free its page
             from kvstore.eviction import select_victims
 
+            cand = st._evictable(HBM)
+            if cand.size and protect.size:
+                cand = cand[~np.isin(cand, protect)]
+            if cand.size:
+                cand = cand[self.tier.classes_of_locs(st.index.loc[cand]) != cls]
             return select_victims(st.index, st.policy, cand, 1)
-        return st._select(HBM, cand, k, for_ns, incoming)
+        idx = st.index
+        rows = idx.used_rows()
+        rows = rows[idx.tier[rows] == HBM]
+        blocked = (idx.state[rows] != BlockState.COMMITTED) | (idx.pins[rows] > 0)
+        if protect.size:
+            blocked |= np.isin(rows, protect)
+        if rows.size:
+            blocked |= self.tier.classes_of_locs(idx.loc[rows]) != cls
+        return st._select(HBM, rows, blocked, k, for_ns, incoming)
 
     # ----------------------------------------------------------- movement
     def demote(self, rows: np.ndarray, drop_unplaced: bool) -> np.ndarray:

@@ -47,6 +47,12 @@ class BlockState(IntEnum):
     of its subtree: invisible like a reserved block, freed when unpinned."""
 
 
+_SHARED = -2
+"""In the key-half map: more than one key starts with these 8 bytes."""
+_DICT_LOOKUP_MAX = 2048
+"""Chains up to this many keys are looked up through the key-half dict."""
+
+
 def keys_to_array(keys: object) -> np.ndarray:
     """Keys as an ``(n, 2)`` uint64 array (the two little-endian halves).
 
@@ -159,6 +165,10 @@ class BlockIndex:
         tsize = 1 << max(5, (cap * 2 - 1).bit_length())
         self._table = np.full(tsize, _EMPTY, dtype=np.int32)
         self._tused = 0  # live + tombstones
+        # namespace -> {first key half: row, or _SHARED when two keys share
+        # it}: for ``lookup``, one dict probe per key (the second half is
+        # checked against the row; _SHARED keys go through the table)
+        self._bykey: dict[int, dict[int, int]] = {}
 
     # ------------------------------------------------------------------ sizing
     @property
@@ -268,9 +278,23 @@ class BlockIndex:
         return np.where(ok, rows, NO_ROW)
 
     def lookup(self, ns: int, keys: np.ndarray) -> Lookup:
-        rows = self.find_committed(ns, keys)
-        missing = np.nonzero(rows < 0)[0]
-        hit = int(missing[0]) if missing.size else int(rows.shape[0])
+        """The leading committed keys of a chain: rows and tiers."""
+        if keys.shape[0] > _DICT_LOOKUP_MAX:  # long chains: vectorised probing amortises better
+            rows = self.find_committed(ns, keys)
+            bad = np.nonzero(rows < 0)[0]
+        else:
+            m = self._bykey.get(ns)
+            got: list[int | None] = list(map(m.get, keys[:, 0].tolist())) if m else []
+            if None in got:
+                got = got[: got.index(None)]
+            rows = np.asarray(got, dtype=np.int64)
+            shared = rows == _SHARED
+            if shared.any():
+                rows[shared] = self.find(ns, keys[: rows.size][shared])
+            ok = rows >= 0
+            ok[ok] = (self.state[rows[ok]] == BlockState.COMMITTED) & (self.k1[rows[ok]] == keys[: rows.size, 1][ok])
+            bad = np.nonzero(~ok)[0]
+        hit = int(bad[0]) if bad.size else int(rows.size)
         hrows = rows[:hit]
         return Lookup(hit, hrows, self.tier[hrows])
 
@@ -342,6 +366,9 @@ class BlockIndex:
                 self.depth[r] = 0
         self.live += n
         self._table_insert(rows)
+        m = self._bykey.setdefault(ns, {})
+        for k, r in zip(keys[:, 0].tolist(), rows.tolist()):
+            m[k] = _SHARED if k in m else r
         return rows
 
     def _link(self, p: int, r: int) -> None:
@@ -414,8 +441,11 @@ class BlockIndex:
                     raise AssertionError("delete would orphan a child")
                 c = int(self.next_sib[c])
         where = self._positions(rows)
-        for r in rows:
-            self._unlink(int(r))
+        for r, k in zip(rows.tolist(), self.k0[rows].tolist()):
+            self._unlink(r)
+            m = self._bykey[int(self.ns[r])]
+            if m.get(k) == r:
+                del m[k]
         self._table[where] = _TOMB
         self.state[rows] = BlockState.FREE
         self.loc[rows] = -1
@@ -488,6 +518,8 @@ class BlockIndex:
         assert np.array_equal(same[rows], self.nchild_tier[rows].astype(np.int64)), "nchild_tier"
         found = self.find_any(rows)
         assert np.array_equal(found, rows), "table does not map keys to their rows"
+        for r, k in zip(rows.tolist(), self.k0[rows].tolist()):
+            assert self._bykey[int(self.ns[r])].get(k) in (r, _SHARED), "key map"
 
     def find_any(self, rows: np.ndarray) -> np.ndarray:
         out = np.empty(rows.size, dtype=np.int64)

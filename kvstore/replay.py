@@ -444,7 +444,7 @@ def _ssd_bytes_written(store: Any) -> int | None:
 # --------------------------------------------------------------- in process
 def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, *, ssd_blocks: int = 0,
            ssd_admission: str = "on", ssd_path: str | None = None, payload_bytes: int = _SLOT,
-           label: str | None = None, store_cls: Any = None) -> ReplayResult:
+           label: str | None = None, store_cls: Any = None, dram_admission: bool = False) -> ReplayResult:
     """Run ``pt`` through an in-process ``TieredStore`` (module docstring).
 
     ``policy`` is a policy name, or an object with the ``kvstore.eviction.Policy``
@@ -453,7 +453,8 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
     ``ssd_path``) when this build supports one (else a note says it was
     skipped); ``ssd_admission`` "on" keeps the admission rule's default, "off"
     admits every demoted block. ``store_cls`` replaces ``TieredStore`` (a
-    subclass prototyping another eviction order)."""
+    subclass prototyping another eviction order). ``dram_admission`` turns on
+    the store's DRAM admission filter (``StoreConfig.dram_admission``)."""
     from kvstore.errors import KeyStatus
     from kvstore.store import TieredStore
     from tiers.base import TierKind
@@ -471,6 +472,8 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
         tmp = ssd_path = tempfile.mkdtemp(prefix="kvreplay-ssd-")
         ssd_path = os.path.join(tmp, "ssd")
     cfg, notes = _store_config(capacity_blocks, name, payload_bytes, ssd_blocks, ssd_admission, ssd_path)
+    if dram_admission:
+        cfg = dataclasses.replace(cfg, dram_admission=True)
     res = _base(pt, label or (name if isinstance(policy, str) else type(policy).__name__), capacity_blocks)
     res.notes = notes
     has_ssd = getattr(cfg, "ssd", None) is not None or (ssd_blocks > 0 and not notes)
@@ -692,6 +695,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd", default="0", help="SSD tier: blocks, a size, or a multiple of the DRAM "
                                               "capacity like 4x (0 = none)")
     p.add_argument("--ssd-admission", choices=["on", "off", "both"], default="on")
+    p.add_argument("--dram-admission", choices=["on", "off", "both"], default="off",
+                   help="the store's DRAM admission filter (StoreConfig.dram_admission); rows labelled POLICY+adm")
     p.add_argument("--no-belady", action="store_true", help="skip the optimum")
     p.add_argument("--target", help="replay against the daemon at this address instead of in process")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -745,8 +750,10 @@ def run(args: argparse.Namespace) -> int:
             ssd = _ssd_blocks(args.ssd, cap, args.payload_bytes)
             for pol in policies:
                 for a in (adm if ssd else ["on"]):
-                    results.append(replay(pt, pol, cap, ssd_blocks=ssd, ssd_admission=a,
-                                          payload_bytes=args.payload_bytes))
+                    for d in {"on": [True], "off": [False], "both": [False, True]}[args.dram_admission]:
+                        results.append(replay(pt, pol, cap, ssd_blocks=ssd, ssd_admission=a,
+                                              payload_bytes=args.payload_bytes, dram_admission=d,
+                                              label=pol + "+adm" if d else None))
     bounds: list[ReplayResult] = []
     if not args.no_belady:
         for r in list(results):

@@ -226,15 +226,25 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self._tasks: list[asyncio.Task[Any]] = []
         self._ns_cache: dict[tuple[str | None, bytes], Namespace] = {}
         self._wake_background = asyncio.Event()
+        self.lookup_socket = ""  # set by start() when the fast Lookup socket listens
 
     # ----------------------------------------------------------- helpers
     def _ns(self, msg: pb.Namespace, who: Principal) -> Namespace:
         """The request's namespace (validated once per distinct message and
         tenant, then served from a bounded cache: building and hashing a
         Namespace costs more than a whole small Lookup)."""
-        wire = (who.tenant, msg.SerializeToString(deterministic=True))
+        return self.namespace_from_wire(msg.SerializeToString(deterministic=True), who, msg)
+
+    def namespace_from_wire(self, data: bytes, who: Principal, msg: pb.Namespace | None = None) -> Namespace:
+        """``_ns`` from a serialized Namespace message (the fast Lookup socket)."""
+        wire = (who.tenant, data)
         ns = self._ns_cache.get(wire)
         if ns is None:
+            if msg is None:
+                try:
+                    msg = pb.Namespace.FromString(data)
+                except Exception:
+                    raise InvalidArgument("namespace is not a valid Namespace message") from None
             ns = ns_from_pb(msg, who.tenant)
             if len(self._ns_cache) >= 4096:
                 self._ns_cache.clear()
@@ -272,6 +282,8 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
             resp.shm.slab_id = self.slab_id
             if self.store.hbm is not None:
                 resp.hbm.append(hbm_pb(self.store.hbm.tier, self.slab_id))
+        if same and self.lookup_socket:
+            resp.lookup_socket = self.lookup_socket
         return resp
 
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> AsyncIterator[pb.KeepAliveResponse]:
@@ -657,6 +669,7 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
         dram_slot_sizes=tuple(config.dram.slot_sizes),
         shm_name=config.dram.shm_name or None,
         policy=config.eviction.policy.value,
+        dram_admission=config.eviction.dram_admission,
         reservation_timeout=config.server.reservation_timeout,
         ssd=ssd,
         copy_threads=config.server.workers,
@@ -710,9 +723,12 @@ class Running:
     port: int
     health: health.HealthServicer
     address: str
+    fast: Any = None  # the fast Lookup socket (kvstore.fastlookup), if any
 
     async def stop(self, grace: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
+        if self.fast is not None:
+            await self.fast.stop()
         await self.server.stop(grace)
         self.daemon.stop_background()
 
@@ -748,13 +764,20 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
         server.add_secure_port(uaddr, creds) if creds else server.add_insecure_port(uaddr)
         address = address or uaddr
     await server.start()
+    fast = None
     if s.unix_socket:
         os.chmod(s.unix_socket, 0o600)
+        if s.lookup_socket != "off":
+            from kvstore.fastlookup import LookupSocketServer
+
+            fast = LookupSocketServer(daemon, s.lookup_socket or s.unix_socket + ".lookup")
+            await fast.start()
+            daemon.lookup_socket = fast.path
     for n in names[:2]:
         hs.set(n, health_pb2.HealthCheckResponse.SERVING)
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
     daemon.start_background()
-    return Running(server, daemon, port, hs, address)
+    return Running(server, daemon, port, hs, address, fast)
 
 
 def serve(config: Config) -> int:

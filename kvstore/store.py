@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from kvstore.errors import CapacityError, InvalidArgument, KeyStatus, NotFound, PermissionDenied
-from kvstore.eviction import Policy, PolicyName, make_policy, select_victims
+from kvstore.eviction import (FrequencySketch, Policy, PolicyName, admitted, make_policy, select_subtrees,
+                              select_victims)
 from kvstore.index import NO_ROW, BlockIndex, BlockState, keys_to_array
 from kvstore.keys import Namespace
 from kvstore.results import (BatchResult, Counters, Event, GetResult, LookupResult, NamespaceStats,
@@ -95,6 +96,10 @@ class StoreConfig:
     """Share of tenants not named in ``tenant_shares`` (1.0: no limit)."""
     hbm: "HbmSpec | None" = None
     """The HBM tier (None: no HBM tier; see kvstore.hbm_path)."""
+    dram_admission: bool = False
+    """When DRAM is full, store a new block only if it was looked up at least
+    as often as the block it would evict (``eviction.FrequencySketch``;
+    TinyLFU). Otherwise its put answers CAPACITY (docs/replay.md)."""
 
 
 def namespace_label(ns: Namespace) -> str:
@@ -123,6 +128,7 @@ class TieredStore:
         self.clock = clock
         self.index = BlockIndex()
         self.policy: Policy = make_policy(self.config.policy)  # validated before the slab exists
+        self.freq = FrequencySketch(self.config.dram_bytes >> 10) if self.config.dram_admission else None
         self.dram = DramTier(self.config.dram_bytes, name=self.config.shm_name,
                              page_bytes=self.config.dram_page_bytes, slot_sizes=self.config.dram_slot_sizes,
                              copy_threads=self.config.copy_threads)
@@ -260,6 +266,8 @@ class TieredStore:
         nid = self._nsid(ns, create=len(self._ns) < QUERY_NAMESPACES)
         karr = keys_to_array(keys)
         res = self.index.lookup(nid, karr)
+        if self.freq is not None:
+            self.freq.record(karr, self.index.live)
         c = self.counters
         c.lookups += 1
         c.lookup_blocks += karr.shape[0]
@@ -369,6 +377,17 @@ class TieredStore:
             self.index.pins[pin] -= 1
         return np.concatenate(parts)
 
+    def _admitted(self, karr: np.ndarray, nbytes: int, nid: int) -> int:
+        """DRAM admission: how many of these new blocks (a chain) get a slot."""
+        assert self.freq is not None
+        need = karr.shape[0] - self.dram.free_slots(nbytes)
+        if need <= 0:
+            return karr.shape[0]
+        v = self._victims(TierKind.DRAM, self.dram.class_of(nbytes), need, nid, need * nbytes)
+        idx = self.index
+        vkeys = np.stack([idx.k0[v], idx.k1[v]], axis=1)
+        return karr.shape[0] - need + admitted(self.freq.estimate(karr[-need:]), self.freq.estimate(vkeys))
+
     def _evictable(self, tier: TierKind) -> np.ndarray:
         idx = self.index
         rows = idx.used_rows()
@@ -378,38 +397,38 @@ class TieredStore:
             m &= idx.nchild[rows] == 0  # nowhere to demote: only blocks without children (e.g. in hbm) go
         return rows[m]
 
-    def _victims(self, tier: TierKind, cls: int, k: int, for_ns: int | None = None,
+    def _victims(self, tier: TierKind, cls: int | None, k: int, for_ns: int | None = None,
                  incoming: int = 0) -> np.ndarray:
-        cand = self._evictable(tier)
-        if cand.size:
-            cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) == cls]
-        return self._select(tier, cand, k, for_ns, incoming)
+        """Up to ``k`` DRAM victims of size class ``cls`` (None: any), whole
+        cold subtrees first (``eviction.select_subtrees``)."""
+        idx = self.index
+        rows = idx.used_rows()
+        rows = rows[idx.tier[rows] == tier]
+        blocked = (idx.state[rows] != BlockState.COMMITTED) | (idx.pins[rows] > 0)
+        if cls is not None and rows.size:
+            blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
+        return self._select(tier, rows, blocked, k, for_ns, incoming)
 
-    def _select(self, tier: TierKind, cand: np.ndarray, k: int, for_ns: int | None = None,
-                incoming: int = 0) -> np.ndarray:
-        """Policy order, but blocks of tenants over their share of ``tier``
-        first; the requester's usage counts the ``incoming`` bytes it asks for,
-        so a tenant at its share makes room from its own blocks."""
-        if self._quotas and cand.size:
+    def _select(self, tier: TierKind, rows: np.ndarray, blocked: np.ndarray, k: int,
+                for_ns: int | None = None, incoming: int = 0) -> np.ndarray:
+        """Policy order over ``rows`` (all of ``tier``'s blocks), but blocks of
+        tenants over their share of ``tier`` first; the requester's usage
+        counts the ``incoming`` bytes it asks for, so a tenant at its share
+        makes room from its own blocks."""
+        over = None
+        if self._quotas and rows.size:
             from admission.quota import victim_mask
 
             idx = self.index
             ns_tenant = np.asarray(self._ns_tenant, dtype=np.int64)
-            rows = idx.used_rows()
-            rows = rows[idx.tier[rows] == tier]
             usage = np.bincount(ns_tenant[idx.ns[rows]], weights=idx.size[rows].astype(np.float64),
                                 minlength=len(self._tenant_ids))
             if for_ns is not None:
                 usage[ns_tenant[for_ns]] += incoming
             names = sorted(self._tenant_ids, key=self._tenant_ids.__getitem__)
             shares = self._shares.array(names, tier)
-            over = victim_mask(ns_tenant[idx.ns[cand]], usage, self.tiers[tier].capacity_bytes, shares)
-            if over.any():
-                first = select_victims(idx, self.policy, cand[over], k)
-                if first.size == k:
-                    return first
-                return np.concatenate([first, select_victims(idx, self.policy, cand[~over], k - first.size)])
-        return select_victims(self.index, self.policy, cand, k)
+            over = victim_mask(ns_tenant[idx.ns[rows]], usage, self.tiers[tier].capacity_bytes, shares)
+        return select_subtrees(self.index, self.policy, rows, blocked, k, over)
 
     def peek(self, ns: Namespace, keys: KeysLike) -> LookupResult:
         """Like ``lookup``, without counting it (for admission decisions)."""
@@ -480,7 +499,8 @@ class TieredStore:
             if locs.size == 0:
                 where = TierKind.DRAM  # no room in hbm for the whole batch
         if where is TierKind.DRAM:
-            locs = self._make_room(TierKind.DRAM, nbytes, len(todo), protect, for_ns=nid)
+            n = len(todo) if self.freq is None else self._admitted(karr[todo], nbytes, nid)
+            locs = self._make_room(TierKind.DRAM, nbytes, n, protect, for_ns=nid)
         # a parent that had to leave (its demotion failed) stops the chain there
         stop = next((j for j, p in enumerate(prefs[: locs.size])
                      if p >= 0 and self.index.state[p] != BlockState.COMMITTED), None)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from kvstore.errors import CapacityError, KVStoreError
-from kvstore.eviction import select_victims
+from kvstore.eviction import close_upward, select_victims
 from kvstore.index import NO_ROW, BlockState
 from tiers.base import BlockMeta, TierKind
 from tiers.ssd import SsdTier
@@ -154,11 +154,13 @@ class SsdMover:
         n = got[0].size
         while n < count:
             rows = idx.used_rows()
-            cand = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.SSD)
-                        & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
+            ssd = rows[idx.tier[rows] == TierKind.SSD]
+            # a block with a child in DRAM stays (the child needs its parent)
+            blocked = ((idx.state[ssd] != BlockState.COMMITTED) | (idx.pins[ssd] > 0)
+                       | (idx.nchild[ssd] != idx.nchild_tier[ssd]))
             if protect.size:
-                cand = cand[~np.isin(cand, protect)]
-            victims = st._select(TierKind.SSD, cand, count - n)
+                blocked |= np.isin(ssd, protect)
+            victims = st._select(TierKind.SSD, ssd, blocked, count - n)
             if victims.size:
                 st._drop(victims, reason="evicted")
             else:
@@ -216,19 +218,29 @@ class SsdMover:
 
     # ----------------------------------------------------------- eviction
     def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> None:
-        """Make DRAM room from ``victims`` (DRAM leaves, unpinned). ``keep``
+        """Make DRAM room from ``victims`` (DRAM blocks, unpinned, closed under
+        their DRAM descendants). ``keep``
         rows must stay stored: they are demoted even when not admitted."""
         st = self.store
         idx = st.index
         st.policy.on_evict(idx, victims)
-        has_copy = victims[idx.ssd_loc[victims] >= 0]
-        rest = victims[idx.ssd_loc[victims] < 0]
+        copied = idx.ssd_loc[victims] >= 0
+        has_copy = victims[copied]
+        rest = victims[~copied]
         if rest.size:
             keys = idx.keys_of(rest)
-            must = idx.nchild[rest] > 0
+            # a block keeping a child (one not leaving with it) must be demoted
+            inset = np.zeros(idx.parent.size, dtype=np.int64)
+            par = idx.parent[victims].astype(np.int64)
+            np.add.at(inset, par[par >= 0], 1)
+            must = idx.nchild[rest] > inset[rest]
             if keep is not None and keep.size:
                 must |= np.isin(rest, keep)
             admit = self.admission.admit(keys, idx.size[rest].astype(np.int64)) | must
+            # the parent of a demoted block is demoted too (chains stay whole)
+            full = copied.copy()
+            full[~copied] = admit
+            admit = close_upward(idx, victims, full)[~copied]
             to_write = rest[admit]
             cold = rest[~admit]
             if to_write.size:
@@ -241,6 +253,7 @@ class SsdMover:
             if cold.size:
                 self.dropped_cold += int(cold.size)
                 st._drop(idx.subtree(cold), reason="evicted")
+                has_copy = has_copy[idx.state[has_copy] == BlockState.COMMITTED]  # not dropped with a parent
         if has_copy.size:
             self._move_to_ssd(has_copy)
 
@@ -360,9 +373,10 @@ class SsdMover:
                 if cand.size:
                     size = max(1, int(np.median(idx.size[cand])))
                     k = max(1, min(budget // size, (low - free) // size + 1))
-                    victims = select_victims(idx, st.policy, cand, k)
-                    self.evict_dram(victims)
-                    return True
+                    victims = st._victims(TierKind.DRAM, None, k)
+                    if victims.size:
+                        self.evict_dram(victims)
+                        return True
         if self.tier.garbage_bytes > self.spec.segment_bytes:
             # more only while reclaim makes progress: garbage spread thinly over
             # segments may stay above the threshold with nothing worth compacting

@@ -184,7 +184,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("session_id", "shm", "same_host", "max_message_bytes", "protocol_version", "server_version", "host_id", "tenant", "hbm", "reservation_timeout_ms")
+    __slots__ = ("session_id", "shm", "same_host", "max_message_bytes", "protocol_version", "server_version", "host_id", "tenant", "hbm", "reservation_timeout_ms", "lookup_socket")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class HandshakeResponse(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     HBM_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     shm: ShmInfo
     same_host: bool
@@ -205,7 +206,8 @@ class HandshakeResponse(_message.Message):
     tenant: str
     hbm: _containers.RepeatedCompositeFieldContainer[DeviceMemInfo]
     reservation_timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., same_host: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., server_version: _Optional[str] = ..., host_id: _Optional[str] = ..., tenant: _Optional[str] = ..., hbm: _Optional[_Iterable[_Union[DeviceMemInfo, _Mapping]]] = ..., reservation_timeout_ms: _Optional[int] = ...) -> None: ...
+    lookup_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., same_host: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., protocol_version: _Optional[int] = ..., server_version: _Optional[str] = ..., host_id: _Optional[str] = ..., tenant: _Optional[str] = ..., hbm: _Optional[_Iterable[_Union[DeviceMemInfo, _Mapping]]] = ..., reservation_timeout_ms: _Optional[int] = ..., lookup_socket: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id",)
