@@ -197,7 +197,7 @@ def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitab
     return deco
 
 
-class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
+class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer, pb_grpc.ClusterServicer):
     """Servicer for KVStore and Admin, owning the store and sessions."""
 
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
@@ -224,6 +224,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self._tasks: list[asyncio.Task[Any]] = []
         self._ns_cache: dict[tuple[str | None, bytes], Namespace] = {}
         self._wake_background = asyncio.Event()
+        self.cluster: Any = None  # kvstore.peers.ClusterNode when cluster.mode is not off
 
     # ----------------------------------------------------------- helpers
     def _ns(self, msg: pb.Namespace, who: Principal) -> Namespace:
@@ -296,8 +297,11 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
     # -------------------------------------------------------------- data
     @_rpc("Lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any, who: Principal) -> pb.LookupResponse:
-        res = self.store.lookup(self._ns(request.ns, who), _chain_keys(request))
+        ns = self._ns(request.ns, who)
+        res = self.store.lookup(ns, _chain_keys(request))
         self.metrics.lookup_hits(res.tier_codes)
+        if request.cluster:
+            return await self._lookup_cluster(request, ns, res)
         if request.keys_packed:
             return pb.LookupResponse(hit_blocks=res.hit_blocks,
                                      tiers_packed=(res.tier_codes.astype(np.uint8) + 1).tobytes())
@@ -343,12 +347,16 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         keys = _chain_keys(request)
         owner, has_session = self._owner(context, who)
         ttl = None if has_session else self.config.server.reservation_timeout
+        fetched, decision = 0, 0
+        if request.cluster and request.promote and self.cluster is not None:
+            fetched, decision = await self._fetch_for(request, context, ns, keys)
         res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote)
         if res.handle and _gave_up(context):  # (e.g. a slow promotion): nobody will release this lease
             self.store.release(res.handle, owner)
             raise errors.DeadlineExceeded("Acquire: the caller's deadline passed; the lease was released")
         hit = int(np.count_nonzero(res.offsets >= 0))
-        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=slots_pb(res))
+        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=slots_pb(res),
+                                  fetched_blocks=fetched, decision=cast(Any, decision))
 
     @_rpc("Release")
     async def Release(self, request: pb.ReleaseRequest, context: Any, who: Principal) -> pb.ReleaseResponse:
@@ -500,6 +508,9 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
                 out.rejected += count
         out.prefill_tokens_per_s = ast.prefill_tokens_per_s
         out.ttft_error_ewma_s = ast.errors.ewma_abs_s
+        if self.cluster is not None:
+            out.cluster_members = len(self.cluster.membership.members)
+            out.cluster_status = self.cluster.status
         if self.store.ssd is not None:
             out.bytes_promoted = self.store.ssd.bytes_promoted
             out.bytes_demoted = self.store.ssd.bytes_demoted
@@ -543,6 +554,74 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         if who.tenant is not None and not who.admin and digest:
             return self.store.tenant_of(digest) == who.tenant
         return True
+
+    # ----------------------------------------------------------- cluster
+    async def _lookup_cluster(self, request: pb.LookupRequest, ns: Namespace, res: Any) -> pb.LookupResponse:
+        keys = _chain_keys(request)
+        klist = keys if isinstance(keys, list) else [keys[i : i + 16] for i in range(0, len(keys), 16)]
+        out = pb.LookupResponse(hit_blocks=res.hit_blocks, local_blocks=res.hit_blocks,
+                                tiers=(res.tier_codes.astype(np.int64) + 1).tolist())
+        if request.keys_packed:
+            del out.tiers[:]
+            out.tiers_packed = (res.tier_codes.astype(np.uint8) + 1).tobytes()
+        if self.cluster is None:
+            out.decision = pb.CHAIN_DECISION_LOCAL
+            out.cluster_status = "cluster off"
+            for t in res.tier_codes.tolist():
+                out.locations.add(tier=tier_pb(t))
+            return out
+        v = await self.cluster.view(ns, klist, res, to_hbm=request.to_hbm, block_bytes=int(request.block_bytes))
+        loads = self.admission.predictor.config.tier_loads
+        bb = v.block_bytes or self.store.block_bytes(ns) or int(request.block_bytes)
+        for t in res.tier_codes.tolist():
+            tl = loads[t]
+            out.locations.add(tier=tier_pb(t), load_s=tl.per_block_s + bb / tl.bytes_per_s)
+        for _ in range(v.remote_blocks):
+            out.locations.add(tier=tier_pb(TierKind.REMOTE), peer=v.peer or "", load_s=v.block_load_s)
+        e = v.estimate
+        out.remote_blocks = v.remote_blocks
+        out.decision = cast(Any, int(e.decision) + 1)
+        out.fetch_s, out.recompute_s = e.transfer_s, e.recompute_s
+        out.cluster_status = self.cluster.status
+        return out
+
+    async def _fetch_for(self, request: pb.AcquireRequest, context: Any, ns: Namespace,
+                         keys: bytes | list[bytes]) -> tuple[int, int]:
+        """Acquire's cluster step: fetch the remote run when that is cheaper."""
+        klist = keys if isinstance(keys, list) else [keys[i : i + 16] for i in range(0, len(keys), 16)]
+        local = self.store.peek(ns, klist)
+        v = await self.cluster.view(ns, klist, local, to_hbm=request.to_hbm)
+        decision = int(v.estimate.decision) + 1
+        if v.estimate.decision.label != "fetch":
+            return 0, decision
+        cred = ""
+        for k, val in context.invocation_metadata() or ():
+            if k == "authorization" and val.startswith("Bearer "):
+                cred = val[7:].strip()
+        return await self.cluster.fetch(ns, klist, v, cred), decision
+
+    def _need_cluster(self) -> Any:
+        if self.cluster is None:
+            raise errors.Unavailable("cluster mode is off on this daemon")
+        return self.cluster
+
+    @_rpc("NodeInfo", admin=True)
+    async def NodeInfo(self, request: pb.NodeInfoRequest, context: Any, who: Principal) -> pb.NodeInfoResponse:
+        c = self._need_cluster()
+        me = c.membership.me
+        return pb.NodeInfoResponse(node_id=me.node_id, grpc_address=me.grpc_address,
+                                   block_address=me.block_address, capacity_bytes=dict(me.capacities))
+
+    @_rpc("Publish", admin=True)
+    async def Publish(self, request: pb.PublishRequest, context: Any, who: Principal) -> pb.PublishResponse:
+        return pb.PublishResponse(applied=self._need_cluster().apply(request))
+
+    @_rpc("Locate", admin=True)
+    async def Locate(self, request: pb.LocateRequest, context: Any, who: Principal) -> pb.LocateResponse:
+        if len(request.keys_packed) % 16:
+            raise InvalidArgument("keys_packed is not a multiple of 16 bytes")
+        p = request.keys_packed
+        return self._need_cluster().locate_local(request.ns_digest, [p[i : i + 16] for i in range(0, len(p), 16)])
 
     # ------------------------------------------------------------- admin
     @_rpc("GetConfig", admin=True)
@@ -680,6 +759,12 @@ class Running:
 
     async def stop(self, grace: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
+        if self.daemon.cluster is not None:
+            cluster, self.daemon.cluster = self.daemon.cluster, None
+            try:
+                await cluster.stop()
+            except Exception:
+                log.exception("stopping the cluster node failed")
         await self.server.stop(grace)
         self.daemon.stop_background()
 
@@ -694,6 +779,7 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
     daemon = Daemon(config, store)
     pb_grpc.add_KVStoreServicer_to_server(daemon, server)
     pb_grpc.add_AdminServicer_to_server(daemon, server)
+    pb_grpc.add_ClusterServicer_to_server(daemon, server)
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = (pb.DESCRIPTOR.services_by_name["KVStore"].full_name,
@@ -721,7 +807,30 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
         hs.set(n, health_pb2.HealthCheckResponse.SERVING)
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
     daemon.start_background()
-    return Running(server, daemon, port, hs, address)
+    running = Running(server, daemon, port, hs, address)
+    if config.cluster.mode.value != "off":
+        await _start_cluster(running, config)
+    return running
+
+
+async def _start_cluster(running: Running, config: Config) -> None:
+    from kvstore.peers import ClusterNode
+
+    svc = pb.DESCRIPTOR.services_by_name["Cluster"].full_name
+    hs = running.health
+    addr = running.address if not running.address.startswith("unix:") else f"127.0.0.1:{running.port}"
+    node = ClusterNode(running.daemon, config, addr)
+
+    def health(ok: bool) -> None:
+        hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    node.health_fn = health
+    try:
+        await node.start()
+    except BaseException:
+        await running.stop(0)
+        raise
+    running.daemon.cluster = node
 
 
 def serve(config: Config) -> int:
