@@ -139,6 +139,8 @@ class ClusterNode:
         self.store.subscribe(self._on_event)
         await self.membership.start()
         self._tasks.append(self._loop.create_task(self._publisher()))
+        self._tasks.append(self._loop.create_task(self._health_watch()))
+        self._sync_health()
         log.info("cluster: node %s (mode %s), block transport on %s", self.node_id, c.mode.value,
                  self.block_address)
 
@@ -204,6 +206,12 @@ class ClusterNode:
         except Exception as e:
             log.debug("link probe of %s failed: %s", m.node_id, e)
 
+    async def _health_watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            self._sync_health()
+            self.metrics.cluster_members(len(self.membership.members), self.membership.healthy)
+
     def _sync_health(self) -> None:
         ok = self.membership.healthy
         if ok != self._last_health:
@@ -248,7 +256,7 @@ class ClusterNode:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(self.cfg.publish_interval)
+            await asyncio.sleep(self.cfg.publish_interval if not self._resync else max(0.1, self.cfg.publish_interval))
             try:
                 await self.flush()
             except Exception:
@@ -297,12 +305,17 @@ class ClusterNode:
         except grpc.RpcError as e:
             log.debug("publish to %s failed: %s", m.node_id, e)
             self._resync = True  # it missed updates: send it everything once it answers again
+            self._wake.set()
 
     # ------------------------------------------------- directory (owner side)
     def apply(self, req: pb.PublishRequest) -> int:
         node = req.node_id
         if node != self.node_id and node not in self.membership.members:
-            return 0  # not (or no longer) a member: its entries would never be dropped
+            # not (yet, or no longer) a member here: its entries would never be
+            # dropped. The publisher retries with a resync once views agree.
+            from kvstore.errors import Unavailable
+
+            raise Unavailable(f"{node!r} is not a live member in this daemon's view")
         if req.resync:
             self.table.drop_node(node)
         n = 0
@@ -384,6 +397,21 @@ class ClusterNode:
         out.block_load_s = self.cost.transfer_s(best, bb, to_hbm)
         self.metrics.cluster_decision(out.estimate.decision.label)
         return out
+
+    async def fetch_for(self, request: Any, metadata: Any, ns: Namespace, keys: bytes | list[bytes]) -> tuple[int, int]:
+        """Acquire's cluster step: fetch the remote run when that is cheaper.
+        Returns (blocks fetched, wire ChainDecision)."""
+        klist = keys if isinstance(keys, list) else _split(keys)
+        local = self.store.peek(ns, klist)
+        v = await self.view(ns, klist, local, to_hbm=request.to_hbm)
+        decision = int(v.estimate.decision) + 1
+        if v.estimate.decision is not ChainDecision.FETCH:
+            return 0, decision
+        cred = ""
+        for k, val in metadata or ():
+            if k == "authorization" and val.startswith("Bearer "):
+                cred = val[7:].strip()
+        return await self.fetch(ns, klist, v, cred), decision
 
     # ------------------------------------------------------------- fetch
     async def fetch(self, ns: Namespace, keys: Sequence[bytes], view: ClusterView, credential: str) -> int:
@@ -525,6 +553,38 @@ class ClusterNode:
         lengths = res.lengths.copy()
         lengths[present:] = 0
         return ServedBlocks(lengths, res.checksums.copy(), regions, release)
+
+
+async def lookup_response(daemon: Any, request: pb.LookupRequest, ns: Namespace, res: LookupResult,
+                          keys: bytes | list[bytes]) -> pb.LookupResponse:
+    """Lookup's cluster-mode answer: per block its best location and load
+    estimate, and the chain decision with both estimates."""
+    out = pb.LookupResponse(hit_blocks=res.hit_blocks, local_blocks=res.hit_blocks)
+    if request.keys_packed:
+        out.tiers_packed = (res.tier_codes.astype(np.uint8) + 1).tobytes()
+    else:
+        out.tiers.extend((res.tier_codes.astype(np.int64) + 1).tolist())
+    node: ClusterNode | None = daemon.cluster
+    bb = daemon.store.block_bytes(ns) or int(request.block_bytes)
+    loads = daemon.admission.predictor.config.tier_loads
+    if node is None:
+        v = ClusterView(res)
+        out.cluster_status = "cluster off"
+    else:
+        v = await node.view(ns, keys if isinstance(keys, list) else _split(keys), res,
+                            to_hbm=request.to_hbm, block_bytes=int(request.block_bytes))
+        bb = v.block_bytes or bb
+        out.cluster_status = node.status
+    for t in res.tier_codes.tolist():
+        tl = loads[t]
+        out.locations.add(tier=int(t) + 1, load_s=tl.per_block_s + bb / tl.bytes_per_s)  # type: ignore[arg-type]
+    for _ in range(v.remote_blocks):
+        out.locations.add(tier=int(TierKind.REMOTE) + 1, peer=v.peer or "", load_s=v.block_load_s)  # type: ignore[arg-type]
+    e = v.estimate
+    out.remote_blocks = v.remote_blocks
+    out.decision = int(e.decision) + 1  # type: ignore[assignment]
+    out.fetch_s, out.recompute_s = e.transfer_s, e.recompute_s
+    return out
 
 
 def _ns_pb(ns: Namespace) -> pb.Namespace:

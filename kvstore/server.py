@@ -301,7 +301,9 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer, pb_grpc.ClusterServ
         res = self.store.lookup(ns, _chain_keys(request))
         self.metrics.lookup_hits(res.tier_codes)
         if request.cluster:
-            return await self._lookup_cluster(request, ns, res)
+            from kvstore.peers import lookup_response
+
+            return await lookup_response(self, request, ns, res, _chain_keys(request))
         if request.keys_packed:
             return pb.LookupResponse(hit_blocks=res.hit_blocks,
                                      tiers_packed=(res.tier_codes.astype(np.uint8) + 1).tobytes())
@@ -349,7 +351,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer, pb_grpc.ClusterServ
         ttl = None if has_session else self.config.server.reservation_timeout
         fetched, decision = 0, 0
         if request.cluster and request.promote and self.cluster is not None:
-            fetched, decision = await self._fetch_for(request, context, ns, keys)
+            fetched, decision = await self.cluster.fetch_for(request, context.invocation_metadata(), ns, keys)
         res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote)
         if res.handle and _gave_up(context):  # (e.g. a slow promotion): nobody will release this lease
             self.store.release(res.handle, owner)
@@ -556,50 +558,6 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer, pb_grpc.ClusterServ
         return True
 
     # ----------------------------------------------------------- cluster
-    async def _lookup_cluster(self, request: pb.LookupRequest, ns: Namespace, res: Any) -> pb.LookupResponse:
-        keys = _chain_keys(request)
-        klist = keys if isinstance(keys, list) else [keys[i : i + 16] for i in range(0, len(keys), 16)]
-        out = pb.LookupResponse(hit_blocks=res.hit_blocks, local_blocks=res.hit_blocks,
-                                tiers=(res.tier_codes.astype(np.int64) + 1).tolist())
-        if request.keys_packed:
-            del out.tiers[:]
-            out.tiers_packed = (res.tier_codes.astype(np.uint8) + 1).tobytes()
-        if self.cluster is None:
-            out.decision = pb.CHAIN_DECISION_LOCAL
-            out.cluster_status = "cluster off"
-            for t in res.tier_codes.tolist():
-                out.locations.add(tier=tier_pb(t))
-            return out
-        v = await self.cluster.view(ns, klist, res, to_hbm=request.to_hbm, block_bytes=int(request.block_bytes))
-        loads = self.admission.predictor.config.tier_loads
-        bb = v.block_bytes or self.store.block_bytes(ns) or int(request.block_bytes)
-        for t in res.tier_codes.tolist():
-            tl = loads[t]
-            out.locations.add(tier=tier_pb(t), load_s=tl.per_block_s + bb / tl.bytes_per_s)
-        for _ in range(v.remote_blocks):
-            out.locations.add(tier=tier_pb(TierKind.REMOTE), peer=v.peer or "", load_s=v.block_load_s)
-        e = v.estimate
-        out.remote_blocks = v.remote_blocks
-        out.decision = cast(Any, int(e.decision) + 1)
-        out.fetch_s, out.recompute_s = e.transfer_s, e.recompute_s
-        out.cluster_status = self.cluster.status
-        return out
-
-    async def _fetch_for(self, request: pb.AcquireRequest, context: Any, ns: Namespace,
-                         keys: bytes | list[bytes]) -> tuple[int, int]:
-        """Acquire's cluster step: fetch the remote run when that is cheaper."""
-        klist = keys if isinstance(keys, list) else [keys[i : i + 16] for i in range(0, len(keys), 16)]
-        local = self.store.peek(ns, klist)
-        v = await self.cluster.view(ns, klist, local, to_hbm=request.to_hbm)
-        decision = int(v.estimate.decision) + 1
-        if v.estimate.decision.label != "fetch":
-            return 0, decision
-        cred = ""
-        for k, val in context.invocation_metadata() or ():
-            if k == "authorization" and val.startswith("Bearer "):
-                cred = val[7:].strip()
-        return await self.cluster.fetch(ns, klist, v, cred), decision
-
     def _need_cluster(self) -> Any:
         if self.cluster is None:
             raise errors.Unavailable("cluster mode is off on this daemon")

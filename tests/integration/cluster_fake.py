@@ -60,6 +60,9 @@ class FakeBlockClient:
     def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
         pass
 
+    async def close(self) -> None:
+        pass
+
     async def fetch(self, address: str, header: bytes, count: int,
                     alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float) -> FetchResult:
         t0 = time.perf_counter()

@@ -69,7 +69,7 @@ def static_pair(make_daemon, n: int = 2, **kw):
     for i, p in enumerate(ports):
         opts = {"server__port": p, "cluster__mode": "static", "cluster__peers": ",".join(addrs),
                 "cluster__probe_interval": "100ms", "cluster__publish_interval": "10ms",
-                "cluster__fetch_timeout": "1s", "dram__capacity": "32MiB"}
+                "cluster__fetch_timeout": "1s", "dram__capacity": "32MiB", "cluster__prefill_tokens_per_s": 10}
         opts.update({k: v for k, v in kw.items() if not k.startswith("n")})
         opts.update(kw.get(f"n{i}", {}))
         nodes.append(Node(make_daemon(**opts)))
@@ -115,22 +115,30 @@ def test_partial_local_prefix_fetches_only_the_rest(make_daemon):
 
 
 def test_decision_flips_with_bandwidth_and_prefill_speed(make_daemon):
-    # b thinks its link is 0.001 Gb/s: recompute; c believes in a fast link
-    # but a prefill speed so high that recomputing 3 blocks is cheaper still
-    a, b, c = static_pair(make_daemon, 3, cluster__probe_links="false",
-                          n1={"cluster__peer_bandwidth_gbps": 0.001},
-                          n2={"cluster__prefill_tokens_per_s": 1e12})
+    # same blocks, same peer: b believes in a 0.001 Gb/s link (recompute), c in
+    # the default link and a slow prefill (fetch), d in the same link and a
+    # prefill fast enough to beat it (recompute)
+    a, b, c, d = static_pair(make_daemon, 4, cluster__probe_links="false",
+                             n1={"cluster__peer_bandwidth_gbps": 0.001, "cluster__prefill_tokens_per_s": 20000},
+                             n2={"cluster__prefill_tokens_per_s": 10},
+                             n3={"cluster__prefill_tokens_per_s": 1e12})
     keys = chain(3, seed=3)
     a.put(keys)
-    for n in (b, c):
+    for n in (b, c, d):
         wait_until(lambda n=n: n.lookup(keys).remote_blocks == 3, 10, "remote blocks visible")
-    rb, rc = b.lookup(keys), c.lookup(keys)
+    rb, rc, rd = b.lookup(keys), c.lookup(keys), d.lookup(keys)
     assert rb.decision == pb.CHAIN_DECISION_RECOMPUTE and rb.fetch_s > rb.recompute_s
-    assert rc.decision == pb.CHAIN_DECISION_RECOMPUTE and rc.recompute_s < rc.fetch_s
+    assert rc.decision == pb.CHAIN_DECISION_FETCH and rc.fetch_s < rc.recompute_s
+    assert rd.decision == pb.CHAIN_DECISION_RECOMPUTE and rd.recompute_s < rd.fetch_s
+    assert rc.fetch_s == pytest.approx(rd.fetch_s)  # same link: only the prefill side moved
+    # 3 blocks of 64 KiB over 0.001 Gb/s: 1.57 s; 48 tokens at 20000/s: 2.4 ms
+    assert rb.fetch_s == pytest.approx(50e-6 + 3 * BLOCK / (0.001e9 / 8), rel=1e-6)
+    assert rb.recompute_s == pytest.approx(48 / 20000)
     acq = b.acquire(keys)
     assert acq.fetched_blocks == 0 and acq.hit_blocks == 0 and acq.decision == pb.CHAIN_DECISION_RECOMPUTE
-    # a itself: everything local
-    assert a.lookup(keys).decision == pb.CHAIN_DECISION_LOCAL
+    acq = c.acquire(keys)
+    assert acq.fetched_blocks == 3 and acq.decision == pb.CHAIN_DECISION_FETCH
+    assert a.lookup(keys).decision == pb.CHAIN_DECISION_LOCAL  # a itself: everything local
 
 
 def test_corrupt_transfer_is_a_counted_miss(make_daemon):
