@@ -36,8 +36,9 @@ def payloads(keys: list[bytes]) -> list[bytes]:
 
 
 class Node:
-    def __init__(self, d) -> None:
+    def __init__(self, d, md: list[tuple[str, str]] | None = None) -> None:
         self.d = d
+        self.md = md or []
         self.ch = grpc.insecure_channel(d.target)
         self.stub = pb_grpc.KVStoreStub(self.ch)
 
@@ -59,10 +60,10 @@ class Node:
         return [bytes(out[i]) if i in out else None for i in range(len(keys))]
 
     def members(self) -> int:
-        return self.stub.Stats(pb.StatsRequest(), timeout=10).cluster_members
+        return self.stub.Stats(pb.StatsRequest(), metadata=self.md, timeout=10).cluster_members
 
 
-def static_pair(make_daemon, n: int = 2, **kw):
+def static_pair(make_daemon, n: int = 2, md: list[tuple[str, str]] | None = None, **kw):
     ports = [free_port() for _ in range(n)]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     nodes = []
@@ -72,7 +73,7 @@ def static_pair(make_daemon, n: int = 2, **kw):
                 "cluster__fetch_timeout": "1s", "dram__capacity": "32MiB", "cluster__prefill_tokens_per_s": 10}
         opts.update({k: v for k, v in kw.items() if not k.startswith("n")})
         opts.update(kw.get(f"n{i}", {}))
-        nodes.append(Node(make_daemon(**opts)))
+        nodes.append(Node(make_daemon(**opts), md))
     for nd in nodes:
         wait_until(lambda nd=nd: nd.members() == n, 20, "every peer is live")
     return nodes
@@ -198,3 +199,49 @@ def test_stale_directory_entry_is_a_clean_miss(make_daemon):
     assert acq.hit_blocks == 0 and acq.fetched_blocks == 0
     assert b.d.call(lambda: b.d.store.stats().reservations) == 0
     assert 'reason="absent"' in b.d.daemon.metrics.render().decode()
+
+
+def test_namespace_the_caller_may_not_read_is_refused(make_daemon, tmp_path, monkeypatch):
+    import asyncio
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "acme"\ntoken = "t-acme"\n\n'
+                       '[[tenant]]\nname = "other"\ntoken = "t-other"\n\n'
+                       '[[tenant]]\nname = "cluster"\ntoken = "t-peer"\nadmin = true\n')
+    monkeypatch.setenv("KV_TEST_PEER_TOKEN", "t-peer")
+    md_acme = [("authorization", "Bearer t-acme")]
+    a, b = static_pair(make_daemon, md=md_acme, server__tenants_file=str(tenants),
+                       cluster__peer_token_env="KV_TEST_PEER_TOKEN")
+    keys = chain(3, seed=7)
+    r = a.stub.Put(pb.PutRequest(ns=ns_pb(NS), keys=keys, payloads=payloads(keys)), metadata=md_acme, timeout=10)
+    assert all(x.status == pb.STATUS_OK for x in r.results)
+    lk = lambda: b.stub.Lookup(pb.LookupRequest(ns=ns_pb(NS), keys=keys, cluster=True),  # noqa: E731
+                               metadata=md_acme, timeout=10)
+    wait_until(lambda: lk().remote_blocks == 3, 10, "remote blocks visible")
+    # the cluster RPCs need the admin (peer) token
+    with pytest.raises(grpc.RpcError) as ei:
+        pb_grpc.ClusterStub(b.ch).Locate(pb.LocateRequest(ns_digest=NS.digest, keys_packed=b"".join(keys)),
+                                         metadata=md_acme, timeout=5)
+    assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # another tenant's credential asking a's transport for acme's blocks: refused
+    client = cluster_fake.FakeBlockClient()
+    blk = a.d.daemon.cluster.block_address
+    got: list = []
+
+    def alloc(lengths):
+        got.append(lengths)
+        return [None] * len(lengths)
+
+    for cred in ("t-other", "bogus", ""):
+        hdr = pb.BlockFetchHeader(ns=ns_pb(NS), credential=cred, keys_packed=b"".join(keys), node_id="x")
+        res = asyncio.run(client.fetch(blk, hdr.SerializeToString(), 3, alloc, 2.0))
+        assert res.error is not None and "PermissionError" in res.error and not res.ok.any(), cred
+    assert got == []  # nothing was offered
+    hdr = pb.BlockFetchHeader(ns=ns_pb(NS), credential="t-acme", keys_packed=b"".join(keys), node_id="x")
+    res = asyncio.run(client.fetch(blk, b"\xff\xff garbage", 3, alloc, 2.0))
+    assert res.error is not None and "ValueError" in res.error
+    assert a.d.call(lambda: a.d.store.stats().leases) == 0
+    # the owner's own credential through b: fetched
+    acq = b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True),
+                         metadata=md_acme, timeout=10)
+    assert acq.fetched_blocks == 3
