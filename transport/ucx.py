@@ -141,6 +141,9 @@ class FetchResult:
     """Whole-call failure (peer gone, deadline, refused); then ok is all False."""
     corrupt: int = 0
     """Blocks that arrived but failed the checksum."""
+    checksums: np.ndarray | None = None
+    """uint64 per block as the peer reported (valid where ``ok``): what the
+    receiver commits, so it need not hash the bytes again."""
 
 
 Alloc = Callable[[np.ndarray], Sequence["memoryview | None"]]
@@ -478,7 +481,7 @@ class BlockClient:
             sums = body[8 * count:].view(np.uint64).copy()
             present = np.flatnonzero(lengths > 0)
             if present.size == 0:
-                return FetchResult(ok, lengths, 0, time.monotonic() - t0, None)
+                return FetchResult(ok, lengths, 0, time.monotonic() - t0, None, 0, sums)
             try:
                 dests = alloc(lengths.copy())
                 if len(dests) != count:
@@ -505,7 +508,7 @@ class BlockClient:
                 ok[i] = good
                 corrupt += not good
             nbytes = int(lengths[ok].sum())
-            return FetchResult(ok, lengths, nbytes, time.monotonic() - t0, None, corrupt)
+            return FetchResult(ok, lengths, nbytes, time.monotonic() - t0, None, corrupt, sums)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
             self._drop(conn)
             unconfirmed = await _settle(posted)
