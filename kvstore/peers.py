@@ -96,7 +96,8 @@ class ClusterNode:
         c = self.cfg
         self.node_id = c.node_id or grpc_address
         self.grpc_address = grpc_address
-        shapes, tables = {}, {}
+        shapes: dict[str, Any] = {}
+        tables: dict[str, Any] = {}
         if c.models_file:
             with open(c.models_file, "rb") as f:
                 shapes, tables = shapes_from_toml(tomllib.load(f))
@@ -108,6 +109,9 @@ class ClusterNode:
         self.table = DirectoryTable()
         self.token = os.environ.get(c.peer_token_env, "").strip() if c.peer_token_env else ""
         server_cls, client_cls = transport_factory()
+        import importlib
+
+        self._served: Any = getattr(importlib.import_module(server_cls.__module__), "Served", ServedBlocks)
         self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
         self.block_address = ""
@@ -151,10 +155,11 @@ class ClusterNode:
         for ch, _ in self._channels.values():
             await ch.close()
         self._channels.clear()
-        try:
-            await self.block_client.close()
-        finally:
-            await self.block_server.stop()
+        for what, step in (("block client", self.block_client.close), ("block server", self.block_server.stop)):
+            try:
+                await asyncio.wait_for(step(), 5.0)
+            except Exception as e:  # shutting down: never hang on the transport
+                log.warning("cluster: closing the %s failed: %s", what, e or type(e).__name__)
 
     @property
     def status(self) -> str:
@@ -455,7 +460,10 @@ class ClusterNode:
             self.metrics.peer_fetch_failed(view.peer, "error")
             return 0
         if res.error is not None:
-            self._abort(held)
+            if "do not reuse" in res.error:
+                self._quarantine(held)
+            else:
+                self._abort(held)
             reason = "refused" if "ermission" in res.error else "error"
             log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
             self.metrics.peer_fetch_failed(view.peer, reason)
@@ -486,6 +494,15 @@ class ClusterNode:
             self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
         return done
 
+    def _quarantine(self, held: dict[str, Any]) -> None:
+        """The transport could not confirm that no late bytes will land in
+        the slots: keep them reserved for good (leaked, never reused) rather
+        than hand them to another block."""
+        h = held.get("handle")
+        if h and self.store._reservations.pop(h, None) is not None:
+            log.error("fetch slots of reservation %s quarantined: the transport could not confirm "
+                      "its receives ended", h)
+
     def _abort(self, held: dict[str, Any]) -> None:
         h = held.get("handle")
         if h:
@@ -495,7 +512,7 @@ class ClusterNode:
                 pass
 
     # ----------------------------------------------------- serving side
-    async def provide(self, header: bytes) -> ServedBlocks:
+    async def provide(self, header: bytes) -> Any:
         """Serve a peer's fetch: authorize, pin the present prefix, hand out
         views over the slab; ``release`` unpins."""
         try:
@@ -503,7 +520,7 @@ class ClusterNode:
         except Exception:
             raise ValueError("malformed block fetch header") from None
         if not h.keys_packed:  # a link probe
-            return ServedBlocks(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
+            return self._served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
         if len(h.keys_packed) % 16:
             raise ValueError("keys_packed is not a multiple of 16 bytes")
         d = self.daemon
@@ -552,7 +569,20 @@ class ClusterNode:
         self.metrics.peer_served(h.node_id or "?", present, nbytes)
         lengths = res.lengths.copy()
         lengths[present:] = 0
-        return ServedBlocks(lengths, res.checksums.copy(), regions, release)
+        return self._served(lengths, res.checksums.copy(), regions, release)
+
+
+def shutdown_transport() -> None:
+    """At process exit: stop the UCX notifier thread (it would keep the
+    process alive) once every daemon of the process has stopped."""
+    import sys
+
+    ucx = sys.modules.get("transport.ucx")
+    if ucx is not None and hasattr(ucx, "shutdown"):
+        try:
+            ucx.shutdown()
+        except Exception:
+            log.exception("shutting UCX down failed")
 
 
 async def lookup_response(daemon: Any, request: pb.LookupRequest, ns: Namespace, res: LookupResult,

@@ -824,6 +824,10 @@ async def _serve(config: Config) -> int:
     log.info("draining (up to %.1fs)", config.server.drain_seconds)
     await running.stop(config.server.drain_seconds)
     d.store.close()
+    if config.cluster.mode.value != "off":
+        from kvstore.peers import shutdown_transport
+
+        shutdown_transport()
     log.info("stopped")
     return 0
 
