@@ -156,3 +156,13 @@ def test_config_validation():
         CostConfig(alpha=0)
     with pytest.raises(ValueError):
         CostConfig(margin=-1)
+
+
+def test_worked_example_table_matches_the_seed():
+    from transport.cost import seed_worked_example
+
+    rows = {r[0]: r for r in seed_worked_example()}
+    assert rows["400 Gb/s"][1] == pytest.approx(5.0) and rows["400 Gb/s"][4] == "fetch"
+    assert rows["400 Gb/s"][2] == pytest.approx(11.0)
+    assert rows["100 Gb/s"][1] == pytest.approx(20.0) and rows["100 Gb/s"][4] == "recompute"
+    assert all(r[3] == pytest.approx(14.0) for r in rows.values())
