@@ -268,7 +268,7 @@ class BlockServer:
         try:
             while not self._closing:
                 await ep.recv(inbox, tag=TAG_REQ)
-                magic, _flags, seq, count, hlen, timeout = _PRE.unpack_from(inbox, 0)
+                magic, _flags, seq, count, hlen, timeout = _PRE.unpack_from(inbox.data, 0)
                 if magic != _MAGIC or hlen > MAX_HEADER or count > MAX_BLOCKS:
                     log.warning("bad request preamble from a peer; closing its endpoint")
                     break
@@ -362,7 +362,7 @@ def _check_served(s: Any, count: int) -> str:
 def _table(seq: int, status: int, msg: str, served: Served | None, count: int) -> np.ndarray:
     out = np.zeros(_HEAD.size + 16 * count, dtype=np.uint8)
     text = msg.encode("utf-8", "replace")[:240]
-    _HEAD.pack_into(out, 0, seq, status, len(text), text)
+    _HEAD.pack_into(out.data, 0, seq, status, len(text), text)
     if served is not None:
         body = out[_HEAD.size:]
         body[: 8 * count].view(np.int64)[:] = np.asarray(served.lengths, dtype=np.int64)
@@ -472,7 +472,7 @@ class BlockClient:
             req[_PRE.size:] = header
             await _bounded(ep.send(req, tag=TAG_REQ), end)
             await _wait_all([trecv], end)
-            _seq, status, elen, etext = _HEAD.unpack_from(table, 0)
+            _seq, status, elen, etext = _HEAD.unpack_from(table.data, 0)
             if status != ST_OK:
                 word = _STATUS_WORD.get(status, f"status {status}")
                 return failed(f"peer {address} {word}: {etext[:elen].decode('utf-8', 'replace')}")
@@ -496,16 +496,16 @@ class BlockClient:
                 await ep.recv(dst, tag=_tag_blk(seq, i))
                 verified[i] = checksum(dst) == int(sums[i])
 
-            for i in present:
+            for i in present.tolist():
                 d = dests[i]
                 if d is not None and d.nbytes == lengths[i] and not d.readonly:
                     want[i] = 1
-                    posted.append(asyncio.ensure_future(one(int(i), d)))
+                    posted.append(asyncio.ensure_future(one(i, d)))
             await _bounded(ep.send(want, tag=_tag_go(seq)), end)
             await _wait_all(posted, end)
             corrupt = 0
-            for i, good in verified.items():
-                ok[i] = good
+            for j, good in verified.items():
+                ok[j] = good
                 corrupt += not good
             nbytes = int(lengths[ok].sum())
             return FetchResult(ok, lengths, nbytes, time.monotonic() - t0, None, corrupt, sums)

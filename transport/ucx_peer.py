@@ -71,7 +71,7 @@ class Peer:
             if key not in self.sums:
                 self.sums[key] = checksum(b)
             sums[i] = self.sums[key] ^ (1 if i in lie else 0)
-            regions.append(memoryview(b).toreadonly())
+            regions.append(memoryview(b.data).toreadonly())
         self.served += 1
         self.pinned += 1
         done = [False]
