@@ -410,6 +410,8 @@ class BlockClient:
             pending = asyncio.ensure_future(self._connect(address))
             self._connecting[address] = pending
             pending.add_done_callback(lambda _f: self._connecting.pop(address, None))
+            # a connect whose waiter gave up still ends; retrieve its failure
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.wait_for(asyncio.shield(pending), timeout)
 
     async def _connect(self, address: str) -> _Conn:
