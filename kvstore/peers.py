@@ -194,6 +194,8 @@ class ClusterNode:
         if self.cfg.probe_links:
             for node, m in members.items():
                 if node != self.node_id and node not in self.cost.links and m.block_address:
+                    self.cost.link(node)  # seeded from config until the probe answers
+                    self._tasks = [t for t in self._tasks if not t.done()]
                     self._tasks.append(self._loop.create_task(self._probe_link(m)))
         self.metrics.cluster_members(len(members), self.membership.healthy)
         self._sync_health()

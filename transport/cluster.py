@@ -304,33 +304,31 @@ class EtcdMembership(Membership):
                     if getattr(r, "TTL", 1) <= 0:
                         raise ConnectionError("lease expired")
 
-            ka = asyncio.get_running_loop().create_task(keepalive())
-            try:
-                async def follow() -> None:
-                    async for ev in watch:
-                        key = ev.kv.key.decode(errors="replace")
-                        node = key[len(self.prefix):]
-                        cur = self.members
-                        if str(ev.kind).endswith("DELETE"):
-                            if node == self.me.node_id:
-                                raise ConnectionError("our member record was deleted (lease lapsed)")
-                            cur.pop(node, None)
-                        else:
-                            try:
-                                m = Member.from_json(ev.kv.value)
-                                cur[m.node_id] = m
-                            except ValueError:
-                                continue
-                        self._set(cur)
-                    raise ConnectionError("etcd watch ended")
+            async def follow() -> None:
+                async for ev in watch:
+                    node = ev.kv.key.decode(errors="replace")[len(self.prefix):]
+                    cur = self.members
+                    if str(ev.kind).endswith("DELETE"):
+                        if node == self.me.node_id:
+                            raise ConnectionError("our member record was deleted (lease lapsed)")
+                        cur.pop(node, None)
+                    else:
+                        try:
+                            m = Member.from_json(ev.kv.value)
+                        except ValueError:
+                            continue
+                        cur[m.node_id] = m
+                    self._set(cur)
+                raise ConnectionError("etcd watch ended")
 
-                fw = asyncio.get_running_loop().create_task(follow())
-                done, _ = await asyncio.wait({ka, fw}, return_when=asyncio.FIRST_COMPLETED)
+            loop = asyncio.get_running_loop()
+            tasks = {loop.create_task(keepalive()), loop.create_task(follow())}
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     t.result()
             finally:
-                ka.cancel()
-                for t in [ka] + ([fw] if "fw" in locals() else []):
+                for t in tasks:
                     t.cancel()
                 try:
                     await watch.cancel()
