@@ -176,11 +176,14 @@ def test_dead_and_paused_peers_are_misses_within_the_deadline(make_daemon):
     assert time.monotonic() - t0 < 1.0 + 2.0  # fetch_timeout 1s, plus slack
     srv.paused = False
     assert b.d.call(lambda: b.d.store.stats().reservations) == 0  # the fetch's slots were aborted
+    a_id = a.d.daemon.cluster.node_id
     a.d.stop()  # the peer dies
     acq = b.acquire(keys)
     assert acq.hit_blocks == 0
     wait_until(lambda: b.members() == 1, 10, "the dead peer leaves the static membership")
-    assert len(b.d.daemon.cluster.table) == 0 or b.lookup(keys).remote_blocks == 0
+    assert a_id not in b.d.call(lambda: b.d.daemon.cluster.table.nodes())
+    r = b.lookup(keys)
+    assert r.remote_blocks == 0 and r.decision == pb.CHAIN_DECISION_LOCAL
 
 
 def test_stale_directory_entry_is_a_clean_miss(make_daemon):
