@@ -58,6 +58,7 @@ import itertools
 import logging
 import os
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Final, Sequence
@@ -195,6 +196,8 @@ def shutdown() -> None:
     the process from exiting) and release the context.  Call once at process
     exit, after every BlockServer/BlockClient is stopped/closed."""
     global _bound_loop
+    if "ucxx" not in sys.modules:
+        return
     from ucxx import core
 
     if core._ctx is None:

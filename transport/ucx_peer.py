@@ -118,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--slab-mib", type=int, default=16)
-    return asyncio.run(amain(ap.parse_args(argv)))
+    try:
+        return asyncio.run(amain(ap.parse_args(argv)))
+    finally:
+        shutdown()  # also after a failed start: UCX's notifier thread would keep the process alive
 
 
 if __name__ == "__main__":

@@ -304,3 +304,11 @@ async def test_client_deadline_while_provider_is_slow_releases_once(peer, client
         assert st["served"] == 2 and st["pinned"] == 0  # a double release would show as +1000
     finally:
         pass
+
+
+def test_a_peer_that_cannot_listen_exits_instead_of_hanging(peer):
+    """UCX's notifier thread is not a daemon thread: a process whose start
+    fails must still end (transport.ucx.shutdown in a finally)."""
+    p = subprocess.run([sys.executable, "-m", "transport.ucx_peer", "--port", str(peer.port)], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "Busy" in p.stderr
