@@ -206,10 +206,17 @@ class ClusterNode:
         """Seed the link's latency with an empty fetch's round trip."""
         try:
             hdr = pb.BlockFetchHeader(node_id=self.node_id).SerializeToString()
-            t0 = time.perf_counter()
-            res = await self.block_client.fetch(m.block_address, hdr, 0, lambda _l: [], self.cfg.rpc_timeout)
-            if res.error is None:
-                self.cost.set_link(m.node_id, latency_s=time.perf_counter() - t0)
+            best = None
+            for _ in range(3):  # the first one pays for the connection: keep the fastest round trip
+                t0 = time.perf_counter()
+                res = await self.block_client.fetch(m.block_address, hdr, 0, lambda _l: [],
+                                                    max(self.cfg.rpc_timeout, 2.0))
+                if res.error is not None:
+                    return
+                dt = time.perf_counter() - t0
+                best = dt if best is None else min(best, dt)
+            if best is not None:
+                self.cost.set_link(m.node_id, latency_s=best)
         except Exception as e:
             log.debug("link probe of %s failed: %s", m.node_id, e)
 

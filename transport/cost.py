@@ -10,7 +10,8 @@ Transfer of ``B`` bytes from peer ``p``::
 ``latency`` and ``bandwidth`` start from the configured link (or a probe at
 start) and follow real transfers as exponentially weighted averages: a small
 transfer (below ``small_bytes``) updates the latency, a large one the
-bandwidth (its seconds less the current latency).
+bandwidth (its seconds less the current latency; averaged as seconds per
+byte, so one slow transfer corrects an optimistic seed at once).
 
 Recompute of ``n`` tokens after ``c`` tokens already present::
 
@@ -228,8 +229,12 @@ class CostModel:
         if nbytes < self.config.small_bytes:
             ln.latency_s += a * (seconds - ln.latency_s)
         else:
+            # averaged as seconds per byte: a slow sample counts at once
+            # (an optimistic seed would otherwise take many fetches to unlearn)
             wire = max(seconds - ln.latency_s, seconds * 0.1)
-            ln.bandwidth_Bps += a * (nbytes / wire - ln.bandwidth_Bps)
+            inv = 1.0 / ln.bandwidth_Bps
+            inv += a * (wire / nbytes - inv)
+            ln.bandwidth_Bps = 1.0 / inv
         ln.samples += 1
         ln.bytes += nbytes
         ln.updated = self.clock()

@@ -166,3 +166,10 @@ def test_worked_example_table_matches_the_seed():
     assert rows["400 Gb/s"][2] == pytest.approx(11.0)
     assert rows["100 Gb/s"][1] == pytest.approx(20.0) and rows["100 Gb/s"][4] == "recompute"
     assert all(r[3] == pytest.approx(14.0) for r in rows.values())
+
+
+def test_one_slow_transfer_corrects_an_optimistic_seed():
+    m = CostModel(CostConfig(latency_s=0.0, bandwidth_Bps=100 * GBIT, alpha=0.2))
+    m.observe("p", 8 << 20, 0.040)  # 8 MiB in 40 ms: ~210 MB/s
+    # seconds-per-byte average: 0.8 * 1/12.5e9 + 0.2 * 0.04/8MiB -> about 1 GB/s, not 10 GB/s
+    assert m.link("p").bandwidth_Bps < 1.1e9
