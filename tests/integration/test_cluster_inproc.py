@@ -248,3 +248,22 @@ def test_namespace_the_caller_may_not_read_is_refused(make_daemon, tmp_path, mon
     acq = b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True),
                          metadata=md_acme, timeout=10)
     assert acq.fetched_blocks == 3
+
+
+def test_python_client_cluster_lookup_and_acquire(make_daemon):
+    from kvstore.client import Client
+
+    a, b = static_pair(make_daemon)
+    keys = chain(4, seed=8)
+    a.put(keys)
+    with Client(b.d.target) as c:
+        wait_until(lambda: c.cluster_lookup(NS, keys).remote_blocks == 4, 10, "remote blocks visible")
+        cl = c.cluster_lookup(NS, keys)
+        assert cl.decision == "fetch" and cl.local_blocks == 0 and cl.fetch_s < cl.recompute_s
+        assert [t for t, _, _ in cl.locations] == ["remote"] * 4
+        with c.acquire(NS, keys) as lease:  # without cluster: nothing moves
+            assert lease.hit_blocks == 0
+        with c.acquire(NS, keys, cluster=True) as lease:
+            assert lease.hit_blocks == 4
+            assert [bytes(v) for v in lease.views] == payloads(keys)
+        assert c.cluster_lookup(NS, keys).decision == "local"
