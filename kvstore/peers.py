@@ -581,6 +581,29 @@ class ClusterNode:
         return self._served(lengths, res.checksums.copy(), regions, release)
 
 
+async def start_cluster(running: Any, config: Config) -> None:
+    """Join the cluster once the daemon's gRPC server runs (its address is
+    the default node id); the health service's ``kvstore.v1.Cluster`` entry
+    follows the membership source."""
+    from grpc_health.v1 import health_pb2
+
+    svc = pb.DESCRIPTOR.services_by_name["Cluster"].full_name
+    hs = running.health
+    addr = running.address if not running.address.startswith("unix:") else f"127.0.0.1:{running.port}"
+    node = ClusterNode(running.daemon, config, addr)
+
+    def health(ok: bool) -> None:
+        hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    node.health_fn = health
+    try:
+        await node.start()
+    except BaseException:
+        await running.stop(0)
+        raise
+    running.daemon.cluster = node
+
+
 def shutdown_transport() -> None:
     """At process exit: stop the UCX notifier thread (it would keep the
     process alive) once every daemon of the process has stopped."""
@@ -652,4 +675,5 @@ def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | N
     return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
 
 
-__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "transport_factory"]
+__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "lookup_response", "shutdown_transport",
+           "start_cluster", "transport_factory"]

@@ -767,28 +767,10 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
     daemon.start_background()
     running = Running(server, daemon, port, hs, address)
     if config.cluster.mode.value != "off":
-        await _start_cluster(running, config)
+        from kvstore.peers import start_cluster
+
+        await start_cluster(running, config)
     return running
-
-
-async def _start_cluster(running: Running, config: Config) -> None:
-    from kvstore.peers import ClusterNode
-
-    svc = pb.DESCRIPTOR.services_by_name["Cluster"].full_name
-    hs = running.health
-    addr = running.address if not running.address.startswith("unix:") else f"127.0.0.1:{running.port}"
-    node = ClusterNode(running.daemon, config, addr)
-
-    def health(ok: bool) -> None:
-        hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    node.health_fn = health
-    try:
-        await node.start()
-    except BaseException:
-        await running.stop(0)
-        raise
-    running.daemon.cluster = node
 
 
 def serve(config: Config) -> int:
