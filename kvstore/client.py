@@ -106,6 +106,23 @@ def _tier_name(t: int) -> str:
 _TIER_NAMES = [_tier_name(t) for t in range(len(TierKind) + 1)]
 
 
+@dataclass(slots=True, frozen=True)
+class ClusterLookup:
+    """``Client.cluster_lookup``: the local prefix, the run peers hold after
+    it, and the decision for that run with both estimates (seconds)."""
+
+    local_blocks: int
+    remote_blocks: int
+    decision: str  # "local" | "fetch" | "recompute"
+    fetch_s: float
+    recompute_s: float
+    locations: list[tuple[str, str, float]]  # (tier, peer or "", load seconds) per block
+    status: str
+
+
+_DECISIONS = {1: "local", 2: "fetch", 3: "recompute"}
+
+
 def _lookup_result(r: pb.LookupResponse) -> "LookupResult":
     codes = r.tiers_packed if r.tiers_packed else r.tiers
     return LookupResult(r.hit_blocks, [_TIER_NAMES[t] for t in codes])
@@ -356,6 +373,16 @@ class Client(_Base):
         r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
         return _lookup_result(r)
 
+    def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
+        """Lookup in cluster mode (docs/cluster.md): where each block is and
+        whether to fetch or recompute what peers hold."""
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys), cluster=True,
+                                                          to_hbm=to_hbm))
+        return ClusterLookup(int(r.local_blocks), int(r.remote_blocks), _DECISIONS.get(int(r.decision), "local"),
+                             float(r.fetch_s), float(r.recompute_s),
+                             [(_TIER_NAMES[x.tier], x.peer, float(x.load_s)) for x in r.locations],
+                             r.cluster_status)
+
     def stats(self, include_namespaces: bool = True) -> dict[str, Any]:
         r = self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))
         return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
@@ -506,19 +533,21 @@ class Client(_Base):
     def abort(self, reservation: "Reservation") -> int:
         return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], tier: str | None = None) -> "Lease":
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], tier: str | None = None,
+                cluster: bool = False) -> "Lease":
         """Pin the hit prefix and return zero-copy views into the slab
         (shared-memory clients only). Release with ``Lease.release()`` or a
         ``with`` block. ``tier="hbm"`` (after ``map_hbm``): blocks are
         promoted into HBM where possible and HBM slots come back as device
-        tensor views (``Lease.tiers`` says which)."""
+        tensor views (``Lease.tiers`` says which). ``cluster``: fetch what
+        peers hold first when that beats recomputing it (docs/cluster.md)."""
         if self.slab is None:
             raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
         want = _tier_field(tier)
         if want == TierKind.HBM + 1:
             self.map_hbm()
         r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True,
-                                                     tier=want))
+                                                     tier=want, cluster=cluster))
         sa = r.slots
         hit = int(r.hit_blocks)
         tiers = [TierKind(sa.tier[i] - 1) for i in range(hit)]

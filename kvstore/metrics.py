@@ -316,6 +316,7 @@ class Metrics:
             "kvstore_start_time_seconds", "Unix time the metrics (daemon) started.",
             registry=r)
         self.start_time.set(time.time())
+        self._cluster_metrics(r)
         self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None
 
@@ -366,6 +367,47 @@ class Metrics:
         for tier, n in collections.Counter(tier_label(t) for t in tiers).items():
             self.tier_hit_blocks.labels(tier=tier).inc(n)
 
+    # --------------------------------------------------------------- cluster
+    def _cluster_metrics(self, r: CollectorRegistry) -> None:
+        self.peer_bytes = Counter("kvstore_peer_fetch_bytes_total",
+                                  "Payload bytes fetched from peers, by peer node id.", ["peer"], registry=r)
+        self.peer_blocks = Counter("kvstore_peer_fetch_blocks_total",
+                                   "Blocks fetched from peers (committed here), by peer.", ["peer"], registry=r)
+        self.peer_seconds = Histogram("kvstore_peer_fetch_seconds", "Duration of successful peer fetches.",
+                                      buckets=OP_BUCKETS, registry=r)
+        self.peer_failures = Counter(
+            "kvstore_peer_fetch_failures_total",
+            "Blocks or fetches from peers that ended as misses, by peer and reason "
+            "(error, refused, corrupt, absent, partial, gone).", ["peer", "reason"], registry=r)
+        self.peer_served_bytes = Counter("kvstore_peer_served_bytes_total",
+                                         "Payload bytes served to peers, by fetching peer.", ["peer"], registry=r)
+        self.cluster_decisions = Counter("kvstore_cluster_decisions_total",
+                                         "Cluster chain decisions by kind (local, fetch, recompute).",
+                                         ["kind"], registry=r)
+        self.cluster_members_gauge = Gauge("kvstore_cluster_members", "Live cluster members, this daemon included.",
+                                           registry=r)
+        self.cluster_up = Gauge("kvstore_cluster_membership_up",
+                                "1 while the membership source (etcd) answers, 0 while it does not.", registry=r)
+
+    def cluster_members(self, n: int, healthy: bool) -> None:
+        self.cluster_members_gauge.set(n)
+        self.cluster_up.set(1 if healthy else 0)
+
+    def cluster_decision(self, kind: str) -> None:
+        self.cluster_decisions.labels(kind=kind).inc()
+
+    def peer_fetched(self, peer: str, blocks: int, nbytes: int, seconds: float) -> None:
+        self.peer_blocks.labels(peer=peer).inc(blocks)
+        self.peer_bytes.labels(peer=peer).inc(nbytes)
+        self.peer_seconds.observe(max(0.0, seconds))
+
+    def peer_fetch_failed(self, peer: str, reason: str, n: int = 1) -> None:
+        self.peer_failures.labels(peer=peer, reason=reason).inc(n)
+
+    def peer_served(self, peer: str, blocks: int, nbytes: int) -> None:
+        if nbytes:
+            self.peer_served_bytes.labels(peer=peer).inc(nbytes)
+
     # ---------------------------------------------------------------- export
     def render(self) -> bytes:
         """The text exposition of every metric (what a scrape returns)."""
@@ -377,7 +419,9 @@ class Metrics:
         fams: list[Metric] = list(self.collector.describe())
         for direct in (self.op_seconds, self.rpc_rejected, self.inline_bytes_total,
                        self.tier_hit_blocks, self.admission_decisions, self.predicted_ttft,
-                       self.ttft_error, self.prefill_speed, self.start_time):
+                       self.ttft_error, self.prefill_speed, self.start_time, self.peer_bytes,
+                       self.peer_blocks, self.peer_seconds, self.peer_failures, self.peer_served_bytes,
+                       self.cluster_decisions, self.cluster_members_gauge, self.cluster_up):
             fams.extend(direct.describe())
         return exported_names(fams)
 

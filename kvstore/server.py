@@ -199,7 +199,7 @@ def _rpc(method: str, *, admin: bool = False) -> Callable[[Callable[..., Awaitab
     return deco
 
 
-class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
+class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer, pb_grpc.ClusterServicer):
     """Servicer for KVStore and Admin, owning the store and sessions."""
 
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
@@ -227,6 +227,7 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         self._ns_cache: dict[tuple[str | None, bytes], Namespace] = {}
         self._wake_background = asyncio.Event()
         self.lookup_socket = ""  # set by start() when the fast Lookup socket listens
+        self.cluster: Any = None  # kvstore.peers.ClusterNode when cluster.mode is not off
 
     # ----------------------------------------------------------- helpers
     def _ns(self, msg: pb.Namespace, who: Principal) -> Namespace:
@@ -312,8 +313,13 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
     # -------------------------------------------------------------- data
     @_rpc("Lookup")
     async def Lookup(self, request: pb.LookupRequest, context: Any, who: Principal) -> pb.LookupResponse:
-        res = self.store.lookup(self._ns(request.ns, who), _chain_keys(request))
+        ns = self._ns(request.ns, who)
+        res = self.store.lookup(ns, _chain_keys(request))
         self.metrics.lookup_hits(res.tier_codes)
+        if request.cluster:
+            from kvstore.peers import lookup_response
+
+            return await lookup_response(self, request, ns, res, _chain_keys(request))
         if request.keys_packed:
             return pb.LookupResponse(hit_blocks=res.hit_blocks,
                                      tiers_packed=(res.tier_codes.astype(np.uint8) + 1).tobytes())
@@ -360,13 +366,17 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         keys = _chain_keys(request)
         owner, has_session = self._owner(context, who)
         ttl = None if has_session else self.config.server.reservation_timeout
+        fetched, decision = 0, 0
+        if request.cluster and request.promote and self.cluster is not None:
+            fetched, decision = await self.cluster.fetch_for(request, context.invocation_metadata(), ns, keys)
         res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote,
                                  tier=_want_tier(request.tier))
         if res.handle and _gave_up(context):  # (e.g. a slow promotion): nobody will release this lease
             self.store.release(res.handle, owner)
             raise errors.DeadlineExceeded("Acquire: the caller's deadline passed; the lease was released")
         hit = int(np.count_nonzero(res.offsets >= 0))
-        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=self._slots(res))
+        return pb.AcquireResponse(lease_id=res.handle, hit_blocks=hit, slots=self._slots(res),
+                                  fetched_blocks=fetched, decision=cast(Any, decision))
 
     def _slots(self, res: SlotResult) -> pb.SlotArray:
         sa = slots_pb(res)
@@ -524,6 +534,9 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
                 out.rejected += count
         out.prefill_tokens_per_s = ast.prefill_tokens_per_s
         out.ttft_error_ewma_s = ast.errors.ewma_abs_s
+        if self.cluster is not None:
+            out.cluster_members = len(self.cluster.membership.members)
+            out.cluster_status = self.cluster.status
         if self.store.ssd is not None:
             out.bytes_promoted = self.store.ssd.bytes_promoted
             out.bytes_demoted = self.store.ssd.bytes_demoted
@@ -567,6 +580,30 @@ class Daemon(pb_grpc.KVStoreServicer, pb_grpc.AdminServicer):
         if who.tenant is not None and not who.admin and digest:
             return self.store.tenant_of(digest) == who.tenant
         return True
+
+    # ----------------------------------------------------------- cluster
+    def _need_cluster(self) -> Any:
+        if self.cluster is None:
+            raise errors.Unavailable("cluster mode is off on this daemon")
+        return self.cluster
+
+    @_rpc("NodeInfo", admin=True)
+    async def NodeInfo(self, request: pb.NodeInfoRequest, context: Any, who: Principal) -> pb.NodeInfoResponse:
+        c = self._need_cluster()
+        me = c.membership.me
+        return pb.NodeInfoResponse(node_id=me.node_id, grpc_address=me.grpc_address,
+                                   block_address=me.block_address, capacity_bytes=dict(me.capacities))
+
+    @_rpc("Publish", admin=True)
+    async def Publish(self, request: pb.PublishRequest, context: Any, who: Principal) -> pb.PublishResponse:
+        return pb.PublishResponse(applied=self._need_cluster().apply(request))
+
+    @_rpc("Locate", admin=True)
+    async def Locate(self, request: pb.LocateRequest, context: Any, who: Principal) -> pb.LocateResponse:
+        if len(request.keys_packed) % 16:
+            raise InvalidArgument("keys_packed is not a multiple of 16 bytes")
+        p = request.keys_packed
+        return self._need_cluster().locate_local(request.ns_digest, [p[i : i + 16] for i in range(0, len(p), 16)])
 
     # ------------------------------------------------------------- admin
     @_rpc("GetConfig", admin=True)
@@ -729,6 +766,12 @@ class Running:
         self.health.enter_graceful_shutdown()
         if self.fast is not None:
             await self.fast.stop()
+        if self.daemon.cluster is not None:
+            cluster, self.daemon.cluster = self.daemon.cluster, None
+            try:
+                await cluster.stop()
+            except Exception:
+                log.exception("stopping the cluster node failed")
         await self.server.stop(grace)
         self.daemon.stop_background()
 
@@ -743,6 +786,7 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
     daemon = Daemon(config, store)
     pb_grpc.add_KVStoreServicer_to_server(daemon, server)
     pb_grpc.add_AdminServicer_to_server(daemon, server)
+    pb_grpc.add_ClusterServicer_to_server(daemon, server)
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = (pb.DESCRIPTOR.services_by_name["KVStore"].full_name,
@@ -777,7 +821,12 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
         hs.set(n, health_pb2.HealthCheckResponse.SERVING)
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
     daemon.start_background()
-    return Running(server, daemon, port, hs, address, fast)
+    running = Running(server, daemon, port, hs, address, fast)
+    if config.cluster.mode.value != "off":
+        from kvstore.peers import start_cluster
+
+        await start_cluster(running, config)
+    return running
 
 
 def serve(config: Config) -> int:
@@ -813,6 +862,10 @@ async def _serve(config: Config) -> int:
     log.info("draining (up to %.1fs)", config.server.drain_seconds)
     await running.stop(config.server.drain_seconds)
     d.store.close()
+    if config.cluster.mode.value != "off":
+        from kvstore.peers import shutdown_transport
+
+        shutdown_transport()
     log.info("stopped")
     return 0
 

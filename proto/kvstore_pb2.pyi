@@ -42,6 +42,13 @@ class AdmitKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADMIT_KIND_ADMIT: _ClassVar[AdmitKind]
     ADMIT_KIND_ADMIT_DEGRADED: _ClassVar[AdmitKind]
     ADMIT_KIND_REJECT: _ClassVar[AdmitKind]
+
+class ChainDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHAIN_DECISION_UNSPECIFIED: _ClassVar[ChainDecision]
+    CHAIN_DECISION_LOCAL: _ClassVar[ChainDecision]
+    CHAIN_DECISION_FETCH: _ClassVar[ChainDecision]
+    CHAIN_DECISION_RECOMPUTE: _ClassVar[ChainDecision]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
@@ -66,6 +73,10 @@ ADMIT_KIND_UNSPECIFIED: AdmitKind
 ADMIT_KIND_ADMIT: AdmitKind
 ADMIT_KIND_ADMIT_DEGRADED: AdmitKind
 ADMIT_KIND_REJECT: AdmitKind
+CHAIN_DECISION_UNSPECIFIED: ChainDecision
+CHAIN_DECISION_LOCAL: ChainDecision
+CHAIN_DECISION_FETCH: ChainDecision
+CHAIN_DECISION_RECOMPUTE: ChainDecision
 
 class Namespace(_message.Message):
     __slots__ = ("tenant", "model_id", "weights_digest", "adapter_id", "kv_dtype", "layout", "block_size", "tp_size", "pp_stage", "schema_version", "hash_algo", "salt")
@@ -312,24 +323,54 @@ class ReportResponse(_message.Message):
     def __init__(self, matched: _Optional[bool] = ..., error_s: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ns", "keys", "keys_packed")
+    __slots__ = ("ns", "keys", "cluster", "to_hbm", "block_bytes", "keys_packed")
     NS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    TO_HBM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
+    cluster: bool
+    to_hbm: bool
+    block_bytes: int
     keys_packed: bytes
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., cluster: _Optional[bool] = ..., to_hbm: _Optional[bool] = ..., block_bytes: _Optional[int] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_blocks", "tiers", "tiers_packed")
+    __slots__ = ("hit_blocks", "tiers", "locations", "decision", "fetch_s", "recompute_s", "local_blocks", "remote_blocks", "cluster_status", "tiers_packed")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    FETCH_S_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_STATUS_FIELD_NUMBER: _ClassVar[int]
     TIERS_PACKED_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    decision: ChainDecision
+    fetch_s: float
+    recompute_s: float
+    local_blocks: int
+    remote_blocks: int
+    cluster_status: str
     tiers_packed: bytes
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., tiers_packed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., decision: _Optional[_Union[ChainDecision, str]] = ..., fetch_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., local_blocks: _Optional[int] = ..., remote_blocks: _Optional[int] = ..., cluster_status: _Optional[str] = ..., tiers_packed: _Optional[bytes] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("tier", "peer", "load_s")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    peer: str
+    load_s: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., peer: _Optional[str] = ..., load_s: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("ns", "keys", "sizes", "block_bytes", "parent", "tier", "keys_packed")
@@ -401,28 +442,36 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns", "keys", "promote", "tier", "keys_packed")
+    __slots__ = ("ns", "keys", "promote", "tier", "cluster", "to_hbm", "keys_packed")
     NS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    TO_HBM_FIELD_NUMBER: _ClassVar[int]
     KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     promote: bool
     tier: Tier
+    cluster: bool
+    to_hbm: bool
     keys_packed: bytes
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., cluster: _Optional[bool] = ..., to_hbm: _Optional[bool] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "hit_blocks", "slots")
+    __slots__ = ("lease_id", "hit_blocks", "slots", "fetched_blocks", "decision")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     hit_blocks: int
     slots: SlotArray
-    def __init__(self, lease_id: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., slots: _Optional[_Union[SlotArray, _Mapping]] = ...) -> None: ...
+    fetched_blocks: int
+    decision: ChainDecision
+    def __init__(self, lease_id: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., slots: _Optional[_Union[SlotArray, _Mapping]] = ..., fetched_blocks: _Optional[int] = ..., decision: _Optional[_Union[ChainDecision, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -595,7 +644,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_label: _Optional[str] = ..., ns_digest: _Optional[bytes] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets", "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures", "active_reservations", "active_leases", "sessions", "uptime_seconds", "namespaces", "admitted", "admitted_degraded", "rejected", "prefill_tokens_per_s", "ttft_error_ewma_s")
+    __slots__ = ("tiers", "lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets", "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures", "active_reservations", "active_leases", "sessions", "uptime_seconds", "namespaces", "admitted", "admitted_degraded", "rejected", "prefill_tokens_per_s", "ttft_error_ewma_s", "cluster_members", "cluster_status")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -619,6 +668,8 @@ class StatsResponse(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_ERROR_EWMA_S_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_STATUS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     lookups: int
     hit_blocks: int
@@ -642,7 +693,9 @@ class StatsResponse(_message.Message):
     rejected: int
     prefill_tokens_per_s: float
     ttft_error_ewma_s: float
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., admitted: _Optional[int] = ..., admitted_degraded: _Optional[int] = ..., rejected: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_error_ewma_s: _Optional[float] = ...) -> None: ...
+    cluster_members: int
+    cluster_status: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., admitted: _Optional[int] = ..., admitted_degraded: _Optional[int] = ..., rejected: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_error_ewma_s: _Optional[float] = ..., cluster_members: _Optional[int] = ..., cluster_status: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("after_seq", "ns")
@@ -749,3 +802,86 @@ class SetEvictionPolicyResponse(_message.Message):
     old_policy: str
     new_policy: str
     def __init__(self, old_policy: _Optional[str] = ..., new_policy: _Optional[str] = ...) -> None: ...
+
+class NodeInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfoResponse(_message.Message):
+    __slots__ = ("node_id", "grpc_address", "block_address", "capacity_bytes")
+    class CapacityBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    grpc_address: str
+    block_address: str
+    capacity_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., block_address: _Optional[str] = ..., capacity_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class DirectoryUpdate(_message.Message):
+    __slots__ = ("ns_digest", "keys_packed", "removed", "cleared", "block_bytes")
+    NS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ns_digest: bytes
+    keys_packed: bytes
+    removed: bool
+    cleared: bool
+    block_bytes: int
+    def __init__(self, ns_digest: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ..., removed: _Optional[bool] = ..., cleared: _Optional[bool] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("node_id", "updates", "resync")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    updates: _containers.RepeatedCompositeFieldContainer[DirectoryUpdate]
+    resync: bool
+    def __init__(self, node_id: _Optional[str] = ..., updates: _Optional[_Iterable[_Union[DirectoryUpdate, _Mapping]]] = ..., resync: _Optional[bool] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    def __init__(self, applied: _Optional[int] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("ns_digest", "keys_packed")
+    NS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    ns_digest: bytes
+    keys_packed: bytes
+    def __init__(self, ns_digest: _Optional[bytes] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("nodes", "holders", "block_bytes")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ..., holders: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class BlockFetchHeader(_message.Message):
+    __slots__ = ("ns", "credential", "keys_packed", "node_id")
+    NS_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ns: Namespace
+    credential: str
+    keys_packed: bytes
+    node_id: str
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., credential: _Optional[str] = ..., keys_packed: _Optional[bytes] = ..., node_id: _Optional[str] = ...) -> None: ...

@@ -1012,3 +1012,176 @@ class Admin:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ClusterStub:
+    """---------------------------------------------------------------------------
+    Cluster control plane: between daemons only (admin credentials when auth
+    is on). Bulk bytes move over the block transport (UCX), never here.
+    ---------------------------------------------------------------------------
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.NodeInfo = channel.unary_unary(
+                '/kvstore.v1.Cluster/NodeInfo',
+                request_serializer=kvstore__pb2.NodeInfoRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.NodeInfoResponse.FromString,
+                _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/kvstore.v1.Cluster/Publish',
+                request_serializer=kvstore__pb2.PublishRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/kvstore.v1.Cluster/Locate',
+                request_serializer=kvstore__pb2.LocateRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.LocateResponse.FromString,
+                _registered_method=True)
+
+
+class ClusterServicer:
+    """---------------------------------------------------------------------------
+    Cluster control plane: between daemons only (admin credentials when auth
+    is on). Bulk bytes move over the block transport (UCX), never here.
+    ---------------------------------------------------------------------------
+    """
+
+    def NodeInfo(self, request, context):
+        """Who this daemon is: node id and addresses (static peer probing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Publish(self, request, context):
+        """A daemon tells a directory owner what it stored and removed (batched).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Locate(self, request, context):
+        """Which nodes hold these keys (one batched call per owner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ClusterServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'NodeInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeInfo,
+                    request_deserializer=kvstore__pb2.NodeInfoRequest.FromString,
+                    response_serializer=kvstore__pb2.NodeInfoResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=kvstore__pb2.PublishRequest.FromString,
+                    response_serializer=kvstore__pb2.PublishResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=kvstore__pb2.LocateRequest.FromString,
+                    response_serializer=kvstore__pb2.LocateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvstore.v1.Cluster', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvstore.v1.Cluster', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Cluster:
+    """---------------------------------------------------------------------------
+    Cluster control plane: between daemons only (admin credentials when auth
+    is on). Bulk bytes move over the block transport (UCX), never here.
+    ---------------------------------------------------------------------------
+    """
+
+    @staticmethod
+    def NodeInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/NodeInfo',
+            kvstore__pb2.NodeInfoRequest.SerializeToString,
+            kvstore__pb2.NodeInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/Publish',
+            kvstore__pb2.PublishRequest.SerializeToString,
+            kvstore__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Cluster/Locate',
+            kvstore__pb2.LocateRequest.SerializeToString,
+            kvstore__pb2.LocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

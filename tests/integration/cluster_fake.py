@@ -1,0 +1,118 @@
+"""An in-process stand-in for the block transport (``transport.ucx``'s
+BlockServer/BlockClient contract), for cluster tests of the layers above it:
+daemons on their own loops in one process fetch from each other through a
+registry. It copies each served region into the destination the fetcher
+allocated and verifies its xxh3_64 as the real transport does; faults are
+switches: ``corrupt`` (flip a byte of the next N blocks), ``paused`` (never
+answer: a SIGSTOPped peer) and ``dead`` (refuse: a killed one)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import xxhash
+
+REGISTRY: dict[str, "FakeBlockServer"] = {}
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class FetchResult:
+    ok: np.ndarray
+    lengths: np.ndarray
+    nbytes: int
+    seconds: float
+    error: str | None
+    corrupt: int = 0
+
+
+class FakeBlockServer:
+    def __init__(self, provider: Callable[[bytes], Any], host: str = "127.0.0.1", port: int = 0) -> None:
+        self.provider = provider
+        self.corrupt = 0
+        self.paused = False
+        self.dead = False
+        self.served = 0
+        self.address = ""
+
+    async def start(self) -> str:
+        self.loop = asyncio.get_running_loop()
+        self.address = f"fake-{next(_ids)}:0"
+        REGISTRY[self.address] = self
+        return self.address
+
+    async def stop(self) -> None:
+        REGISTRY.pop(self.address, None)
+
+    async def serve(self, header: bytes) -> Any:
+        if self.paused:
+            await asyncio.Event().wait()
+        self.served += 1
+        return await self.provider(header)
+
+
+class FakeBlockClient:
+    def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def fetch(self, address: str, header: bytes, count: int,
+                    alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float) -> FetchResult:
+        t0 = time.perf_counter()
+        none = np.zeros(count, bool)
+
+        def fail(msg: str) -> FetchResult:
+            return FetchResult(none, np.zeros(count, np.int64), 0, time.perf_counter() - t0, msg)
+
+        srv = REGISTRY.get(address)
+        if srv is None or srv.dead:
+            return fail(f"connection to {address} refused")
+        fut = asyncio.run_coroutine_threadsafe(srv.serve(header), srv.loop)
+        try:
+            served = await asyncio.wait_for(asyncio.wrap_future(fut), deadline_s)
+        except asyncio.TimeoutError:
+            fut.cancel()
+            return fail(f"deadline of {deadline_s}s passed")
+        except (PermissionError, ValueError) as e:
+            return fail(f"{type(e).__name__}: {e}")
+        try:
+            lengths = np.asarray(served.lengths, np.int64)
+            ok = np.zeros(lengths.size, bool)
+            if count == 0:
+                return FetchResult(ok, lengths, 0, time.perf_counter() - t0, None)
+            dests = alloc(lengths)
+            corrupt = 0
+            nbytes = 0
+            r = 0
+            for i in range(lengths.size):
+                if lengths[i] <= 0:
+                    continue
+                region = served.regions[r]
+                r += 1
+                d = dests[i]
+                if d is None:
+                    continue
+                dst = np.frombuffer(d, np.uint8)
+                dst[:] = np.frombuffer(region, np.uint8)
+                if srv.corrupt > 0:
+                    srv.corrupt -= 1
+                    dst[0] ^= 0xFF
+                if xxhash.xxh3_64_intdigest(dst) != int(served.checksums[i]):
+                    corrupt += 1
+                    continue
+                ok[i] = True
+                nbytes += int(lengths[i])
+            return FetchResult(ok, lengths, nbytes, time.perf_counter() - t0, None, corrupt)
+        finally:
+            served.release()
+
+
+def fake_transport() -> tuple[type, type]:
+    return FakeBlockServer, FakeBlockClient

@@ -1,0 +1,269 @@
+"""Cluster behaviour with real daemons in one process (each on its own loop)
+and the in-process block transport of ``cluster_fake`` standing in for UCX:
+directory publication and lookup, fetch-or-recompute decisions, Acquire that
+fetches, faults (dead, paused, corrupt, refused) and membership changes."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore import peers
+from kvstore.client import ns_pb
+from kvstore.keys import Namespace, block_keys
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
+from tests.faults.faultlib import free_port
+from tests.integration import cluster_fake
+from tests.integration.conftest import wait_until
+
+NS = Namespace(tenant="acme", model_id="llama", block_size=16)
+BLOCK = 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def fake_transport(monkeypatch):
+    monkeypatch.setattr(peers, "transport_factory", cluster_fake.fake_transport)
+
+
+def chain(n: int, seed: int = 1) -> list[bytes]:
+    return block_keys(NS, np.arange(seed * 100000, seed * 100000 + n * NS.block_size) % 30000)
+
+
+def payloads(keys: list[bytes]) -> list[bytes]:
+    return [(k * (BLOCK // 16))[:BLOCK] for k in keys]
+
+
+class Node:
+    def __init__(self, d, md: list[tuple[str, str]] | None = None) -> None:
+        self.d = d
+        self.md = md or []
+        self.ch = grpc.insecure_channel(d.target)
+        self.stub = pb_grpc.KVStoreStub(self.ch)
+
+    def put(self, keys: list[bytes]) -> None:
+        r = self.stub.Put(pb.PutRequest(ns=ns_pb(NS), keys=keys, payloads=payloads(keys)), timeout=10)
+        assert all(x.status == pb.STATUS_OK for x in r.results)
+
+    def lookup(self, keys: list[bytes], **kw) -> pb.LookupResponse:
+        return self.stub.Lookup(pb.LookupRequest(ns=ns_pb(NS), keys=keys, cluster=True, **kw), timeout=10)
+
+    def acquire(self, keys: list[bytes]) -> pb.AcquireResponse:
+        return self.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True), timeout=10)
+
+    def get(self, keys: list[bytes]) -> list[bytes | None]:
+        out: dict[int, bytearray] = {}
+        for c in self.stub.Get(pb.GetRequest(ns=ns_pb(NS), keys=keys), timeout=10):
+            if c.status == pb.STATUS_OK:
+                out.setdefault(c.index, bytearray()).extend(c.data)
+        return [bytes(out[i]) if i in out else None for i in range(len(keys))]
+
+    def members(self) -> int:
+        return self.stub.Stats(pb.StatsRequest(), metadata=self.md, timeout=10).cluster_members
+
+
+def static_pair(make_daemon, n: int = 2, md: list[tuple[str, str]] | None = None, **kw):
+    ports = [free_port() for _ in range(n)]
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    nodes = []
+    for i, p in enumerate(ports):
+        opts = {"server__port": p, "cluster__mode": "static", "cluster__peers": ",".join(addrs),
+                "cluster__probe_interval": "100ms", "cluster__publish_interval": "10ms",
+                "cluster__fetch_timeout": "1s", "dram__capacity": "32MiB", "cluster__prefill_tokens_per_s": 10}
+        opts.update({k: v for k, v in kw.items() if not k.startswith("n")})
+        opts.update(kw.get(f"n{i}", {}))
+        nodes.append(Node(make_daemon(**opts), md))
+    for nd in nodes:
+        wait_until(lambda nd=nd: nd.members() == n, 20, "every peer is live")
+    return nodes
+
+
+def test_block_put_on_one_is_found_and_fetched_by_another(make_daemon):
+    a, b = static_pair(make_daemon)
+    keys = chain(6)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 6, 10, "b's lookup sees a's blocks")
+    r = b.lookup(keys)
+    assert r.hit_blocks == 0 and r.local_blocks == 0
+    assert [loc.tier for loc in r.locations] == [pb.TIER_REMOTE] * 6
+    assert {loc.peer for loc in r.locations} == {a.d.daemon.cluster.node_id}
+    assert r.decision == pb.CHAIN_DECISION_FETCH and 0 < r.fetch_s < r.recompute_s
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 6 and acq.hit_blocks == 6 and acq.decision == pb.CHAIN_DECISION_FETCH
+    b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+    assert b.get(keys) == payloads(keys)  # byte-exact
+    assert b.lookup(keys).decision == pb.CHAIN_DECISION_LOCAL
+    text = b.d.daemon.metrics.render().decode()
+    assert f'kvstore_peer_fetch_blocks_total{{peer="{a.d.daemon.cluster.node_id}"}} 6.0' in text
+    assert 'kvstore_cluster_decisions_total{kind="fetch"}' in text
+    # a's leases for the send were released
+    assert a.d.call(lambda: a.d.store.stats().leases) == 0
+
+
+def test_partial_local_prefix_fetches_only_the_rest(make_daemon):
+    a, b = static_pair(make_daemon)
+    keys = chain(5, seed=2)
+    a.put(keys)
+    b.put(keys[:2])
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "remote tail visible")
+    r = b.lookup(keys)
+    assert r.local_blocks == 2 and [x.tier for x in r.locations][:2] == [pb.TIER_DRAM] * 2
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 3 and acq.hit_blocks == 5
+    b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+    assert b.get(keys) == payloads(keys)
+
+
+def test_decision_flips_with_bandwidth_and_prefill_speed(make_daemon):
+    # same blocks, same peer: b believes in a 0.001 Gb/s link (recompute), c in
+    # the default link and a slow prefill (fetch), d in the same link and a
+    # prefill fast enough to beat it (recompute)
+    a, b, c, d = static_pair(make_daemon, 4, cluster__probe_links="false",
+                             n1={"cluster__peer_bandwidth_gbps": 0.001, "cluster__prefill_tokens_per_s": 20000},
+                             n2={"cluster__prefill_tokens_per_s": 10},
+                             n3={"cluster__prefill_tokens_per_s": 1e12})
+    keys = chain(3, seed=3)
+    a.put(keys)
+    for n in (b, c, d):
+        wait_until(lambda n=n: n.lookup(keys).remote_blocks == 3, 10, "remote blocks visible")
+    rb, rc, rd = b.lookup(keys), c.lookup(keys), d.lookup(keys)
+    assert rb.decision == pb.CHAIN_DECISION_RECOMPUTE and rb.fetch_s > rb.recompute_s
+    assert rc.decision == pb.CHAIN_DECISION_FETCH and rc.fetch_s < rc.recompute_s
+    assert rd.decision == pb.CHAIN_DECISION_RECOMPUTE and rd.recompute_s < rd.fetch_s
+    assert rc.fetch_s == pytest.approx(rd.fetch_s)  # same link: only the prefill side moved
+    # 3 blocks of 64 KiB over 0.001 Gb/s: 1.57 s; 48 tokens at 20000/s: 2.4 ms
+    assert rb.fetch_s == pytest.approx(50e-6 + 3 * BLOCK / (0.001e9 / 8), rel=1e-6)
+    assert rb.recompute_s == pytest.approx(48 / 20000)
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 0 and acq.hit_blocks == 0 and acq.decision == pb.CHAIN_DECISION_RECOMPUTE
+    acq = c.acquire(keys)
+    assert acq.fetched_blocks == 3 and acq.decision == pb.CHAIN_DECISION_FETCH
+    assert a.lookup(keys).decision == pb.CHAIN_DECISION_LOCAL  # a itself: everything local
+
+
+def test_corrupt_transfer_is_a_counted_miss(make_daemon):
+    a, b = static_pair(make_daemon)
+    keys = chain(4, seed=4)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 4, 10, "remote blocks visible")
+    srv = a.d.daemon.cluster.block_server
+    before = b.d.call(lambda: b.d.store.stats().counters.checksum_failures)
+    srv.corrupt = 4  # every block of this fetch is damaged
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 0 and acq.hit_blocks == 0
+    assert b.d.call(lambda: b.d.store.stats().counters.checksum_failures) == before + 4
+    assert b.get(keys) == [None] * 4
+    text = b.d.daemon.metrics.render().decode()
+    assert 'reason="corrupt"' in text
+    srv.corrupt = 0
+    acq = b.acquire(keys)  # the next transfer is clean: fetched after all
+    assert acq.fetched_blocks == 4
+
+
+def test_dead_and_paused_peers_are_misses_within_the_deadline(make_daemon):
+    import time
+
+    a, b = static_pair(make_daemon)
+    keys = chain(3, seed=5)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "remote blocks visible")
+    srv = a.d.daemon.cluster.block_server
+    srv.paused = True
+    t0 = time.monotonic()
+    acq = b.acquire(keys)
+    assert acq.hit_blocks == 0 and acq.fetched_blocks == 0
+    assert time.monotonic() - t0 < 1.0 + 2.0  # fetch_timeout 1s, plus slack
+    srv.paused = False
+    assert b.d.call(lambda: b.d.store.stats().reservations) == 0  # the fetch's slots were aborted
+    a_id = a.d.daemon.cluster.node_id
+    a.d.stop()  # the peer dies
+    acq = b.acquire(keys)
+    assert acq.hit_blocks == 0
+    wait_until(lambda: b.members() == 1, 10, "the dead peer leaves the static membership")
+    assert a_id not in b.d.call(lambda: b.d.daemon.cluster.table.nodes())
+    r = b.lookup(keys)
+    assert r.remote_blocks == 0 and r.decision == pb.CHAIN_DECISION_LOCAL
+
+
+def test_stale_directory_entry_is_a_clean_miss(make_daemon):
+    a, b = static_pair(make_daemon)
+    keys = chain(3, seed=6)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "remote blocks visible")
+    a.stub.Remove(pb.RemoveRequest(ns=ns_pb(NS), keys=keys), timeout=10)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 0, 10, "the removal reaches the directory")
+    # a lost update: the owners still say a holds them
+    a_id = a.d.daemon.cluster.node_id
+    for n in (a, b):
+        n.d.call(lambda n=n: n.d.daemon.cluster.table.add(a_id, NS.digest, keys, BLOCK))
+    assert b.lookup(keys).remote_blocks == 3
+    acq = b.acquire(keys)
+    assert acq.hit_blocks == 0 and acq.fetched_blocks == 0
+    assert b.d.call(lambda: b.d.store.stats().reservations) == 0
+    assert 'reason="absent"' in b.d.daemon.metrics.render().decode()
+
+
+def test_namespace_the_caller_may_not_read_is_refused(make_daemon, tmp_path, monkeypatch):
+    import asyncio
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "acme"\ntoken = "t-acme"\n\n'
+                       '[[tenant]]\nname = "other"\ntoken = "t-other"\n\n'
+                       '[[tenant]]\nname = "cluster"\ntoken = "t-peer"\nadmin = true\n')
+    monkeypatch.setenv("KV_TEST_PEER_TOKEN", "t-peer")
+    md_acme = [("authorization", "Bearer t-acme")]
+    a, b = static_pair(make_daemon, md=md_acme, server__tenants_file=str(tenants),
+                       cluster__peer_token_env="KV_TEST_PEER_TOKEN")
+    keys = chain(3, seed=7)
+    r = a.stub.Put(pb.PutRequest(ns=ns_pb(NS), keys=keys, payloads=payloads(keys)), metadata=md_acme, timeout=10)
+    assert all(x.status == pb.STATUS_OK for x in r.results)
+    lk = lambda: b.stub.Lookup(pb.LookupRequest(ns=ns_pb(NS), keys=keys, cluster=True),  # noqa: E731
+                               metadata=md_acme, timeout=10)
+    wait_until(lambda: lk().remote_blocks == 3, 10, "remote blocks visible")
+    # the cluster RPCs need the admin (peer) token
+    with pytest.raises(grpc.RpcError) as ei:
+        pb_grpc.ClusterStub(b.ch).Locate(pb.LocateRequest(ns_digest=NS.digest, keys_packed=b"".join(keys)),
+                                         metadata=md_acme, timeout=5)
+    assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # another tenant's credential asking a's transport for acme's blocks: refused
+    client = cluster_fake.FakeBlockClient()
+    blk = a.d.daemon.cluster.block_address
+    got: list = []
+
+    def alloc(lengths):
+        got.append(lengths)
+        return [None] * len(lengths)
+
+    for cred in ("t-other", "bogus", ""):
+        hdr = pb.BlockFetchHeader(ns=ns_pb(NS), credential=cred, keys_packed=b"".join(keys), node_id="x")
+        res = asyncio.run(client.fetch(blk, hdr.SerializeToString(), 3, alloc, 2.0))
+        assert res.error is not None and "PermissionError" in res.error and not res.ok.any(), cred
+    assert got == []  # nothing was offered
+    hdr = pb.BlockFetchHeader(ns=ns_pb(NS), credential="t-acme", keys_packed=b"".join(keys), node_id="x")
+    res = asyncio.run(client.fetch(blk, b"\xff\xff garbage", 3, alloc, 2.0))
+    assert res.error is not None and "ValueError" in res.error
+    assert a.d.call(lambda: a.d.store.stats().leases) == 0
+    # the owner's own credential through b: fetched
+    acq = b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True),
+                         metadata=md_acme, timeout=10)
+    assert acq.fetched_blocks == 3
+
+
+def test_python_client_cluster_lookup_and_acquire(make_daemon):
+    from kvstore.client import Client
+
+    a, b = static_pair(make_daemon)
+    keys = chain(4, seed=8)
+    a.put(keys)
+    with Client(b.d.target) as c:
+        wait_until(lambda: c.cluster_lookup(NS, keys).remote_blocks == 4, 10, "remote blocks visible")
+        cl = c.cluster_lookup(NS, keys)
+        assert cl.decision == "fetch" and cl.local_blocks == 0 and cl.fetch_s < cl.recompute_s
+        assert [t for t, _, _ in cl.locations] == ["remote"] * 4
+        with c.acquire(NS, keys) as lease:  # without cluster: nothing moves
+            assert lease.hit_blocks == 0
+        with c.acquire(NS, keys, cluster=True) as lease:
+            assert lease.hit_blocks == 4
+            assert [bytes(v) for v in lease.views] == payloads(keys)
+        assert c.cluster_lookup(NS, keys).decision == "local"

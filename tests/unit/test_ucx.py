@@ -1,0 +1,123 @@
+"""transport.ucx: wire encoding, validation of what a provider returns,
+argument checks, and one in-process round trip over real ucxx."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from transport import ucx
+from transport.ucx import BlockClient, FetchResult, Served, _check_served, _table
+
+
+def served(lengths: list[int], regions: list[memoryview] | None = None) -> Served:
+    ls = np.asarray(lengths, dtype=np.int64)
+    regs = regions if regions is not None else [memoryview(bytes(int(n))) for n in ls if n > 0]
+    return Served(ls, np.arange(len(ls), dtype=np.uint64), regs, lambda: None)
+
+
+def test_tags_are_distinct_small_ints_that_hash_to_themselves():
+    tags = {ucx.TAG_REQ}
+    for seq in (1, 2, (1 << 37) - 1):
+        tags |= {ucx._tag_tab(seq), ucx._tag_go(seq)}
+        tags |= {ucx._tag_blk(seq, i) for i in (0, 1, ucx.MAX_BLOCKS - 1)}
+    assert len(tags) == 1 + 3 * 2 + 3 * 3
+    for t in tags:
+        # ucxx mixes hash(tag) into the endpoint tag: must be the same in every process
+        assert 0 <= t < (1 << 61) - 1 and hash(t) == t
+
+
+def test_table_round_trip_and_error_text_is_bounded():
+    s = served([10, 0, 7])
+    t = _table(42, ucx.ST_OK, "", s, 3)
+    seq, status, elen, _ = ucx._HEAD.unpack_from(t, 0)
+    body = t[ucx._HEAD.size:]
+    assert (seq, status, elen) == (42, 0, 0)
+    assert body[:24].view(np.int64).tolist() == [10, 0, 7]
+    assert body[24:].view(np.uint64).tolist() == [0, 1, 2]
+    t = _table(1, ucx.ST_REFUSED, "x" * 1000, None, 2)
+    _, status, elen, text = ucx._HEAD.unpack_from(t, 0)
+    assert status == ucx.ST_REFUSED and elen == 240 and text[:elen] == b"x" * 240
+    assert not t[ucx._HEAD.size:].any()  # no lengths leak out of a refused answer
+
+
+def test_check_served_names_each_inconsistency():
+    assert _check_served(served([4, 0, 4]), 3) == ""
+    assert "not Served" in _check_served(object(), 1)
+    assert "answered 2 blocks" in _check_served(served([4, 4]), 3)
+    assert "2 regions for 1 present" in _check_served(served([4, 0], [memoryview(b"aaaa")] * 2), 2)
+    assert "region of 3 bytes" in _check_served(served([4], [memoryview(b"aaa")]), 1)
+
+
+def test_address_parsing():
+    assert ucx._split_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
+    assert ucx._split_address("[::1]:7") == ("::1", 7)
+    for bad in ("127.0.0.1", ":80", "host:port", ""):
+        with pytest.raises(ValueError):
+            ucx._split_address(bad)
+    assert ucx._is_loopback("127.0.0.1") and ucx._is_loopback("localhost") and ucx._is_loopback("::1")
+    assert not ucx._is_loopback("10.0.0.1") and not ucx._is_loopback("")
+
+
+async def test_bad_arguments_raise_before_any_io():
+    c = BlockClient()
+    with pytest.raises(ValueError, match="count"):
+        await c.fetch("127.0.0.1:1", b"", -1, lambda n: [], 1.0)
+    with pytest.raises(ValueError, match="header"):
+        await c.fetch("127.0.0.1:1", b"x" * (ucx.MAX_HEADER + 1), 1, lambda n: [None], 1.0)
+    with pytest.raises(ValueError, match="host:port"):
+        await c.fetch("nonsense", b"", 1, lambda n: [None], 1.0)
+
+
+def test_fetch_result_defaults():
+    r = FetchResult(np.zeros(2, bool), np.zeros(2, np.int64), 0, 0.0, None)
+    assert r.corrupt == 0 and r.checksums is None
+
+
+ROUND_TRIP = r"""
+import asyncio, json, os, sys
+import numpy as np
+from transport.ucx import BlockClient, BlockServer, Served, shutdown
+from kvstore.checksum import checksum
+
+async def main():
+    blocks = [np.random.default_rng(i).integers(0, 256, 5000 + i, dtype=np.uint8) for i in range(3)]
+    released = []
+    async def provide(header):
+        if header == b"deny":
+            raise PermissionError("nope")
+        return Served(np.array([b.nbytes for b in blocks], np.int64),
+                      np.array([checksum(b) for b in blocks], np.uint64),
+                      [memoryview(b) for b in blocks], lambda: released.append(1))
+    srv = BlockServer(provide)
+    addr = await srv.start()
+    c = BlockClient()
+    dst = [np.zeros(b.nbytes, np.uint8) for b in blocks]
+    r = await c.fetch(addr, b"all", 3, lambda ls: [memoryview(d) for d in dst], 10.0)
+    r2 = await c.fetch(addr, b"deny", 3, lambda ls: [memoryview(d) for d in dst], 10.0)
+    out = {"ok": r.ok.tolist(), "same": all(np.array_equal(a, b) for a, b in zip(dst, blocks)),
+           "lengths": r.lengths.tolist(), "err2": r2.error, "connects": c.connects}
+    await c.close()
+    await srv.stop()
+    out["released"] = len(released)
+    shutdown()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_in_process_round_trip_over_real_ucxx():
+    pytest.importorskip("ucxx")
+    p = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,sm,self"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["ok"] == [True, True, True] and out["same"]
+    assert out["lengths"] == [5000, 5001, 5002]
+    assert "refused: nope" in out["err2"]
+    assert out["connects"] == 1 and out["released"] == 1
