@@ -283,12 +283,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._stored: dict[str, list[tuple[int, int]]] = {}
         log.info("kvstore connector (%s): namespace %s, daemon %s", role.name, self.ns.to_dict(),
                  self.target or os.environ.get("KVSTORE_ADDRESS") or "127.0.0.1:50051")
+        self._record(event="init", namespace=self.ns.to_dict())
 
     # ------------------------------------------------------------ daemon link
     def _fault(self, op: str, e: BaseException | str) -> None:
         FAULTS.labels(op).inc()
         self.stats["faults"] += 1
         log.warning("kvstore %s failed (%s); serving it as a miss", op, e)
+        self._record(event="fault", op=op, error=str(e)[:200])
         if isinstance(e, BaseException) and self._client is not None:
             try:
                 self._client.close()

@@ -38,7 +38,7 @@ def main() -> None:
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
-              dtype="bfloat16", seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
+              dtype=spec.get("dtype", "bfloat16"), seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096), **kw)
     startup = time.perf_counter() - t0
     results = []
