@@ -8,7 +8,8 @@ SPEC: {"model": dir, "target": "127.0.0.1:port", "stats_path": file,
        "prefix_caching": bool, "max_tokens": int, "connector": bool,
        "prompts": [{"name", "tokens": [...], "load": bool, "save": bool,
                     "wait_for": file (optional: block until it exists, after
-                    writing "<file>.ready"), "repeat": int}]}
+                    writing "<file>.ready"), "repeat": int,
+                    "reset_prefix_cache": bool (empty vLLM's prefix cache first)}]}
 OUT: {"startup_s": s, "results": [{"name", "tokens", "num_cached_tokens", "seconds"}]}
 """
 
@@ -48,6 +49,8 @@ def main() -> None:
             deadline = time.monotonic() + 300
             while not os.path.exists(p["wait_for"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        if p.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()  # vLLM's own cache empty again, as in a fresh process
         params = {"kv_transfer_params": {"kvstore_load": p.get("load", True), "kvstore_save": p.get("save", True)}}
         sp = SamplingParams(max_tokens=p.get("max_tokens", spec.get("max_tokens", 16)), temperature=0.0,
                             ignore_eos=True, extra_args=params)
