@@ -236,7 +236,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     ``$KVSTORE_ADDRESS`` or 127.0.0.1:50051), ``tenant`` ("default"),
     ``token`` / ``token_file``, ``model_id`` and ``weights_digest``
     (namespace overrides), ``timeout`` (5 s per call), ``retry_interval``
-    (1 s after a fault), ``load`` / ``save`` (true), ``layout_tag`` (extra
+    (1 s after a fault), ``load`` / ``save`` (true), ``use_shm`` (true;
+    false moves blocks as inline gRPC bytes), ``layout_tag`` (extra
     text in the layout schema), ``stats_path`` (append a JSON line per
     lookup/load/save there, for tests and debugging).
     """
@@ -261,6 +262,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.do_load = bool(extra.get("load", True))
         self.do_save = bool(extra.get("save", True))
         self.stats_path = extra.get("stats_path") or None
+        self.use_shm = bool(extra.get("use_shm", True))
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         if policy != "recompute":
             log.warning("kvstore connector: kv_load_failure_policy is %r; set \"recompute\" so that a block "
@@ -274,6 +276,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._finished: dict[str, _ReqState] = {}
         self._events: list[Any] = []
+        kec = getattr(vllm_config, "kv_events_config", None)
+        self._emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
         # worker side
         self._layers: list[torch.Tensor] = []
         self._layer_bytes = 0
@@ -306,7 +310,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 return None
             try:
                 self._client = Client(self.target, token=self.token, token_file=self.token_file,
-                                      timeout=self.timeout, name=f"vllm-{self.role.name.lower()}")
+                                      timeout=self.timeout, use_shm=self.use_shm,
+                                      name=f"vllm-{self.role.name.lower()}")
             except _FAULTS as e:
                 self._retry_at = time.monotonic() + self.retry_interval
                 self._fault("connect", e)
@@ -431,7 +436,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                     st.saved = min(st.saved, first)
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         hbs = getattr(self._kv_cache_config, "hash_block_size", None)
-        if hbs not in (None, self.block_size):
+        if hbs not in (None, self.block_size) or not self._emit_events:
             wm = None  # vLLM's block hashes use another granularity: cannot name our blocks
         if isinstance(wm, KVStoreWorkerMetadata):
             for req_id, ranges in wm.stored.items():
@@ -545,6 +550,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Copy the leading verified blocks of ``m`` into ``rows``; how many."""
         ns = _request_ns(self.ns, m.adapter, m.salt)
         keys = _split(m.keys)
+        if c.slab is None:  # daemon on another host: inline bytes (checked by the daemon)
+            try:
+                st = c.get_into(ns, keys, [rows[i] for i in range(len(keys))])
+            except _FAULTS as e:
+                self._fault("load", e)
+                return 0
+            return next((i for i, x in enumerate(st) if x is not KeyStatus.OK), len(st))
         try:
             lease = c.acquire(ns, keys)
         except _FAULTS as e:
@@ -589,7 +601,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         c = self.client()
         if c is None:
             return
-        plans = []  # (move, ns, reservation, indexes of OK keys)
+        if c.slab is None:
+            self._save_inline(c, meta.saves)
+            return
+        plans = []  # (move, reservation, indexes of OK keys)
         for m in meta.saves:
             ns = _request_ns(self.ns, m.adapter, m.salt)
             try:
@@ -631,6 +646,28 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._stored.setdefault(m.req_id, []).append((m.first, m.first + lead))
             self._record(event="save", req=m.req_id, planned_blocks=len(done), stored_blocks=stored,
                          existing_blocks=sum(s is KeyStatus.EXISTS for s in done))
+
+    def _save_inline(self, c: Client, saves: list[BlockMove]) -> None:
+        """Daemon on another host: gather every block once, then one inline ``Put`` per request."""
+        n = sum(len(m.block_ids) for m in saves)
+        raw, typed = self._stage(n)
+        ids = torch.tensor([b for m in saves for b in m.block_ids], dtype=torch.int64)
+        for t, dst in zip(self._layers, typed):
+            torch.index_select(t, 0, ids.to(t.device), out=dst)
+        rows = raw.numpy()
+        j = 0
+        for m in saves:
+            k = len(m.block_ids)
+            try:
+                st = c.put(_request_ns(self.ns, m.adapter, m.salt), _split(m.keys), [rows[i] for i in range(j, j + k)],
+                           parent=m.parent or None)
+            except _FAULTS as e:
+                self._fault("save", e)
+                return
+            j += k
+            self.stats["saved_blocks"] += sum(s is KeyStatus.OK for s in st)
+            lead = next((i for i, s in enumerate(st) if s not in (KeyStatus.OK, KeyStatus.EXISTS)), len(st))
+            self._stored.setdefault(m.req_id, []).append((m.first, m.first + lead))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

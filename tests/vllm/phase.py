@@ -30,10 +30,14 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
+    events: list = []
+    if spec.get("kv_events"):
+        kw["kv_events_config"] = _subscribe(spec["kv_events"], events)
     if spec.get("connector", True):
         extra = {"target": spec["target"], "tenant": "tests", "timeout": 5.0}
         if spec.get("stats_path"):
             extra["stats_path"] = spec["stats_path"]
+        extra.update(spec.get("extra", {}))
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="engine_adapter.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
@@ -61,7 +65,37 @@ def main() -> None:
             results.append({"name": p["name"], "tokens": list(out.outputs[0].token_ids),
                             "num_cached_tokens": out.num_cached_tokens, "seconds": dt,
                             "finish_reason": out.outputs[0].finish_reason})
-    json.dump({"startup_s": startup, "results": results}, open(sys.argv[2], "w"))
+    if spec.get("kv_events"):
+        time.sleep(1.0)  # the publisher thread sends asynchronously
+    json.dump({"startup_s": startup, "results": results, "kv_events": events}, open(sys.argv[2], "w"))
+
+
+def _subscribe(endpoint: str, sink: list) -> object:
+    """Enable vLLM's KV events on a ZMQ endpoint and collect them (a
+    subscriber thread, as a router following vLLM's events would)."""
+    import threading
+
+    import msgspec
+    import zmq
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import KVEventBatch
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+    def run() -> None:
+        while True:
+            _, _, payload = sub.recv_multipart()
+            for ev in dec.decode(payload).events:
+                sink.append({"type": type(ev).__name__, "medium": getattr(ev, "medium", None),
+                             "blocks": len(getattr(ev, "block_hashes", []) or []),
+                             "tokens": len(getattr(ev, "token_ids", []) or []),
+                             "has_parent": getattr(ev, "parent_block_hash", None) is not None})
+
+    threading.Thread(target=run, daemon=True).start()
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,12 @@ real daemon started here.
   full blocks (block size 128). A also computes the cold references of Q
   (shares P's first 400 tokens) and R (unrelated) with loads and saves off,
   and vLLM's own prefix cache off.
-- B (fresh process): Q first: only the shared prefix (3 blocks) hits; then
-  P: its cached tokens are external hits and the greedy tokens equal A's.
+- B (fresh process, blocks as inline gRPC bytes instead of the slab): Q
+  first: only the shared prefix (3 blocks) hits; then P: its cached tokens
+  are external hits and the greedy tokens equal A's.
+  The blocks B's connector stored reach vLLM's KV event stream (medium
+  "kvstore"); a PrefixRouter fed by the daemon's WatchEvents after A knows
+  where P's and Q's prefixes are.
 - the test flips a bit in P's block 4 in the daemon's DRAM slot
   (``corrupt_for_test``, as tests/faults does);
 - C (fresh process): P again: blocks 0-3 load, block 4 fails its checksum,
@@ -83,7 +87,11 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         with Client(d.target) as c:
             router.poll("node-a", c, 0.5)
         out["router_after_a"] = router
-        out["B"] = run_phase({**base, "stats_path": f"{work}/b.jsonl", "prompts": [
+        # B moves blocks as inline gRPC bytes (use_shm false: the path of a
+        # daemon on another host); A's saves and C's loads use the slab
+        out["B"] = run_phase({**base, "stats_path": f"{work}/b.jsonl", "kv_events": f"ipc://{work}/kv-events",
+                              "extra": {"use_shm": False},
+                              "prompts": [
             {"name": "Q", "tokens": Q}, {"name": "P", "tokens": P}]}, work, "B", **env)
         out["b_stats"] = _records(f"{work}/b.jsonl")
         # tamper: one bit of P's block 4, in the daemon's DRAM slot
@@ -156,6 +164,15 @@ def test_prompt_sharing_only_a_prefix_hits_only_that_prefix(runs) -> None:
     first = _events(runs["b_stats"], "lookup")[0]
     assert (first["local_tokens"], first["hit_blocks"], first["external_tokens"]) == (0, 3, 3 * BLOCK)
     assert q["tokens"] == _res(runs["A"], "Q")["tokens"]
+
+
+def test_saved_blocks_are_forwarded_as_vllm_kv_events(runs) -> None:
+    # B's Q stored its blocks 3-6 (0-2 were loaded): one BlockStored with
+    # medium "kvstore" named by vLLM's own block hashes, parent = block 2
+    ours = [e for e in runs["B"]["kv_events"] if e["medium"] == "kvstore"]
+    assert [(e["type"], e["blocks"], e["tokens"], e["has_parent"]) for e in ours] == \
+        [("BlockStored", 4, 4 * BLOCK, True)]
+    assert any(e["medium"] != "kvstore" for e in runs["B"]["kv_events"])  # vLLM's own events flow beside
 
 
 def test_tampered_block_is_a_miss_and_recomputed(runs) -> None:
