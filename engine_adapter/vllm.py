@@ -50,7 +50,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -220,6 +219,16 @@ class _ReqState:
     """Leading prompt blocks known stored (or planned)."""
 
 
+def _flag(extra: dict[str, Any], name: str) -> bool:
+    """A boolean extra-config entry (default true); accepts JSON booleans and "true"/"false"."""
+    v = extra.get(name, True)
+    if isinstance(v, str):
+        if v.strip().lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"kvstore connector: {name} must be true or false, got {v!r}")
+        return v.strip().lower() in ("true", "1", "yes")
+    return bool(v)
+
+
 def _split(keys: bytes) -> list[bytes]:
     return [keys[i:i + KEY_LEN] for i in range(0, len(keys), KEY_LEN)]
 
@@ -236,7 +245,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     ``$KVSTORE_ADDRESS`` or 127.0.0.1:50051), ``tenant`` ("default"),
     ``token`` / ``token_file``, ``model_id`` and ``weights_digest``
     (namespace overrides), ``timeout`` (5 s per call), ``retry_interval``
-    (1 s after a fault), ``load`` / ``save`` (true), ``use_shm`` (true;
+    (1 s after a fault), ``load`` / ``save`` (true; ``kv_role``
+    ``kv_consumer`` never saves, ``kv_producer`` never loads), ``use_shm`` (true;
     false moves blocks as inline gRPC bytes), ``layout_tag`` (extra
     text in the layout schema), ``stats_path`` (append a JSON line per
     lookup/load/save there, for tests and debugging).
@@ -259,17 +269,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.token_file = extra.get("token_file") or None
         self.timeout = float(extra.get("timeout", 5.0))
         self.retry_interval = float(extra.get("retry_interval", 1.0))
-        self.do_load = bool(extra.get("load", True))
-        self.do_save = bool(extra.get("save", True))
+        role_name = str(getattr(self._kv_transfer_config, "kv_role", "kv_both"))
+        self.do_load = _flag(extra, "load") and role_name != "kv_producer"
+        self.do_save = _flag(extra, "save") and role_name != "kv_consumer"
         self.stats_path = extra.get("stats_path") or None
-        self.use_shm = bool(extra.get("use_shm", True))
+        self.use_shm = _flag(extra, "use_shm")
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         if policy != "recompute":
             log.warning("kvstore connector: kv_load_failure_policy is %r; set \"recompute\" so that a block "
                         "failing its checksum is recomputed instead of failing its request", policy)
         self._client: Client | None = None
         self._retry_at = 0.0
-        self._lock = threading.Lock()
         self.stats: dict[str, int] = {"lookups": 0, "hit_tokens": 0, "loaded_blocks": 0, "failed_blocks": 0,
                                       "saved_blocks": 0, "existing_blocks": 0, "faults": 0}
         # scheduler side
@@ -415,6 +425,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if b <= len(st.block_ids):
                     meta.loads.append(BlockMove(req_id, st.adapter, st.salt, st.keys[a * KEY_LEN:b * KEY_LEN],
                                                 st.block_ids[a:b]))
+                else:  # cannot happen: vLLM allocates a block for every computed token
+                    log.error("kvstore: request %s has %d blocks, the load needs %d", req_id,
+                              len(st.block_ids), b)
             if not st.save:
                 continue
             after = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -437,13 +450,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         hbs = getattr(self._kv_cache_config, "hash_block_size", None)
         if hbs not in (None, self.block_size) or not self._emit_events:
-            wm = None  # vLLM's block hashes use another granularity: cannot name our blocks
+            wm = None  # events off, or vLLM's block hashes use another granularity than our blocks
         if isinstance(wm, KVStoreWorkerMetadata):
             for req_id, ranges in wm.stored.items():
-                st = self._reqs.get(req_id) or self._finished.get(req_id)
-                for a, b in ranges if st is not None else ():
+                owner = self._reqs.get(req_id) or self._finished.get(req_id)
+                if owner is None:
+                    continue
+                for a, b in ranges:
                     if b > a:
-                        self._events.append(self._stored_event(st, a, b))
+                        self._events.append(self._stored_event(owner, a, b))
         self._finished.clear()
 
     def _stored_event(self, st: _ReqState, start: int, end: int) -> Any:
@@ -518,7 +533,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads or not self._layers:
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
+            return
+        if not self._layers:  # no KV tensors registered: nothing can be loaded
+            self._load_errors.update(b for m in meta.loads for b in m.block_ids)
             return
         total = sum(len(m.block_ids) for m in meta.loads)
         raw, typed = self._stage(total)
