@@ -6,15 +6,18 @@ Time to first token (``max_tokens=1``, greedy) of a real vLLM (CPU build,
 
 - **cold**: nothing cached anywhere (the connector looks up, misses, and
   saves the prompt's 15 full blocks: its cost is included);
-- **vLLM prefix cache** (reference): the same prompt again in the same
-  process, served from vLLM's own in-process prefix cache;
 - **kvstore**: the same prompt in a *fresh* vLLM process (its prefix cache
   empty), 15 blocks (1,920 tokens) loaded from the daemon's shared-memory
-  slab, the last 80 tokens computed.
+  slab, the last 80 tokens computed;
+- **vLLM prefix cache** (reference): right after each kvstore request, the
+  same prompt again in that process, served from vLLM's own in-process
+  prefix cache (same process, interleaved, so process-to-process noise
+  does not enter the ratio); ``ttft_vllm_prefix_cache_cold_process_ms`` is
+  the same measured in the cold process, right after each cold request.
 
 Each figure is the median over ``--repeats`` distinct prompts (5; 3 with
-``--quick``), each measured once in its state, after one warm-up request per
-process. The full run uses vLLM's default process layout (engine core and
+``--quick``), each measured once in its state, after a warm-up prompt and
+its repeat in each process (no measured request pays a first-shape cost). The full run uses vLLM's default process layout (engine core and
 worker in their own processes) and a second vLLM process for the kvstore
 hits; ``--quick`` runs one in-process engine and empties vLLM's prefix cache
 (``LLM.reset_prefix_cache``) before each kvstore request instead of starting
@@ -24,7 +27,7 @@ this process on its own thread.
 Targets (issue 11): TTFT cold / TTFT kvstore >= 2.5; TTFT kvstore / TTFT
 vLLM prefix cache <= 1.5.
 
-Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N]
+Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N] [--in-process]
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--in-process", action="store_true",
+                    help="engine core and worker inside each vLLM process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     args = ap.parse_args()
     if not os.access(VLLM_PY, os.X_OK):
         sys.exit(f"no vLLM environment at {VLLM_PY}: run `make vllm-env`")
@@ -92,17 +97,21 @@ def main() -> None:
     try:
         base = {"model": f"{work}/model", "target": daemon.target, "max_tokens": 1, "dtype": "bfloat16",
                 "stats_path": f"{work}/stats.jsonl"}
-        first = [{"name": "warmup", "tokens": warm[0], "save": False}]
+        # per process: one cold warm-up prompt and its repeat (a short-tail
+        # prefill), so that no measured request pays a first-shape cost
+        first = [{"name": "warmup", "tokens": warm[0], "save": False, "repeat": 2}]
         for i, p in enumerate(prompts):
-            first += [{"name": f"cold{i}", "tokens": p}, {"name": f"local{i}", "tokens": p}]
+            first += [{"name": f"cold{i}", "tokens": p}, {"name": f"localA{i}", "tokens": p}]
             if args.quick:
-                first += [{"name": f"kvstore{i}", "tokens": p, "reset_prefix_cache": True}]
-        a = phase({**base, "prompts": first}, work, "A", in_process=args.quick)
+                first += [{"name": f"kvstore{i}", "tokens": p, "reset_prefix_cache": True},
+                          {"name": f"local{i}", "tokens": p}]
+        a = phase({**base, "prompts": first}, work, "A", in_process=args.quick or args.in_process)
         results = a["results"]
         if not args.quick:
-            second = [{"name": "warmup", "tokens": warm[1], "save": False}]
-            second += [{"name": f"kvstore{i}", "tokens": p} for i, p in enumerate(prompts)]
-            results += phase({**base, "prompts": second}, work, "B", in_process=False)["results"]
+            second = [{"name": "warmup", "tokens": warm[1], "save": False, "repeat": 2}]
+            for i, p in enumerate(prompts):
+                second += [{"name": f"kvstore{i}", "tokens": p}, {"name": f"local{i}", "tokens": p}]
+            results += phase({**base, "prompts": second}, work, "B", in_process=args.in_process)["results"]
     finally:
         daemon.stop()
     by = {r["name"]: r for r in results}
@@ -110,7 +119,7 @@ def main() -> None:
     def med(kind: str) -> float:
         return statistics.median(by[f"{kind}{i}"]["seconds"] for i in range(reps)) * 1000
 
-    cold, local, kv = med("cold"), med("local"), med("kvstore")
+    cold, local, kv, local_a = med("cold"), med("local"), med("kvstore"), med("localA")
     hits = [by[f"kvstore{i}"]["num_cached_tokens"] for i in range(reps)]
 
     def agree(x: str, y: str) -> float:
@@ -120,14 +129,23 @@ def main() -> None:
     rep.figure("repeats", reps)
     rep.figure("ttft_cold_ms", cold, "ms")
     rep.figure("ttft_vllm_prefix_cache_ms", local, "ms")
+    rep.figure("ttft_vllm_prefix_cache_cold_process_ms", local_a, "ms")
     rep.figure("ttft_kvstore_fresh_process_ms", kv, "ms")
     rep.figure("kvstore_external_hit_tokens", statistics.median(hits), "tokens")
+    # the connector's own time per kvstore hit (its stats lines): the lookup in
+    # the scheduler and the load (acquire, verified copies, one index_copy_ per layer)
+    with open(f"{work}/stats.jsonl") as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    lk = [r["ms"] for r in recs if r["event"] == "lookup" and r["hit_blocks"] > 0]
+    ld = [r["ms"] for r in recs if r["event"] == "load"]
+    rep.figure("connector_lookup_ms", statistics.median(lk) if lk else float("nan"), "ms")
+    rep.figure("connector_load_ms", statistics.median(ld) if ld else float("nan"), "ms")
     # bfloat16: a prefill of the last 80 tokens rounds differently from one of
     # all 2,000, so a near-tie may flip the first token against the cold run;
     # vLLM's own prefix cache and kvstore load the same KV and must agree
-    rep.figure("same_token_kvstore_vs_vllm_prefix_cache", agree("kvstore", "local"), "fraction")
+    rep.figure("same_token_kvstore_vs_vllm_prefix_cache", agree("kvstore", "localA"), "fraction")
     rep.figure("same_token_kvstore_vs_cold", agree("kvstore", "cold"), "fraction")
-    rep.figure("same_token_vllm_prefix_cache_vs_cold", agree("local", "cold"), "fraction")
+    rep.figure("same_token_vllm_prefix_cache_vs_cold", agree("localA", "cold"), "fraction")
     rep.figure("speedup_kvstore_vs_cold", cold / kv, "x")
     rep.figure("kvstore_vs_vllm_prefix_cache", kv / local, "x")
     rep.target("TTFT cold / TTFT kvstore", cold / kv, 2.5)

@@ -366,6 +366,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         loadable = min(len(st.keys) // KEY_LEN, (request.num_tokens - 1) // self.block_size)
         if loadable * self.block_size <= num_computed_tokens:
             return 0, False  # vLLM holds every loadable block already: no need to ask
+        t0 = time.perf_counter()
         c = self.client()
         if c is None:
             return 0, False
@@ -379,7 +380,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         st.hit_blocks = hit
         ext = max(0, min(hit, loadable) * self.block_size - num_computed_tokens)
         self._record(event="lookup", req=request.request_id, prompt_blocks=len(st.keys) // KEY_LEN,
-                     local_tokens=num_computed_tokens, hit_blocks=hit, external_tokens=ext)
+                     local_tokens=num_computed_tokens, hit_blocks=hit, external_tokens=ext,
+                     ms=round((time.perf_counter() - t0) * 1000, 3))
         return ext, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -538,6 +540,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not self._layers:  # no KV tensors registered: nothing can be loaded
             self._load_errors.update(b for m in meta.loads for b in m.block_ids)
             return
+        t0 = time.perf_counter()
         total = sum(len(m.block_ids) for m in meta.loads)
         raw, typed = self._stage(total)
         rows = raw.numpy()
@@ -553,7 +556,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._load_errors.update(m.block_ids[ok:])
             self.stats["loaded_blocks"] += ok
             self.stats["failed_blocks"] += n - ok
-            self._record(event="load", req=m.req_id, planned_blocks=n, loaded_blocks=ok)
+            self._record(event="load", req=m.req_id, planned_blocks=n, loaded_blocks=ok,
+                         ms=round((time.perf_counter() - t0) * 1000, 3))
             row += n
             if c is not None and self._client is None:
                 c = None  # a fault closed it: the rest are failures too
