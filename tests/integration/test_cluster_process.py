@@ -190,7 +190,7 @@ def test_sigstop_peer_misses_then_its_etcd_lease_lapses(procs, etcd):  # noqa: F
     finally:
         a.proc.send_signal(signal.SIGCONT)
     # back: it registers again and its blocks are found again
-    wait_until(lambda: b.stats().cluster_members == 3, 30, "the peer re-registered")
+    wait_until(lambda: b.stats().cluster_members == 3, 90, "the peer re-registered")
     wait_until(lambda: b.lookup(keys).remote_blocks == 4, 20, "its blocks are back in the directory")
     acq = b.acquire(keys)
     assert acq.fetched_blocks == 4

@@ -63,9 +63,24 @@ def test_restart_recovers_blocks_on_ssd_and_prefetch_stages_them(make_daemon, tm
 def _serve(repo_root: str, sock: str, ssd_dir: str) -> subprocess.Popen[str]:
     env = dict(os.environ, KVSTORE_SSD_WRITE_MODE="back", KVSTORE_SSD_ADMIT_MIN_HITS="0",
                KVSTORE_DRAM_PAGE_SIZE="1MiB")
-    return subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--host", "", "--unix-socket", sock,
-                             "--metrics-port", "0", "--dram", "4MiB", "--ssd", "48MiB", "--ssd-path", ssd_dir],
-                            cwd=repo_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the daemon's log goes to a file (a pipe nobody reads would block it once full)
+    log = open(sock + ".log", "a")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--host", "", "--unix-socket", sock,
+                                 "--metrics-port", "0", "--dram", "4MiB", "--ssd", "48MiB", "--ssd-path", ssd_dir],
+                                cwd=repo_root, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    finally:
+        log.close()
+
+
+def _wait_healthy(p: subprocess.Popen[str], sock: str) -> None:
+    """Wait for the daemon; if it never gets there, fail with its log."""
+    try:
+        wait_healthy(f"unix:{sock}", timeout=120)
+    except BaseException:
+        with open(sock + ".log") as f:
+            tail = f.read()[-4000:]
+        raise AssertionError(f"daemon not healthy (exit code {p.poll()}); its log ends:\n{tail}") from None
 
 
 def test_sigkill_during_heavy_writes_never_returns_wrong_bytes(tmp_path, repo_root):
@@ -78,7 +93,7 @@ def test_sigkill_during_heavy_writes_never_returns_wrong_bytes(tmp_path, repo_ro
     for rnd in range(rounds):
         p = _serve(repo_root, sock, ssd_dir)
         try:
-            wait_healthy(f"unix:{sock}", timeout=60)
+            _wait_healthy(p, sock)
             with Client(f"unix:{sock}", timeout=10) as c:
                 # everything written before, whatever survived, is exact or a miss
                 for keys in written:
@@ -112,7 +127,7 @@ def test_sigkill_during_heavy_writes_never_returns_wrong_bytes(tmp_path, repo_ro
     # a final check on a clean start
     p = _serve(repo_root, sock, ssd_dir)
     try:
-        wait_healthy(f"unix:{sock}", timeout=60)
+        _wait_healthy(p, sock)
         hits = 0
         with Client(f"unix:{sock}") as c:
             for keys in written:
@@ -133,7 +148,8 @@ def test_unknown_schema_refuses_to_start(tmp_path, repo_root):
     p = _serve(repo_root, sock, str(ssd_dir))
     try:
         assert p.wait(60) != 0
-        err = p.stderr.read()
+        with open(sock + ".log") as f:
+            err = f.read()
         assert "schema" in err.lower()
         assert "Traceback" not in err
     finally:
