@@ -596,6 +596,10 @@ async def start_cluster(running: Any, config: Config) -> None:
         hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     node.health_fn = health
+    if not running.daemon.auth.enabled:
+        log.warning("cluster mode %s with auth off: any host that reaches this node's UCX block port (ucxx "
+                    "listens on every interface) can read its blocks; configure server.tenants_file on an "
+                    "untrusted network (docs/security.md)", config.cluster.mode.value)
     try:
         await node.start()
     except BaseException:
