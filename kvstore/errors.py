@@ -3,7 +3,7 @@
 Whole-call failures raise a subclass of :class:`KVStoreError`; batch calls
 return one :class:`KeyStatus` per key instead of raising for a single bad key.
 The gRPC layer maps each class to a status code in one table
-(``kvstore.server.STATUS_TABLE``); nothing below the server imports grpc.
+(``kvstore.wire.STATUS_TABLE``); nothing below the server layer (server, wire) imports grpc.
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ class LookupSocketServer:
         import grpc
 
         from admission.qos import QosClass, QosRejected
-        from kvstore.server import MAX_KEYS, status_for
+        from kvstore.wire import MAX_KEYS, status_for
 
         d = self.daemon
         t0 = time.perf_counter()

@@ -1,0 +1,138 @@
+"""Proto <-> store conversions of the daemon (kvstore/server.py): status
+codes (``STATUS_TABLE``, the one place they are chosen), namespaces, keys,
+per-key results, slot arrays, HBM descriptors and TTFT parts. Pure
+functions, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+
+from admission.slo import TTFTBreakdown
+from kvstore import errors
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, PermissionDenied
+from kvstore.keys import Namespace
+from kvstore.results import BatchResult, SlotResult
+from proto import kvstore_pb2 as pb
+from tiers.base import TierKind
+from tiers.hbm import HbmTier
+
+MAX_KEYS = 1 << 20
+"""Most keys one call may carry."""
+
+STATUS_TABLE: dict[type[KVStoreError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+"""Exception class -> gRPC status. The only place codes are chosen."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        code = STATUS_TABLE.get(cls)  # type: ignore[arg-type]
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def tier_pb(t: TierKind | int) -> Any:
+    """Wire value of a tier (TierKind + 1; typed Any for the generated stubs)."""
+    return int(t) + 1
+
+
+def status_pb(s: KeyStatus | int) -> Any:
+    return int(s)
+
+
+def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
+    """Proto namespace -> ``Namespace``; ``tenant`` (from credentials) wins."""
+    if tenant is not None and msg.tenant and msg.tenant != tenant:
+        raise PermissionDenied(f"namespace tenant {msg.tenant!r} is not the caller's tenant")
+    kw: dict[str, Any] = {
+        "tenant": tenant if tenant is not None else (msg.tenant or "default"),
+        "model_id": msg.model_id,
+        "weights_digest": msg.weights_digest,
+        "adapter_id": msg.adapter_id,
+        "block_size": msg.block_size,
+        "tp_size": msg.tp_size or 1,
+        "pp_stage": msg.pp_stage,
+        "schema_version": msg.schema_version or 1,
+        "salt": msg.salt,
+    }
+    for name in ("kv_dtype", "layout", "hash_algo"):
+        v = getattr(msg, name)
+        if v:
+            kw[name] = v
+    return Namespace(**kw)
+
+
+def results_pb(keys: list[bytes], res: BatchResult) -> list[pb.KeyResult]:
+    return [pb.KeyResult(key=k, status=status_pb(s), detail=res.messages.get(i, ""))
+            for i, (k, s) in enumerate(zip(keys, res.statuses))]
+
+
+def slots_pb(res: SlotResult) -> pb.SlotArray:
+    has = res.offsets >= 0
+    return pb.SlotArray(status=[status_pb(s) for s in res.statuses],
+                        tier=np.where(has, res.tier_codes.astype(np.int64) + 1, 0).tolist(),
+                        offset=np.maximum(res.offsets, 0).tolist(), length=res.lengths.tolist(),
+                        checksum=res.checksums.tolist())
+
+
+def _keys(msg_keys: Any) -> list[bytes]:
+    keys = list(msg_keys)
+    if len(keys) > MAX_KEYS:
+        raise InvalidArgument(f"{len(keys)} keys in one call; at most {MAX_KEYS}")
+    for i, k in enumerate(keys):
+        if len(k) != 16:
+            raise InvalidArgument(f"key {i} must be 16 bytes, got {len(k)}")
+    return keys
+
+
+def _chain_keys(request: Any) -> bytes | list[bytes]:
+    """``keys`` or ``keys_packed`` of a request (exactly one may be set)."""
+    packed = request.keys_packed
+    if packed:
+        if len(request.keys):
+            raise InvalidArgument("give keys or keys_packed, not both")
+        if len(packed) % 16:
+            raise InvalidArgument(f"keys_packed is {len(packed)} bytes, not a multiple of 16")
+        if len(packed) // 16 > MAX_KEYS:
+            raise InvalidArgument(f"{len(packed) // 16} keys in one call; at most {MAX_KEYS}")
+        return bytes(packed)
+    return _keys(request.keys)
+
+
+def _want_tier(value: int) -> TierKind | None:
+    """A request's tier field: None when unset; HBM or DRAM."""
+    if value == 0:
+        return None
+    if value not in (TierKind.HBM + 1, TierKind.DRAM + 1):
+        raise InvalidArgument(f"tier {value} cannot be asked for here; allowed: TIER_HBM, TIER_DRAM")
+    return TierKind(value - 1)
+
+
+def hbm_pb(tier: HbmTier, slab_id: str) -> pb.DeviceMemInfo:
+    """What a same-host client needs to map the HBM slab (raw IPC handle
+    bytes, offset, size, device; never a pickled object)."""
+    info = pb.DeviceMemInfo(device=tier.device_index, size_bytes=tier.size, ipc=tier.is_cuda,
+                            slab_id=slab_id, device_name=str(tier.device))
+    if tier.is_cuda:
+        exp = tier.ipc_export()
+        info.ipc_handle, info.base_offset = exp.handle, exp.offset
+    return info
+
+
+def _ttft_pb(b: TTFTBreakdown) -> pb.TTFTParts:
+    return pb.TTFTParts(queue_s=b.queue_s, prefill_s=b.prefill_s, load_hbm_s=float(b.load_s[0]),
+                        load_dram_s=float(b.load_s[1]), load_ssd_s=float(b.load_s[2]),
+                        load_remote_s=float(b.load_s[3]), remote_fetch_s=b.remote_fetch_s, total_s=b.total_s,
+                        cached_tokens=int(b.cached_tokens), uncached_tokens=int(b.uncached_tokens))
