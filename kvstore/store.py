@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvstore.errors import CapacityError, InvalidArgument, KeyStatus, NotFound
-from kvstore.eviction import (FrequencySketch, Policy, PolicyName, admitted, make_policy, select_subtrees,
-                              select_victims)
+from kvstore.errors import InvalidArgument, KeyStatus
+from kvstore.eviction import FrequencySketch, Policy, admitted, make_policy, select_subtrees, select_victims
 from kvstore.holds import Holds, _Hold
 from kvstore.index import NO_ROW, BlockIndex, BlockState, keys_to_array
 from kvstore.keys import Namespace
+from kvstore.resize import Resizing
 from kvstore.results import (BatchResult, Counters, Event, GetResult, LookupResult, NamespaceStats,
-                             SlotResult, StoreStats, TierStats)
+                             SlotResult, StoreStats, TierStats)  # SlotResult: re-exported
 from tiers.base import Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
@@ -109,7 +109,7 @@ def _as_u8(buf: Buffer) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-class TieredStore(Holds):
+class TieredStore(Holds, Resizing):
     """See the module docstring."""
 
     def __init__(self, config: StoreConfig | None = None, *,
@@ -742,85 +742,6 @@ class TieredStore(Holds):
         if ns is not None and not keep:
             self._ns_size.pop(self._ns_ids[ns.framed()], None)
         return int(rows.size)
-
-    # ------------------------------------------------------------- admin
-    def set_policy(self, name: str) -> str:
-        old = self.policy.name.value
-        self.policy = make_policy(name, self.index)
-        return old
-
-    def resize(self, tier: TierKind, capacity_bytes: int) -> int:
-        """Change a tier's capacity at run time. Shrinking moves blocks out of
-        the retired region into free slots, evicting (policy order, leaf
-        first) only what no longer fits. Returns blocks evicted."""
-        if tier is TierKind.SSD and self.ssd is not None:
-            return self._resize_ssd(capacity_bytes)
-        if tier is TierKind.HBM and self.hbm is not None:
-            return self.hbm.resize(capacity_bytes)
-        if tier is not TierKind.DRAM:
-            raise NotFound(f"tier {tier.label} is not configured")
-        t = self.dram
-        pages = t.pages_above(capacity_bytes)
-        evicted = 0
-        idx = self.index
-        if len(pages):
-            rows = idx.used_rows()
-            rows = rows[idx.tier[rows] == TierKind.DRAM]
-            inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
-            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != BlockState.COMMITTED):
-                raise CapacityError("blocks in the region being retired are pinned or being "
-                                    "written; retry after they are released")
-            # stop handing out retired pages, then relocate what is there
-            t.retire_pages(pages)
-            for r in inside.tolist():
-                if idx.state[r] == BlockState.FREE:
-                    continue
-                n = int(idx.size[r])
-                dst = t.allocate(n, 1)
-                if dst.size == 0:
-                    victims = self._victims(TierKind.DRAM, t.class_of(n), 1)
-                    victims = victims[~t.locs_in_pages(idx.loc[victims], pages)]
-                    if victims.size:
-                        self._drop(victims, reason="resized")
-                        evicted += 1
-                        dst = t.allocate(n, 1)
-                if dst.size == 0:
-                    if idx.nchild[r] == 0:
-                        self._drop(np.asarray([r]), reason="resized")
-                        evicted += 1
-                        continue
-                    sub = idx.subtree(np.asarray([r]))
-                    self._drop(sub, reason="resized")
-                    evicted += int(sub.size)
-                    continue
-                src = int(idx.loc[r])
-                np.copyto(t.buf[int(dst[0]) : int(dst[0]) + n], t.buf[src : src + n])
-                t.free(np.asarray([src]))
-                idx.loc[r] = int(dst[0])
-        t.resize(capacity_bytes)
-        return evicted
-
-    def _resize_ssd(self, capacity_bytes: int) -> int:
-        assert self.ssd is not None
-        t = self.ssd.tier
-        idx = self.index
-        evicted = 0
-        while t.used_bytes > capacity_bytes:
-            rows = idx.used_rows()
-            cand = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.SSD)
-                        & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
-            victims = select_victims(idx, self.policy, cand, 64)
-            if victims.size == 0:
-                copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
-                if copies.size == 0:
-                    raise CapacityError("ssd blocks are pinned; retry after they are released")
-                t.free(idx.ssd_loc[copies[:64]])
-                idx.ssd_loc[copies[:64]] = -1
-                continue
-            self._drop(victims, reason="resized")
-            evicted += int(victims.size)
-        t.resize(capacity_bytes)
-        return evicted
 
     # ------------------------------------------------------------- stats
     def stats(self) -> StoreStats:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-CORE = ["kvstore/errors.py", "kvstore/keys.py", "kvstore/index.py", "kvstore/eviction.py", "kvstore/store.py", "kvstore/holds.py", "kvstore/config_fields.py", "kvstore/wire.py",
+CORE = ["kvstore/errors.py", "kvstore/keys.py", "kvstore/index.py", "kvstore/eviction.py", "kvstore/store.py", "kvstore/holds.py", "kvstore/resize.py", "kvstore/config_fields.py", "kvstore/wire.py",
         "kvstore/config.py", "kvstore/server.py", "kvstore/client.py", "kvstore/shm.py", "kvstore/results.py", "kvstore/auth.py", "kvstore/events.py",
         "kvstore/checksum.py", "kvstore/metrics.py", "tiers/base.py", "tiers/dram.py", "tiers/ssd.py", "tiers/ssd_format.py",
         "tiers/ssd_admit.py", "kvstore/tiering.py", "admission",
