@@ -67,6 +67,9 @@ def test_a_thousand_client_deaths_leak_nothing(make_daemon) -> None:
     shared = block_keys(NS, np.arange(8 * 16, dtype=np.int64))
     with Client(d.target) as c:
         assert c.put(NS, shared, [payload_for(b"d", k, BS) for k in shared]) == [KeyStatus.OK] * 8
+    # the closed client's session ends when the daemon sees its KeepAlive go;
+    # a baseline taken before that would count it
+    wait_until(lambda: _snapshot(d)["sessions"] == 0, timeout=30, what="the closed client's session to end")
     baseline = _snapshot(d)
     killed = procs = peak_sessions = peak_leases = 0
     reclaim_s: list[float] = []
@@ -85,7 +88,16 @@ def test_a_thousand_client_deaths_leak_nothing(make_daemon) -> None:
             p.kill()  # SIGKILL: no chance to release anything
             p.wait(30)
         t0 = time.monotonic()
-        wait_until(lambda: _snapshot(d) == baseline, timeout=60, what="reclaim after SIGKILL")
+        last: list[dict[str, int]] = []
+
+        def reclaimed() -> bool:
+            last[:] = [_snapshot(d)]
+            return last[0] == baseline
+
+        try:
+            wait_until(reclaimed, timeout=60, what="reclaim after SIGKILL")
+        except TimeoutError:
+            raise AssertionError(f"not reclaimed after 60 s: {last[0]} (baseline {baseline})") from None
         reclaim_s.append(time.monotonic() - t0)
         killed += n
         procs += 1
