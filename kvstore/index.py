@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import repeat
 
 import numpy as np
 
@@ -268,7 +269,22 @@ class BlockIndex:
     # ---------------------------------------------------------------- queries
     def find(self, ns: int, keys: np.ndarray) -> np.ndarray:
         """Rows of ``keys`` (n, 2) in namespace ``ns``, -1 where absent (any state)."""
-        rows, _ = self._probe(keys[:, 0], keys[:, 1], ns)
+        n = keys.shape[0]
+        if n > _DICT_LOOKUP_MAX:  # long batches: vectorised probing amortises better
+            rows, _ = self._probe(keys[:, 0], keys[:, 1], ns)
+            return rows
+        # the key-half map holds every row: one dict probe per key instead of
+        # probe rounds through tombstones; shared halves go through the table
+        m = self._bykey.get(ns)
+        if not m:
+            return np.full(n, NO_ROW, dtype=np.int64)
+        rows = np.fromiter(map(m.get, keys[:, 0].tolist(), repeat(NO_ROW, n)), dtype=np.int64, count=n)
+        shared = rows == _SHARED
+        if shared.any():
+            rows[shared], _ = self._probe(keys[shared, 0], keys[shared, 1], ns)
+        has = np.nonzero(rows >= 0)[0]
+        if has.size:
+            rows[has[self.k1[rows[has]] != keys[has, 1]]] = NO_ROW
         return rows
 
     def find_committed(self, ns: int, keys: np.ndarray) -> np.ndarray:
@@ -334,6 +350,7 @@ class BlockIndex:
             rows[take:] = np.arange(self._high, self._high + rest)
             self._high += rest
         parents = np.asarray(parents, dtype=np.int64).copy()
+        chain = n > 1 and bool((parents[1:] == np.arange(-2, -1 - n, -1)).all())
         inbatch = parents <= -2
         parents[inbatch] = rows[-2 - parents[inbatch]]
         self.k0[rows] = keys[:, 0]
@@ -356,20 +373,33 @@ class BlockIndex:
         self.prio[rows] = 0.0
         self.ssd_loc[rows] = -1
         # depth and child links, in order (a parent may precede in the batch)
-        for i in range(n):
-            r = int(rows[i])
-            p = int(parents[i])
+        if chain:  # each key the only child of the one before: link the head, thread the rest
+            self._link_rows(rows[:1], parents[:1])
+            self.depth[rows[1:]] = np.arange(1, n, dtype=np.int64) + int(self.depth[rows[0]])
+            head = rows[:-1]
+            self.first_child[head] = rows[1:]
+            self.nchild[head] = 1
+            self.nchild_tier[head] = 1  # one tier for the whole batch
+        else:
+            self._link_rows(rows, parents)
+        self.live += n
+        self._table_insert(rows)
+        m = self._bykey.setdefault(ns, {})
+        ks = keys[:, 0].tolist()
+        if m.keys().isdisjoint(ks) and len(set(ks)) == n:
+            m.update(zip(ks, rows.tolist()))
+        else:
+            for k, r in zip(ks, rows.tolist()):
+                m[k] = _SHARED if k in m else r
+        return rows
+
+    def _link_rows(self, rows: np.ndarray, parents: np.ndarray) -> None:
+        for r, p in zip(rows.tolist(), parents.tolist()):
             if p >= 0:
                 self.depth[r] = self.depth[p] + 1
                 self._link(p, r)
             else:
                 self.depth[r] = 0
-        self.live += n
-        self._table_insert(rows)
-        m = self._bykey.setdefault(ns, {})
-        for k, r in zip(keys[:, 0].tolist(), rows.tolist()):
-            m[k] = _SHARED if k in m else r
-        return rows
 
     def _link(self, p: int, r: int) -> None:
         head = int(self.first_child[p])
@@ -432,20 +462,22 @@ class BlockIndex:
         if rows.size == 0:
             return
         rows = np.asarray(rows, dtype=np.int64)
-        inset = set(int(r) for r in rows)
-        # children must be inside the set
-        for r in rows:
-            c = int(self.first_child[int(r)])
-            while c >= 0:
-                if c not in inset:
-                    raise AssertionError("delete would orphan a child")
-                c = int(self.next_sib[c])
+        par = self.parent[rows]
+        inner = np.isin(par, rows)  # parent goes too: no sibling list survives to fix
+        # children must be inside the set (rows are distinct; child counts match the lists)
+        if int(self.nchild[rows].sum()) != int(np.count_nonzero(inner)):
+            raise AssertionError("delete would orphan a child")
         where = self._positions(rows)
-        for r, k in zip(rows.tolist(), self.k0[rows].tolist()):
+        for r in rows[~inner & (par >= 0)].tolist():
             self._unlink(r)
-            m = self._bykey[int(self.ns[r])]
-            if m.get(k) == r:
-                del m[k]
+        self.parent[rows] = NO_ROW
+        rns = self.ns[rows]
+        for nid in np.unique(rns).tolist():
+            m = self._bykey[nid]
+            mine = rns == nid
+            for r, k in zip(rows[mine].tolist(), self.k0[rows[mine]].tolist()):
+                if m.get(k) == r:
+                    del m[k]
         self._table[where] = _TOMB
         self.state[rows] = BlockState.FREE
         self.loc[rows] = -1
