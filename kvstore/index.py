@@ -166,6 +166,7 @@ class BlockIndex:
         tsize = 1 << max(5, (cap * 2 - 1).bit_length())
         self._table = np.full(tsize, _EMPTY, dtype=np.int32)
         self._tused = 0  # live + tombstones
+        self._tpos = np.full(cap, -1, dtype=np.int32)  # row -> its table position (kept by _place)
         # namespace -> {first key half: row, or _SHARED when two keys share
         # it}: for ``lookup``, one dict probe per key (the second half is
         # checked against the row; _SHARED keys go through the table)
@@ -175,7 +176,7 @@ class BlockIndex:
     @property
     def nbytes(self) -> int:
         cols = sum(getattr(self, n).nbytes for n, _, _ in self._COLUMNS)
-        return cols + self._free.nbytes + self._table.nbytes
+        return cols + self._free.nbytes + self._table.nbytes + self._tpos.nbytes
 
     def _grow_rows(self, need: int) -> None:
         cap = self._cap
@@ -191,6 +192,9 @@ class BlockIndex:
         free = np.empty(cap, dtype=np.int32)
         free[: self._nfree] = self._free[: self._nfree]
         self._free = free
+        tpos = np.full(cap, -1, dtype=np.int32)
+        tpos[: self._cap] = self._tpos
+        self._tpos = tpos
         self._cap = cap
 
     # ------------------------------------------------------------ hash table
@@ -253,6 +257,7 @@ class BlockIndex:
                 winners = cand[first]
                 taken_empty += int(np.count_nonzero(table[upos] == _EMPTY))
                 table[upos] = rows[winners]
+                self._tpos[rows[winners]] = upos
                 done = np.zeros(rows.size, dtype=bool)
                 done[winners] = True
                 active = active[~done[active]]
@@ -479,6 +484,7 @@ class BlockIndex:
                 if m.get(k) == r:
                     del m[k]
         self._table[where] = _TOMB
+        self._tpos[rows] = -1
         self.state[rows] = BlockState.FREE
         self.loc[rows] = -1
         self.ssd_loc[rows] = -1
@@ -492,6 +498,12 @@ class BlockIndex:
 
     def _positions(self, rows: np.ndarray) -> np.ndarray:
         """Table positions of live rows (rows are compared by identity)."""
+        where = self._tpos[rows].astype(np.int64)
+        if bool((where >= 0).all()) and bool((self._table[where] == rows).all()):
+            return where
+        return self._probe_positions(rows)
+
+    def _probe_positions(self, rows: np.ndarray) -> np.ndarray:
         table = self._table
         mask = table.size - 1
         pos = self._home(self.k0[rows], self.ns[rows])
