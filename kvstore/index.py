@@ -250,17 +250,24 @@ class BlockIndex:
         active = np.arange(rows.size)
         taken_empty = 0
         while active.size:
-            free = table[pos[active]] < 0
-            cand = active[free]
-            if cand.size:
-                upos, first = np.unique(pos[cand], return_index=True)
-                winners = cand[first]
+            pa = pos[active]
+            fi = np.flatnonzero(table[pa] < 0)
+            if fi.size:
+                upos = pa[fi]
+                if fi.size > 1:  # the first claimant of each slot wins (stable sort)
+                    order = np.argsort(upos, kind="stable")
+                    upos = upos[order]
+                    first = np.empty(upos.size, dtype=bool)
+                    first[0] = True
+                    np.not_equal(upos[1:], upos[:-1], out=first[1:])
+                    fi, upos = fi[order[first]], upos[first]
+                winners = rows[active[fi]]
                 taken_empty += int(np.count_nonzero(table[upos] == _EMPTY))
-                table[upos] = rows[winners]
-                self._tpos[rows[winners]] = upos
-                done = np.zeros(rows.size, dtype=bool)
-                done[winners] = True
-                active = active[~done[active]]
+                table[upos] = winners
+                self._tpos[winners] = upos
+                keep = np.ones(active.size, dtype=bool)
+                keep[fi] = False
+                active = active[keep]
             if active.size:
                 pos[active] = (pos[active] + 1) & mask
         return taken_empty
@@ -468,7 +475,8 @@ class BlockIndex:
             return
         rows = np.asarray(rows, dtype=np.int64)
         par = self.parent[rows]
-        inner = np.isin(par, rows)  # parent goes too: no sibling list survives to fix
+        srt = np.sort(rows)
+        inner = srt[np.minimum(np.searchsorted(srt, par), srt.size - 1)] == par  # parent goes too
         # children must be inside the set (rows are distinct; child counts match the lists)
         if int(self.nchild[rows].sum()) != int(np.count_nonzero(inner)):
             raise AssertionError("delete would orphan a child")
@@ -477,10 +485,10 @@ class BlockIndex:
             self._unlink(r)
         self.parent[rows] = NO_ROW
         rns = self.ns[rows]
-        for nid in np.unique(rns).tolist():
-            m = self._bykey[nid]
-            mine = rns == nid
-            for r, k in zip(rows[mine].tolist(), self.k0[rows[mine]].tolist()):
+        groups = [rows] if bool((rns == rns[0]).all()) else [rows[rns == nid] for nid in np.unique(rns).tolist()]
+        for part in groups:
+            m = self._bykey[int(self.ns[part[0]])]
+            for r, k in zip(part.tolist(), self.k0[part].tolist()):
                 if m.get(k) == r:
                     del m[k]
         self._table[where] = _TOMB
