@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import repeat
 
 import numpy as np
 
@@ -165,6 +166,7 @@ class BlockIndex:
         tsize = 1 << max(5, (cap * 2 - 1).bit_length())
         self._table = np.full(tsize, _EMPTY, dtype=np.int32)
         self._tused = 0  # live + tombstones
+        self._tpos = np.full(cap, -1, dtype=np.int32)  # row -> its table position (kept by _place)
         # namespace -> {first key half: row, or _SHARED when two keys share
         # it}: for ``lookup``, one dict probe per key (the second half is
         # checked against the row; _SHARED keys go through the table)
@@ -174,7 +176,7 @@ class BlockIndex:
     @property
     def nbytes(self) -> int:
         cols = sum(getattr(self, n).nbytes for n, _, _ in self._COLUMNS)
-        return cols + self._free.nbytes + self._table.nbytes
+        return cols + self._free.nbytes + self._table.nbytes + self._tpos.nbytes
 
     def _grow_rows(self, need: int) -> None:
         cap = self._cap
@@ -190,6 +192,9 @@ class BlockIndex:
         free = np.empty(cap, dtype=np.int32)
         free[: self._nfree] = self._free[: self._nfree]
         self._free = free
+        tpos = np.full(cap, -1, dtype=np.int32)
+        tpos[: self._cap] = self._tpos
+        self._tpos = tpos
         self._cap = cap
 
     # ------------------------------------------------------------ hash table
@@ -245,16 +250,24 @@ class BlockIndex:
         active = np.arange(rows.size)
         taken_empty = 0
         while active.size:
-            free = table[pos[active]] < 0
-            cand = active[free]
-            if cand.size:
-                upos, first = np.unique(pos[cand], return_index=True)
-                winners = cand[first]
+            pa = pos[active]
+            fi = np.flatnonzero(table[pa] < 0)
+            if fi.size:
+                upos = pa[fi]
+                if fi.size > 1:  # the first claimant of each slot wins (stable sort)
+                    order = np.argsort(upos, kind="stable")
+                    upos = upos[order]
+                    first = np.empty(upos.size, dtype=bool)
+                    first[0] = True
+                    np.not_equal(upos[1:], upos[:-1], out=first[1:])
+                    fi, upos = fi[order[first]], upos[first]
+                winners = rows[active[fi]]
                 taken_empty += int(np.count_nonzero(table[upos] == _EMPTY))
-                table[upos] = rows[winners]
-                done = np.zeros(rows.size, dtype=bool)
-                done[winners] = True
-                active = active[~done[active]]
+                table[upos] = winners
+                self._tpos[winners] = upos
+                keep = np.ones(active.size, dtype=bool)
+                keep[fi] = False
+                active = active[keep]
             if active.size:
                 pos[active] = (pos[active] + 1) & mask
         return taken_empty
@@ -268,7 +281,22 @@ class BlockIndex:
     # ---------------------------------------------------------------- queries
     def find(self, ns: int, keys: np.ndarray) -> np.ndarray:
         """Rows of ``keys`` (n, 2) in namespace ``ns``, -1 where absent (any state)."""
-        rows, _ = self._probe(keys[:, 0], keys[:, 1], ns)
+        n = keys.shape[0]
+        if n > _DICT_LOOKUP_MAX:  # long batches: vectorised probing amortises better
+            rows, _ = self._probe(keys[:, 0], keys[:, 1], ns)
+            return rows
+        # the key-half map holds every row: one dict probe per key instead of
+        # probe rounds through tombstones; shared halves go through the table
+        m = self._bykey.get(ns)
+        if not m:
+            return np.full(n, NO_ROW, dtype=np.int64)
+        rows = np.fromiter(map(m.get, keys[:, 0].tolist(), repeat(NO_ROW, n)), dtype=np.int64, count=n)
+        shared = rows == _SHARED
+        if shared.any():
+            rows[shared], _ = self._probe(keys[shared, 0], keys[shared, 1], ns)
+        has = np.nonzero(rows >= 0)[0]
+        if has.size:
+            rows[has[self.k1[rows[has]] != keys[has, 1]]] = NO_ROW
         return rows
 
     def find_committed(self, ns: int, keys: np.ndarray) -> np.ndarray:
@@ -334,6 +362,7 @@ class BlockIndex:
             rows[take:] = np.arange(self._high, self._high + rest)
             self._high += rest
         parents = np.asarray(parents, dtype=np.int64).copy()
+        chain = n > 1 and bool((parents[1:] == np.arange(-2, -1 - n, -1)).all())
         inbatch = parents <= -2
         parents[inbatch] = rows[-2 - parents[inbatch]]
         self.k0[rows] = keys[:, 0]
@@ -356,20 +385,33 @@ class BlockIndex:
         self.prio[rows] = 0.0
         self.ssd_loc[rows] = -1
         # depth and child links, in order (a parent may precede in the batch)
-        for i in range(n):
-            r = int(rows[i])
-            p = int(parents[i])
+        if chain:  # each key the only child of the one before: link the head, thread the rest
+            self._link_rows(rows[:1], parents[:1])
+            self.depth[rows[1:]] = np.arange(1, n, dtype=np.int64) + int(self.depth[rows[0]])
+            head = rows[:-1]
+            self.first_child[head] = rows[1:]
+            self.nchild[head] = 1
+            self.nchild_tier[head] = 1  # one tier for the whole batch
+        else:
+            self._link_rows(rows, parents)
+        self.live += n
+        self._table_insert(rows)
+        m = self._bykey.setdefault(ns, {})
+        ks = keys[:, 0].tolist()
+        if m.keys().isdisjoint(ks) and len(set(ks)) == n:
+            m.update(zip(ks, rows.tolist()))
+        else:
+            for k, r in zip(ks, rows.tolist()):
+                m[k] = _SHARED if k in m else r
+        return rows
+
+    def _link_rows(self, rows: np.ndarray, parents: np.ndarray) -> None:
+        for r, p in zip(rows.tolist(), parents.tolist()):
             if p >= 0:
                 self.depth[r] = self.depth[p] + 1
                 self._link(p, r)
             else:
                 self.depth[r] = 0
-        self.live += n
-        self._table_insert(rows)
-        m = self._bykey.setdefault(ns, {})
-        for k, r in zip(keys[:, 0].tolist(), rows.tolist()):
-            m[k] = _SHARED if k in m else r
-        return rows
 
     def _link(self, p: int, r: int) -> None:
         head = int(self.first_child[p])
@@ -432,21 +474,25 @@ class BlockIndex:
         if rows.size == 0:
             return
         rows = np.asarray(rows, dtype=np.int64)
-        inset = set(int(r) for r in rows)
-        # children must be inside the set
-        for r in rows:
-            c = int(self.first_child[int(r)])
-            while c >= 0:
-                if c not in inset:
-                    raise AssertionError("delete would orphan a child")
-                c = int(self.next_sib[c])
+        par = self.parent[rows]
+        srt = np.sort(rows)
+        inner = srt[np.minimum(np.searchsorted(srt, par), srt.size - 1)] == par  # parent goes too
+        # children must be inside the set (rows are distinct; child counts match the lists)
+        if int(self.nchild[rows].sum()) != int(np.count_nonzero(inner)):
+            raise AssertionError("delete would orphan a child")
         where = self._positions(rows)
-        for r, k in zip(rows.tolist(), self.k0[rows].tolist()):
+        for r in rows[~inner & (par >= 0)].tolist():
             self._unlink(r)
-            m = self._bykey[int(self.ns[r])]
-            if m.get(k) == r:
-                del m[k]
+        self.parent[rows] = NO_ROW
+        rns = self.ns[rows]
+        groups = [rows] if bool((rns == rns[0]).all()) else [rows[rns == nid] for nid in np.unique(rns).tolist()]
+        for part in groups:
+            m = self._bykey[int(self.ns[part[0]])]
+            for r, k in zip(part.tolist(), self.k0[part].tolist()):
+                if m.get(k) == r:
+                    del m[k]
         self._table[where] = _TOMB
+        self._tpos[rows] = -1
         self.state[rows] = BlockState.FREE
         self.loc[rows] = -1
         self.ssd_loc[rows] = -1
@@ -460,6 +506,12 @@ class BlockIndex:
 
     def _positions(self, rows: np.ndarray) -> np.ndarray:
         """Table positions of live rows (rows are compared by identity)."""
+        where = self._tpos[rows].astype(np.int64)
+        if bool((where >= 0).all()) and bool((self._table[where] == rows).all()):
+            return where
+        return self._probe_positions(rows)
+
+    def _probe_positions(self, rows: np.ndarray) -> np.ndarray:
         table = self._table
         mask = table.size - 1
         pos = self._home(self.k0[rows], self.ns[rows])

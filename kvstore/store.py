@@ -109,6 +109,22 @@ def _as_u8(buf: Buffer) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+def _plan_all_new(rows: np.ndarray, karr: np.ndarray, sizes: Sequence[int], expected: int | None,
+                  footprint: Callable[[int], object]) -> bool:
+    """Whether ``_plan`` would store every key of the batch (vectorised test)."""
+    n = rows.shape[0]
+    if n == 0 or bool((rows >= 0).any()):
+        return False
+    size = sizes[0]
+    if size <= 0 or (expected is not None and size != expected) or sizes.count(size) != n:
+        return False
+    try:
+        footprint(int(size))
+    except InvalidArgument:
+        return False
+    return n == 1 or np.unique(np.ascontiguousarray(karr).view("V16")).size == n
+
+
 class TieredStore(Holds, Resizing):
     """See the module docstring."""
 
@@ -288,6 +304,10 @@ class TieredStore(Holds, Resizing):
         prev_reason = KeyStatus.PARENT_MISSING
         if prow == -3:
             res.messages[0] = "parent block is not stored"
+        elif _plan_all_new(rows, karr, sizes, expected, self.dram.footprint):
+            # the usual batch (all keys new and distinct, one valid size): the
+            # loop below would store every key, each the parent of the next
+            return list(range(n)), [prow] + list(range(-2, -1 - n, -1))
         for i in range(n):
             k = (int(karr[i, 0]), int(karr[i, 1]))
             size = int(sizes[i])
@@ -445,12 +465,16 @@ class TieredStore(Holds, Resizing):
         idx = self.index
         if reason == "evicted":
             self.policy.on_evict(idx, rows)
-        by_ns: dict[int, list[int]] = {}
-        for r in rows.tolist():
-            by_ns.setdefault(int(idx.ns[r]), []).append(r)
+        rns = idx.ns[rows]
+        first = rns[0]
+        if bool((rns == first).all()):
+            by_ns = [(int(first), rows)]
+        else:  # namespaces in order of first appearance, rows in order within each
+            uniq, at = np.unique(rns, return_index=True)
+            by_ns = [(int(nid), rows[rns == nid]) for nid in uniq[np.argsort(at)].tolist()]
         events = []
-        for nid, rs in by_ns.items():
-            arr = np.asarray(rs, dtype=np.int64)
+        for nid, arr in by_ns:
+            arr = np.asarray(arr, dtype=np.int64)
             committed = arr[idx.state[arr] == BlockState.COMMITTED]
             if committed.size:
                 events.append(Event("removed", self._ns[nid].digest, idx.keys_of(committed),
@@ -492,14 +516,17 @@ class TieredStore(Holds, Resizing):
             n = len(todo) if self.freq is None else self._admitted(karr[todo], nbytes, nid)
             locs = self._make_room(TierKind.DRAM, nbytes, n, protect, for_ns=nid)
         # a parent that had to leave (its demotion failed) stops the chain there
-        stop = next((j for j, p in enumerate(prefs[: locs.size])
-                     if p >= 0 and self.index.state[p] != BlockState.COMMITTED), None)
+        parr = np.asarray(prefs[: locs.size], dtype=np.int64)
+        outer = np.nonzero(parr >= 0)[0]
+        gone = outer[self.index.state[parr[outer]] != BlockState.COMMITTED]
+        stop = int(gone[0]) if gone.size else None
         if stop is not None:
             self.tiers[where].free(locs[stop:])
             for j in todo[stop:]:
                 res.statuses[j] = KeyStatus.PARENT_MISSING
             locs, todo = locs[:stop], todo[:stop]
         got = locs.size
+        short = got < len(todo)
         for j in todo[got:]:
             res.statuses[j] = KeyStatus.CAPACITY
             self.counters.capacity_rejects += 1
@@ -517,7 +544,8 @@ class TieredStore(Holds, Resizing):
             self._ns_size[nid] = nbytes
             if self.ssd is not None:
                 self.ssd.register_namespace(self._ns[nid].digest, self._ns[nid].to_dict(), nbytes)
-        self._fix_tail_statuses(res)
+        if short:  # only CAPACITY keys (set just above) change tail statuses
+            self._fix_tail_statuses(res)
         return todo, rows, locs
 
     @staticmethod

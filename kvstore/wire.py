@@ -5,7 +5,7 @@ functions, no I/O."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -81,7 +81,7 @@ def results_pb(keys: list[bytes], res: BatchResult) -> list[pb.KeyResult]:
 
 def slots_pb(res: SlotResult) -> pb.SlotArray:
     has = res.offsets >= 0
-    return pb.SlotArray(status=[status_pb(s) for s in res.statuses],
+    return pb.SlotArray(status=cast(Any, res.statuses),  # KeyStatus values are the wire values (status_pb)
                         tier=np.where(has, res.tier_codes.astype(np.int64) + 1, 0).tolist(),
                         offset=np.maximum(res.offsets, 0).tolist(), length=res.lengths.tolist(),
                         checksum=res.checksums.tolist())
