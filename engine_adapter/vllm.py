@@ -292,9 +292,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._finished: dict[str, _ReqState] = {}
-        self._tails: list[BlockMove] = []
-        self._tail_pending: set[str] = set()
-        """Tail saves of finished requests, sent with the next step's plan."""
+        self._tails: list[BlockMove] = []  # tail saves of finished requests, sent with the next step's plan
+        self._tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self._events: list[Any] = []
         kec = getattr(vllm_config, "kv_events_config", None)
         self._emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
