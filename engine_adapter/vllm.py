@@ -16,8 +16,11 @@ Two halves, one class (vLLM makes one instance per role):
   ``Lookup`` how many leading blocks it holds, and reports the hit beyond
   vLLM's own prefix cache (always leaving the last prompt token to compute).
   It plans, per step, which vLLM blocks to fill from the store (loads) and
-  which newly computed full prompt blocks to store (saves), and sends the
-  plan to the worker as :class:`KVStoreConnectorMetadata`.
+  which newly computed full blocks to store (saves: prompt and generated
+  tokens alike, keyed over the real token ids, so a chat's next turn hits
+  the previous answer; see :meth:`KVStoreConnector.request_finished` for
+  the tail of a finished request), and sends the plan to the worker as
+  :class:`KVStoreConnectorMetadata`.
 - **Worker** (:meth:`register_kv_caches`, :meth:`start_load_kv`,
   :meth:`wait_for_save`, :meth:`get_block_ids_with_load_errors`): a store
   block is the bytes of one vLLM block across all layers, moved as opaque
@@ -62,7 +65,7 @@ from prometheus_client import Counter
 from kvstore.checksum import copy_many, verify_many
 from kvstore.client import Client
 from kvstore.errors import KeyStatus, KVStoreError
-from kvstore.keys import KEY_LEN, KVDtype, KVLayout, Namespace, block_keys
+from kvstore.keys import KEY_LEN, KVDtype, KVLayout, Namespace, block_keys, block_keys_array
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -177,6 +180,9 @@ class BlockMove:
     first: int = 0
     """Index of the first block in the request's chain."""
     parent: bytes = b""
+    final: bool = False
+    """The tail save of a finished request whose blocks vLLM keeps until
+    the worker reports it done (``get_finished``)."""
 
 
 @dataclass
@@ -204,7 +210,8 @@ class _ReqState:
 
     request: Any
     keys: bytes
-    """Keys of every full prompt block."""
+    """Keys of every full prompt block, extended over the generated tokens
+    as their blocks fill (:meth:`KVStoreConnector._keys_upto`)."""
     adapter: str
     salt: str
     load: bool = True
@@ -216,7 +223,7 @@ class _ReqState:
     """Blocks [a, b) to load in the next step."""
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0
-    """Leading prompt blocks known stored (or planned)."""
+    """Leading blocks known stored (or planned)."""
 
 
 def _flag(extra: dict[str, Any], name: str) -> bool:
@@ -285,6 +292,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._finished: dict[str, _ReqState] = {}
+        self._tails: list[BlockMove] = []  # tail saves of finished requests, sent with the next step's plan
+        self._tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self._events: list[Any] = []
         kec = getattr(vllm_config, "kv_events_config", None)
         self._emit_events = bool(kec is not None and getattr(kec, "enable_kv_cache_events", False))
@@ -295,9 +304,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._load_errors: set[int] = set()
         self._stored: dict[str, list[tuple[int, int]]] = {}
+        self._sent: set[str] = set()
         log.info("kvstore connector (%s): namespace %s, daemon %s", role.name, self.ns.to_dict(),
                  self.target or os.environ.get("KVSTORE_ADDRESS") or "127.0.0.1:50051")
-        self._record(event="init", namespace=self.ns.to_dict())
+        self._record(event="init", namespace=self.ns.to_dict(),
+                     async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
 
     # ------------------------------------------------------------ daemon link
     def _fault(self, op: str, e: BaseException | str) -> None:
@@ -357,6 +368,24 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._reqs[request.request_id] = st
         return st
 
+    def _keys_upto(self, st: _ReqState, n: int) -> int:
+        """Make ``st.keys`` cover the first ``n`` full blocks of the
+        request's real tokens (prompt + generated, never speculative drafts
+        or async-scheduling placeholders) and return how many blocks it
+        covers now (``n`` or fewer when fewer tokens are known). The chain
+        is recomputed over the whole known prefix once per newly filled block
+        (one native hash call, no per-token Python)."""
+        have = len(st.keys) // KEY_LEN
+        if n <= have:
+            return n
+        req = st.request
+        n = min(n, int(req.num_tokens) // self.block_size)
+        if n <= have:
+            return have
+        toks = np.asarray(req.all_token_ids[:n * self.block_size], dtype=np.int64)
+        st.keys = block_keys_array(_request_ns(self.ns, st.adapter, st.salt), toks).tobytes()
+        return n
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request) if self.do_load or self.do_save else None
         if st is None or not st.load:
@@ -399,7 +428,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         st.saved = max(st.hit_blocks, st.local_tokens // self.block_size)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KVStoreConnectorMetadata()
+        meta = KVStoreConnectorMetadata(saves=self._tails)
+        self._tails = []
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -432,8 +462,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                               len(st.block_ids), b)
             if not st.save:
                 continue
+            # blocks whose every token has KV once this step ran; keys only
+            # over tokens the scheduler knows (drafts and placeholders wait)
             after = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            full = min(after // self.block_size, len(st.keys) // KEY_LEN, len(st.block_ids))
+            full = self._keys_upto(st, min(after // self.block_size, len(st.block_ids)))
             if full > st.saved:
                 s = st.saved
                 parent = st.keys[(s - 1) * KEY_LEN:s * KEY_LEN] if s else b""
@@ -461,7 +493,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 for a, b in ranges:
                     if b > a:
                         self._events.append(self._stored_event(owner, a, b))
-        self._finished.clear()
+        self._tail_pending.difference_update(getattr(connector_output, "finished_sending", None) or ())
+        # a finished request's state is kept until its last save is reported
+        self._finished = {k: v for k, v in self._finished.items() if k in self._tail_pending}
 
     def _stored_event(self, st: _ReqState, start: int, end: int) -> Any:
         """vLLM's BlockStored (medium "kvstore") for the request's blocks
@@ -473,7 +507,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         req = st.request
         hashes = list(getattr(req, "block_hashes", []) or [])
         end = min(end, len(hashes))
-        toks = list(req.prompt_token_ids[start * self.block_size:end * self.block_size])
+        toks = list(req.all_token_ids[start * self.block_size:end * self.block_size])
         lora = getattr(req, "lora_request", None)
         return BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in hashes[start:end]],
                            parent_block_hash=maybe_convert_block_hash(hashes[start - 1]) if start else None,
@@ -486,12 +520,36 @@ class KVStoreConnector(KVConnectorBase_V1):
         return ev
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # saves are synchronous (done in wait_for_save of the step that
-        # computed the block), so vLLM may free the blocks right away
+        """Saves are synchronous (in ``wait_for_save`` of the step that
+        computed the block), so vLLM may usually free the blocks at once.
+        A request that finished normally may still hold full blocks not yet
+        saved: those whose last tokens were only known to the scheduler
+        after their step was planned (async scheduling, speculative
+        decoding). Then the tail goes with the next step's plan and the
+        blocks stay allocated (return True) until the worker reports it
+        done through ``get_finished``. Only tokens with KV count: the last
+        sampled token has none."""
+        from vllm.v1.request import RequestStatus
+
         st = self._reqs.pop(request.request_id, None)
-        if st is not None and len(self._finished) < 4096:
+        if st is None:
+            return False, None
+        if len(self._finished) < 4096:
             self._finished[request.request_id] = st  # until its last save is reported
-        return False, None
+        if not st.save or request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            return False, None  # aborted/errored: its KV may be incomplete or invalid
+        with_kv = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
+        full = self._keys_upto(st, min(with_kv // self.block_size, len(block_ids)))
+        if full <= st.saved:
+            return False, None
+        s = st.saved
+        parent = st.keys[(s - 1) * KEY_LEN:s * KEY_LEN] if s else b""
+        self._tails.append(BlockMove(request.request_id, st.adapter, st.salt, st.keys[s * KEY_LEN:full * KEY_LEN],
+                                     list(block_ids[s:full]), s, parent, final=True))
+        st.saved = full
+        self._tail_pending.add(request.request_id)
+        self._record(event="tail", req=request.request_id, first=s, blocks=full - s)
+        return True, None
 
     # ==================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -618,8 +676,19 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves or not self._layers:
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
             return
+        try:
+            if self._layers:
+                self._save(meta)
+        finally:  # saved or not (a failed save is only a miss later), vLLM may free these blocks now
+            self._sent.update(m.req_id for m in meta.saves if m.final)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        out, self._sent = self._sent, set()
+        return (out or None), None
+
+    def _save(self, meta: KVStoreConnectorMetadata) -> None:
         c = self.client()
         if c is None:
             return

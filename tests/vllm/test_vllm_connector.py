@@ -44,6 +44,8 @@ P = [rng.randrange(3, 1024) for _ in range(1000)]
 Q = P[:400] + [rng.randrange(3, 1024) for _ in range(600)]
 R = [rng.randrange(3, 1024) for _ in range(700)]
 NEW = 16
+T = [rng.randrange(3, 1024) for _ in range(300)]  # multi-turn chat: turn 1's prompt
+GEN = 85  # T + 85 generated: 384 tokens with KV (the last sampled has none): block 2 = 44 prompt + 84 generated
 
 
 def _records(path: str) -> list[dict]:
@@ -79,6 +81,7 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         out["A"] = run_phase({**base, "stats_path": f"{work}/a.jsonl", "prefix_caching": False, "prompts": [
             {"name": "P", "tokens": P},
+            {"name": "T", "tokens": T, "max_tokens": GEN},
             {"name": "Q", "tokens": Q, "load": False, "save": False},
             {"name": "R", "tokens": R, "load": False, "save": False}]}, work, "A", **env)
         out["a_stats"] = _records(f"{work}/a.jsonl")
@@ -115,8 +118,13 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
         t = threading.Thread(target=stop_daemon_when_ready, daemon=True)
         t.start()
+        # turn 2 of the chat: T + A's answer + a new question; then its cold reference
+        t2 = T + _res(out["A"], "T")["tokens"] + [rng.randrange(3, 1024) for _ in range(10)]
+        out["T2"] = t2
         out["C"] = run_phase({**base, "stats_path": f"{work}/c.jsonl", "prompts": [
-            {"name": "P", "tokens": P}, {"name": "R", "tokens": R, "wait_for": barrier}]}, work, "C", **env)
+            {"name": "T2", "tokens": t2}, {"name": "P", "tokens": P},
+            {"name": "T2cold", "tokens": t2, "load": False, "save": False, "reset_prefix_cache": True},
+            {"name": "R", "tokens": R, "wait_for": barrier}]}, work, "C", **env)
         t.join(30)
         out["c_stats"] = _records(f"{work}/c.jsonl")
         yield out
@@ -136,7 +144,18 @@ def test_cold_run_saves_the_prompt_blocks(runs) -> None:
     a = _res(runs["A"], "P")
     assert a["num_cached_tokens"] == 0 and len(a["tokens"]) == NEW
     saves = _events(runs["a_stats"], "save")
-    assert sum(s["stored_blocks"] for s in saves) == len(P) // BLOCK == 7  # Q and R opted out
+    # P's 7 prompt blocks + T's 3 (2 prompt-only, 1 holding generated tokens); Q and R opted out
+    assert sum(s["stored_blocks"] for s in saves) == len(P) // BLOCK + (len(T) + GEN - 1) // BLOCK == 10
+    # T's block 2 fills in its very last step: with async scheduling (vLLM's
+    # default on GPU; the CPU platform turns it off) that token's id is
+    # unknown when the step is planned, so the block goes as the finished
+    # request's tail save (blocks kept until done); without it, in that step
+    tails = _events(runs["a_stats"], "tail")
+    if _events(runs["a_stats"], "init")[0]["async_scheduling"]:
+        assert [(t["first"], t["blocks"]) for t in tails] == [(2, 1)]
+        assert [s["stored_blocks"] for s in saves if s["req"] == tails[0]["req"]][-1] == 1
+    else:
+        assert tails == []
     assert len(runs["keys"]) == 7
     # the router, fed by the daemon's WatchEvents, knows node-a holds P's 7 blocks
     ns = Namespace.from_dict(_events(runs["a_stats"], "init")[0]["namespace"])
@@ -179,7 +198,7 @@ def test_tampered_block_is_a_miss_and_recomputed(runs) -> None:
     c = _res(runs["C"], "P")
     assert c["tokens"] == _res(runs["A"], "P")["tokens"]
     loads = _events(runs["c_stats"], "load")
-    assert [(s["planned_blocks"], s["loaded_blocks"]) for s in loads] == [(7, 4)]
+    assert [(s["planned_blocks"], s["loaded_blocks"]) for s in loads] == [(3, 3), (7, 4)]  # T2 first, then P
     assert runs["checksum_failures"] >= 1
     # after vLLM recomputed blocks 4-6 the connector stored the dropped block again
     saves = _events(runs["c_stats"], "save")
@@ -191,3 +210,18 @@ def test_daemon_down_is_no_hit_not_a_failed_request(runs) -> None:
     assert r["finish_reason"] == "length" and r["tokens"] == _res(runs["A"], "R")["tokens"]
     assert r["num_cached_tokens"] == 0
     assert _events(runs["c_stats"], "fault")
+
+
+def test_next_chat_turn_hits_the_blocks_of_the_previous_answer(runs) -> None:
+    # A saved T's block 2 (44 prompt + 84 generated tokens);
+    # C (fresh process) sends T + A's answer + 10 new tokens: all 3 full
+    # blocks come from kvstore, the third covering generated tokens
+    assert len(_res(runs["A"], "T")["tokens"]) == GEN
+    t2 = _res(runs["C"], "T2")
+    assert len(runs["T2"]) == len(T) + GEN + 10
+    first = _events(runs["c_stats"], "lookup")[0]
+    assert (first["prompt_blocks"], first["hit_blocks"], first["external_tokens"]) == (3, 3, 3 * BLOCK)
+    assert t2["num_cached_tokens"] == 3 * BLOCK > len(T)
+    cold = _res(runs["C"], "T2cold")
+    assert cold["num_cached_tokens"] == 0
+    assert t2["tokens"] == cold["tokens"] and len(t2["tokens"]) == NEW
