@@ -12,7 +12,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, inner: int = 1) -> float:
@@ -74,3 +74,23 @@ class Report:
             with open(json_path, "w") as f:
                 json.dump({"benchmark": self.name, "figures": self.figures, "targets": self.targets}, f, indent=2)
             print(f"wrote {json_path}", file=sys.stderr)
+
+
+def wait_serving(target: str, timeout: float = 60.0, procs: Sequence[Any] = ()) -> None:
+    """Wait until the daemon at ``target`` answers its gRPC health check with
+    SERVING; fail early if one of ``procs`` (Popen objects) has exited."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with grpc.insecure_channel(target) as ch:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > end or any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"daemon {target} did not become healthy")
+        time.sleep(0.1)

@@ -292,8 +292,8 @@ class Ours:
 
     def start(self) -> None:
         sys.path.insert(0, ROOT)
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        sys.path.insert(1, HERE)
+        from benchlib import wait_serving
 
         from kvstore.client import Client
 
@@ -303,18 +303,7 @@ class Ours:
                                            sock, "--metrics-port", "0", "--dram", "2GiB", "--log-level", "warning"],
                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         target = f"unix:{sock}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with grpc.insecure_channel(target) as ch:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvstore serve did not become healthy")
-            time.sleep(0.1)
+        wait_serving(target, 60)
         self.client = Client(target, use_shm=True)
         if self.client.slab is None:
             raise RuntimeError("the client did not map the daemon's slab (no shared-memory path)")

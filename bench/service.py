@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from benchlib import Report, median_time, percentile  # noqa: E402
+from benchlib import Report, median_time, percentile, wait_serving  # noqa: E402
 
 from kvstore.client import Client, ns_pb  # noqa: E402
 from kvstore.errors import KeyStatus  # noqa: E402
@@ -50,17 +50,12 @@ def start_daemon(dram: str) -> tuple[subprocess.Popen[bytes], str, str]:
     p = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--host", "", "--unix-socket", sock,
                           "--metrics-port", "0", "--dram", dram, "--log-level", "warning"], cwd=ROOT)
     target = f"unix:{sock}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with grpc.insecure_channel(target) as ch:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return p, target, d
-        except grpc.RpcError:
-            time.sleep(0.1)
-    p.kill()
-    raise RuntimeError("daemon did not become healthy")
+    try:
+        wait_serving(target, 60, [p])
+    except RuntimeError:
+        p.kill()
+        raise
+    return p, target, d
 
 
 async def _latencies(target: str, make_call, clients: int, calls: int) -> list[float]:

@@ -70,6 +70,7 @@ def _bench_module(name: str) -> Any:
 
 
 Report = _bench_module("benchlib").Report
+wait_serving = _bench_module("benchlib").wait_serving
 
 MIB = 1 << 20
 SHAPES = ((1 * MIB, 64), (4 * MIB, 16))
@@ -364,7 +365,6 @@ class Daemons:
 
     def start(self) -> None:
         import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         from kvstore.client import Client, ns_pb
         from proto import kvstore_pb2 as pb
@@ -387,18 +387,7 @@ class Daemons:
         stubs = []
         for port in ports:
             target = f"127.0.0.1:{port}"
-            end = time.monotonic() + 60
-            while True:
-                try:
-                    with grpc.insecure_channel(target) as ch:
-                        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                        if r.status == health_pb2.HealthCheckResponse.SERVING:
-                            break
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > end or any(p.poll() is not None for p in self.procs):
-                    raise RuntimeError(f"daemon {target} did not become healthy")
-                time.sleep(0.1)
+            wait_serving(target, 60, self.procs)
             ch = grpc.insecure_channel(target)
             self.channels.append(ch)
             stubs.append(pb_grpc.KVStoreStub(ch))

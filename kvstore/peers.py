@@ -491,7 +491,7 @@ class ClusterNode:
         while reserved < len(rres.statuses) and rres.statuses[reserved] is KeyStatus.OK:
             reserved += 1
         got = min(got, reserved)
-        sums = getattr(res, "checksums", None)
+        sums = res.checksums
         done = _commit_prefix(store, held["handle"], got,
                               None if sums is None else np.asarray(sums, dtype=np.uint64)[: len(rres.statuses)])
         nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())

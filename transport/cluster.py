@@ -170,6 +170,7 @@ class Membership:
         self._listeners: list[ChangeFn] = []
         self.healthy = True
         self.status = "ok"
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def members(self) -> dict[str, Member]:
@@ -198,11 +199,27 @@ class Membership:
             except Exception:
                 log.exception("membership listener failed")
 
+    async def _loop(self) -> None:
+        """Follow the membership source until cancelled (per source)."""
+
+    def _follows(self) -> bool:
+        """Whether there is a source to follow."""
+        return True
+
     async def start(self) -> None:
         """Begin following the membership source."""
+        if self._follows():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        """Stop following it (and deregister)."""
+        """Stop following it."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except BaseException:
+                pass
+            self._task = None
 
 
 ProbeFn = Callable[[str], Awaitable[Member | None]]
@@ -218,7 +235,6 @@ class StaticMembership(Membership):
         self.addresses = [a for a in peer_addresses if a and a != me.grpc_address]
         self.probe = probe
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
         self._known: dict[str, Member] = {}  # address -> member when live
 
     async def refresh(self) -> None:
@@ -241,17 +257,8 @@ class StaticMembership(Membership):
                 log.exception("static membership refresh failed")
             await asyncio.sleep(self.interval_s)
 
-    async def start(self) -> None:
-        if self.addresses:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:
-                pass
+    def _follows(self) -> bool:
+        return bool(self.addresses)
 
 
 class EtcdMembership(Membership):
@@ -267,7 +274,6 @@ class EtcdMembership(Membership):
         self.prefix = prefix.rstrip("/") + "/members/"
         self.ttl_s = max(1, int(ttl_s))
         self.retry_s = retry_s
-        self._task: asyncio.Task[None] | None = None
         self._client: Any = None
         self._lease: Any = None
 
@@ -356,16 +362,8 @@ class EtcdMembership(Membership):
                 self._set({})
             await asyncio.sleep(self.retry_s)
 
-    async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except BaseException:
-                pass
+        await super().stop()
         # best effort: leave at once instead of waiting for the lease to lapse
         try:
             import aetcd

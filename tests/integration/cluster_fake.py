@@ -11,24 +11,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import xxhash
 
+from transport.ucx import FetchResult  # the real result type (importing it does not start UCX)
+
 REGISTRY: dict[str, "FakeBlockServer"] = {}
 _ids = itertools.count(1)
-
-
-@dataclass(slots=True)
-class FetchResult:
-    ok: np.ndarray
-    lengths: np.ndarray
-    nbytes: int
-    seconds: float
-    error: str | None
-    corrupt: int = 0
 
 
 class FakeBlockServer:
