@@ -60,3 +60,41 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for it in gpu:
             it.add_marker(skip)
+
+
+def _kvstore_slabs() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvstore-{os.getuid()}-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_slabs_of_killed_daemons():
+    """Daemons the tests SIGKILL leave their slab in /dev/shm (by design:
+    docs/security.md, "Restarts"). At the end of the session, remove the
+    slabs created during it whose daemon (the pid in the name
+    ``kvstore-<uid>-<pid>-<rand>``) is gone, so test runs do not fill
+    /dev/shm. Slabs of live processes and older ones are left alone."""
+    before = _kvstore_slabs()
+    yield
+    for name in sorted(_kvstore_slabs() - before):
+        try:
+            pid = int(name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
