@@ -97,7 +97,7 @@ def keys_for(size: int, n: int, salt: int = 0) -> Any:
 
 
 def make_store(nbytes: int) -> Any:
-    from kvstore.store import StoreConfig, TieredStore
+    from kvstore.core.store import StoreConfig, TieredStore
 
     store = TieredStore(StoreConfig(dram_bytes=nbytes, dram_page_bytes=16 * MIB, verify_reads=False))
     store.dram.buf[:] = 0  # fault the slab's pages in once, as in a daemon that has run a while

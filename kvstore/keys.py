@@ -10,7 +10,7 @@ hashed into a 16-byte digest that seeds the chain of block keys::
 where ``H`` is XXH3-128 (canonical big-endian 16 bytes, seed 0) or the first
 16 bytes of SHA-256, chosen by ``Namespace.hash_algo``.  Only full blocks get
 keys.  The byte-exact specification and test vectors are in ``docs/keys.md``
-(and ``tests/unit/keys_vectors.json``) so another language can compute the
+(and ``tests/unit/kvstore/keys_vectors.json``) so another language can compute the
 same keys.  Nothing here uses Python's salted ``hash()``.
 
 A whole prompt is hashed with one call: token ids are validated and

@@ -2,7 +2,7 @@
 
 A tier stores payload bytes at *locations* it hands out (a slot number for the
 DRAM and HBM slabs, an id for SSD). It knows nothing about keys, chains or
-eviction: the index (``kvstore.index``) maps keys to ``(tier, location)`` and
+eviction: the index (``kvstore.core.index``) maps keys to ``(tier, location)`` and
 the store decides what moves. All calls take arrays of locations: batch first.
 """
 

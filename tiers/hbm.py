@@ -39,7 +39,7 @@ the storage's byte offset inside it (the caching allocator may place a
 tensor inside a larger ``cudaMalloc`` block, so a handle alone is not
 enough). Only those raw bytes, the offset, the size and the device ordinal
 travel in ``DeviceMemInfo`` (never a pickled object). The engine side opens
-the handle with ``cudaIpcOpenMemHandle`` (``kvstore.hbm_ipc``), so it needs
+the handle with ``cudaIpcOpenMemHandle`` (``kvstore.wire.hbm_ipc``), so it needs
 no torch.multiprocessing ref-counting protocol: the slab lives as long as
 the daemon. cupy would work the same way but is not a dependency.
 """

@@ -24,7 +24,7 @@ interpolation in it (extrapolated proportionally past its ends); without a
 shape, ``tokens / tokens_per_s``. The decision fetches when
 ``transfer_s * (1 + margin) <= recompute_s``.
 
-Worked numbers of ``shared/seeds/003`` section 3 (``tests/unit/test_cost.py``):
+Worked numbers of ``shared/seeds/003`` section 3 (``tests/unit/transport/test_cost.py``):
 250 MB per rank over 400 Gb/s is 5 ms on the wire, 8-12 ms end to end with
 3-7 ms of queueing and handshakes, plus ~3 ms PCIe into HBM: 11 ms against a
 14 ms local prefill of 4000 tokens -> fetch. Over 100 Gb/s the wire alone is

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvstore.client import AsyncClient, Client
 from kvstore.errors import KeyStatus
-from kvstore.index import keys_to_array
+from kvstore.core.index import keys_to_array
 from kvstore.keys import Namespace
 from tests.conftest import payload_for
 from tests.faults.faultlib import isetting, record

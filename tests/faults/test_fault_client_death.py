@@ -15,7 +15,7 @@ import numpy as np
 
 from kvstore.client import Client
 from kvstore.errors import KeyStatus
-from kvstore.index import BlockState
+from kvstore.core.index import BlockState
 from kvstore.keys import Namespace, block_keys
 from tests.conftest import payload_for
 from tests.faults.faultlib import ROOT, isetting, record

@@ -17,8 +17,8 @@ import numpy as np
 from kvstore.client import Client
 from kvstore.errors import KeyStatus, KVStoreError
 from kvstore.keys import Namespace, block_keys
-from kvstore.store import StoreConfig, TieredStore
-from kvstore.tiering import SsdSpec
+from kvstore.core.store import StoreConfig, TieredStore
+from kvstore.core.ssd_mover import SsdSpec
 from tests.conftest import payload_for
 from tests.faults.faultlib import Serve, isetting, record, slabs_of
 from tests.integration.conftest import wait_until

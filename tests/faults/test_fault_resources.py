@@ -291,9 +291,9 @@ def test_disk_full_when_a_namespace_stores_its_first_block(tmp_path) -> None:
     """The namespace is known (its descriptor written) but the disk is full
     when its first block is stored: the put still succeeds in DRAM and no
     row is left half-made."""
-    from kvstore.index import BlockState
-    from kvstore.store import StoreConfig, TieredStore
-    from kvstore.tiering import SsdSpec
+    from kvstore.core.index import BlockState
+    from kvstore.core.store import StoreConfig, TieredStore
+    from kvstore.core.ssd_mover import SsdSpec
 
     cfg = StoreConfig(dram_bytes=4 << 20, dram_page_bytes=1 << 20,
                       ssd=SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=16 << 20, admit_min_hits=0, sync=False))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvstore.client import Client, ns_pb
 from kvstore.config import load_config
 from kvstore.errors import KeyStatus, PermissionDenied, Unauthenticated
-from kvstore.index import BlockIndex
+from kvstore.core.index import BlockIndex
 from kvstore.keys import HashAlgo, KVDtype, KVLayout, Namespace, block_keys
 from proto import kvstore_pb2 as pb
 from tests.conftest import payload_for
@@ -114,8 +114,7 @@ def test_default_listeners_are_local() -> None:
     assert cfg.metrics.host in local, cfg.metrics.host
     assert cfg.server.unix_socket == "" or cfg.server.unix_socket.startswith("/")
     # and the in-code defaults of the CLI and the client agree
-    from kvstore import client
-
+    from kvstore.client import sync as client
     assert client.DEFAULT_TARGET.split(":")[0] in local
 
 
@@ -298,8 +297,8 @@ def test_weakened_16_bit_hash_collisions_are_misses(make_daemon, tmp_path, monke
 def test_weakened_hash_namespace_collision_in_one_store(tmp_path, monkeypatch) -> None:
     """The same, at the store with an SSD tier: a colliding namespace never
     reads the other's blocks, before or after a restart."""
-    from kvstore.store import StoreConfig, TieredStore
-    from kvstore.tiering import SsdSpec
+    from kvstore.core.store import StoreConfig, TieredStore
+    from kvstore.core.ssd_mover import SsdSpec
 
     monkeypatch.setattr(HashAlgo, "digest", _weak_digest)
     beta = _colliding_tenant("m")

@@ -54,8 +54,7 @@ class DaemonThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        from kvstore import server
-
+        from kvstore.daemon import server
         self.running = asyncio.run_coroutine_threadsafe(server.start(self.config), self.loop).result(30)
         self.target = f"127.0.0.1:{self.running.port}" if self.running.port else self.running.address
         self.daemon = self.running.daemon

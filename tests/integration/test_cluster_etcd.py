@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore import peers
+from kvstore.daemon import peers
 from proto import kvstore_pb2 as pb
 from tests.integration import cluster_fake
 from tests.integration.conftest import wait_until

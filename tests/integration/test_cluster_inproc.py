@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore import peers
+from kvstore.daemon import peers
 from kvstore.client import ns_pb
 from kvstore.keys import Namespace, block_keys
 from proto import kvstore_pb2 as pb

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.client import Client, ns_pb
 from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied, Unauthenticated, Unavailable
-from kvstore.fastlookup import LookupSocketClient
+from kvstore.daemon.socket_server import LookupSocketClient
 from kvstore.keys import Namespace, block_keys
 
 BS = 4096

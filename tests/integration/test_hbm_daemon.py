@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 
 from kvstore.client import Client, ns_pb  # noqa: E402
 from kvstore.errors import KeyStatus, Unavailable  # noqa: E402
-from kvstore.hbm_path import cuda_device_count  # noqa: E402
+from kvstore.core.hbm_mover import cuda_device_count  # noqa: E402
 from kvstore.keys import Namespace, block_keys  # noqa: E402
 from proto import kvstore_pb2 as pb  # noqa: E402
 from tests.conftest import payload_for  # noqa: E402

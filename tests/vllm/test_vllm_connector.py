@@ -31,7 +31,7 @@ import pytest
 
 from engine_adapter.router import PrefixRouter
 from kvstore.client import Client
-from kvstore.index import keys_to_array
+from kvstore.core.index import keys_to_array
 from kvstore.keys import Namespace
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
 from tests.vllm.conftest import require_vllm, run_phase
