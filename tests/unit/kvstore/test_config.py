@@ -367,7 +367,7 @@ def test_resolved_helpers(tmp_path: Path) -> None:
 
 
 @dataclass(slots=True, frozen=True)
-class _ExtraSection(cfgmod._Section):
+class _ExtraSection(cfgmod.Section):
     """A section a later issue might add: new fields get parsing for free."""
 
     SECTION: ClassVar[str] = "extra"
