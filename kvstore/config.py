@@ -23,29 +23,54 @@ env names, validation, ``to_dict`` and ``to_toml`` follow from the annotations.
 
 from __future__ import annotations
 
-import ast
-import contextvars
 import dataclasses
 import inspect
 import json
 import logging
 import os
 import re
-import sys
-import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Mapping, NoReturn, get_type_hints
+from typing import Annotated, Any, ClassVar, get_type_hints
 
-from pydantic import BaseModel, Field, ValidationError, create_model
-from pydantic_settings import (BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict,
-                               SettingsError, TomlConfigSettingsSource)
+from pydantic import BaseModel
 
-from kvstore.config_fields import (GiB, KiB, MiB, TiB, ConfigError, Duration, Port, Section, Size, SizeList, bounds,
-                                   config_error, field_kind, field_names, format_duration, format_size, section_model,
-                                   parse_duration, parse_size, plain, suggest, toml_value)
+from kvstore.config_fields import (
+    ConfigError,
+    Duration,
+    GiB,
+    KiB,
+    MiB,
+    Port,
+    Section,
+    Size,
+    SizeList,
+    TiB,
+    bounds,
+    field_docs,
+    field_kind,
+    field_names,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_size,
+    plain,
+    toml_value,
+)
+from kvstore.config_sources import (
+    ENV_ALLOWLIST,
+    ENV_PREFIX,
+    Origin,
+    SettingsBase,
+    load_layers,
+    settings_class,
+    split_key,
+    unknown_section,
+    validate_tree,
+)
 
 __all__ = [
     "ClusterConfig", "ClusterMode", "Config", "ConfigError", "DramConfig", "ENV_ALLOWLIST", "ENV_PREFIX", "EvictionConfig",
@@ -53,15 +78,6 @@ __all__ = [
     "SsdConfig", "describe", "format_duration", "format_size", "load_config", "parse_duration",
     "parse_size", "KiB", "MiB", "GiB", "TiB",
 ]
-
-ENV_PREFIX = "KVSTORE_"
-ENV_ALLOWLIST = frozenset({
-    "KVSTORE_CONFIG",   # path of the config file (when load_config gets none)
-    "KVSTORE_ADDRESS",  # daemon address, read by the client and CLI
-    "KVSTORE_TOKEN",    # bearer token, read by the client and CLI
-})
-"""``KVSTORE_*`` variables that are not config keys and are never an error.
-The variable named by ``server.auth_token_env`` is skipped as well."""
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -480,7 +496,7 @@ class Config:
                 section, name = _split_key(key, "")
                 values[section][name] = value
             elif key not in values:
-                _unknown_section(key, "")
+                unknown_section(key, "", _sections())
             elif isinstance(value, Section):
                 values[key] = _raw(value)
             elif isinstance(value, Mapping):
@@ -507,65 +523,21 @@ def _raw(section: Section) -> dict[str, Any]:
     return {f: getattr(section, f) for f in field_names(type(section))}
 
 
-def _unknown_section(key: str, where: str) -> NoReturn:
-    allowed = list(_sections())
-    raise ConfigError(
-        f"unknown config section {key!r}{where}{suggest(key, allowed)}; "
-        f"allowed sections: {', '.join(allowed)}", key=key)
+@cache
+def _settings_class() -> type[SettingsBase]:
+    return settings_class(_sections())
 
 
 def _split_key(key: str, where: str) -> tuple[str, str]:
-    section, dot, name = key.partition(".")
-    if not dot or not name or "." in name:
-        raise ConfigError(f"config key {key!r}{where}: expected 'section.field', e.g. "
-                          "'dram.capacity'", key=key)
-    if section not in _sections():
-        _unknown_section(section, where)
-    allowed = field_names(_sections()[section])
-    if name not in allowed:
-        raise ConfigError(
-            f"unknown config key {key!r}{where}{suggest(name, allowed)}; "
-            f"allowed keys in [{section}]: {', '.join(allowed)}", key=key)
-    return section, name
-
-
-Origin = dict[str, tuple[str, str]]
-"""dotted key (or section) -> (who set it, " in <where>") for error messages."""
-
-_LAYERS: contextvars.ContextVar[tuple[PydanticBaseSettingsSource, ...]] = \
-    contextvars.ContextVar("kvstore_config_layers", default=())
-
-
-class _SettingsBase(BaseSettings):
-    """The loading side of the tree: pydantic-settings merges the layers
-    (init arguments = overrides > env > TOML > defaults) and validates."""
-
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="_", env_nested_max_split=1,
-        case_sensitive=False, extra="forbid", frozen=True)
-
-    @classmethod
-    def settings_customise_sources(
-            cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, *_LAYERS.get())
-
-
-@cache
-def _settings_class() -> type[_SettingsBase]:
-    fields: dict[str, Any] = {
-        name: (section_model(cls), Field(default_factory=section_model(cls)))
-        for name, cls in _sections().items()}
-    model: type[_SettingsBase] = create_model("KvstoreSettings", __base__=_SettingsBase, **fields)
-    return model
+    return split_key(key, where, _sections())
 
 
 def _to_config(tree: BaseModel, origin: Origin) -> Config:
     """The dataclass tree from validated settings; cross-field errors name
     where a value came from."""
     try:
-        return Config(**{name: cls(**dict(getattr(tree, name))) for name, cls in _sections().items()})
+        built: dict[str, Any] = {name: cls(**dict(getattr(tree, name))) for name, cls in _sections().items()}
+        return Config(**built)
     except ConfigError as exc:
         if exc.key in origin:
             raise ConfigError(f"{exc} (set by {origin[exc.key][0]})", key=exc.key) from None
@@ -574,96 +546,14 @@ def _to_config(tree: BaseModel, origin: Origin) -> Config:
 
 def _build(values: Mapping[str, Mapping[str, Any]], origin: Origin) -> Config:
     """Sections from raw values, validated like a load."""
-    settings = _settings_class()
-    try:
-        tree = settings.model_validate(values)
-    except ValidationError as exc:
-        raise config_error(exc, settings, origin=origin) from None
-    return _to_config(tree, origin)
+    return _to_config(validate_tree(_settings_class(), values, origin), origin)
 
 
 @cache
 def describe() -> dict[str, str]:
     """{dotted key: its docstring}, for help texts and the commented TOML.
     Empty strings where the source is unavailable."""
-    docs = {key: "" for key in Config.keys()}
-    try:
-        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    except (OSError, TypeError):  # pragma: no cover - frozen/zipped installs
-        return docs
-    by_class = {cls.__name__: name for name, cls in _sections().items()}
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef) or node.name not in by_class:
-            continue
-        body = node.body
-        for stmt, nxt in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                key = f"{by_class[node.name]}.{stmt.target.id}"
-                if key in docs:
-                    docs[key] = inspect.cleandoc(nxt.value.value)
-    return docs
-
-
-def _toml_source(path: str | os.PathLike[str], origin: Origin) -> TomlConfigSettingsSource:
-    """The TOML layer; a missing or broken file is an error (pydantic-settings
-    would skip a missing one)."""
-    name = os.fspath(path)
-    if not os.path.exists(name):
-        raise ConfigError(f"config file {name!r} not found")
-    if not os.path.isfile(name):
-        raise ConfigError(f"config file {name!r} cannot be read: not a regular file")
-    try:
-        source = TomlConfigSettingsSource(_settings_class(), toml_file=Path(name))
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {name!r} is not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {name!r} cannot be read: {exc}") from None
-    for section, table in source.toml_data.items():
-        origin[section] = (f"config file {name}", f" in {name}")
-        for key in table if isinstance(table, dict) else ():
-            origin[f"{section}.{key}"] = origin[section]
-    return source
-
-
-def _env_key(var: str) -> tuple[str, str] | ConfigError:
-    """(section, field) for a KVSTORE_* variable, or the error to raise."""
-    rest = var[len(ENV_PREFIX):]
-    for section in sorted(_sections(), key=len, reverse=True):
-        prefix = section.upper() + "_"
-        if rest.startswith(prefix):
-            name = rest[len(prefix):].lower()
-            fields_ = field_names(_sections()[section])
-            if name in fields_:
-                return section, name
-            allowed = ", ".join(f"{ENV_PREFIX}{section.upper()}_{f.upper()}" for f in fields_)
-            return ConfigError(
-                f"unknown environment variable {var}: {section}.{name} is not a config key"
-                f"{suggest(name, fields_)}; allowed in [{section}]: {allowed}", key=var)
-    sections = ", ".join(s.upper() for s in _sections())
-    return ConfigError(
-        f"unknown environment variable {var}: expected {ENV_PREFIX}<SECTION>_<FIELD> with "
-        f"SECTION one of {sections}, or one of {', '.join(sorted(ENV_ALLOWLIST))}", key=var)
-
-
-def _env_source(environ: Mapping[str, str], token_env: Any, origin: Origin) -> EnvSettingsSource:
-    """The env layer over the allowed ``KVSTORE_*`` variables only: any other
-    is an error, except the allow-list and the token variable."""
-    allowed: dict[str, str] = {}
-    for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX) or var in ENV_ALLOWLIST:
-            continue
-        found = _env_key(var)
-        if isinstance(found, ConfigError):
-            if var != token_env:  # the token variable is not a config key
-                raise found
-            continue
-        allowed[var.lower()] = environ[var]
-        origin[".".join(found)] = (f"environment variable {var}", f" in environment variable {var}")
-    source = EnvSettingsSource(_settings_class())
-    source.env_vars = allowed  # read this mapping, not os.environ
-    return source
+    return {f"{name}.{f}": doc for name, cls in _sections().items() for f, doc in field_docs(cls).items()}
 
 
 def load_config(path: str | os.PathLike[str] | None = None,
@@ -680,35 +570,5 @@ def load_config(path: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] = os.environ if env is None else env
     if path is None and environ.get("KVSTORE_CONFIG"):
         path = environ["KVSTORE_CONFIG"]
-    origin: Origin = {}
-    layers: list[PydanticBaseSettingsSource] = []
-    toml_server: Any = {}
-    if path is not None:
-        toml = _toml_source(path, origin)
-        toml_server = toml.toml_data.get("server", {})
-        layers.append(toml)
-
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in (overrides or {}).items():
-        if value is None:
-            continue
-        section, name = _split_key(key, " in overrides")
-        nested.setdefault(section, {})[name] = value
-        origin[key] = (f"override {key}", " in overrides")
-
-    token_env = nested.get("server", {}).get(
-        "auth_token_env", environ.get(f"{ENV_PREFIX}SERVER_AUTH_TOKEN_ENV",
-                                      toml_server.get("auth_token_env", "") if isinstance(toml_server, dict) else ""))
-    layers.insert(0, _env_source(environ, token_env, origin))
-
-    settings = _settings_class()
-    reset = _LAYERS.set(tuple(layers))
-    try:
-        tree = settings(**nested)
-    except ValidationError as exc:
-        raise config_error(exc, settings, origin=origin) from None
-    except SettingsError as exc:
-        raise ConfigError(f"config: {exc}") from None
-    finally:
-        _LAYERS.reset(reset)
+    tree, origin = load_layers(_settings_class(), _sections(), path, environ, overrides or {})
     return _to_config(tree, origin)

@@ -7,17 +7,36 @@ is allowed, and TOML rendering."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import itertools
 import math
 import re
+import textwrap
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from enum import Enum
-from functools import cache
-from typing import Annotated, Any, Callable, ClassVar, Mapping, NoReturn, get_args, get_origin, get_type_hints
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    NoReturn,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 from annotated_types import Ge, Interval, Le
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+)
 from pydantic_core import ErrorDetails, PydanticCustomError
 from pydantic_settings import NoDecode
 
@@ -210,9 +229,14 @@ def _field_type(hint: Any) -> Any:
     return hint
 
 
-@cache
+_MODELS: dict[type, type[BaseModel]] = {}
+
+
 def section_model(cls: type) -> type[BaseModel]:
     """The pydantic model that validates the fields of section dataclass ``cls``."""
+    cached = _MODELS.get(cls)
+    if cached is not None:
+        return cached
     hints = get_type_hints(cls, include_extras=True)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -223,12 +247,30 @@ def section_model(cls: type) -> type[BaseModel]:
         fields[f.name] = (_field_type(hints[f.name]), default)
     model: type[BaseModel] = create_model(f"{cls.__name__}Fields", __config__=SECTION_MODEL_CONFIG,
                                           **fields)
+    _MODELS[cls] = model
     return model
 
 
 def field_names(cls: type) -> list[str]:
     """The config keys of a section class, in order."""
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring (the string after it)} of section class ``cls``;
+    empty strings where the source is unavailable."""
+    docs = dict.fromkeys(field_names(cls), "")
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    except (OSError, TypeError, IndexError):  # pragma: no cover - frozen/zipped installs
+        return docs
+    body = node.body if isinstance(node, ast.ClassDef) else []
+    for stmt, nxt in itertools.pairwise(body):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and stmt.target.id in docs and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
 
 
 def field_kind(cls: type, name: str) -> FieldKind | None:
@@ -344,7 +386,7 @@ def config_error(exc: ValidationError, root: type[BaseModel], prefix: tuple[str,
     loc = ".".join(str(part) for part in first["loc"])
     set_by, where = (origin or {}).get(loc, ("", ""))
     message, key = describe_error(first, root, prefix, where)
-    if set_by and first["type"] != "extra_forbidden":
+    if set_by and not (where and where in message):  # " in FILE" said it already
         message += f" (set by {set_by})"
     more = exc.error_count() - 1
     if more:
