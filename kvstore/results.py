@@ -86,6 +86,13 @@ class LookupResult:
     def tiers(self) -> list[TierKind]:
         return [TierKind(t) for t in self.tier_codes.tolist()]
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LookupResult):
+            return NotImplemented
+        return self.hit_blocks == other.hit_blocks and bool(np.array_equal(self.tier_codes, other.tier_codes))
+
+    __hash__ = None  # type: ignore[assignment]
+
 
 class EventKind(str, Enum):
     """What an ``Event`` reports."""
@@ -105,6 +112,10 @@ class RemoveReason(str, Enum):
     CORRUPT = "corrupt"
     ABORTED = "aborted"
     MOVED = "moved"
+    RESIZED = "resized"
+    """Evicted to fit a smaller tier (on the wire: EVICTED)."""
+    CLEARED = "cleared"
+    """Dropped by Clear (on the wire: EVICTED; a CLEARED event follows)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -138,7 +138,7 @@ async def start_cluster(running: Any, config: Config) -> None:
 
     node.health_fn = health
     if not running.daemon.auth.enabled:
-        log.warning("cluster mode %s with auth off: any host that reaches this node's UCX block port (ucxx "
+        peers.log.warning("cluster mode %s with auth off: any host that reaches this node's UCX block port (ucxx "
                     "listens on every interface) can read its blocks; configure server.tenants_file on an "
                     "untrusted network (docs/security.md)", config.cluster.mode.value)
     try:
@@ -159,7 +159,7 @@ def shutdown_transport() -> None:
         try:
             ucx.shutdown()
         except Exception:
-            log.exception("shutting UCX down failed")
+            peers.log.exception("shutting UCX down failed")
 
 
 def serve(config: Config) -> int:
