@@ -285,6 +285,22 @@ class DaemonStats:
                    cluster_status=str(d.get("cluster_status", "") or ""))
 
 
+@dataclass(slots=True, frozen=True)
+class HbmRegion:
+    """The daemon's HBM tier as a same-host client may map it
+    (``Client.hbm_regions``): raw CUDA IPC handle bytes, never a pickled
+    object."""
+
+    device: int
+    ipc_handle: bytes
+    size_bytes: int
+    base_offset: int
+    ipc: bool
+    """False: the tier runs on the host (hbm.on_cpu) and cannot be mapped."""
+    slab_id: str
+    device_name: str
+
+
 class ChainDecisionKind(str, Enum):
     """What to do with the blocks of a chain that peers hold."""
 

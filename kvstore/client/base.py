@@ -17,6 +17,8 @@ from kvstore.buffers import as_u8, as_u8_writable, pack_keys
 from kvstore.checksum import copy_many, verify_many
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
+from kvstore.results import HbmRegion
+from kvstore.wire.answers import hbm_region_from_pb
 from kvstore.wire.convert import ns_pb
 from kvstore.wire.shm import SlabMapping
 from proto import kvstore_pb2 as pb
@@ -66,7 +68,7 @@ class ClientBase:
         self.server_tenant = ""
         self.copy_threads = 2
         """Threads that copy one large batch in and out of the slab."""
-        self.hbm_regions: list[pb.DeviceMemInfo] = []
+        self.hbm_regions: list[HbmRegion] = []
         """The daemon's HBM tier regions (same host only); map with map_hbm()."""
         self.hbm: Any = None
         """The mapped HBM region (kvstore.wire.hbm_ipc.HbmMapping), once map_hbm() ran."""
@@ -94,7 +96,7 @@ class ClientBase:
                 self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
             except OSError:
                 self.slab = None  # e.g. another container: fall back to inline bytes
-        self.hbm_regions = list(resp.hbm) if resp.same_host else []
+        self.hbm_regions = [hbm_region_from_pb(m) for m in resp.hbm] if resp.same_host else []
         self._fast_path = resp.lookup_socket if resp.same_host else ""
 
     def _view(self, offset: int, length: int) -> np.ndarray:

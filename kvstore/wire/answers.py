@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.results import (BlockLocation, ChainDecisionKind, ClusterLookup, DaemonStats, Event, EventKind,
+from kvstore.results import (BlockLocation, ChainDecisionKind, ClusterLookup, DaemonStats, Event, EventKind, HbmRegion,
                              LookupResult, NamespaceStats, PolicyChange, ResizeResult, TierStats)
 from kvstore.wire.convert import REASONS, tier_codes_from_pb, tier_from_pb
 from proto import kvstore_pb2 as pb
@@ -71,6 +71,11 @@ def event_from_pb(ev: pb.Event) -> Event:
         return Event(EventKind.CLEARED, ev.cleared.ns_digest, [], all_namespaces=ev.cleared.all_namespaces,
                      **common)
     return Event(EventKind.GAP, b"", [], first_available_seq=int(ev.gap.first_available_seq), **common)
+
+
+def hbm_region_from_pb(m: pb.DeviceMemInfo) -> HbmRegion:
+    return HbmRegion(device=int(m.device), ipc_handle=bytes(m.ipc_handle), size_bytes=int(m.size_bytes),
+                     base_offset=int(m.base_offset), ipc=bool(m.ipc), slab_id=m.slab_id, device_name=m.device_name)
 
 
 def resize_from_pb(r: pb.ResizeTierResponse) -> ResizeResult:
