@@ -28,10 +28,10 @@ from typing import Any, Callable, Sequence
 import grpc
 import numpy as np
 
+from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.errors import KVStoreError, KeyStatus
 from kvstore.keys import Namespace
-from kvstore.buffers import pack_keys, split_keys
 from kvstore.results import Event, EventKind, LookupResult, RemoveReason
 from kvstore.wire.convert import ns_pb
 from proto import kvstore_pb2 as pb

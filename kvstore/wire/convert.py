@@ -13,10 +13,10 @@ from admission.slo import TTFTBreakdown
 from kvstore.errors import InvalidArgument, KeyStatus, PermissionDenied
 from kvstore.keys import Namespace
 from kvstore.results import BatchResult, RemoveReason, SlotResult
+from kvstore.wire.status import STATUS_TABLE, status_for
 from proto import kvstore_pb2 as pb
 from tiers.base import TierKind
 from tiers.hbm import HbmTier
-from kvstore.wire.status import STATUS_TABLE, status_for
 
 MAX_KEYS = 1 << 20
 """Most keys one call may carry."""
