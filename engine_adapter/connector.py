@@ -232,7 +232,7 @@ class KVConnector:
                 try:
                     r = c.lookup(self.ns, keys)
                     plan = Plan(PLAN_OK, int(r.hit_blocks), 0, plan.offsets, plan.write)
-                    tiers = tuple(r.tiers[: r.hit_blocks])
+                    tiers = tuple(t.label for t in r.tiers[: r.hit_blocks])
                 except _FAULTS as e:
                     fault = self._fault("lookup", e)
         plan = plan.share(self.group, 0)

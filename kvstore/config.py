@@ -98,7 +98,7 @@ class ServerConfig(Section):
     unix_socket: str = ""
     """Path of a Unix socket to listen on as well (mode 0600); empty: none."""
     lookup_socket: str = ""
-    """Same-host fast Lookup socket (mode 0600, kvstore/fastlookup.py): empty:
+    """Same-host fast Lookup socket (mode 0600, kvstore/daemon/socket_server.py): empty:
     ``<unix_socket>.lookup`` when unix_socket is set; "off": none."""
     max_message_bytes: Annotated[Size, bounds(4 * KiB, 2**31 - 1)] = 64 * MiB
     """Largest gRPC message either way; bounds inline Put/Get payloads."""

@@ -54,6 +54,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvstore.buffers import as_u8
 from kvstore.checksum import checksum_many
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind
@@ -69,12 +70,6 @@ MemInfo = Callable[[Any], tuple[int, int]]
 
 def _fmt(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB ({n} bytes)"
-
-
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
 
 
 def default_copy(dst: Any, src: Any, stream: Any) -> None:
@@ -295,7 +290,7 @@ class HbmTier(PagedSlots):
         source, ok mask); the copies are complete when this returns."""
         import torch
 
-        srcs = [_as_u8(p) for p in payloads]
+        srcs = [as_u8(p) for p in payloads]
         csums = np.zeros(len(srcs), dtype=np.uint64)
 
         def hash_sources() -> None:  # while the DMA reads the same (pinned) bytes
@@ -323,7 +318,7 @@ class HbmTier(PagedSlots):
         import torch
 
         locs = np.asarray(locs, dtype=np.int64)
-        dsts = [_as_u8(o) for o in outs]
+        dsts = [as_u8(o) for o in outs]
         pairs = [(torch.from_numpy(d), self.view(off, n)) for off, n, d in
                  zip(locs.tolist(), np.asarray(sizes).tolist(), dsts)]
         ok, _ = self._copy_batch(pairs, "store", locs, "device->host")

@@ -55,12 +55,6 @@ def _checksum(buf: Buffer) -> int:
     return int(_xxh3(buf))
 
 
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
-
-
 def _io_error(exc: BaseException, what: str) -> KVStoreError:
     """ENOSPC/EDQUOT -> CapacityError; any other I/O failure -> Unavailable."""
     if (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or "no space" in str(exc).lower():

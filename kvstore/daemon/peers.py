@@ -28,13 +28,14 @@ from typing import Any, Callable, Sequence
 import grpc
 import numpy as np
 
+from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.errors import KVStoreError, KeyStatus
 from kvstore.keys import Namespace
-from kvstore.results import Event, LookupResult
+from kvstore.results import Event, EventKind, LookupResult, RemoveReason
+from kvstore.wire.convert import ns_pb
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
-from tiers.base import TierKind
 from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
 from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate, shapes_from_toml
 
@@ -75,14 +76,6 @@ class ClusterView:
     block_bytes: int = 0
     estimate: Estimate = field(default_factory=lambda: Estimate(ChainDecision.LOCAL, 0.0, 0.0, 0, 0))
     block_load_s: float = 0.0
-
-
-def _pack(keys: Sequence[bytes] | bytes) -> bytes:
-    return keys if isinstance(keys, bytes) else b"".join(keys)
-
-
-def _split(packed: bytes) -> list[bytes]:
-    return [packed[i : i + 16] for i in range(0, len(packed), 16)]
 
 
 class ClusterNode:
@@ -235,10 +228,10 @@ class ClusterNode:
 
     # ----------------------------------------------------------- publish
     def _on_event(self, ev: Event) -> None:
-        if ev.kind == "stored":
+        if ev.kind is EventKind.STORED:
             self._pending.append(("add", ev.ns_digest, ev.keys))
-        elif ev.kind == "removed":
-            if ev.reason != "moved":
+        elif ev.kind is EventKind.REMOVED:
+            if ev.reason is not RemoveReason.MOVED:
                 self._pending.append(("remove", ev.ns_digest, ev.keys))
         else:
             self._pending.append(("clear", ev.ns_digest, []))
@@ -295,7 +288,7 @@ class ClusterNode:
                 for n in ids:
                     per.setdefault(n, []).append(pb.DirectoryUpdate(ns_digest=digest, cleared=True))
                 continue
-            packed = _pack(keys)
+            packed = pack_keys(keys)
             own = owners(packed, ids)
             arr = np.frombuffer(packed, np.uint8).reshape(-1, 16)
             bb = self._block_bytes_of(digest) if kind == "add" else 0
@@ -337,9 +330,9 @@ class ClusterNode:
             if u.cleared:
                 n += self.table.clear(node, u.ns_digest or None)
             elif u.removed:
-                n += self.table.remove(node, u.ns_digest, _split(u.keys_packed))
+                n += self.table.remove(node, u.ns_digest, split_keys(u.keys_packed))
             else:
-                n += self.table.add(node, u.ns_digest, _split(u.keys_packed), u.block_bytes)
+                n += self.table.add(node, u.ns_digest, split_keys(u.keys_packed), u.block_bytes)
         return n
 
     def locate_local(self, digest: bytes, keys: Sequence[bytes]) -> pb.LocateResponse:
@@ -354,7 +347,7 @@ class ClusterNode:
         """Holders of each key, asking each owner once."""
         ids = self.live_ids()
         members = self.membership.members
-        own = owners(_pack(keys), ids)
+        own = owners(pack_keys(keys), ids)
         holders: list[set[str]] = [set() for _ in keys]
         bb = 0
 
@@ -366,7 +359,7 @@ class ClusterNode:
                 return sel, self.locate_local(digest, sub)
             try:
                 return sel, await self._stub(members[node].grpc_address).Locate(
-                    pb.LocateRequest(ns_digest=digest, keys_packed=_pack(sub)),
+                    pb.LocateRequest(ns_digest=digest, keys_packed=pack_keys(sub)),
                     timeout=self.cfg.rpc_timeout, metadata=self._md())
             except (grpc.RpcError, KeyError) as e:
                 log.debug("locate at %s failed: %s", node, e)
@@ -415,7 +408,7 @@ class ClusterNode:
     async def fetch_for(self, request: Any, metadata: Any, ns: Namespace, keys: bytes | list[bytes]) -> tuple[int, int]:
         """Acquire's cluster step: fetch the remote run when that is cheaper.
         Returns (blocks fetched, wire ChainDecision)."""
-        klist = keys if isinstance(keys, list) else _split(keys)
+        klist = keys if isinstance(keys, list) else split_keys(keys)
         local = self.store.peek(ns, klist)
         v = await self.view(ns, klist, local, to_hbm=request.to_hbm)
         decision = int(v.estimate.decision) + 1
@@ -439,7 +432,7 @@ class ClusterNode:
         hit = view.local.hit_blocks
         want = list(keys[hit : hit + view.remote_blocks])
         parent = keys[hit - 1] if hit else None
-        header = pb.BlockFetchHeader(ns=_ns_pb(ns), credential=credential, keys_packed=_pack(want),
+        header = pb.BlockFetchHeader(ns=ns_pb(ns), credential=credential, keys_packed=pack_keys(want),
                                      node_id=self.node_id).SerializeToString()
         store = self.store
         held: dict[str, Any] = {}
@@ -537,7 +530,7 @@ class ClusterNode:
             who = d.auth.principal([("authorization", f"Bearer {h.credential}")] if h.credential else [])
             if d.auth.enabled and who.tenant is not None and not who.admin and h.ns.tenant != who.tenant:
                 raise PermissionError(f"tenant {who.tenant!r} may not read namespace of tenant {h.ns.tenant!r}")
-            ns = d._ns(h.ns, who)
+            ns = d.namespace(h.ns, who)
         except PermissionError:
             raise
         except KVStoreError as e:
@@ -581,84 +574,6 @@ class ClusterNode:
         return self._served(lengths, res.checksums.copy(), regions, release)
 
 
-async def start_cluster(running: Any, config: Config) -> None:
-    """Join the cluster once the daemon's gRPC server runs (its address is
-    the default node id); the health service's ``kvstore.v1.Cluster`` entry
-    follows the membership source."""
-    from grpc_health.v1 import health_pb2
-
-    svc = pb.DESCRIPTOR.services_by_name["Cluster"].full_name
-    hs = running.health
-    addr = running.address if not running.address.startswith("unix:") else f"127.0.0.1:{running.port}"
-    node = ClusterNode(running.daemon, config, addr)
-
-    def health(ok: bool) -> None:
-        hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    node.health_fn = health
-    if not running.daemon.auth.enabled:
-        log.warning("cluster mode %s with auth off: any host that reaches this node's UCX block port (ucxx "
-                    "listens on every interface) can read its blocks; configure server.tenants_file on an "
-                    "untrusted network (docs/security.md)", config.cluster.mode.value)
-    try:
-        await node.start()
-    except BaseException:
-        await running.stop(0)
-        raise
-    running.daemon.cluster = node
-
-
-def shutdown_transport() -> None:
-    """At process exit: stop the UCX notifier thread (it would keep the
-    process alive) once every daemon of the process has stopped."""
-    import sys
-
-    ucx = sys.modules.get("transport.ucx")
-    if ucx is not None and hasattr(ucx, "shutdown"):
-        try:
-            ucx.shutdown()
-        except Exception:
-            log.exception("shutting UCX down failed")
-
-
-async def lookup_response(daemon: Any, request: pb.LookupRequest, ns: Namespace, res: LookupResult,
-                          keys: bytes | list[bytes]) -> pb.LookupResponse:
-    """Lookup's cluster-mode answer: per block its best location and load
-    estimate, and the chain decision with both estimates."""
-    out = pb.LookupResponse(hit_blocks=res.hit_blocks, local_blocks=res.hit_blocks)
-    if request.keys_packed:
-        out.tiers_packed = (res.tier_codes.astype(np.uint8) + 1).tobytes()
-    else:
-        out.tiers.extend((res.tier_codes.astype(np.int64) + 1).tolist())
-    node: ClusterNode | None = daemon.cluster
-    bb = daemon.store.block_bytes(ns) or int(request.block_bytes)
-    loads = daemon.admission.predictor.config.tier_loads
-    if node is None:
-        v = ClusterView(res)
-        out.cluster_status = "cluster off"
-    else:
-        v = await node.view(ns, keys if isinstance(keys, list) else _split(keys), res,
-                            to_hbm=request.to_hbm, block_bytes=int(request.block_bytes))
-        bb = v.block_bytes or bb
-        out.cluster_status = node.status
-    for t in res.tier_codes.tolist():
-        tl = loads[t]
-        out.locations.add(tier=int(t) + 1, load_s=tl.per_block_s + bb / tl.bytes_per_s)  # type: ignore[arg-type]
-    for _ in range(v.remote_blocks):
-        out.locations.add(tier=int(TierKind.REMOTE) + 1, peer=v.peer or "", load_s=v.block_load_s)  # type: ignore[arg-type]
-    e = v.estimate
-    out.remote_blocks = v.remote_blocks
-    out.decision = int(e.decision) + 1  # type: ignore[assignment]
-    out.fetch_s, out.recompute_s = e.transfer_s, e.recompute_s
-    return out
-
-
-def _ns_pb(ns: Namespace) -> pb.Namespace:
-    from kvstore.client import ns_pb
-
-    return ns_pb(ns)
-
-
 def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | None) -> int:
     """Commit the first ``keep`` blocks of a fetch reservation, abort the
     rest (with their descendants). The store commits whole reservations;
@@ -679,5 +594,4 @@ def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | N
     return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
 
 
-__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "lookup_response", "shutdown_transport",
-           "start_cluster", "transport_factory"]
+__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "transport_factory"]

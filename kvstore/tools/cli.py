@@ -517,7 +517,7 @@ def _client(args: argparse.Namespace) -> Any:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        d = c.stats()
+        d = c.stats().to_dict()
     print(json.dumps(d, indent=2, sort_keys=True) if args.json else format_stats(d), end="\n"
           if args.json else "")
     return 0
@@ -583,17 +583,17 @@ def _cmd_admin(args: argparse.Namespace) -> int:
         TierKind.parse(args.tier)  # a clear error before connecting
         with _client(args) as c:
             r = c.admin_resize(args.tier, size)
-        print(f"{args.tier}: {human_bytes(_int(r, 'old_capacity_bytes'))} -> "
-              f"{human_bytes(_int(r, 'new_capacity_bytes'))}, "
-              f"{_int(r, 'evicted_blocks'):,} block(s) evicted to fit")
+        print(f"{args.tier}: {human_bytes(r.old_capacity_bytes)} -> "
+              f"{human_bytes(r.new_capacity_bytes)}, "
+              f"{r.evicted_blocks:,} block(s) evicted to fit")
         return 0
     with _client(args) as c:
         if args.action == "config":
             print(c.admin_get_config(), end="")
         else:
-            r = c.admin_set_policy(args.name)
-            print(f"eviction policy: {r.get('old_policy') or '?'} -> "
-                  f"{r.get('new_policy') or args.name}")
+            p = c.admin_set_policy(args.name)
+            print(f"eviction policy: {p.old_policy or '?'} -> "
+                  f"{p.new_policy or args.name}")
     return 0
 
 

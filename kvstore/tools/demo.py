@@ -167,16 +167,13 @@ class RunReport:
 
 
 def _namespace_blocks(target: str, ns: Any) -> int:
-    import base64
-
     from kvstore.client import Client
 
     with Client(target, timeout=10.0) as c:
         st = c.stats(include_namespaces=True)
-    want = base64.b64encode(ns.digest).decode()
-    for n in st.get("namespaces", []) or []:
-        if n.get("ns_digest") == want:
-            return int(n.get("blocks", 0))
+    for n in st.namespaces:
+        if n.digest == ns.digest:
+            return n.blocks
     return 0
 
 

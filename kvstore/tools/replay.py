@@ -563,7 +563,7 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
             c.admin_set_policy(policy)
         for ns in nss:  # a fresh start: drop this trace's blocks of an earlier run
             c.clear(ns)
-        before = c.stats(include_namespaces=False)
+        before = c.stats(include_namespaces=False).to_dict()
         cap_bytes = sum(int(t.get("capacity_bytes", 0)) for t in before.get("tiers", [])
                         if str(t.get("tier", "")).lower().endswith("dram"))
         slot = -(-payload_bytes // _SLOT) * _SLOT
@@ -586,7 +586,7 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
                 lease = c.acquire(ns, kl[:h])
                 h = int(lease.hit_blocks)
                 for t in look.tiers[:h]:
-                    tiers[str(t)] = tiers.get(str(t), 0) + 1
+                    tiers[t.label] = tiers.get(t.label, 0) + 1
                 hits += h
             try:
                 if h < e - s:
@@ -595,7 +595,7 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
             finally:
                 if lease is not None:
                     lease.release()
-        after = c.stats(include_namespaces=False)
+        after = c.stats(include_namespaces=False).to_dict()
     res.hit_blocks, res.rejected_blocks, res.tier_hits = hits, rejected, tiers
     ev_b = {str(t.get("tier")): int(t.get("evictions", 0)) for t in before.get("tiers", [])}
     res.evictions = {f"{str(t.get('tier')).lower().replace('tier_', '')}/evicted":

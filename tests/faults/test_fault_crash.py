@@ -59,7 +59,7 @@ def _check(c: Client, written: list[list[bytes]]) -> tuple[int, int, int]:
 
 def _demotions(c: Client) -> int:
     try:
-        return sum(int(t.get("demotions", 0)) for t in c.stats()["tiers"])
+        return sum(t.demotions for t in c.stats().tiers)
     except KVStoreError:
         return 0
 
@@ -89,7 +89,7 @@ def test_sigkill_during_puts_and_demotion(tmp_path) -> None:
                 stats["checked"] += checked
                 stats["hits"] += hits
                 stats["wrong"] += wrong
-                stats["checksum_failures"] += int(c.stats()["checksum_failures"])
+                stats["checksum_failures"] += c.stats().checksum_failures
                 assert wrong == 0, f"round {rnd}: {wrong} blocks came back with wrong bytes"
                 if rnd == rounds:
                     break  # the final clean start: checked, done

@@ -19,6 +19,7 @@ from kvstore.tools.cli import (capacity_table, diff_report, format_capacity, for
                          serve_overrides)
 from kvstore.config import load_config
 from kvstore.keys import Namespace, block_keys
+from kvstore.results import DaemonStats, PolicyChange, ResizeResult
 from proto import kvstore_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -94,8 +95,8 @@ def test_stats_json_and_unreachable_daemon(capsys: pytest.CaptureFixture[str],
         def __exit__(self, *exc: object) -> None:
             pass
 
-        def stats(self) -> dict[str, Any]:
-            return _stats_dict()
+        def stats(self) -> DaemonStats:
+            return DaemonStats.from_dict(_stats_dict())
 
     import kvstore.client
 
@@ -406,12 +407,11 @@ def test_admin_with_fake_client(capsys: pytest.CaptureFixture[str],
         def admin_get_config(self) -> str:
             return "[dram]\ncapacity = \"1GiB\"\n"
 
-        def admin_resize(self, tier: str, capacity_bytes: int) -> dict[str, Any]:
-            return {"old_capacity_bytes": str(1 << 30), "new_capacity_bytes": str(capacity_bytes),
-                    "evicted_blocks": "7"}
+        def admin_resize(self, tier: str, capacity_bytes: int) -> ResizeResult:
+            return ResizeResult(old_capacity_bytes=1 << 30, new_capacity_bytes=capacity_bytes, evicted_blocks=7)
 
-        def admin_set_policy(self, name: str) -> dict[str, Any]:
-            return {"old_policy": "lru", "new_policy": name}
+        def admin_set_policy(self, name: str) -> PolicyChange:
+            return PolicyChange(old_policy="lru", new_policy=name)
 
     import kvstore.client
 
