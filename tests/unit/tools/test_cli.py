@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.tools import cli
-from kvstore.tools.cli import (capacity_table, diff_report, format_capacity, format_lookup,
-                         format_stats, load_request, main, make_namespace, parse_args,
-                         serve_overrides)
+from kvstore.tools import commands
+from kvstore.tools.cli import main, parse_args
+from kvstore.tools.commands import serve_overrides
+from kvstore.tools.format import capacity_table, diff_report, format_capacity, format_lookup, format_stats
+from kvstore.tools.inputs import load_request, make_namespace
 from kvstore.config import load_config
 from kvstore.keys import Namespace, block_keys
 from proto import kvstore_pb2 as pb
@@ -429,7 +430,7 @@ def test_bench_runs_the_scripts_quick(capsys: pytest.CaptureFixture[str],
         calls.append(cmd)
         return 0
 
-    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    monkeypatch.setattr(commands.subprocess, "call", fake_call)
     code, out, _ = run(capsys, "bench", "--json-dir", str(tmp_path))
     assert code == 0 and calls
     assert calls[0][1].endswith("bench/core.py") and "--quick" in calls[0]
