@@ -54,7 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
