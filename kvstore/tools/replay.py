@@ -54,7 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -349,8 +349,8 @@ def _capacity(text: str, pt: PreparedTrace, payload: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``kvstore replay``: print the table (and write JSON); exit 0."""
+    trace: Sequence[w.Request | TraceRequest]
     if args.workload:
-
         try:
             trace = w.make_trace(args.workload, args.seed, w.parse_params(args.workload, args.param), args.quick)
         except ValueError as e:

@@ -437,6 +437,7 @@ def test_bench_runs_the_scripts_quick(capsys: pytest.CaptureFixture[str],
     assert calls[0][-2:] == ["--json", str(tmp_path / "core.json")]
 
 
+@pytest.mark.subprocess
 def test_python_dash_m(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvstore", "capacity", "--layers", "2",
                         "--kv-heads", "1", "--head-dim", "64"], capture_output=True, text=True,
