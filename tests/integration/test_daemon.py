@@ -15,21 +15,17 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.errors import (InvalidArgument, KeyStatus, NotFound, PermissionDenied, Unauthenticated)
-from kvstore.keys import Namespace, block_keys
+from kvstore.keys import Namespace
 from kvstore.results import EventKind
 from tiers.base import TierKind
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import payload_for
 from tests.integration.conftest import wait_until
+from tests.support.keys import chain_keys
 
 BS = 64 * 1024
 NS = Namespace(tenant="acme", model_id="llama", block_size=16)
-
-
-def chain_keys(seed: int, n: int, ns: Namespace = NS) -> list[bytes]:
-    toks = np.random.default_rng(seed).integers(0, 50000, size=n * ns.block_size)
-    return block_keys(ns, toks)
 
 
 def P(k: bytes, size: int = BS) -> bytes:

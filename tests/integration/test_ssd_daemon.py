@@ -12,23 +12,19 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from kvstore.client import Client
 from kvstore.errors import KeyStatus, KVStoreError
-from kvstore.keys import Namespace, block_keys
+from kvstore.keys import Namespace
 from tiers.base import TierKind
 from proto import kvstore_pb2 as pb
 from tests.conftest import payload_for
 from tests.integration.conftest import wait_healthy, wait_until
+from tests.support.keys import chain_keys
 
 NS = Namespace(tenant="acme", model_id="llama", block_size=16)
 BS = 64 * 1024
-
-
-def chain_keys(seed: int, n: int) -> list[bytes]:
-    return block_keys(NS, np.random.default_rng(seed).integers(0, 50000, size=n * 16))
 
 
 def P(k: bytes) -> bytes:

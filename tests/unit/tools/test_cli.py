@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.tools import cli
-from kvstore.tools.cli import (capacity_table, diff_report, format_capacity, format_lookup,
-                         format_stats, load_request, main, make_namespace, parse_args,
-                         serve_overrides)
+from kvstore.tools import commands
+from kvstore.tools.cli import main, parse_args
+from kvstore.tools.commands import serve_overrides
+from kvstore.tools.format import capacity_table, diff_report, format_capacity, format_lookup, format_stats
+from kvstore.tools.inputs import load_request, make_namespace
 from kvstore.config import load_config
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import DaemonStats, PolicyChange, ResizeResult
@@ -429,13 +430,14 @@ def test_bench_runs_the_scripts_quick(capsys: pytest.CaptureFixture[str],
         calls.append(cmd)
         return 0
 
-    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    monkeypatch.setattr(commands.subprocess, "call", fake_call)
     code, out, _ = run(capsys, "bench", "--json-dir", str(tmp_path))
     assert code == 0 and calls
     assert calls[0][1].endswith("bench/core.py") and "--quick" in calls[0]
     assert calls[0][-2:] == ["--json", str(tmp_path / "core.json")]
 
 
+@pytest.mark.subprocess
 def test_python_dash_m(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvstore", "capacity", "--layers", "2",
                         "--kv-heads", "1", "--head-dim", "64"], capture_output=True, text=True,
