@@ -10,11 +10,59 @@ collector.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
 from kvstore.errors import KeyStatus
 from tiers.base import TierKind
+
+
+class EventKind(str, Enum):
+    """What an ``Event`` reports. A ``str`` enum: equal to (and formatted
+    as) its value, so code and tests comparing with "stored" keep working."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class DropReason(str, Enum):
+    """Why blocks left a tier: the ``reason`` of a "removed" ``Event`` and
+    the second half of a ``Counters.evictions`` key. A ``str`` enum with the
+    wire's strings as values."""
+
+    NONE = ""
+    """Not a removal (events of other kinds)."""
+    EVICTED = "evicted"
+    """Made room for other blocks (and had nowhere lower to go)."""
+    REMOVED = "removed"
+    """An explicit Remove."""
+    CLEARED = "cleared"
+    """An explicit Clear."""
+    CORRUPT = "corrupt"
+    """Failed its checksum (or an ancestor did)."""
+    ABORTED = "aborted"
+    """A reservation ended without commit (abort, expiry, a failed copy)."""
+    RESIZED = "resized"
+    """Did not fit when its tier shrank."""
+    MOVED = "moved"
+    """Left one tier for another (a "stored" event names the new one)."""
+    DEMOTED = "demoted"
+    """Counted in ``Counters.evictions``: moved down a tier on eviction."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 @dataclass(slots=True)
 class BatchResult:
@@ -56,7 +104,7 @@ class SlotResult(BatchResult):
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
 
     @classmethod
-    def empty(cls, n: int, status: KeyStatus) -> "SlotResult":
+    def empty(cls, n: int, status: KeyStatus) -> SlotResult:
         return cls([status] * n, tier_codes=np.zeros(n, np.uint8), offsets=np.full(n, -1, np.int64),
                    lengths=np.zeros(n, np.int64), checksums=np.zeros(n, np.uint64))
 
@@ -81,11 +129,11 @@ class LookupResult:
 class Event:
     """A change other components may follow (WatchEvents, the cluster directory)."""
 
-    kind: str  # "stored" | "removed" | "cleared"
+    kind: EventKind
     ns_digest: bytes
     keys: list[bytes]
     tier: TierKind | None = None
-    reason: str = ""
+    reason: DropReason = DropReason.NONE
     parent: bytes | None = None
 
 
@@ -123,7 +171,7 @@ class Counters:
     capacity_rejects: int = 0
     reservations_expired: int = 0
     leases_expired: int = 0
-    evictions: dict[tuple[TierKind, str], int] = field(default_factory=dict)
+    evictions: dict[tuple[TierKind, DropReason], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)

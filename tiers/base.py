@@ -8,13 +8,21 @@ the store decides what moves. All calls take arrays of locations: batch first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
+
+
+def as_u8(buf: Buffer) -> np.ndarray:
+    """A flat uint8 view of a buffer (no copy)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,7 +51,7 @@ class TierKind(IntEnum):
         return self.name.lower()
 
     @classmethod
-    def parse(cls, name: str) -> "TierKind":
+    def parse(cls, name: str) -> TierKind:
         try:
             return cls[name.strip().upper()]
         except KeyError:

@@ -22,21 +22,16 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore.checksum import copy_many, verify_many
-from tiers.base import BlockMeta, Buffer, TierKind
+from tiers.base import BlockMeta, Buffer, TierKind, as_u8
 from tiers.slots import _ALIGN, PagedSlots
 
 SHM_DIR = "/dev/shm"
 
-
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
 
 
 def default_shm_name() -> str:
@@ -77,7 +72,7 @@ class DramTier(PagedSlots):
     def write(self, locs: np.ndarray, payloads: Sequence[Buffer],
               owners: Sequence[BlockMeta] | None = None) -> np.ndarray:
         buf = self.buf
-        srcs = [_as_u8(p) for p in payloads]
+        srcs = [as_u8(p) for p in payloads]
         dsts = [buf[off : off + src.size] for off, src in zip(np.asarray(locs).tolist(), srcs)]
         return copy_many(dsts, srcs, self.copy_threads)
 
@@ -85,7 +80,7 @@ class DramTier(PagedSlots):
                   outs: Sequence[Buffer], owners: Sequence[BlockMeta] | None = None) -> np.ndarray:
         buf = self.buf
         srcs = [buf[off : off + n] for off, n in zip(np.asarray(locs).tolist(), np.asarray(sizes).tolist())]
-        return verify_many([_as_u8(d) for d in outs], srcs, np.asarray(checksums).tolist(), self.copy_threads)
+        return verify_many([as_u8(d) for d in outs], srcs, np.asarray(checksums).tolist(), self.copy_threads)
 
     # ---------------------------------------------------------------- resize
     def resize(self, capacity_bytes: int) -> None:

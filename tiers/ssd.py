@@ -68,19 +68,52 @@ import re
 import shutil
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import cast
 
 import numpy as np
 import rocksdict
 
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
-from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.ssd_format import (FileLayer, HEADER_BYTES, INDEX_DIR, LOCK_FILE, NAMESPACES_FILE, OsFileLayer,
-                               RECORD_MAGIC, RECORD_VERSION, SCHEMA_FILE, SCHEMA_MAGIC, SCHEMA_VERSION, _ALLOC,
-                               _CLOEXEC, _FREE, _HEADER, _IDENT_BYTES, _IOV_MAX, _KEY, _LIVE, _MAX_FDS, _NS,
-                               _NSKEY, _NS_MAGIC, _PARENT, _ROW, _SEG_RE, _VALUE, _as_u8, _checksum, _ident_bytes,
-                               _identity_arrays, _io_error, _loc_keys, _vec_io, _void, _write_all)
+from tiers.base import BlockMeta, Buffer, TierKind, as_u8
+from tiers.ssd_format import (
+    _ALLOC,
+    _CLOEXEC,
+    _FREE,
+    _HEADER,
+    _IDENT_BYTES,
+    _IOV_MAX,
+    _KEY,
+    _LIVE,
+    _MAX_FDS,
+    _NS,
+    _NS_MAGIC,
+    _NSKEY,
+    _PARENT,
+    _ROW,
+    _SEG_RE,
+    _VALUE,
+    HEADER_BYTES,
+    INDEX_DIR,
+    LOCK_FILE,
+    NAMESPACES_FILE,
+    RECORD_MAGIC,
+    RECORD_VERSION,
+    SCHEMA_FILE,
+    SCHEMA_MAGIC,
+    SCHEMA_VERSION,
+    FileLayer,
+    OsFileLayer,
+    _checksum,
+    _ident_bytes,
+    _identity_arrays,
+    _io_error,
+    _loc_keys,
+    _vec_io,
+    _void,
+    _write_all,
+)
 
 log = logging.getLogger("kvstore.ssd")
 
@@ -406,14 +439,14 @@ class SsdTier:
             try:
                 self._db.write(wb, self._wo if sync else self._wo_lazy)
                 return
-            except Exception as exc:  # noqa: BLE001 - rocksdict raises plain Exception
+            except Exception as exc:
                 if attempt:
                     raise _io_error(exc, "writing the index") from exc
                 log.warning("ssd index write failed (%s); reopening the index", exc)
                 try:
                     self._db.close()
                     self._db = self._open_db()
-                except Exception as exc2:  # noqa: BLE001
+                except Exception as exc2:
                     raise _io_error(exc2, "reopening the index") from exc2
 
     def _put_values(self, locs: np.ndarray, vals: np.ndarray) -> None:
@@ -527,7 +560,7 @@ class SsdTier:
         if (np.unique(locs).size != n or locs.min() < 0 or locs.max() >= self._next_id
                 or np.any(self._state[locs] == _FREE)):
             raise InvalidArgument("ssd write to locations that are not allocated (or repeated)")
-        srcs = [_as_u8(p) for p in payloads]
+        srcs = [as_u8(p) for p in payloads]
         sizes = np.fromiter((s.size for s in srcs), dtype=np.int64, count=n)
         if np.any(sizes <= 0) or np.any(HEADER_BYTES + sizes > self._fp[locs]):
             raise InvalidArgument("ssd write: a payload is empty or larger than its allocation")
@@ -568,7 +601,7 @@ class SsdTier:
         inrange = (locs >= 0) & (locs < self._next_id)
         rows = np.where(inrange, locs, 0)
         idn = self._ident[rows]
-        dsts = [_as_u8(o) for o in outs]
+        dsts = [as_u8(o) for o in outs]
         # a buffer too small is the caller's miss, not the block's fault
         live = inrange & (self._state[rows] == _LIVE) & (np.fromiter((d.size for d in dsts), np.int64, n) >= sizes)
         match = (idn["size"].astype(np.int64) == sizes) & (idn["csum"] == checksums)

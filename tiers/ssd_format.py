@@ -8,7 +8,8 @@ import errno
 import importlib
 import os
 import re
-from typing import Any, Callable, Protocol, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import numpy as np
 import xxhash
@@ -54,11 +55,6 @@ _xxh3 = _load_xxh3()
 def _checksum(buf: Buffer) -> int:
     return int(_xxh3(buf))
 
-
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
 
 
 def _io_error(exc: BaseException, what: str) -> KVStoreError:

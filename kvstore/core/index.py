@@ -34,6 +34,24 @@ import numpy as np
 from kvstore.errors import InvalidArgument
 
 NO_ROW = -1
+"""No row: a missing key, or the parent of a chain's first block."""
+IN_BATCH = -2
+"""Parent references given to ``BlockIndex.insert``: ``IN_BATCH - i`` (that
+is ``-2 - i``) names "the row of keys[i]", an earlier key of the same batch,
+whose row does not exist yet. Any value ``<= IN_BATCH`` is such a reference."""
+
+
+def in_batch(i: int) -> int:
+    """The parent reference for "the row of the i-th key of this batch"."""
+    return IN_BATCH - i
+
+
+def in_batch_chain(n: int) -> list[int]:
+    """References of keys 1..n-1 of a batch that is one chain (each key the
+    parent of the next): ``[in_batch(0), ..., in_batch(n - 2)]``."""
+    return list(range(IN_BATCH, IN_BATCH - (n - 1), -1))
+
+
 _EMPTY = -1
 _TOMB = -2
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -344,8 +362,9 @@ class BlockIndex:
                locs: np.ndarray, sizes: np.ndarray, state: BlockState, tick: int) -> np.ndarray:
         """Add absent, distinct keys; ``parents`` are rows (or -1).
 
-        A parent may be one of the rows being inserted (given as ``-2 - i``,
-        meaning "the row of keys[i]" with i earlier in this batch).
+        A parent may be one of the rows being inserted (given as
+        ``in_batch(i)``, that is ``IN_BATCH - i``, meaning "the row of
+        keys[i]" with i earlier in this batch).
         Returns the new rows.
         """
         n = keys.shape[0]
@@ -362,9 +381,9 @@ class BlockIndex:
             rows[take:] = np.arange(self._high, self._high + rest)
             self._high += rest
         parents = np.asarray(parents, dtype=np.int64).copy()
-        chain = n > 1 and bool((parents[1:] == np.arange(-2, -1 - n, -1)).all())
-        inbatch = parents <= -2
-        parents[inbatch] = rows[-2 - parents[inbatch]]
+        chain = n > 1 and bool((parents[1:] == np.arange(IN_BATCH, IN_BATCH + 1 - n, -1)).all())
+        inbatch = parents <= IN_BATCH
+        parents[inbatch] = rows[IN_BATCH - parents[inbatch]]
         self.k0[rows] = keys[:, 0]
         self.k1[rows] = keys[:, 1]
         self.ns[rows] = ns
