@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.errors import CapacityError, InvalidArgument
 
-_ALIGN = 4096
+SLOT_ALIGN = 4096
 
 
 class _Page:

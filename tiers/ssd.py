@@ -78,22 +78,22 @@ import rocksdict
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind, as_u8
 from tiers.ssd_format import (
-    _ALLOC,
-    _CLOEXEC,
-    _FREE,
-    _HEADER,
-    _IDENT_BYTES,
-    _IOV_MAX,
-    _KEY,
-    _LIVE,
-    _MAX_FDS,
-    _NS,
-    _NS_MAGIC,
-    _NSKEY,
-    _PARENT,
-    _ROW,
-    _SEG_RE,
-    _VALUE,
+    ALLOC,
+    CLOEXEC,
+    FREE,
+    HEADER,
+    IDENT_BYTES,
+    IOV_MAX,
+    KEY,
+    LIVE,
+    MAX_FDS,
+    NS,
+    NS_MAGIC,
+    NSKEY,
+    PARENT,
+    ROW,
+    SEG_RE,
+    VALUE,
     HEADER_BYTES,
     INDEX_DIR,
     LOCK_FILE,
@@ -105,14 +105,14 @@ from tiers.ssd_format import (
     SCHEMA_VERSION,
     FileLayer,
     OsFileLayer,
-    _checksum,
-    _ident_bytes,
-    _identity_arrays,
-    _io_error,
-    _loc_keys,
-    _vec_io,
-    _void,
-    _write_all,
+    record_checksum,
+    ident_bytes,
+    identity_arrays,
+    io_error,
+    loc_keys,
+    vec_io,
+    as_void,
+    write_all,
 )
 
 log = logging.getLogger("kvstore.ssd")
@@ -159,7 +159,7 @@ class SsdTier:
         self._wo, self._wo_lazy = rocksdict.WriteOptions(), rocksdict.WriteOptions()
         self._wo.sync = self.sync
         self._prepare_dir()
-        self._lock_fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT | _CLOEXEC, 0o600)
+        self._lock_fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT | CLOEXEC, 0o600)
         try:
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -197,9 +197,9 @@ class SsdTier:
 
     def _write_small(self, path: str, data: bytes) -> None:
         """Atomically replace a small file: tmp, fdatasync, rename, fsync dir."""
-        fd = self.fs.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o600)
+        fd = self.fs.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | CLOEXEC, 0o600)
         try:
-            _write_all(self.fs, fd, [np.frombuffer(data, np.uint8)], 0)
+            write_all(self.fs, fd, [np.frombuffer(data, np.uint8)], 0)
             self.fs.fdatasync(fd)
         finally:
             self.fs.close(fd)
@@ -208,7 +208,7 @@ class SsdTier:
 
     def _sync_dir(self) -> None:
         if self.sync:
-            fd = self.fs.open(self.path, os.O_RDONLY | _CLOEXEC)
+            fd = self.fs.open(self.path, os.O_RDONLY | CLOEXEC)
             try:
                 self.fs.fsync(fd)
             finally:
@@ -232,7 +232,7 @@ class SsdTier:
 
     def _open(self) -> None:
         for name in os.listdir(self.path):
-            m = _SEG_RE.match(name)
+            m = SEG_RE.match(name)
             if m:
                 sid = int(m.group(1))
                 self._segs[sid] = _Segment(sid, os.stat(self._seg_path(sid)).st_size)
@@ -252,7 +252,7 @@ class SsdTier:
         """All block entries of the index as (locs, values)."""
         ks = cast("list[bytes]", list(self._db.keys()))
         vs = cast("list[bytes]", list(self._db.values()))
-        bad = [k for k, v in zip(ks, vs) if len(k) != 9 or k[:1] != b"b" or len(v) != _VALUE.itemsize]
+        bad = [k for k, v in zip(ks, vs) if len(k) != 9 or k[:1] != b"b" or len(v) != VALUE.itemsize]
         if bad:
             self.dropped_count += len(bad)
             self._delete_keys(bad, sync=False)
@@ -260,7 +260,7 @@ class SsdTier:
             pairs = [(k, v) for k, v in zip(ks, vs) if k not in drop]
             ks, vs = [k for k, _ in pairs], [v for _, v in pairs]
         locs = np.ascontiguousarray(np.frombuffer(b"".join(ks), dtype=np.uint8).reshape(-1, 9)[:, 1:])
-        return locs.view(">u8").ravel().astype(np.int64), np.frombuffer(b"".join(vs), dtype=_VALUE).copy()
+        return locs.view(">u8").ravel().astype(np.int64), np.frombuffer(b"".join(vs), dtype=VALUE).copy()
 
     def _rebuild_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Scan segment headers into a fresh index (the old one goes to index.corrupt)."""
@@ -275,27 +275,27 @@ class SsdTier:
             os.rename(old, aside)
         self._db = self._open_db()
         found: dict[bytes, np.ndarray] = {}
-        hdr = np.empty(1, dtype=_HEADER)
+        hdr = np.empty(1, dtype=HEADER)
         hb, h = hdr.view(np.uint8), hdr[0]
         for sid in sorted(self._segs):
-            fd = self.fs.open(self._seg_path(sid), os.O_RDONLY | _CLOEXEC)
+            fd = self.fs.open(self._seg_path(sid), os.O_RDONLY | CLOEXEC)
             try:
                 off, end = 0, self._segs[sid].size
-                while off + HEADER_BYTES <= end and _vec_io(self.fs.preadv, fd, [hb], off) == HEADER_BYTES:
+                while off + HEADER_BYTES <= end and vec_io(self.fs.preadv, fd, [hb], off) == HEADER_BYTES:
                     idn = h["ident"]
                     rec_end = off + HEADER_BYTES + int(idn["size"])
                     if (idn["magic"] != RECORD_MAGIC or int(idn["version"]) != RECORD_VERSION
-                            or _checksum(hb[:_IDENT_BYTES]) != int(h["hcrc"]) or rec_end > end):
+                            or record_checksum(hb[:IDENT_BYTES]) != int(h["hcrc"]) or rec_end > end):
                         break
-                    v = np.zeros(1, dtype=_VALUE)
+                    v = np.zeros(1, dtype=VALUE)
                     v["seg"], v["off"], v["ident"] = sid, off, idn
-                    name = bytes(hb[_NSKEY])
+                    name = bytes(hb[NSKEY])
                     if name not in found or int(found[name]["ident"]["seq"][0]) < int(idn["seq"]):
                         found[name] = v
                     off = rec_end
             finally:
                 self.fs.close(fd)
-        vals = np.concatenate(list(found.values())) if found else np.zeros(0, dtype=_VALUE)
+        vals = np.concatenate(list(found.values())) if found else np.zeros(0, dtype=VALUE)
         vals = vals[np.argsort(vals["ident"]["seq"], kind="stable")]
         locs = np.arange(vals.size, dtype=np.int64)
         self._put_values(locs, vals)
@@ -316,16 +316,16 @@ class SsdTier:
         self.dropped_count += int((~good).sum())
         cand = np.flatnonzero(good)  # one entry per (namespace, key): the newest
         cand = cand[np.argsort(idn["seq"][cand], kind="stable")[::-1]]
-        _, first = np.unique(_void(_ident_bytes(idn[cand])[:, _NSKEY]), return_index=True)
+        _, first = np.unique(as_void(ident_bytes(idn[cand])[:, NSKEY]), return_index=True)
         keep = np.zeros(locs.size, dtype=bool)
         keep[cand[first]] = True
         if not keep.all():
-            self._delete_keys(_loc_keys(locs[~keep]), sync=True)
+            self._delete_keys(loc_keys(locs[~keep]), sync=True)
         locs, vals, sizes, seg_ids = locs[keep], vals[keep], sizes[keep], seg_ids[keep]
         top = int(locs.max()) + 1 if locs.size else 0
         self._alloc_arrays(top)
         self._next_id = top
-        self._state[locs], self._fp[locs], self._seg[locs] = _LIVE, HEADER_BYTES + sizes, seg_ids
+        self._state[locs], self._fp[locs], self._seg[locs] = LIVE, HEADER_BYTES + sizes, seg_ids
         self._off[locs], self._ident[locs] = vals["off"].astype(np.int64), vals["ident"]
         self._used = int((HEADER_BYTES + sizes).sum())
         self._free_ids = np.setdiff1d(np.arange(top, dtype=np.int64), locs)[::-1].tolist()
@@ -338,9 +338,9 @@ class SsdTier:
 
     def _alloc_arrays(self, cap: int) -> None:
         """Grow the per-location table to ``cap`` rows (at least doubling), keeping contents."""
-        old = getattr(self, "_rows", np.zeros(0, dtype=_ROW))
+        old = getattr(self, "_rows", np.zeros(0, dtype=ROW))
         if cap > old.size:
-            rows = np.zeros(max(cap, 2 * old.size), dtype=_ROW)
+            rows = np.zeros(max(cap, 2 * old.size), dtype=ROW)
             rows[:old.size] = old
             self._rows = rows
             self._state, self._fp, self._seg, self._off, self._ident = (
@@ -368,7 +368,7 @@ class SsdTier:
             root = os.path.join(self.path, sub)
             if os.path.isdir(root):
                 total += sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(root)
-                             if e.is_file(follow_symlinks=False) and not _SEG_RE.match(e.name))
+                             if e.is_file(follow_symlinks=False) and not SEG_RE.match(e.name))
         return total
 
     def footprint(self, nbytes: int) -> int:
@@ -397,17 +397,17 @@ class SsdTier:
         ids = np.array(reuse[::-1] + list(range(self._next_id, self._next_id + fresh)), dtype=np.int64)
         self._next_id += fresh
         self._alloc_arrays(self._next_id)
-        self._state[ids], self._fp[ids] = _ALLOC, fp
+        self._state[ids], self._fp[ids] = ALLOC, fp
         self._used += fp * count
         return ids
 
     def free(self, locs: np.ndarray) -> None:
         locs = np.unique(np.asarray(locs, dtype=np.int64).reshape(-1))
         locs = locs[(locs >= 0) & (locs < self._next_id)]
-        locs = locs[self._state[locs] != _FREE]
+        locs = locs[self._state[locs] != FREE]
         if locs.size:
-            self._forget(locs[self._state[locs] == _LIVE], sync=True)
-            self._state[locs] = _FREE
+            self._forget(locs[self._state[locs] == LIVE], sync=True)
+            self._state[locs] = FREE
             self._used -= int(self._fp[locs].sum())
             self._free_ids.extend(locs[::-1].tolist())
 
@@ -415,9 +415,9 @@ class SsdTier:
         """Delete index entries (first), then count their records as garbage.
         The ids stay allocated."""
         if rows.size:
-            self._delete_keys(_loc_keys(rows), sync=sync)
+            self._delete_keys(loc_keys(rows), sync=sync)
             self._count_live(self._seg[rows], -(HEADER_BYTES + self._ident["size"][rows].astype(np.int64)))
-            self._state[rows] = _ALLOC
+            self._state[rows] = ALLOC
 
     def _count_live(self, seg_ids: np.ndarray, delta: np.ndarray) -> None:
         for sid, d in zip(seg_ids.tolist(), delta.tolist()):
@@ -441,17 +441,17 @@ class SsdTier:
                 return
             except Exception as exc:
                 if attempt:
-                    raise _io_error(exc, "writing the index") from exc
+                    raise io_error(exc, "writing the index") from exc
                 log.warning("ssd index write failed (%s); reopening the index", exc)
                 try:
                     self._db.close()
                     self._db = self._open_db()
                 except Exception as exc2:
-                    raise _io_error(exc2, "reopening the index") from exc2
+                    raise io_error(exc2, "reopening the index") from exc2
 
     def _put_values(self, locs: np.ndarray, vals: np.ndarray) -> None:
-        raw, w = vals.tobytes(), _VALUE.itemsize
-        self._db_write([(k, raw[i * w:(i + 1) * w]) for i, k in enumerate(_loc_keys(locs))], sync=True)
+        raw, w = vals.tobytes(), VALUE.itemsize
+        self._db_write([(k, raw[i * w:(i + 1) * w]) for i, k in enumerate(loc_keys(locs))], sync=True)
 
     def _delete_keys(self, keys: list[bytes], *, sync: bool) -> None:
         try:
@@ -468,8 +468,8 @@ class SsdTier:
             return self._active_fd
         fd = self._fds.get(sid)
         if fd is None:
-            fd = self._fds[sid] = self.fs.open(self._seg_path(sid), os.O_RDONLY | _CLOEXEC)
-            if len(self._fds) > _MAX_FDS:
+            fd = self._fds[sid] = self.fs.open(self._seg_path(sid), os.O_RDONLY | CLOEXEC)
+            if len(self._fds) > MAX_FDS:
                 self.fs.close(self._fds.popitem(last=False)[1])
         else:
             self._fds.move_to_end(sid)
@@ -491,7 +491,7 @@ class SsdTier:
             self.fs.fdatasync(self._active_fd)
         self._seal()
         sid = self._next_seg
-        fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600)
+        fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | CLOEXEC, 0o600)
         self._next_seg += 1
         seg = self._segs[sid] = _Segment(sid, 0)
         self._active, self._active_fd = seg, fd
@@ -528,7 +528,7 @@ class SsdTier:
                     j += 1
                 fd = self._active_fd
                 try:
-                    _write_all(self.fs, fd, [b for r in records[i:j] for b in r], start)
+                    write_all(self.fs, fd, [b for r in records[i:j] for b in r], start)
                 except OSError:
                     try:
                         self.fs.ftruncate(fd, start)  # give the partial bytes back
@@ -544,7 +544,7 @@ class SsdTier:
                     self._seal()  # after a failed fsync the page cache cannot be trusted
                     raise
         except OSError as exc:
-            raise _io_error(exc, "appending to a segment") from exc
+            raise io_error(exc, "appending to a segment") from exc
         return segs, offs
 
     # ------------------------------------------------------------ data path
@@ -558,29 +558,29 @@ class SsdTier:
         if n == 0:
             return np.zeros(0, dtype=np.uint64)
         if (np.unique(locs).size != n or locs.min() < 0 or locs.max() >= self._next_id
-                or np.any(self._state[locs] == _FREE)):
+                or np.any(self._state[locs] == FREE)):
             raise InvalidArgument("ssd write to locations that are not allocated (or repeated)")
         srcs = [as_u8(p) for p in payloads]
         sizes = np.fromiter((s.size for s in srcs), dtype=np.int64, count=n)
         if np.any(sizes <= 0) or np.any(HEADER_BYTES + sizes > self._fp[locs]):
             raise InvalidArgument("ssd write: a payload is empty or larger than its allocation")
-        csums = np.fromiter((_checksum(s) for s in srcs), dtype=np.uint64, count=n)
-        hdr = np.zeros(n, dtype=_HEADER)
+        csums = np.fromiter((record_checksum(s) for s in srcs), dtype=np.uint64, count=n)
+        hdr = np.zeros(n, dtype=HEADER)
         idn = hdr["ident"]
         idn["magic"], idn["version"], idn["size"], idn["csum"] = RECORD_MAGIC, RECORD_VERSION, sizes, csums
         idn["seq"] = np.arange(self._seq, self._seq + n, dtype=np.uint64)
         self._seq += n
-        idn["ns"], idn["key"], idn["parent"], idn["plen"] = _identity_arrays(owners)
+        idn["ns"], idn["key"], idn["parent"], idn["plen"] = identity_arrays(owners)
         hb = hdr.view(np.uint8).reshape(n, HEADER_BYTES)
-        hdr["hcrc"] = np.fromiter((_checksum(hb[i, :_IDENT_BYTES]) for i in range(n)), dtype=np.uint64, count=n)
+        hdr["hcrc"] = np.fromiter((record_checksum(hb[i, :IDENT_BYTES]) for i in range(n)), dtype=np.uint64, count=n)
         lens = HEADER_BYTES + sizes
         segs, offs = self._append([[hb[i], srcs[i]] for i in range(n)], lens)
-        vals = np.zeros(n, dtype=_VALUE)
+        vals = np.zeros(n, dtype=VALUE)
         vals["seg"], vals["off"], vals["ident"] = segs, offs, idn
         self._put_values(locs, vals)  # raises with nothing visible on failure
-        old = locs[self._state[locs] == _LIVE]  # overwritten: the old records become garbage
+        old = locs[self._state[locs] == LIVE]  # overwritten: the old records become garbage
         self._count_live(self._seg[old], -(HEADER_BYTES + self._ident["size"][old].astype(np.int64)))
-        self._state[locs], self._seg[locs], self._off[locs], self._ident[locs] = _LIVE, segs, offs, idn
+        self._state[locs], self._seg[locs], self._off[locs], self._ident[locs] = LIVE, segs, offs, idn
         self._count_live(segs, lens)
         if self.auto_reclaim and self.garbage_bytes > max(self.segment_bytes, self._capacity // 10):
             try:
@@ -603,10 +603,10 @@ class SsdTier:
         idn = self._ident[rows]
         dsts = [as_u8(o) for o in outs]
         # a buffer too small is the caller's miss, not the block's fault
-        live = inrange & (self._state[rows] == _LIVE) & (np.fromiter((d.size for d in dsts), np.int64, n) >= sizes)
+        live = inrange & (self._state[rows] == LIVE) & (np.fromiter((d.size for d in dsts), np.int64, n) >= sizes)
         match = (idn["size"].astype(np.int64) == sizes) & (idn["csum"] == checksums)
         if owners is not None:
-            ons, okey, _, _ = _identity_arrays(owners)
+            ons, okey, _, _ = identity_arrays(owners)
             match &= np.all(idn["ns"] == ons, axis=1) & np.all(idn["key"] == okey, axis=1)
         hbuf = np.empty((n, HEADER_BYTES), dtype=np.uint8)
         todo = np.flatnonzero(live & match).tolist()
@@ -616,12 +616,12 @@ class SsdTier:
         while g < len(todo):  # one preadv per run of records lying back to back in a segment
             first, h = todo[g], g + 1
             end = offs[first] + HEADER_BYTES + szs[first]
-            while h < len(todo) and h - g < _IOV_MAX // 2 and segs[todo[h]] == segs[first] and offs[todo[h]] == end:
+            while h < len(todo) and h - g < IOV_MAX // 2 and segs[todo[h]] == segs[first] and offs[todo[h]] == end:
                 end += HEADER_BYTES + szs[todo[h]]
                 h += 1
             run = todo[g:h]
             try:
-                nread = _vec_io(self.fs.preadv, self._fd(segs[first]),
+                nread = vec_io(self.fs.preadv, self._fd(segs[first]),
                                 [b for i in run for b in (hbuf[i], dsts[i][:szs[i]])], offs[first])
             except OSError as exc:
                 log.warning("ssd read of segment %d failed: %s", segs[first], exc)
@@ -629,9 +629,9 @@ class SsdTier:
             for i in run:
                 got[i] = offs[i] + HEADER_BYTES + szs[i] - offs[first] <= nread
             g = h
-        same = np.all(hbuf[:, :_IDENT_BYTES] == _ident_bytes(idn), axis=1)
+        same = np.all(hbuf[:, :IDENT_BYTES] == ident_bytes(idn), axis=1)
         for i in np.flatnonzero(got & same).tolist():
-            ok[i] = _checksum(dsts[i][:szs[i]]) == int(checksums[i])
+            ok[i] = record_checksum(dsts[i][:szs[i]]) == int(checksums[i])
         bad = np.unique(locs[live & ~ok])
         if bad.size:
             self.corrupt_count += int(bad.size)
@@ -667,21 +667,21 @@ class SsdTier:
         """Copy a segment's live records (checked on the way) to the active
         segment and re-point the index at them (synced); returns bytes appended."""
         top = self._next_id
-        rows = np.flatnonzero((self._state[:top] == _LIVE) & (self._seg[:top] == seg.id))
+        rows = np.flatnonzero((self._state[:top] == LIVE) & (self._seg[:top] == seg.id))
         rows = rows[np.argsort(self._off[rows], kind="stable")]
         lens = HEADER_BYTES + self._ident["size"][rows].astype(np.int64)
         if self._gc_buf.size < int(lens.sum()):
             self._gc_buf = np.empty(int(lens.sum()), dtype=np.uint8)
         starts = (np.cumsum(lens) - lens).tolist()
         recs = [self._gc_buf[a:a + ln] for a, ln in zip(starts, lens.tolist())]
-        expect, csums = _ident_bytes(self._ident[rows]), self._ident["csum"][rows].tolist()
+        expect, csums = ident_bytes(self._ident[rows]), self._ident["csum"][rows].tolist()
         good = np.zeros(rows.size, dtype=bool)
         fd = self._fd(seg.id)
         for k, (rec, off) in enumerate(zip(recs, self._off[rows].tolist())):
             try:
-                good[k] = (_vec_io(self.fs.preadv, fd, [rec], off) == rec.size
-                           and np.array_equal(rec[:_IDENT_BYTES], expect[k])
-                           and _checksum(rec[HEADER_BYTES:]) == csums[k])
+                good[k] = (vec_io(self.fs.preadv, fd, [rec], off) == rec.size
+                           and np.array_equal(rec[:IDENT_BYTES], expect[k])
+                           and record_checksum(rec[HEADER_BYTES:]) == csums[k])
             except OSError:
                 pass
         if not good.all():
@@ -691,7 +691,7 @@ class SsdTier:
         if not rows.size:
             return 0
         new_segs, new_offs = self._append([[r] for r, g in zip(recs, good) if g], lens)
-        vals = np.zeros(rows.size, dtype=_VALUE)
+        vals = np.zeros(rows.size, dtype=VALUE)
         vals["seg"], vals["off"], vals["ident"] = new_segs, new_offs, self._ident[rows]
         self._put_values(rows, vals)
         self._seg[rows], self._off[rows] = new_segs, new_offs
@@ -701,12 +701,12 @@ class SsdTier:
 
     # ------------------------------------------------------------- restart
     def recover(self) -> list[tuple[int, BlockMeta, int, int]]:
-        rows = np.flatnonzero(self._state[:self._next_id] == _LIVE)
+        rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
         n = rows.size
         idn = self._ident[rows]
-        ib = _ident_bytes(idn)
-        where = dict(zip(_void(ib[:, _NSKEY]).tolist(), range(n)))
-        pnames = _void(np.concatenate([ib[:, _NS], ib[:, _PARENT]], axis=1)).tolist()
+        ib = ident_bytes(idn)
+        where = dict(zip(as_void(ib[:, NSKEY]).tolist(), range(n)))
+        pnames = as_void(np.concatenate([ib[:, NS], ib[:, PARENT]], axis=1)).tolist()
         par = np.fromiter((where.get(p, -1) for p in pnames), dtype=np.int64, count=n)
         par[idn["plen"] == 0] = -1
         # depth by pointer jumping (depth = hops to anc): O(log chain) rounds, capped for corrupt cycles
@@ -718,7 +718,7 @@ class SsdTier:
             up = anc[m]
             depth[m], anc[m] = depth[m] + depth[up], anc[up]
         order = np.lexsort((idn["seq"], depth)).tolist()
-        ns, keys, parents = (_void(ib[:, part]).tolist() for part in (_NS, _KEY, _PARENT))
+        ns, keys, parents = (as_void(ib[:, part]).tolist() for part in (NS, KEY, PARENT))
         plen, sizes, csums, locs = idn["plen"].tolist(), idn["size"].tolist(), idn["csum"].tolist(), rows.tolist()
         paused = gc.isenabled()
         gc.disable()  # 100k small objects: the cyclic GC would rescan them repeatedly
@@ -737,14 +737,14 @@ class SsdTier:
         if self._ns.get(digest) == descriptor:
             return
         ns = {**self._ns, digest: descriptor}
-        body = bytearray(_NS_MAGIC + struct.pack("<II", 1, len(ns)))
+        body = bytearray(NS_MAGIC + struct.pack("<II", 1, len(ns)))
         for d, desc in ns.items():
             body += struct.pack("<HI", len(d), len(desc)) + d + desc
-        body += struct.pack("<Q", _checksum(bytes(body)))
+        body += struct.pack("<Q", record_checksum(bytes(body)))
         try:
             self._write_small(os.path.join(self.path, NAMESPACES_FILE), bytes(body))
         except OSError as exc:
-            raise _io_error(exc, "writing namespace descriptors") from exc
+            raise io_error(exc, "writing namespace descriptors") from exc
         self._ns = ns
 
     def namespaces(self) -> dict[bytes, bytes]:
@@ -758,9 +758,9 @@ class SsdTier:
         except FileNotFoundError:
             return
         try:
-            if len(data) < 20 or data[:4] != _NS_MAGIC or struct.unpack_from("<I", data, 4)[0] != 1:
+            if len(data) < 20 or data[:4] != NS_MAGIC or struct.unpack_from("<I", data, 4)[0] != 1:
                 raise ValueError("bad magic or version")
-            if struct.unpack_from("<Q", data, len(data) - 8)[0] != _checksum(data[:-8]):
+            if struct.unpack_from("<Q", data, len(data) - 8)[0] != record_checksum(data[:-8]):
                 raise ValueError("checksum mismatch")
             pos, out = 12, {}
             for _ in range(struct.unpack_from("<I", data, 8)[0]):

@@ -47,8 +47,7 @@ def in_batch(i: int) -> int:
 
 
 def in_batch_chain(n: int) -> list[int]:
-    """References of keys 1..n-1 of a batch that is one chain (each key the
-    parent of the next): ``[in_batch(0), ..., in_batch(n - 2)]``."""
+    """Parent references of keys 1..n-1 of a one-chain batch: ``[in_batch(0), ..., in_batch(n - 2)]``."""
     return list(range(IN_BATCH, IN_BATCH - (n - 1), -1))
 
 

@@ -14,7 +14,7 @@ Single-threaded by design, like the store: no per-object locks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -50,7 +50,7 @@ class LowerTier(Protocol):
 
     def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray: ...
 
-    def register_namespace(self, digest: bytes, ns_dict: dict[str, object], block_bytes: int | None) -> None: ...
+    def register_namespace(self, digest: bytes, ns_dict: Mapping[str, object], block_bytes: int | None) -> None: ...
 
 
 class UpperTier(Protocol):
