@@ -8,15 +8,8 @@ blob files 0.19-0.21 / 0.31; (b) segment files + RocksDB index 0.66-0.73 /
 new ``bytes`` to copy again: 0.2-0.6x of the plain file, under the 0.7x
 target. (b) *is* the plain-file path plus one small RocksDB batch, ``preadv``
 landing in the caller's buffers: kept. ``bench/tiers.py`` measures (b) against
-the plain file each run (1 MiB: put 0.8-0.95x, get >= 1x; docs/ssd.md).
-
-Directory 0700, files 0600: ``SCHEMA`` (any other schema is refused, never
-reinterpreted), ``LOCK`` (flock), ``namespaces`` (atomic rewrite, xxh3
-trailer), ``index/`` (RocksDB, raw mode: ``b"b"`` + loc (8 B big-endian) ->
-segment, offset, identity) and ``seg-NNNNNNNNNNNN.kvs``: records of an 88-byte
-header (magic, version, parent length, size, write sequence, xxh3_64,
-namespace digest, key, parent key, header xxh3) + payload, so a lost index is
-rebuilt from the segments.
+the plain file each run (1 MiB: put 0.8-0.95x, get >= 1x; docs/ssd.md). Directory
+and file layout: tiers/ssd_dir.py.
 
 Crash ordering. write: one ``pwritev`` per segment run + ``fdatasync`` (a new
 segment's name is fsynced into the directory first), then the batch's index
@@ -61,15 +54,10 @@ the index is reopened and the batch retried once.
 from __future__ import annotations
 
 import fcntl
-import gc
 import logging
 import os
-import re
-import shutil
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -77,54 +65,14 @@ import rocksdict
 
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind, as_u8
-from tiers.ssd_format import (
-    ALLOC,
-    CLOEXEC,
-    FREE,
-    HEADER,
-    IDENT_BYTES,
-    IOV_MAX,
-    KEY,
-    LIVE,
-    MAX_FDS,
-    NS,
-    NS_MAGIC,
-    NSKEY,
-    PARENT,
-    ROW,
-    SEG_RE,
-    VALUE,
-    HEADER_BYTES,
-    INDEX_DIR,
-    LOCK_FILE,
-    NAMESPACES_FILE,
-    RECORD_MAGIC,
-    RECORD_VERSION,
-    SCHEMA_FILE,
-    SCHEMA_MAGIC,
-    SCHEMA_VERSION,
-    FileLayer,
-    OsFileLayer,
-    record_checksum,
-    ident_bytes,
-    identity_arrays,
-    io_error,
-    loc_keys,
-    vec_io,
-    as_void,
-    write_all,
-)
+from tiers.ssd_dir import NamespaceFile, SsdDirectory
+from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, INDEX_DIR, IOV_MAX,
+                              LIVE, LOCK_FILE, MAX_FDS, NSKEY, RECORD_MAGIC, RECORD_VERSION, ROW,
+                              SEG_RE, VALUE, FileLayer, OsFileLayer, as_void, ident_bytes, identity_arrays,
+                              io_error, loc_keys, record_checksum, vec_io, write_all, scan_segment, chain_order,
+                              parse_index, Segment)
 
 log = logging.getLogger("kvstore.ssd")
-
-
-
-
-@dataclass(slots=True)
-class _Segment:
-    id: int
-    size: int
-    live: int = 0
 
 
 class SsdTier:
@@ -146,19 +94,20 @@ class SsdTier:
         self.gc_garbage_ratio = float(gc_garbage_ratio)
         self._capacity, self._used = int(capacity_bytes), 0
         self.corrupt_count = self.dropped_count = self.index_rebuilds = 0
-        self._segs: dict[int, _Segment] = {}
-        self._active: _Segment | None = None
+        self._segs: dict[int, Segment] = {}
+        self._active: Segment | None = None
         self._active_fd = -1
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._next_seg, self._seq, self._next_id = 1, 1, 0
         self._free_ids: list[int] = []
         self._alloc_arrays(1024)
-        self._ns: dict[bytes, bytes] = {}
         self._gc_buf = np.empty(0, dtype=np.uint8)
         self._closed = False
         self._wo, self._wo_lazy = rocksdict.WriteOptions(), rocksdict.WriteOptions()
         self._wo.sync = self.sync
-        self._prepare_dir()
+        self._dir = SsdDirectory(self.path, self.fs, self.sync)
+        self._nsfile = NamespaceFile(self._dir)
+        self._dir.prepare()
         self._lock_fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT | CLOEXEC, 0o600)
         try:
             try:
@@ -172,76 +121,18 @@ class SsdTier:
             raise
 
     # ------------------------------------------------------------ open path
-    def _prepare_dir(self) -> None:
-        """Create the directory (0700) with its schema marker, or check the marker."""
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        os.chmod(self.path, 0o700)
-        marker = os.path.join(self.path, SCHEMA_FILE)
-        try:
-            with open(marker, "rb") as f:
-                lines = f.read(4096).decode("utf-8", "replace").splitlines()
-        except FileNotFoundError:
-            stray = sorted(n for n in os.listdir(self.path) if not n.endswith(".tmp") and n != LOCK_FILE)
-            if stray:
-                raise InvalidArgument(f"{self.path} is not empty and has no {SCHEMA_FILE} marker: not a kvstore "
-                                      f"SSD directory (found {stray[:3]}); refusing to use it") from None
-            self._write_small(marker, f"{SCHEMA_MAGIC}\nschema {SCHEMA_VERSION}\n".encode())
-            return
-        m = re.fullmatch(r"schema (\d+)", lines[1].strip()) if len(lines) >= 2 else None
-        if lines[0].strip() != SCHEMA_MAGIC or m is None:
-            raise InvalidArgument(f"{marker} is not a kvstore SSD schema marker; refusing to open {self.path}")
-        if int(m.group(1)) != SCHEMA_VERSION:
-            raise InvalidArgument(
-                f"SSD directory {self.path} has schema {m.group(1)}, this kvstore reads only schema "
-                f"{SCHEMA_VERSION}; refusing to reinterpret it (use a matching kvstore or another directory)")
-
-    def _write_small(self, path: str, data: bytes) -> None:
-        """Atomically replace a small file: tmp, fdatasync, rename, fsync dir."""
-        fd = self.fs.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | CLOEXEC, 0o600)
-        try:
-            write_all(self.fs, fd, [np.frombuffer(data, np.uint8)], 0)
-            self.fs.fdatasync(fd)
-        finally:
-            self.fs.close(fd)
-        self.fs.rename(path + ".tmp", path)
-        self._sync_dir()
-
-    def _sync_dir(self) -> None:
-        if self.sync:
-            fd = self.fs.open(self.path, os.O_RDONLY | CLOEXEC)
-            try:
-                self.fs.fsync(fd)
-            finally:
-                self.fs.close(fd)
-
-    def _open_db(self) -> rocksdict.Rdict:
-        o = rocksdict.Options(raw_mode=True)
-        o.create_if_missing(True)
-        o.set_keep_log_file_num(2)
-        o.set_write_buffer_size(16 << 20)
-        db = rocksdict.Rdict(os.path.join(self.path, INDEX_DIR), o)
-        self._private_index()
-        return db
-
-    def _private_index(self) -> None:
-        path = os.path.join(self.path, INDEX_DIR)
-        os.chmod(path, 0o700)
-        for e in os.scandir(path):
-            if e.is_file(follow_symlinks=False):
-                os.chmod(e.path, 0o600)
-
     def _open(self) -> None:
         for name in os.listdir(self.path):
             m = SEG_RE.match(name)
             if m:
                 sid = int(m.group(1))
-                self._segs[sid] = _Segment(sid, os.stat(self._seg_path(sid)).st_size)
+                self._segs[sid] = Segment(sid, os.stat(self._seg_path(sid)).st_size)
                 self._next_seg = max(self._next_seg, sid + 1)
             elif name.endswith(".tmp"):
                 os.unlink(os.path.join(self.path, name))
-        self._load_namespaces()
+        self._nsfile.load()
         try:
-            self._db = self._open_db()
+            self._db = self._dir.open_db()
             locs, vals = self._read_index()
         except Exception as exc:  # noqa: BLE001 - any RocksDB failure: rebuild from segments
             log.warning("ssd index at %s unreadable (%s); rebuilding from segment headers", self.path, exc)
@@ -252,49 +143,19 @@ class SsdTier:
         """All block entries of the index as (locs, values)."""
         ks = cast("list[bytes]", list(self._db.keys()))
         vs = cast("list[bytes]", list(self._db.values()))
-        bad = [k for k, v in zip(ks, vs) if len(k) != 9 or k[:1] != b"b" or len(v) != VALUE.itemsize]
+        locs, vals, bad = parse_index(ks, vs)
         if bad:
             self.dropped_count += len(bad)
             self._delete_keys(bad, sync=False)
-            drop = set(bad)
-            pairs = [(k, v) for k, v in zip(ks, vs) if k not in drop]
-            ks, vs = [k for k, _ in pairs], [v for _, v in pairs]
-        locs = np.ascontiguousarray(np.frombuffer(b"".join(ks), dtype=np.uint8).reshape(-1, 9)[:, 1:])
-        return locs.view(">u8").ravel().astype(np.int64), np.frombuffer(b"".join(vs), dtype=VALUE).copy()
+        return locs, vals
 
     def _rebuild_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Scan segment headers into a fresh index (the old one goes to index.corrupt)."""
         self.index_rebuilds += 1
-        try:
-            self._db.close()
-        except Exception:  # noqa: BLE001 - absent or broken
-            pass
-        old, aside = os.path.join(self.path, INDEX_DIR), os.path.join(self.path, INDEX_DIR + ".corrupt")
-        shutil.rmtree(aside, ignore_errors=True)
-        if os.path.exists(old):
-            os.rename(old, aside)
-        self._db = self._open_db()
+        self._db = self._dir.fresh_index(getattr(self, "_db", None))
         found: dict[bytes, np.ndarray] = {}
-        hdr = np.empty(1, dtype=HEADER)
-        hb, h = hdr.view(np.uint8), hdr[0]
         for sid in sorted(self._segs):
-            fd = self.fs.open(self._seg_path(sid), os.O_RDONLY | CLOEXEC)
-            try:
-                off, end = 0, self._segs[sid].size
-                while off + HEADER_BYTES <= end and vec_io(self.fs.preadv, fd, [hb], off) == HEADER_BYTES:
-                    idn = h["ident"]
-                    rec_end = off + HEADER_BYTES + int(idn["size"])
-                    if (idn["magic"] != RECORD_MAGIC or int(idn["version"]) != RECORD_VERSION
-                            or record_checksum(hb[:IDENT_BYTES]) != int(h["hcrc"]) or rec_end > end):
-                        break
-                    v = np.zeros(1, dtype=VALUE)
-                    v["seg"], v["off"], v["ident"] = sid, off, idn
-                    name = bytes(hb[NSKEY])
-                    if name not in found or int(found[name]["ident"]["seq"][0]) < int(idn["seq"]):
-                        found[name] = v
-                    off = rec_end
-            finally:
-                self.fs.close(fd)
+            scan_segment(self.fs, self._seg_path(sid), sid, self._segs[sid].size, found)
         vals = np.concatenate(list(found.values())) if found else np.zeros(0, dtype=VALUE)
         vals = vals[np.argsort(vals["ident"]["seq"], kind="stable")]
         locs = np.arange(vals.size, dtype=np.int64)
@@ -445,7 +306,7 @@ class SsdTier:
                 log.warning("ssd index write failed (%s); reopening the index", exc)
                 try:
                     self._db.close()
-                    self._db = self._open_db()
+                    self._db = self._dir.open_db()
                 except Exception as exc2:
                     raise io_error(exc2, "reopening the index") from exc2
 
@@ -481,7 +342,7 @@ class SsdTier:
             self.fs.close(self._active_fd)
             self._active_fd = -1
 
-    def _ensure_active(self, need: int) -> _Segment:
+    def _ensure_active(self, need: int) -> Segment:
         """The segment to append ``need`` bytes to: the active one while it has
         room (or is empty), else a new one (the full one is synced and sealed)."""
         act = self._active
@@ -493,9 +354,9 @@ class SsdTier:
         sid = self._next_seg
         fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | CLOEXEC, 0o600)
         self._next_seg += 1
-        seg = self._segs[sid] = _Segment(sid, 0)
+        seg = self._segs[sid] = Segment(sid, 0)
         self._active, self._active_fd = seg, fd
-        self._sync_dir()  # the name is durable before anything points at it
+        self._dir.sync_dir()  # the name is durable before anything points at it
         return seg
 
     def _drop_segment(self, sid: int) -> int:
@@ -663,7 +524,7 @@ class SsdTier:
                 return freed
             freed += self._drop_segment(seg.id)
 
-    def _evacuate(self, seg: _Segment) -> int:
+    def _evacuate(self, seg: Segment) -> int:
         """Copy a segment's live records (checked on the way) to the active
         segment and re-point the index at them (synced); returns bytes appended."""
         top = self._next_id
@@ -701,75 +562,17 @@ class SsdTier:
 
     # ------------------------------------------------------------- restart
     def recover(self) -> list[tuple[int, BlockMeta, int, int]]:
+        """Every live block as (loc, owner, size, checksum), parents before children."""
         rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
-        n = rows.size
-        idn = self._ident[rows]
-        ib = ident_bytes(idn)
-        where = dict(zip(as_void(ib[:, NSKEY]).tolist(), range(n)))
-        pnames = as_void(np.concatenate([ib[:, NS], ib[:, PARENT]], axis=1)).tolist()
-        par = np.fromiter((where.get(p, -1) for p in pnames), dtype=np.int64, count=n)
-        par[idn["plen"] == 0] = -1
-        # depth by pointer jumping (depth = hops to anc): O(log chain) rounds, capped for corrupt cycles
-        depth, anc = (par >= 0).astype(np.int64), par.copy()
-        for _ in range(64):
-            m = np.flatnonzero(anc >= 0)
-            if not m.size:
-                break
-            up = anc[m]
-            depth[m], anc[m] = depth[m] + depth[up], anc[up]
-        order = np.lexsort((idn["seq"], depth)).tolist()
-        ns, keys, parents = (as_void(ib[:, part]).tolist() for part in (NS, KEY, PARENT))
-        plen, sizes, csums, locs = idn["plen"].tolist(), idn["size"].tolist(), idn["csum"].tolist(), rows.tolist()
-        paused = gc.isenabled()
-        gc.disable()  # 100k small objects: the cyclic GC would rescan them repeatedly
-        try:
-            return [(locs[i], BlockMeta(ns[i], keys[i], parents[i] if plen[i] else b""), sizes[i], csums[i])
-                    for i in order]
-        finally:
-            if paused:
-                gc.enable()
+        return chain_order(self._ident[rows], rows)
 
     def put_namespace(self, digest: bytes, descriptor: bytes) -> None:
         """Persist a namespace descriptor (atomic rewrite of the namespaces file)."""
-        digest, descriptor = bytes(digest), bytes(descriptor)
-        if not 0 < len(digest) <= 0xFFFF:
-            raise InvalidArgument(f"namespace digest must be 1..65535 bytes, got {len(digest)}")
-        if self._ns.get(digest) == descriptor:
-            return
-        ns = {**self._ns, digest: descriptor}
-        body = bytearray(NS_MAGIC + struct.pack("<II", 1, len(ns)))
-        for d, desc in ns.items():
-            body += struct.pack("<HI", len(d), len(desc)) + d + desc
-        body += struct.pack("<Q", record_checksum(bytes(body)))
-        try:
-            self._write_small(os.path.join(self.path, NAMESPACES_FILE), bytes(body))
-        except OSError as exc:
-            raise io_error(exc, "writing namespace descriptors") from exc
-        self._ns = ns
+        self._nsfile.put(digest, descriptor)
 
     def namespaces(self) -> dict[bytes, bytes]:
         """Namespace digest -> descriptor bytes, as persisted."""
-        return dict(self._ns)
-
-    def _load_namespaces(self) -> None:
-        try:
-            with open(os.path.join(self.path, NAMESPACES_FILE), "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return
-        try:
-            if len(data) < 20 or data[:4] != NS_MAGIC or struct.unpack_from("<I", data, 4)[0] != 1:
-                raise ValueError("bad magic or version")
-            if struct.unpack_from("<Q", data, len(data) - 8)[0] != record_checksum(data[:-8]):
-                raise ValueError("checksum mismatch")
-            pos, out = 12, {}
-            for _ in range(struct.unpack_from("<I", data, 8)[0]):
-                dl, nl = struct.unpack_from("<HI", data, pos)
-                out[data[pos + 6:pos + 6 + dl]] = data[pos + 6 + dl:pos + 6 + dl + nl]
-                pos += 6 + dl + nl
-            self._ns = out
-        except (ValueError, struct.error) as exc:
-            log.warning("ssd namespaces file unreadable (%s); namespaces start empty", exc)
+        return self._nsfile.all()
 
     # --------------------------------------------------------------- close
     def close(self) -> None:
@@ -782,7 +585,7 @@ class SsdTier:
         self._fds.clear()
         try:
             self._db.close()
-            self._private_index()
+            self._dir.private_index()
         finally:
             os.close(self._lock_fd)
 

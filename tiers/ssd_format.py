@@ -5,10 +5,12 @@ record header and identity layout, checksums, the ``FileLayer`` protocol
 from __future__ import annotations
 
 import errno
+import gc
 import importlib
 import os
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -148,3 +150,78 @@ def identity_arrays(owners: Sequence[BlockMeta]) -> tuple[np.ndarray, np.ndarray
     return (join([o.ns_digest for o in owners]), join([o.key for o in owners]),
             join([o.parent or bytes(16) for o in owners]),
             np.fromiter((len(o.parent) for o in owners), dtype=np.uint16, count=n))
+
+
+def scan_segment(fs: FileLayer, path: str, sid: int, end: int, found: dict[bytes, np.ndarray]) -> None:
+    """Read a segment's record headers into ``found`` ((namespace, key) ->
+    VALUE; the newest record of a key wins), up to the first bad header."""
+    hdr = np.empty(1, dtype=HEADER)
+    hb, h = hdr.view(np.uint8), hdr[0]
+    fd = fs.open(path, os.O_RDONLY | CLOEXEC)
+    try:
+        off = 0
+        while off + HEADER_BYTES <= end and vec_io(fs.preadv, fd, [hb], off) == HEADER_BYTES:
+            idn = h["ident"]
+            rec_end = off + HEADER_BYTES + int(idn["size"])
+            if (idn["magic"] != RECORD_MAGIC or int(idn["version"]) != RECORD_VERSION
+                    or record_checksum(hb[:IDENT_BYTES]) != int(h["hcrc"]) or rec_end > end):
+                break
+            v = np.zeros(1, dtype=VALUE)
+            v["seg"], v["off"], v["ident"] = sid, off, idn
+            name = bytes(hb[NSKEY])
+            if name not in found or int(found[name]["ident"]["seq"][0]) < int(idn["seq"]):
+                found[name] = v
+            off = rec_end
+    finally:
+        fs.close(fd)
+
+
+def chain_order(idn: np.ndarray, rows: np.ndarray) -> list[tuple[int, BlockMeta, int, int]]:
+    """Blocks (identities ``idn`` at locations ``rows``) as (loc, owner, size,
+    checksum), parents before children (by depth, then write sequence)."""
+    n = rows.size
+    ib = ident_bytes(idn)
+    where = dict(zip(as_void(ib[:, NSKEY]).tolist(), range(n)))
+    pnames = as_void(np.concatenate([ib[:, NS], ib[:, PARENT]], axis=1)).tolist()
+    par = np.fromiter((where.get(p, -1) for p in pnames), dtype=np.int64, count=n)
+    par[idn["plen"] == 0] = -1
+    # depth by pointer jumping (depth = hops to anc): O(log chain) rounds, capped for corrupt cycles
+    depth, anc = (par >= 0).astype(np.int64), par.copy()
+    for _ in range(64):
+        m = np.flatnonzero(anc >= 0)
+        if not m.size:
+            break
+        up = anc[m]
+        depth[m], anc[m] = depth[m] + depth[up], anc[up]
+    order = np.lexsort((idn["seq"], depth)).tolist()
+    ns, keys, parents = (as_void(ib[:, part]).tolist() for part in (NS, KEY, PARENT))
+    plen, sizes, csums, locs = idn["plen"].tolist(), idn["size"].tolist(), idn["csum"].tolist(), rows.tolist()
+    paused = gc.isenabled()
+    gc.disable()  # 100k small objects: the cyclic GC would rescan them repeatedly
+    try:
+        return [(locs[i], BlockMeta(ns[i], keys[i], parents[i] if plen[i] else b""), sizes[i], csums[i])
+                for i in order]
+    finally:
+        if paused:
+            gc.enable()
+
+
+@dataclass(slots=True)
+class Segment:
+    """One segment file: its id, its size, and the bytes of live records in it."""
+
+    id: int
+    size: int
+    live: int = 0
+
+
+def parse_index(ks: list[bytes], vs: list[bytes]) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    """The index's block entries as (locs, VALUE records), and the keys of
+    malformed entries (left out)."""
+    bad = [k for k, v in zip(ks, vs) if len(k) != 9 or k[:1] != b"b" or len(v) != VALUE.itemsize]
+    if bad:
+        drop = set(bad)
+        pairs = [(k, v) for k, v in zip(ks, vs) if k not in drop]
+        ks, vs = [k for k, _ in pairs], [v for _, v in pairs]
+    locs = np.ascontiguousarray(np.frombuffer(b"".join(ks), dtype=np.uint8).reshape(-1, 9)[:, 1:])
+    return locs.view(">u8").ravel().astype(np.int64), np.frombuffer(b"".join(vs), dtype=VALUE).copy(), bad
