@@ -45,6 +45,7 @@ from kvstore.daemon.events import EventLog
 from kvstore.keys import Namespace
 from kvstore.daemon.metrics import Metrics, loop_stats_fn
 from kvstore.wire.shm import host_identity
+from kvstore.core.eviction import PolicyName
 from kvstore.core.store import SlotResult, StoreConfig, TieredStore
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
@@ -602,20 +603,20 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
     """The store's settings from the daemon's config tree."""
     ssd = None
     if config.ssd.capacity:
-        from kvstore.core.ssd_mover import SsdSpec
+        from kvstore.core.ssd_mover import SsdSpec, WriteMode
 
         path = config.ssd.resolved_path()
         ssd = SsdSpec(path=str(path), capacity_bytes=config.ssd.capacity,
                       admit_min_hits=config.ssd.admit_min_hits,
                       write_budget_mbps=float(config.ssd.write_budget_mbps),
-                      write_mode=config.ssd.write_mode.value, low_watermark=config.ssd.low_watermark,
+                      write_mode=WriteMode(config.ssd.write_mode.value), low_watermark=config.ssd.low_watermark,
                       sync=config.ssd.sync)
     return StoreConfig(
         dram_bytes=config.dram.capacity,
         dram_page_bytes=config.dram.page_size,
         dram_slot_sizes=tuple(config.dram.slot_sizes),
         shm_name=config.dram.shm_name or None,
-        policy=config.eviction.policy.value,
+        policy=PolicyName(config.eviction.policy.value),
         dram_admission=config.eviction.dram_admission,
         reservation_timeout=config.server.reservation_timeout,
         ssd=ssd,
