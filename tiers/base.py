@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from kvstore.errors import InvalidArgument
+
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
@@ -56,8 +58,6 @@ class TierKind(IntEnum):
             return cls[name.strip().upper()]
         except KeyError:
             allowed = ", ".join(t.label for t in cls)
-            from kvstore.errors import InvalidArgument
-
             raise InvalidArgument(f"unknown tier {name!r}; allowed: {allowed}") from None
 
 

@@ -33,10 +33,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from kvstore.config import Config
 from kvstore.core.eviction import select_victims
 from kvstore.core.index import BlockState
 from kvstore.core.placement import Placement
@@ -44,9 +45,6 @@ from kvstore.errors import CapacityError, InvalidArgument, KeyStatus
 from kvstore.results import BatchResult, DropReason
 from tiers.base import Buffer, TierKind
 from tiers.hbm import CopyFn, HbmTier, MemInfo
-
-if TYPE_CHECKING:  # a type only: core never imports the config module at run time
-    from kvstore.config import Config
 
 log = logging.getLogger("kvstore.hbm")
 

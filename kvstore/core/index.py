@@ -39,16 +39,8 @@ IN_BATCH = -2
 """Parent references given to ``BlockIndex.insert``: ``IN_BATCH - i`` (that
 is ``-2 - i``) names "the row of keys[i]", an earlier key of the same batch,
 whose row does not exist yet. Any value ``<= IN_BATCH`` is such a reference."""
-
-
-def in_batch(i: int) -> int:
-    """The parent reference for "the row of the i-th key of this batch"."""
-    return IN_BATCH - i
-
-
-def in_batch_chain(n: int) -> list[int]:
-    """Parent references of keys 1..n-1 of a one-chain batch: ``[in_batch(0), ..., in_batch(n - 2)]``."""
-    return list(range(IN_BATCH, IN_BATCH - (n - 1), -1))
+NO_LOC = -1
+"""``loc``/``ssd_loc`` of a row with no slot there (e.g. no SSD copy)."""
 
 
 _EMPTY = -1
@@ -130,7 +122,7 @@ class BlockIndex:
         ("ns", "u4", 0),
         ("state", "u1", 0),
         ("tier", "u1", 0),
-        ("loc", "i8", -1),
+        ("loc", "i8", NO_LOC),
         ("size", "u4", 0),
         ("csum", "u8", 0),
         ("parent", "i4", NO_ROW),
@@ -144,7 +136,7 @@ class BlockIndex:
         ("last", "u8", 0),
         ("depth", "u4", 0),
         ("prio", "f8", 0.0),
-        ("ssd_loc", "i8", -1),
+        ("ssd_loc", "i8", NO_LOC),
     )
 
     k0: np.ndarray
@@ -362,7 +354,7 @@ class BlockIndex:
         """Add absent, distinct keys; ``parents`` are rows (or -1).
 
         A parent may be one of the rows being inserted (given as
-        ``in_batch(i)``, that is ``IN_BATCH - i``, meaning "the row of
+        ``plan.in_batch(i)``, that is ``IN_BATCH - i``, meaning "the row of
         keys[i]" with i earlier in this batch).
         Returns the new rows.
         """
@@ -401,7 +393,7 @@ class BlockIndex:
         self.hits[rows] = 0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint64)
         self.prio[rows] = 0.0
-        self.ssd_loc[rows] = -1
+        self.ssd_loc[rows] = NO_LOC
         # depth and child links, in order (a parent may precede in the batch)
         if chain:  # each key the only child of the one before: link the head, thread the rest
             self._link_rows(rows[:1], parents[:1])
@@ -512,8 +504,8 @@ class BlockIndex:
         self._table[where] = _TOMB
         self._tpos[rows] = -1
         self.state[rows] = BlockState.FREE
-        self.loc[rows] = -1
-        self.ssd_loc[rows] = -1
+        self.loc[rows] = NO_LOC
+        self.ssd_loc[rows] = NO_LOC
         self.pins[rows] = 0
         self.first_child[rows] = NO_ROW
         self.nchild[rows] = 0

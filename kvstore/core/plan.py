@@ -8,7 +8,7 @@ by this batch; a key that is refused (repeated, busy, empty, of the wrong
 size) refuses the rest of the chain after it (PARENT_MISSING).
 
 ``plan`` answers the batch indices to store and the parent reference of each
-(a row, ``NO_ROW``, or ``index.in_batch(j)`` for the j-th stored key of this
+(a row, ``NO_ROW``, or ``in_batch(j)`` for the j-th stored key of this
 batch), and fills the statuses of the rest.
 """
 
@@ -18,20 +18,27 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.core.index import (
-    NO_ROW,
-    BlockIndex,
-    BlockState,
-    in_batch,
-    in_batch_chain,
-    keys_to_array,
-)
+from kvstore.core.index import IN_BATCH, NO_ROW, BlockIndex, BlockState, keys_to_array
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.results import BatchResult
 
 PARENT_ABSENT = -3
 """``parent_row``'s answer for a parent that is named but not stored (a
 value no row and no in-batch reference has)."""
+
+
+
+def in_batch(i: int) -> int:
+    """The parent reference for "the row of the i-th key of this batch"
+    (``index.IN_BATCH - i``), as ``BlockIndex.insert`` takes it."""
+    return IN_BATCH - i
+
+
+def in_batch_chain(n: int) -> list[int]:
+    """Parent references of keys 1..n-1 of a one-chain batch:
+    ``[in_batch(0), ..., in_batch(n - 2)]``."""
+    return list(range(IN_BATCH, IN_BATCH - (n - 1), -1))
+
 
 Footprint = Callable[[int], object]
 """A tier's ``footprint(nbytes)``: raises InvalidArgument for a size it cannot hold."""

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvstore.core.eviction import PolicyName, make_policy, select_victims
 from kvstore.core.hbm_mover import HbmMover
-from kvstore.core.index import BlockState
+from kvstore.core.index import NO_LOC, BlockState
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import CapacityError, NotFound
@@ -101,7 +101,7 @@ class Resizer:
                 if copies.size == 0:
                     raise CapacityError("ssd blocks are pinned; retry after they are released")
                 t.free(idx.ssd_loc[copies[:64]])
-                idx.ssd_loc[copies[:64]] = -1
+                idx.ssd_loc[copies[:64]] = NO_LOC
                 continue
             place.drop(victims, DropReason.RESIZED)
             evicted += int(victims.size)

@@ -37,8 +37,9 @@ from enum import Enum
 import numpy as np
 
 from kvstore.core.eviction import close_upward, select_victims
-from kvstore.core.index import NO_ROW, BlockState, in_batch, keys_to_array
+from kvstore.core.index import NO_LOC, NO_ROW, BlockState, keys_to_array
 from kvstore.core.placement import Placement
+from kvstore.core.plan import in_batch
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import DropReason
@@ -211,7 +212,7 @@ class SsdMover:
                     break
                 victims = select_victims(idx, st.policy, copies, count - n)
                 self.tier.free(idx.ssd_loc[victims])
-                idx.ssd_loc[victims] = -1
+                idx.ssd_loc[victims] = NO_LOC
             more = self.tier.allocate(nbytes, count - n)
             got.append(more)
             n += more.size
@@ -222,7 +223,7 @@ class SsdMover:
         (-1 where there was no room or the write failed)."""
         st = self.placement
         idx = st.index
-        out = np.full(rows.size, -1, dtype=np.int64)
+        out = np.full(rows.size, NO_LOC, dtype=np.int64)
         if rows.size == 0:
             return out
         for digest, (ns_dict, block_bytes) in list(self.pending.items()):
@@ -252,7 +253,7 @@ class SsdMover:
             ok = csums == idx.csum[rows[:k]]
             if not np.all(ok):  # the DRAM copy no longer matches its checksum
                 self.tier.free(locs[~ok])
-            out[:k] = np.where(ok, locs, -1)
+            out[:k] = np.where(ok, locs, NO_LOC)
             self.bytes_demoted += int(nbytes * int(ok.sum()))
             return out
         finally:
@@ -304,7 +305,7 @@ class SsdMover:
         idx = st.index
         dram_locs = idx.loc[rows].copy()
         idx.set_tier(rows, int(TierKind.SSD), idx.ssd_loc[rows].copy())
-        idx.ssd_loc[rows] = -1
+        idx.ssd_loc[rows] = NO_LOC
         st.dram.free(dram_locs)
         self.demoted += int(rows.size)
         st.count_eviction(TierKind.DRAM, DropReason.DEMOTED, int(rows.size))

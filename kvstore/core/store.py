@@ -23,6 +23,17 @@ see each other's blocks even for equal key bytes. All blocks of a namespace
 have one payload size, fixed by its first block, so a wrong-size payload is
 rejected.
 
+Components (each publishes what its neighbours need; none reads another's
+underscore names, and imports point one way, facade first):
+
+- ``namespaces.Namespaces``: namespace <-> id, tenants, block sizes, lookup stats.
+- ``placement.Placement``: the index, the tier table, planning new blocks
+  (``plan``), eviction (policy, tenant shares), drops, corrupt blocks, reads.
+- ``holds.Holds``: reservations, leases, pins, their expiry.
+- ``resize.Resizer``: run-time resize and policy switch.
+- ``ssd_mover.SsdMover`` / ``hbm_mover.HbmMover``: the tiers below and above
+  DRAM; placement reaches them through its ``LowerTier``/``UpperTier`` protocols.
+
 Single-threaded by design: the daemon calls it from its event loop; there are
 no per-object locks.
 """
@@ -113,7 +124,7 @@ class StoreConfig:
 
 class TieredStore:
     """See the module docstring. A facade: the work is done by the
-    components it owns, ``namespaces`` (``Namespaces``), ``place``
+    components it owns, ``ns_registry`` (``Namespaces``), ``place``
     (``Placement``: index, tiers, eviction), ``holds`` (``Holds``),
     ``resizer`` (``Resizer``), ``ssd`` (``SsdMover``) and ``hbm``
     (``HbmMover``)."""
@@ -126,11 +137,11 @@ class TieredStore:
         policy = make_policy(cfg.policy)  # validated before the slab exists
         quotas = bool(cfg.tenant_shares) or cfg.default_tenant_share < 1.0
         shares = TenantShares(dict(cfg.tenant_shares), cfg.default_tenant_share) if quotas else None
-        self.namespaces_ = Namespaces()
+        self.ns_registry = Namespaces()
         self.counters = Counters()
         dram = DramTier(cfg.dram_bytes, name=cfg.shm_name, page_bytes=cfg.dram_page_bytes,
                         slot_sizes=cfg.dram_slot_sizes, copy_threads=cfg.copy_threads)
-        self.place = Placement(dram, policy, self.namespaces_, self.counters, verify_reads=cfg.verify_reads,
+        self.place = Placement(dram, policy, self.ns_registry, self.counters, verify_reads=cfg.verify_reads,
                                freq=FrequencySketch(cfg.dram_bytes >> 10) if cfg.dram_admission else None,
                                shares=shares)
         self.ssd: SsdMover | None = None
@@ -198,7 +209,7 @@ class TieredStore:
     def tenant_of(self, digest: bytes) -> str | None:
         """The tenant of the namespace with this digest; None when unknown or
         when namespaces of two tenants share the digest."""
-        return self.namespaces_.tenant_of(digest)
+        return self.ns_registry.tenant_of(digest)
 
     def background(self) -> bool:
         """One bounded step of background tier work (prefetch, write-through,
@@ -214,7 +225,7 @@ class TieredStore:
     def lookup(self, ns: Namespace, keys: KeysLike) -> LookupResult:
         # a queried namespace is counted in the per-namespace stats, but
         # queries alone register at most QUERY_NAMESPACES namespaces
-        nid = self.place.nsid(ns, create=len(self.namespaces_) < QUERY_NAMESPACES)
+        nid = self.place.nsid(ns, create=len(self.ns_registry) < QUERY_NAMESPACES)
         karr = keys_to_array(keys)
         res = self.index.lookup(nid, karr)
         if self.place.freq is not None:
@@ -226,7 +237,7 @@ class TieredStore:
         c.lookup_tokens += karr.shape[0] * ns.block_size
         c.lookup_hit_tokens += res.hit * ns.block_size
         if nid != NO_NS:
-            self.namespaces_.count_lookup(nid, karr.shape[0], res.hit)
+            self.ns_registry.count_lookup(nid, karr.shape[0], res.hit)
         return LookupResult(res.hit, res.tiers)
 
     def peek(self, ns: Namespace, keys: KeysLike) -> LookupResult:
@@ -236,8 +247,8 @@ class TieredStore:
 
     def block_bytes(self, ns: Namespace) -> int | None:
         """Payload bytes of this namespace's blocks, once known."""
-        nid = self.namespaces_.find(ns)
-        return None if nid is None else self.namespaces_.size_of(nid)
+        nid = self.ns_registry.find(ns)
+        return None if nid is None else self.ns_registry.size_of(nid)
 
     # ----------------------------------------------------------------- put
     def put(self, ns: Namespace, keys: KeysLike, payloads: Sequence[Buffer],
@@ -362,7 +373,7 @@ class TieredStore:
         rows = idx.used_rows()
         nid: int | None = None
         if ns is not None:
-            nid = self.namespaces_.find(ns)
+            nid = self.ns_registry.find(ns)
             if nid is None:
                 return 0
             rows = rows[idx.ns[rows] == nid]
@@ -379,7 +390,7 @@ class TieredStore:
         digest = ns.digest if ns is not None else b""
         self.place.emit(Event(EventKind.CLEARED, digest, []))
         if nid is not None and not keep:
-            self.namespaces_.forget_size(nid)
+            self.ns_registry.forget_size(nid)
         return int(rows.size)
 
     # ------------------------------------------------------------- stats
@@ -403,17 +414,17 @@ class TieredStore:
             ts.hits = int(self.tier_hits[int(kind)])
             out.append(ts)
         per_ns = np.bincount(idx.ns[rows[idx.state[rows] == BlockState.COMMITTED]].astype(np.int64),
-                             minlength=len(self.namespaces_))
+                             minlength=len(self.ns_registry))
         ns_stats = []
-        for nid, ns in self.namespaces_.items():
-            n_l, q, h = self.namespaces_.lookups(nid)
+        for nid, ns in self.ns_registry.items():
+            n_l, q, h = self.ns_registry.lookups(nid)
             ns_stats.append(NamespaceStats(namespace_label(ns), ns.tenant, ns.digest, n_l, q, h,
                                            int(per_ns[nid])))
         leases, reservations = self.holds.counts()
         return StoreStats(out, self.counters, ns_stats, self.policy.name.value, reservations, leases)
 
     def namespaces(self) -> Iterable[Namespace]:
-        return self.namespaces_.all()
+        return self.ns_registry.all()
 
     def committed_blocks(self) -> list[tuple[bytes, list[bytes]]]:
         """Every committed block, as (namespace digest, keys) per namespace."""
@@ -421,7 +432,7 @@ class TieredStore:
         rows = idx.used_rows()
         rows = rows[idx.state[rows] == BlockState.COMMITTED]
         nss = idx.ns[rows]
-        return [(self.namespaces_.digest(nid), idx.keys_of(rows[nss == nid])) for nid in np.unique(nss).tolist()]
+        return [(self.ns_registry.digest(nid), idx.keys_of(rows[nss == nid])) for nid in np.unique(nss).tolist()]
 
     # ------------------------------------------------ holds (see Holds)
     def reserve(self, ns: Namespace, keys: KeysLike, sizes: Sequence[int] | int,
