@@ -94,17 +94,17 @@ def spec_from_config(config: Config) -> HbmSpec | None:
     h = config.hbm
     if not h.capacity:
         return None
-    common = dict(admit=h.admit.value, page_bytes=h.page_size, slot_sizes=tuple(config.dram.slot_sizes))
+    admit, slots = AdmitMode(h.admit.value), tuple(config.dram.slot_sizes)
     if h.on_cpu:
         log.info("hbm tier on the host (hbm.on_cpu): %d bytes, no CUDA IPC", h.capacity)
-        return HbmSpec(h.capacity, "cpu", **common)  # type: ignore[arg-type]
+        return HbmSpec(h.capacity, "cpu", admit=admit, page_bytes=h.page_size, slot_sizes=slots)
     count = cuda_device_count()
     if h.device >= count:
         what = "no CUDA device is present" if count == 0 else f"only {count} CUDA devices are present"
         log.warning("hbm tier off: hbm.capacity is %d bytes on device %d, but %s; serving without it",
                     h.capacity, h.device, what)
         return None
-    return HbmSpec(h.capacity, f"cuda:{h.device}", **common)  # type: ignore[arg-type]
+    return HbmSpec(h.capacity, f"cuda:{h.device}", admit=admit, page_bytes=h.page_size, slot_sizes=slots)
 
 
 def cuda_device_count() -> int:
