@@ -111,6 +111,15 @@ class PagedSlots:
         partial = sum(len(self._pages[p].free) for p in self._partial[cid])
         return partial + len(self._free_pages) * per_page
 
+    def pages(self) -> list[tuple[int, int, int]]:
+        """(size class or -1 when unassigned, used slots, free slots) of each page."""
+        return [(p.cls, p.used, len(p.free)) for p in self._pages]
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no size class owns (retired ones excluded)."""
+        return len(self._free_pages)
+
     # ----------------------------------------------------------- allocation
     def allocate(self, nbytes: int, count: int) -> np.ndarray:
         cid = self.class_of(nbytes)
