@@ -33,7 +33,6 @@ from tiers.slots import SLOT_ALIGN, PagedSlots
 SHM_DIR = "/dev/shm"
 
 
-
 def default_shm_name() -> str:
     return f"kvstore-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
 

@@ -72,7 +72,6 @@ def _fmt(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB ({n} bytes)"
 
 
-
 def default_copy(dst: Any, src: Any, stream: Any) -> None:
     """``dst.copy_(src)``, on ``stream`` when there is one (non-blocking).
     Host to host (the cpu device) is a numpy copy: torch's CPU copy of

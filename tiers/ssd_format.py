@@ -58,7 +58,6 @@ def record_checksum(buf: Buffer) -> int:
     return int(_xxh3(buf))
 
 
-
 def io_error(exc: BaseException, what: str) -> KVStoreError:
     """ENOSPC/EDQUOT -> CapacityError; any other I/O failure -> Unavailable."""
     if (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or "no space" in str(exc).lower():

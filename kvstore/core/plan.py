@@ -27,7 +27,6 @@ PARENT_ABSENT = -3
 value no row and no in-batch reference has)."""
 
 
-
 def in_batch(i: int) -> int:
     """The parent reference for "the row of the i-th key of this batch"
     (``index.IN_BATCH - i``), as ``BlockIndex.insert`` takes it."""
