@@ -23,7 +23,7 @@ from typing import Iterable
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, TokenInput, block_keys
-from kvstore.results import Event, EventKind, RemoveReason
+from kvstore.results import Event, EventKind, DropReason
 
 __all__ = ["EndpointHit", "PrefixRouter"]
 
@@ -58,7 +58,7 @@ class PrefixRouter:
                     mine[k] = ev.ns_digest
                     self._where.setdefault(k, set()).add(endpoint)
             elif kind is EventKind.REMOVED:
-                if ev.reason is RemoveReason.MOVED:
+                if ev.reason is DropReason.MOVED:
                     return  # changed tier, still held (its new tier arrives as a stored event)
                 self._drop(endpoint, ev.keys)
             elif kind is EventKind.CLEARED:

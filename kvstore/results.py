@@ -23,6 +23,55 @@ import numpy as np
 from kvstore.errors import KeyStatus
 from tiers.base import TierKind
 
+
+class EventKind(str, Enum):
+    """What an ``Event`` reports. A ``str`` enum: equal to (and formatted
+    as) its value, so code and tests comparing with "stored" keep working."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+    GAP = "gap"
+    """WatchEvents only: events before ``first_available_seq`` were lost."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class DropReason(str, Enum):
+    """Why blocks left a tier: the ``reason`` of a "removed" ``Event`` and
+    the second half of a ``Counters.evictions`` key. A ``str`` enum with the
+    wire's strings as values."""
+
+    NONE = ""
+    """Not a removal (events of other kinds)."""
+    EVICTED = "evicted"
+    """Made room for other blocks (and had nowhere lower to go)."""
+    REMOVED = "removed"
+    """An explicit Remove."""
+    CLEARED = "cleared"
+    """An explicit Clear."""
+    CORRUPT = "corrupt"
+    """Failed its checksum (or an ancestor did)."""
+    ABORTED = "aborted"
+    """A reservation ended without commit (abort, expiry, a failed copy)."""
+    RESIZED = "resized"
+    """Did not fit when its tier shrank."""
+    MOVED = "moved"
+    """Left one tier for another (a "stored" event names the new one)."""
+    DEMOTED = "demoted"
+    """Counted in ``Counters.evictions``: moved down a tier on eviction."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 @dataclass(slots=True)
 class BatchResult:
     """One status per key, plus a message for keys that failed for a reason
@@ -63,7 +112,7 @@ class SlotResult(BatchResult):
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
 
     @classmethod
-    def empty(cls, n: int, status: KeyStatus) -> "SlotResult":
+    def empty(cls, n: int, status: KeyStatus) -> SlotResult:
         return cls([status] * n, tier_codes=np.zeros(n, np.uint8), offsets=np.full(n, -1, np.int64),
                    lengths=np.zeros(n, np.int64), checksums=np.zeros(n, np.uint64))
 
@@ -94,30 +143,6 @@ class LookupResult:
     __hash__ = None  # type: ignore[assignment]
 
 
-class EventKind(str, Enum):
-    """What an ``Event`` reports."""
-
-    STORED = "stored"
-    REMOVED = "removed"
-    CLEARED = "cleared"
-    GAP = "gap"
-    """WatchEvents only: events before ``first_available_seq`` were lost."""
-
-
-class RemoveReason(str, Enum):
-    """Why blocks were removed (``Event.reason`` of a REMOVED event)."""
-
-    EVICTED = "evicted"
-    REMOVED = "removed"
-    CORRUPT = "corrupt"
-    ABORTED = "aborted"
-    MOVED = "moved"
-    RESIZED = "resized"
-    """Evicted to fit a smaller tier (on the wire: EVICTED)."""
-    CLEARED = "cleared"
-    """Dropped by Clear (on the wire: EVICTED; a CLEARED event follows)."""
-
-
 @dataclass(slots=True, frozen=True)
 class Event:
     """A change other components may follow (WatchEvents, the cluster directory).
@@ -125,11 +150,11 @@ class Event:
     ``kind`` and ``reason`` are normalised to their enums (a plain string of
     the same value is accepted and converted)."""
 
-    kind: EventKind | str
+    kind: EventKind
     ns_digest: bytes
     keys: list[bytes]
     tier: TierKind | None = None
-    reason: RemoveReason | str | None = None
+    reason: DropReason = DropReason.NONE
     parent: bytes | None = None
     seq: int = 0
     """WatchEvents: the daemon's sequence number (0 on a GAP)."""
@@ -142,8 +167,8 @@ class Event:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, EventKind):
             object.__setattr__(self, "kind", EventKind(self.kind))
-        if self.reason is not None and not isinstance(self.reason, RemoveReason):
-            object.__setattr__(self, "reason", RemoveReason(self.reason) if self.reason else None)
+        if not isinstance(self.reason, DropReason):
+            object.__setattr__(self, "reason", DropReason(self.reason or ""))
 
 
 @dataclass(slots=True)
@@ -180,7 +205,7 @@ class Counters:
     capacity_rejects: int = 0
     reservations_expired: int = 0
     leases_expired: int = 0
-    evictions: dict[tuple[TierKind, str], int] = field(default_factory=dict)
+    evictions: dict[tuple[TierKind, DropReason], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)

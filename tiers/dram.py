@@ -22,14 +22,14 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore.buffers import as_u8
 from kvstore.checksum import copy_many, verify_many
 from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.slots import _ALIGN, PagedSlots
+from tiers.slots import SLOT_ALIGN, PagedSlots
 
 SHM_DIR = "/dev/shm"
 
@@ -45,7 +45,7 @@ class DramTier(PagedSlots):
     label = "dram"
 
     def __init__(self, capacity_bytes: int, *, name: str | None = None,
-                 page_bytes: int = 16 << 20, slot_align: int = _ALIGN,
+                 page_bytes: int = 16 << 20, slot_align: int = SLOT_ALIGN,
                  slot_sizes: Sequence[int] = (), copy_threads: int = 2) -> None:
         self._init_slots(capacity_bytes, page_bytes, slot_align, slot_sizes)
         self.copy_threads = max(1, int(copy_threads))

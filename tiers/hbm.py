@@ -49,8 +49,9 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ from kvstore.buffers import as_u8
 from kvstore.checksum import checksum_many
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.slots import _ALIGN, PagedSlots
+from tiers.slots import SLOT_ALIGN, PagedSlots
 
 log = logging.getLogger("kvstore.tiers.hbm")
 
@@ -171,7 +172,7 @@ class HbmTier(PagedSlots):
     label = "hbm"
 
     def __init__(self, capacity_bytes: int, *, device: Any = "cpu", page_bytes: int = 16 << 20,
-                 slot_align: int = _ALIGN, slot_sizes: Sequence[int] = (),
+                 slot_align: int = SLOT_ALIGN, slot_sizes: Sequence[int] = (),
                  mem_get_info: MemInfo | None = None, copy_fn: CopyFn | None = None,
                  hash_threads: int = 0) -> None:
         import torch

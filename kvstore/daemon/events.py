@@ -10,7 +10,7 @@ import collections
 import time
 from typing import Any, cast
 
-from kvstore.results import Event, EventKind, RemoveReason
+from kvstore.results import Event, EventKind, DropReason
 from kvstore.wire.convert import REASON_PB
 from proto import kvstore_pb2 as pb
 
@@ -37,7 +37,7 @@ class EventLog:
             msg.removed.keys.extend(ev.keys)
             msg.removed.tier = cast(Any, int(ev.tier) + 1) if ev.tier is not None else pb.TIER_UNSPECIFIED
             msg.removed.reason = (REASON_PB.get(ev.reason, pb.REMOVE_REASON_EVICTED)
-                                  if isinstance(ev.reason, RemoveReason) else pb.REMOVE_REASON_EVICTED)
+                                  if isinstance(ev.reason, DropReason) else pb.REMOVE_REASON_EVICTED)
         else:
             msg.cleared.ns_digest = ev.ns_digest
             msg.cleared.all_namespaces = not ev.ns_digest

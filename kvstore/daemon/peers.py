@@ -32,7 +32,7 @@ from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.errors import KVStoreError, KeyStatus
 from kvstore.keys import Namespace
-from kvstore.results import Event, EventKind, LookupResult, RemoveReason
+from kvstore.results import Event, EventKind, LookupResult, DropReason
 from kvstore.wire.convert import ns_pb
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
@@ -114,7 +114,7 @@ class ClusterNode:
         self._resync = True
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._digest_nid: dict[bytes, int] = {}
+        self._digest_ns: dict[bytes, Namespace] = {}
         self._loop = asyncio.get_running_loop()
         self.health_fn: Callable[[bool], None] | None = None
         self._last_health: bool | None = None
@@ -231,7 +231,7 @@ class ClusterNode:
         if ev.kind is EventKind.STORED:
             self._pending.append(("add", ev.ns_digest, ev.keys))
         elif ev.kind is EventKind.REMOVED:
-            if ev.reason is not RemoveReason.MOVED:
+            if ev.reason is not DropReason.MOVED:
                 self._pending.append(("remove", ev.ns_digest, ev.keys))
         else:
             self._pending.append(("clear", ev.ns_digest, []))
@@ -239,25 +239,16 @@ class ClusterNode:
 
     def _block_bytes_of(self, digest: bytes) -> int:
         st = self.store
-        nid = self._digest_nid.get(digest)
-        if nid is None:
-            for i, ns in enumerate(st._ns):
-                self._digest_nid.setdefault(ns.digest, i)
-            nid = self._digest_nid.get(digest)
-        return int(st._ns_size.get(nid, 0)) if nid is not None else 0
+        ns = self._digest_ns.get(digest)
+        if ns is None:
+            for n in st.namespaces():
+                self._digest_ns.setdefault(n.digest, n)
+            ns = self._digest_ns.get(digest)
+        return int(st.block_bytes(ns) or 0) if ns is not None else 0
 
     def _inventory(self) -> list[tuple[str, bytes, list[bytes]]]:
         """Every committed block of this node, per namespace, as add ops."""
-        from kvstore.core.index import BlockState
-
-        idx = self.store.index
-        rows = idx.used_rows()
-        rows = rows[idx.state[rows] == BlockState.COMMITTED]
-        out = []
-        nss = idx.ns[rows]
-        for nid in np.unique(nss).tolist():
-            out.append(("add", self.store._ns[nid].digest, idx.keys_of(rows[nss == nid])))
-        return out
+        return [("add", digest, keys) for digest, keys in self.store.committed_blocks()]
 
     async def _publisher(self) -> None:
         while True:
@@ -501,7 +492,7 @@ class ClusterNode:
         the slots: keep them reserved for good (leaked, never reused) rather
         than hand them to another block."""
         h = held.get("handle")
-        if h and self.store._reservations.pop(h, None) is not None:
+        if h and self.store.holds.quarantine(h):
             log.error("fetch slots of reservation %s quarantined: the transport could not confirm "
                       "its receives ended", h)
 
@@ -578,18 +569,16 @@ def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | N
     """Commit the first ``keep`` blocks of a fetch reservation, abort the
     rest (with their descendants). The store commits whole reservations;
     the tail is dropped first through its reservation record."""
-    h = store._reservations.get(handle)
-    if h is None:
+    n = store.holds.reserved_blocks(handle)
+    if n is None:
         return 0
     if keep <= 0:
         store.abort(handle, FETCH_OWNER)
         return 0
-    if keep < h.rows.size:
-        tail = type(h)(h.owner, h.ns, h.rows[keep:], h.deadline)
-        store._abort_rows(tail)
+    store.holds.truncate(handle, FETCH_OWNER, keep)
     sums = None
-    if checksums is not None and checksums.size >= h.rows.size:
-        sums = checksums[: h.rows.size].tolist()
+    if checksums is not None and checksums.size >= n:
+        sums = checksums[:n].tolist()
     res = store.commit(handle, FETCH_OWNER, sums)
     return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
 

@@ -21,6 +21,8 @@ from admission.quota import TenantRateLimiter
 from admission.slo import AdmissionConfig, AdmissionController, PredictorConfig, TTFTPredictor
 from kvstore import errors
 from kvstore.config import Config
+from kvstore.core.eviction import PolicyName
+from kvstore.core.ssd_mover import SsdSpec, WriteMode
 from kvstore.core.hbm_mover import spec_from_config as hbm_spec_from_config
 from kvstore.core.store import SlotResult, StoreConfig, TieredStore
 from kvstore.daemon.auth import Auth, Principal
@@ -174,20 +176,18 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
     """The store's settings from the daemon's config tree."""
     ssd = None
     if config.ssd.capacity:
-        from kvstore.core.ssd_mover import SsdSpec
-
         path = config.ssd.resolved_path()
         ssd = SsdSpec(path=str(path), capacity_bytes=config.ssd.capacity,
                       admit_min_hits=config.ssd.admit_min_hits,
                       write_budget_mbps=float(config.ssd.write_budget_mbps),
-                      write_mode=config.ssd.write_mode.value, low_watermark=config.ssd.low_watermark,
+                      write_mode=WriteMode(config.ssd.write_mode.value), low_watermark=config.ssd.low_watermark,
                       sync=config.ssd.sync)
     return StoreConfig(
         dram_bytes=config.dram.capacity,
         dram_page_bytes=config.dram.page_size,
         dram_slot_sizes=tuple(config.dram.slot_sizes),
         shm_name=config.dram.shm_name or None,
-        policy=config.eviction.policy.value,
+        policy=PolicyName(config.eviction.policy.value),
         dram_admission=config.eviction.dram_admission,
         reservation_timeout=config.server.reservation_timeout,
         ssd=ssd,

@@ -12,7 +12,7 @@ import numpy as np
 from admission.slo import TTFTBreakdown
 from kvstore.errors import InvalidArgument, KeyStatus, PermissionDenied
 from kvstore.keys import Namespace
-from kvstore.results import BatchResult, RemoveReason, SlotResult
+from kvstore.results import BatchResult, DropReason, SlotResult
 from kvstore.wire.status import STATUS_TABLE, status_for
 from proto import kvstore_pb2 as pb
 from tiers.base import TierKind
@@ -21,13 +21,13 @@ from tiers.hbm import HbmTier
 MAX_KEYS = 1 << 20
 """Most keys one call may carry."""
 
-REASONS: dict[int, RemoveReason | None] = {
-    pb.REMOVE_REASON_UNSPECIFIED: None, pb.REMOVE_REASON_EVICTED: RemoveReason.EVICTED,
-    pb.REMOVE_REASON_REMOVED: RemoveReason.REMOVED, pb.REMOVE_REASON_CORRUPT: RemoveReason.CORRUPT,
-    pb.REMOVE_REASON_MOVED: RemoveReason.MOVED, pb.REMOVE_REASON_ABORTED: RemoveReason.ABORTED}
-"""Wire RemoveReason -> enum."""
-REASON_PB: dict[RemoveReason, Any] = {v: k for k, v in REASONS.items() if v is not None}
-"""Enum -> wire RemoveReason."""
+REASONS: dict[int, DropReason] = {
+    pb.REMOVE_REASON_UNSPECIFIED: DropReason.NONE, pb.REMOVE_REASON_EVICTED: DropReason.EVICTED,
+    pb.REMOVE_REASON_REMOVED: DropReason.REMOVED, pb.REMOVE_REASON_CORRUPT: DropReason.CORRUPT,
+    pb.REMOVE_REASON_MOVED: DropReason.MOVED, pb.REMOVE_REASON_ABORTED: DropReason.ABORTED}
+"""Wire DropReason -> enum."""
+REASON_PB: dict[DropReason, Any] = {v: k for k, v in REASONS.items() if v is not DropReason.NONE}
+"""Enum -> wire DropReason."""
 
 def tier_pb(t: TierKind | int) -> Any:
     """Wire value of a tier (TierKind + 1; typed Any for the generated stubs)."""

@@ -129,7 +129,7 @@ def _leftovers(d) -> tuple[int, int, int]:
     """(leases, reservations, pinned rows) in the store."""
     def go() -> tuple[int, int, int]:
         st = d.store
-        return len(st._leases), len(st._reservations), int((st.index.pins[st.index.used_rows()] > 0).sum())
+        return *st.hold_counts(), int((st.index.pins[st.index.used_rows()] > 0).sum())
 
     return d.call(go)
 

@@ -154,12 +154,12 @@ def test_engine_dying_with_hbm_leases_releases_them_slab_intact(make_daemon):
             line = p.stdout.readline()
             assert line.startswith("READY 6"), line
             assert f"[{pb.TIER_HBM}, {pb.TIER_HBM}, {pb.TIER_HBM}]" in line  # reserved HBM slots too
-            assert d.call(lambda: (len(d.store._leases), len(d.store._reservations))) == (1, 1)
+            assert d.call(lambda: d.store.hold_counts()) == (1, 1)
             assert d.call(lambda: d.store.hbm.tier.used_bytes) > used0
         finally:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
-        wait_until(lambda: d.call(lambda: (len(d.store._leases), len(d.store._reservations))) == (0, 0),
+        wait_until(lambda: d.call(lambda: d.store.hold_counts()) == (0, 0),
                    what="the dead engine's lease and reservation to be reclaimed")
         idx = d.store.index
 

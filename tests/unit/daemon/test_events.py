@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from kvstore.daemon.events import EventLog
-from kvstore.results import Event, EventKind, RemoveReason
+from kvstore.results import Event, EventKind, DropReason
 from kvstore.wire.answers import event_from_pb
 from proto import kvstore_pb2 as pb
 from tiers.base import TierKind
@@ -27,9 +27,9 @@ def _log(capacity: int = 16) -> EventLog:
 
 def test_kinds_and_reasons_are_enums_with_todays_strings() -> None:
     assert [k.value for k in EventKind] == ["stored", "removed", "cleared", "gap"]
-    assert {r.value for r in RemoveReason} >= {"evicted", "removed", "corrupt", "aborted", "moved"}
+    assert {r.value for r in DropReason} >= {"evicted", "removed", "corrupt", "aborted", "moved"}
     ev = Event("removed", D, K[:1], TierKind.DRAM, "moved")  # strings are normalised
-    assert ev.kind is EventKind.REMOVED and ev.reason is RemoveReason.MOVED
+    assert ev.kind is EventKind.REMOVED and ev.reason is DropReason.MOVED
     assert ev.kind == "removed"
     assert Event(EventKind.STORED, D, K, TierKind.DRAM).reason is None
     with pytest.raises(ValueError):
@@ -39,7 +39,7 @@ def test_kinds_and_reasons_are_enums_with_todays_strings() -> None:
 def test_append_numbers_and_encodes() -> None:
     log = _log()
     log.append(Event(EventKind.STORED, D, K[:2], TierKind.DRAM, parent=K[3]))
-    log.append(Event(EventKind.REMOVED, D, K[:1], TierKind.SSD, RemoveReason.CORRUPT))
+    log.append(Event(EventKind.REMOVED, D, K[:1], TierKind.SSD, DropReason.CORRUPT))
     log.append(Event(EventKind.CLEARED, b"", []))
     assert log.seq == 3
     gap, evs = log.since(0)
@@ -51,11 +51,11 @@ def test_append_numbers_and_encodes() -> None:
 
 
 @pytest.mark.parametrize("reason,wire", [
-    (RemoveReason.EVICTED, pb.REMOVE_REASON_EVICTED), (RemoveReason.REMOVED, pb.REMOVE_REASON_REMOVED),
-    (RemoveReason.CORRUPT, pb.REMOVE_REASON_CORRUPT), (RemoveReason.ABORTED, pb.REMOVE_REASON_ABORTED),
-    (RemoveReason.MOVED, pb.REMOVE_REASON_MOVED), (RemoveReason.RESIZED, pb.REMOVE_REASON_EVICTED),
-    (RemoveReason.CLEARED, pb.REMOVE_REASON_EVICTED), (None, pb.REMOVE_REASON_EVICTED)])
-def test_reasons_on_the_wire(reason: RemoveReason | None, wire: int) -> None:
+    (DropReason.EVICTED, pb.REMOVE_REASON_EVICTED), (DropReason.REMOVED, pb.REMOVE_REASON_REMOVED),
+    (DropReason.CORRUPT, pb.REMOVE_REASON_CORRUPT), (DropReason.ABORTED, pb.REMOVE_REASON_ABORTED),
+    (DropReason.MOVED, pb.REMOVE_REASON_MOVED), (DropReason.RESIZED, pb.REMOVE_REASON_EVICTED),
+    (DropReason.CLEARED, pb.REMOVE_REASON_EVICTED), (None, pb.REMOVE_REASON_EVICTED)])
+def test_reasons_on_the_wire(reason: DropReason | None, wire: int) -> None:
     log = _log()
     log.append(Event(EventKind.REMOVED, D, K[:1], TierKind.DRAM, reason))
     assert log.since(0)[1][0].removed.reason == wire
@@ -74,12 +74,12 @@ def test_replay_and_gap() -> None:
 def test_round_trip_to_the_typed_event() -> None:
     log = _log()
     log.append(Event(EventKind.STORED, D, K[:2], TierKind.HBM, parent=K[3]))
-    log.append(Event(EventKind.REMOVED, D, K[:2], TierKind.DRAM, RemoveReason.MOVED))
+    log.append(Event(EventKind.REMOVED, D, K[:2], TierKind.DRAM, DropReason.MOVED))
     log.append(Event(EventKind.CLEARED, D, []))
     s, r, c = (event_from_pb(e) for e in log.since(0)[1])
     assert (s.kind, s.seq, s.keys, s.tier, s.parent, s.ns_digest) == (EventKind.STORED, 1, K[:2], TierKind.HBM, K[3], D)
     assert s.time_unix_ns > 0
-    assert (r.kind, r.reason, r.tier) == (EventKind.REMOVED, RemoveReason.MOVED, TierKind.DRAM)
+    assert (r.kind, r.reason, r.tier) == (EventKind.REMOVED, DropReason.MOVED, TierKind.DRAM)
     assert (c.kind, c.ns_digest, c.all_namespaces) == (EventKind.CLEARED, D, False)
     g = event_from_pb(pb.Event(seq=0, gap=pb.Gap(first_available_seq=7)))
     assert (g.kind, g.first_available_seq, g.seq) == (EventKind.GAP, 7, 0)
