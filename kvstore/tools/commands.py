@@ -18,7 +18,7 @@ from kvstore.config import load_config, parse_size
 from kvstore.errors import InvalidArgument
 from kvstore.keys import block_keys
 from kvstore.tools.format import capacity_table, diff_report, format_capacity, format_lookup, format_stats, \
-    human_bytes, int_field, tier_name
+    human_bytes, tier_name
 from kvstore.tools.inputs import CLIError, fail, load_request, make_namespace
 from tiers.base import TierKind
 

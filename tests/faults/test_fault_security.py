@@ -9,7 +9,6 @@ import ast
 import os
 import stat
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvstore.client import Client, ns_pb
 from kvstore.config import load_config
-from kvstore.errors import KeyStatus, PermissionDenied, Unauthenticated
+from kvstore.errors import KeyStatus, PermissionDenied
 from kvstore.core.index import BlockIndex
 from kvstore.keys import HashAlgo, KVDtype, KVLayout, Namespace, block_keys
 from kvstore.results import EventKind

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 
-import pytest
 
 from kvstore.client import Client
 from kvstore.errors import KeyStatus, KVStoreError

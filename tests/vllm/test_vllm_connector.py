@@ -31,7 +31,6 @@ import pytest
 
 from engine_adapter.router import PrefixRouter
 from kvstore.client import Client
-from kvstore.core.index import keys_to_array
 from kvstore.keys import Namespace
 from kvstore.results import EventKind
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
