@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from admission.quota import TenantShares, victim_mask
+from kvstore.buffers import as_u8
 from kvstore.core.eviction import (
     FrequencySketch,
     Policy,
@@ -33,7 +34,7 @@ from kvstore.core.plan import fix_tail_statuses, parent_row, plan
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
 from kvstore.results import BatchResult, Counters, DropReason, Event, EventKind
-from tiers.base import Buffer, Tier, TierKind, as_u8
+from tiers.base import Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from admission.quota import TenantShares
+from kvstore.buffers import as_u8
 from kvstore.core.eviction import FrequencySketch, Policy, PolicyName, make_policy
 from kvstore.core.hbm_mover import HbmMover, HbmSpec
 from kvstore.core.holds import Holds, KeysLike
@@ -70,7 +71,7 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
-from tiers.base import Buffer, Tier, TierKind, as_u8
+from tiers.base import Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
 __all__ = [
@@ -184,6 +185,11 @@ class TieredStore:
     @property
     def policy(self) -> Policy:
         return self.place.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        """Install a policy object (a custom one, e.g. the sweep's); names go through set_policy."""
+        self.place.policy = policy
 
     @property
     def freq(self) -> FrequencySketch | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.results import (BlockLocation, ChainDecisionKind, ClusterLookup, DaemonStats, Event, EventKind, HbmRegion,
+from kvstore.results import (BlockLocation, ChainDecisionKind, ClusterLookup, DaemonStats, DropReason, Event, EventKind, HbmRegion,
                              LookupResult, NamespaceStats, PolicyChange, ResizeResult, TierStats)
 from kvstore.wire.convert import REASONS, tier_codes_from_pb, tier_from_pb
 from proto import kvstore_pb2 as pb
@@ -66,7 +66,7 @@ def event_from_pb(ev: pb.Event) -> Event:
     if kind == "removed":
         m = ev.removed
         return Event(EventKind.REMOVED, m.ns_digest, list(m.keys), tier_from_pb(m.tier),
-                     reason=REASONS.get(int(m.reason)), **common)
+                     reason=REASONS.get(int(m.reason), DropReason.NONE), **common)
     if kind == "cleared":
         return Event(EventKind.CLEARED, ev.cleared.ns_digest, [], all_namespaces=ev.cleared.all_namespaces,
                      **common)

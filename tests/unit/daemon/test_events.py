@@ -31,7 +31,7 @@ def test_kinds_and_reasons_are_enums_with_todays_strings() -> None:
     ev = Event("removed", D, K[:1], TierKind.DRAM, "moved")  # strings are normalised
     assert ev.kind is EventKind.REMOVED and ev.reason is DropReason.MOVED
     assert ev.kind == "removed"
-    assert Event(EventKind.STORED, D, K, TierKind.DRAM).reason is None
+    assert Event(EventKind.STORED, D, K, TierKind.DRAM).reason is DropReason.NONE
     with pytest.raises(ValueError):
         Event("bogus", D, [])
 
