@@ -169,47 +169,35 @@ def ucx_module(host: str = "127.0.0.1", net_devices: str | None = None) -> Any:
     """The ``ucxx`` module, its context initialised for the running loop
     (``host``: the first address used, to pick ``lo`` for loopback; the
     block server and client call it; a caller may call it first to pay
-    UCX's one-time set-up outside a deadline)."""
+    UCX's one-time set-up outside a deadline).
+
+    ucxx publishes no accessor for its application context, whose notifier
+    thread must be restarted when the event loop changes (tests): ``core._ctx``
+    / ``core._get_ctx()`` are the one place this module reaches into ucxx's
+    private names."""
     global _bound_loop
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
+    from ucxx import core
 
     loop = asyncio.get_running_loop()
-    if _bound_loop is loop:
-        return ucxx
-    if _bound_loop is None:
+    if core._ctx is None:
         opts: dict[str, str] = {}
         if net_devices is None and "UCX_NET_DEVICES" not in os.environ and _is_loopback(host):
             net_devices = "lo"
         if net_devices and net_devices != "all":
             opts["NET_DEVICES"] = net_devices
-        try:
-            # thread progress + Python futures: the only mode that does not poll while idle
-            ucxx.init(options=opts, progress_mode="thread", enable_python_future=True)
-        except RuntimeError as e:
-            if "already initiated" not in str(e):
-                raise
-            # someone else (bare ucxx in a benchmark) initialised UCX first: bind it to this loop
-            _rebind(ucxx, loop)
+        # thread progress + Python futures: the only mode that does not poll while idle
+        ucxx.init(options=opts, progress_mode="thread", enable_python_future=True)
         _bound_loop = loop
-        return ucxx
-    _rebind(ucxx, loop)  # a new event loop (tests): move the notifier thread and progress to it
-    _bound_loop = loop
+    elif _bound_loop is not loop:
+        ctx = core._get_ctx()
+        if ctx.notifier_thread is not None:  # its futures belong to the old loop
+            ctx.stop_notifier_thread()
+            ctx.start_notifier_thread()
+        ctx.continuous_ucx_progress(loop)
+        _bound_loop = loop
     return ucxx
-
-
-def _rebind(ucxx: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """Bind the initialised UCX context to ``loop``: restart the notifier
-    thread (its futures belong to the loop it started on) and attach progress.
-
-    ucxx publishes no accessor for its application context, whose notifier
-    thread must be restarted here; ``core._get_ctx()`` is the one place this
-    module reaches into ucxx's private names."""
-    ctx = ucxx.core._get_ctx()
-    if ctx.notifier_thread is not None:  # its futures belong to the old loop
-        ctx.stop_notifier_thread()
-        ctx.start_notifier_thread()
-    ucxx.core.continuous_ucx_progress(loop)
 
 
 def shutdown() -> None:
@@ -217,10 +205,12 @@ def shutdown() -> None:
     the process from exiting) and release the context.  Call once at process
     exit, after every BlockServer/BlockClient is stopped/closed."""
     global _bound_loop
-    if "ucxx" not in sys.modules or _bound_loop is None:
+    if "ucxx" not in sys.modules:
         return
     from ucxx import core
 
+    if core._ctx is None:
+        return
     core.stop_notifier_thread()
     try:
         core.reset()
