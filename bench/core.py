@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from benchlib import Report, median_time  # noqa: E402
 
-from kvstore.index import BlockIndex, BlockState  # noqa: E402
+from kvstore.core.index import BlockIndex, BlockState  # noqa: E402
 from kvstore.keys import Namespace, block_keys  # noqa: E402
-from kvstore.store import StoreConfig, TieredStore  # noqa: E402
+from kvstore.core.store import StoreConfig, TieredStore  # noqa: E402
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from benchlib import Report  # noqa: E402
 
 from engine_adapter.hf import HFPrefixCache, build_model, llama_config, model_namespace  # noqa: E402
-from kvstore.demo import InProcessDaemon  # noqa: E402
+from kvstore.tools.demo import InProcessDaemon  # noqa: E402
 from tiers.base import TierKind  # noqa: E402
 
 PREFIX, SUFFIX, BLOCK = 2048, 32, 16

@@ -9,7 +9,7 @@ With CUDA (all in one run, same bytes, medians of ``--repeats``):
   -> DRAM slab, store stream, xxh3 verified on the host) with the DRAM slab
   registered pinned (``cudaHostRegister``), in blocks of ``--block``;
 - IPC between two processes: a child process maps this process's slab
-  through CUDA IPC (``kvstore.hbm_ipc``) and times device -> device put
+  through CUDA IPC (``kvstore.wire.hbm_ipc``) and times device -> device put
   (its buffer -> slab) and get (slab -> its buffer), beside a raw device ->
   device copy between two of its own buffers of the same size.
 
@@ -138,7 +138,7 @@ IPC_CHILD = r"""
 import json, statistics, sys, time
 import torch
 sys.path.insert(0, sys.argv[1])
-from kvstore.hbm_ipc import open_region
+from kvstore.wire.hbm_ipc import open_region
 dev, handle, off, size, block, repeats = (int(sys.argv[2]), bytes.fromhex(sys.argv[3]), int(sys.argv[4]),
                                           int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
 m = open_region(dev, handle, off, size)

@@ -4,7 +4,7 @@ For every trace kind of ``bench/workloads.py`` (chat, shared_prompt, agent,
 docqa, mix) x three DRAM capacities (``--fractions`` of the trace's live
 peak: the capacity at which Bélády reaches an unbounded cache's hit ratio) x
 the policies ``lru``, ``lfu``, ``cost``, it replays the trace through an
-in-process ``TieredStore`` (``kvstore.replay``) and computes, for the same
+in-process ``TieredStore`` (``kvstore.tools.replay``) and computes, for the same
 trace and capacity, Bélády's hit ratio (``belady``: store every missing
 block, evict the block used furthest ahead) and MIN's (``belady_min``: also
 decline to store blocks used furthest ahead: optimal admission). With an SSD
@@ -67,9 +67,9 @@ sys.path.insert(0, ROOT)
 
 from benchlib import Report  # noqa: E402
 
-from kvstore import replay as R  # noqa: E402
-from kvstore.eviction import PolicyName  # noqa: E402
-from kvstore.index import BlockIndex  # noqa: E402
+from kvstore.tools import replay as R  # noqa: E402
+from kvstore.core.eviction import PolicyName  # noqa: E402
+from kvstore.core.index import BlockIndex  # noqa: E402
 
 KINDS = ("chat", "shared_prompt", "agent", "docqa", "mix")
 POLICIES = ("lru", "lfu", "cost")
@@ -114,7 +114,7 @@ class OracleFrequency:
 # --------------------------------------------------------------- workers
 @lru_cache(maxsize=4)
 def _trace(kind: str, seed: int, scale: float, block_size: int) -> R.PreparedTrace:
-    import workloads as W
+    from kvstore.tools import workloads as W
 
     p = W.params_for(kind, W.parse_params(kind, {"scale": scale}))
     return R.prepare(W.make_trace(kind, seed, p), block_size, name=kind)

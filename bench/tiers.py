@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchlib import Report  # noqa: E402
 
 from kvstore.keys import Namespace  # noqa: E402
-from kvstore.store import StoreConfig, TieredStore  # noqa: E402
-from kvstore.tiering import SsdSpec  # noqa: E402
+from kvstore.core.store import StoreConfig, TieredStore  # noqa: E402
+from kvstore.core.ssd_mover import SsdSpec  # noqa: E402
 from tiers.base import BlockMeta  # noqa: E402
 from tiers.ssd import SsdTier  # noqa: E402
 
@@ -203,7 +203,7 @@ def bench_recovery(rep: Report, root: str, nblocks: int) -> None:
     payload = rng.integers(0, 256, size, dtype=np.uint8)
     t0 = time.perf_counter()
     with SsdTier(tdir, nblocks * (size + 128) + 64 * MIB, sync=False) as tier:
-        # the descriptor the store persists for a namespace (kvstore.tiering)
+        # the descriptor the store persists for a namespace (kvstore.core.ssd_mover)
         tier.put_namespace(ns, json.dumps({"namespace": namespace.to_dict(), "block_bytes": size},
                                           sort_keys=True).encode())
         for b in range(0, nblocks, batch):

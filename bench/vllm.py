@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 
 from benchlib import Report  # noqa: E402
 
-from kvstore.demo import InProcessDaemon  # noqa: E402
+from kvstore.tools.demo import InProcessDaemon  # noqa: E402
 
 VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 TESTS = os.path.join(ROOT, "tests", "vllm")

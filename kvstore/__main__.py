@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from kvstore.cli import main
+from kvstore.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import random
-import struct
 import time
 from typing import Any, Callable
 
@@ -393,7 +392,7 @@ def test_daemon_survived_with_bounded_memory(served) -> None:
     s["log"].flush()
     s["log"].seek(0)
     text = s["log"].read()
-    internal = text.count("ERROR kvstore.server:")  # a handler's unexpected exception
+    internal = text.count("ERROR kvstore.daemon.server:")  # a handler's unexpected exception
     total = sum(INPUTS.values())
     record("fuzz", inputs_total=total, crashes=0 if s["serve"].alive() else 1, internal_errors=internal,
            status_codes=dict(sorted(CODES.items())), rss_start_mib=mib(s["start_rss"]), rss_peak_mib=mib(peak),

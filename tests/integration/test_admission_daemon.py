@@ -12,7 +12,7 @@ import pytest
 from kvstore.client import Client, ns_pb
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace, block_keys
-from kvstore.store import StoreConfig, TieredStore
+from kvstore.core.store import StoreConfig, TieredStore
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import chain, payload_for

@@ -22,7 +22,7 @@ pytest.importorskip("ucxx")
 pytest.importorskip("transport.ucx")
 
 from kvstore.client import ns_pb  # noqa: E402
-from kvstore.shm import host_identity  # noqa: E402
+from kvstore.wire.shm import host_identity  # noqa: E402
 from proto import kvstore_pb2 as pb  # noqa: E402
 from proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
 from tests.faults.faultlib import free_port  # noqa: E402

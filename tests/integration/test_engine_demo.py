@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvstore import cli  # noqa: E402
-from kvstore.demo import QUESTIONS, format_runs, run_demo, system_prompt  # noqa: E402
+from kvstore.tools import cli  # noqa: E402
+from kvstore.tools.demo import QUESTIONS, format_runs, run_demo, system_prompt  # noqa: E402
 
 
 def test_demo_runs_behave_as_the_user_expects():

@@ -81,9 +81,9 @@ def test_hbm_larger_than_free_device_memory_refuses_to_start():
 
 
 def test_tier_streams_demotion_roundtrip_on_device():
-    from kvstore.hbm_path import HbmSpec
+    from kvstore.core.hbm_mover import HbmSpec
     from kvstore.keys import Namespace
-    from kvstore.store import StoreConfig, TieredStore
+    from kvstore.core.store import StoreConfig, TieredStore
     from tests.conftest import chain, payload_for
     from tiers.base import TierKind
 

@@ -1,0 +1,411 @@
+"""The synchronous client for the kvstore daemon: ``Client``, and the
+``Reservation``/``Lease`` of its two-phase zero-copy calls.
+
+On the same host the client maps the daemon's shared-memory slab and moves
+the bytes itself: a put is ``Reserve`` -> copy into the slots (fused with the
+xxh3_64 checksum) -> ``Commit``; a get is ``Acquire`` -> copy out (checksum
+verified) -> ``Release``. Elsewhere (or with ``use_shm=False``) it falls back
+to inline ``Put``/``Get`` bytes, split under the message size limit. Every
+call takes a whole batch of keys: one RPC per request, not one per block.
+
+A session (``Handshake`` + a ``KeepAlive`` stream held open in the
+background) ties the client's leases and reservations to its life: if the
+process dies, the daemon reclaims them. Answers are typed
+(``kvstore.results``); failures raise the exception tree
+(``kvstore.wire.status``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence, cast
+
+import grpc
+import numpy as np
+
+from kvstore.buffers import as_u8, pack_keys
+from kvstore.checksum import verify_many
+from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
+from kvstore.client.socket import LookupSocketClient
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, Unavailable
+from kvstore.keys import Namespace
+from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, PolicyChange, ResizeResult
+from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
+                                  policy_from_pb, resize_from_pb, stats_from_pb)
+from kvstore.wire.convert import ns_pb
+from kvstore.wire.shm import host_identity
+from kvstore.wire.status import error_from_rpc
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
+from tiers.base import Buffer, TierKind
+
+log = logging.getLogger("kvstore.client")
+
+__all__ = ["DEFAULT_TARGET", "Client", "Lease", "Reservation", "error_from_rpc"]
+
+
+class Client(ClientBase):
+    """Synchronous client. Use as a context manager or call ``close()``."""
+
+    def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
+                 tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
+                 timeout: float = 30.0, session: bool = True, fast_lookup: bool = True) -> None:
+        """``fast_lookup``: on the daemon's host, send ``lookup`` over its fast
+        Lookup socket (kvstore.client.socket) instead of gRPC."""
+        super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
+        creds = self._creds()
+        self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
+                        else grpc.insecure_channel(self.target, self._options()))
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+        self._keepalive: Any = None
+        if session:
+            resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
+                client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
+            self._after_handshake(resp)
+            self._keepalive = self.stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session),
+                                                  metadata=self._md())
+            threading.Thread(target=self._drain_keepalive, daemon=True, name="kvstore-keepalive").start()
+            if fast_lookup and self._fast_path:
+                try:
+                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token)
+                except (OSError, KVStoreError) as e:
+                    log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
+
+    def _drain_keepalive(self) -> None:
+        try:
+            for _ in self._keepalive:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return method(request, metadata=self._md(), timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def _unary(self, name: str, request: Any) -> Any:
+        """A control call of the shared-memory path: over the fast socket when
+        there is one (kvstore.client.socket), else gRPC. A socket that breaks
+        mid-call fails the call (it may have run) and gRPC is used from then on."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                data = fast.call(name, request.SerializeToString())
+            except KVStoreError:  # the daemon's answer (some are OSError subclasses)
+                raise
+            except OSError as e:
+                log.warning("fast socket failed (%s): control calls go over gRPC", e)
+                fast.close()
+                self._fast = None
+                raise Unavailable(f"UNAVAILABLE: {name} over the fast socket failed: {e}") from None
+            return getattr(pb, name + "Response").FromString(data)
+        return self._call(getattr(self.stub, name), request)
+
+    def close(self) -> None:
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self.slab is not None:
+            self.slab.close()
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------- queries
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        fast = self._fast
+        if fast is not None:
+            wire = self._ns_wire.get(ns)
+            if wire is None:
+                wire = self._ns_wire[ns] = ns_pb(ns).SerializeToString(deterministic=True)
+            try:
+                hit, tiers = fast.lookup(wire, pack_keys(keys, check=True))
+                return lookup_from_values(hit, tiers)
+            except KVStoreError:  # the daemon's answer (some are OSError subclasses)
+                raise
+            except OSError as e:  # the socket broke: gRPC from now on
+                log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
+                fast.close()
+                self._fast = None
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True)))
+        return lookup_from_pb(r)
+
+    def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
+        """Lookup in cluster mode (docs/cluster.md): where each block is and
+        whether to fetch or recompute what peers hold."""
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), cluster=True,
+                                                          to_hbm=to_hbm))
+        return cluster_lookup_from_pb(r)
+
+    def stats(self, include_namespaces: bool = True) -> DaemonStats:
+        r = self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))
+        return stats_from_pb(r)
+
+    # --------------------------------------------------------------- put
+    def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
+            parent: bytes | None = None) -> list[KeyStatus]:
+        """Store a chain segment; one status per key."""
+        keys = list(keys)
+        if len(keys) != len(payloads):
+            raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
+        if self.slab is not None:
+            return self._put_shm(ns, keys, payloads, parent)
+        return self._put_inline(ns, keys, payloads, parent)
+
+    def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
+                 parent: bytes | None) -> list[KeyStatus]:
+        srcs = [as_u8(p) for p in payloads]
+        r = self._unary("Reserve", self._reserve_request(ns, keys, srcs, parent))
+        if not r.reservation_id:
+            return [KeyStatus(x) for x in r.slots.status]
+        try:
+            statuses, csums = self._fill_slots(r, srcs)
+        except BaseException:
+            self._unary("Abort", pb.AbortRequest(reservation_id=r.reservation_id))
+            raise
+        c = self._unary("Commit", pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
+        return self._merge_commit(statuses, c)
+
+    def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
+                    parent: bytes | None) -> list[KeyStatus]:
+        out: list[KeyStatus] = []
+        for req in self._put_requests(ns, keys, payloads, parent):
+            out += self._statuses(self._call(self.stub.Put, req).results)
+        return out
+
+    # --------------------------------------------------------------- get
+    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        """Copy the leading present blocks into ``outs``; one status per key."""
+        keys = list(keys)
+        if len(outs) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
+        if self.slab is not None:
+            return self._get_shm(ns, keys, outs)
+        return self._get_inline(ns, keys, outs)
+
+    def get(self, ns: Namespace, keys: Sequence[bytes]) -> list[np.ndarray | None]:
+        """The present blocks' bytes (None where missing)."""
+        keys = list(keys)
+        if self.slab is not None:
+            out: list[np.ndarray | None] = [None] * len(keys)
+            with self.acquire(ns, keys) as lease:
+                hit = [i for i, v in enumerate(lease.views) if v is not None]
+                copies = [np.empty(int(lease.views[i].size), np.uint8) for i in hit]  # type: ignore[union-attr]
+                ok = verify_many(copies, [lease.views[i] for i in hit], [lease.checksums[i] for i in hit],
+                                 self.copy_threads)
+            for i, buf, good in zip(hit, copies, ok.tolist()):
+                out[i] = buf if good else None  # bytes failing their checksum are a miss, never returned
+            self._report_bad(ns, [keys[i] for i, good in zip(hit, ok.tolist()) if not good])
+            return out
+        bufs: dict[int, bytearray] = {}
+        for idx, chunk in self._stream_get(ns, keys):
+            if chunk.status != pb.STATUS_OK:
+                continue
+            b = bufs.setdefault(idx, bytearray(chunk.total))
+            b[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+        return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
+
+    def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True))
+        try:
+            statuses = self._read_slots(r, outs)
+        finally:
+            if r.lease_id:
+                self._unary("Release", pb.ReleaseRequest(lease_id=r.lease_id))
+        self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
+        return statuses
+
+    def _report_bad(self, ns: Namespace, keys: list[bytes]) -> None:
+        """Tell the daemon which blocks failed their checksum here, so it
+        drops them (best effort: the read already treats them as misses)."""
+        if keys:
+            try:
+                self.report_corrupt(ns, keys)
+            except KVStoreError:
+                pass
+
+    def _stream_get(self, ns: Namespace, keys: list[bytes]) -> Iterator[tuple[int, pb.GetChunk]]:
+        try:
+            for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=keys), metadata=self._md(),
+                                       timeout=self.timeout):
+                yield chunk.index, chunk
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def _get_inline(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        statuses = [KeyStatus.MISS] * len(keys)
+        for _, chunk in self._stream_get(ns, keys):
+            self._apply_chunk(chunk, outs, statuses)
+        return statuses
+
+    # ------------------------------------------------ two-phase, low level
+    def view(self, offset: int, length: int) -> np.ndarray:
+        """Writable zero-copy view of slab bytes (same-host clients only)."""
+        if self.slab is None:
+            raise Unavailable("no shared-memory slab: the daemon is on another host or use_shm=False")
+        return self._view(offset, length)
+
+    def map_hbm(self) -> Any:
+        """Map the daemon's HBM slab through CUDA IPC (once per process) and
+        return the mapping (``view(offset, length)`` gives device tensors).
+        Raises Unavailable without an HBM tier, on another host, when the
+        tier runs on the host (hbm.on_cpu) or without CUDA here."""
+        if self.hbm is None:
+            if not self.hbm_regions:
+                raise Unavailable("the daemon has no hbm tier this client can map (none, or another host)")
+            from kvstore.wire.hbm_ipc import open_region
+
+            r = self.hbm_regions[0]
+            self.hbm = open_region(r.device, r.ipc_handle, r.base_offset, r.size_bytes, r.slab_id, r.ipc)
+        return self.hbm
+
+    def hbm_view(self, offset: int, length: int) -> Any:
+        """Device tensor view of an HBM slot (after map_hbm)."""
+        return self.map_hbm().view(offset, length)
+
+    def reserve(self, ns: Namespace, keys: Sequence[bytes], block_bytes: int,
+                parent: bytes | None = None, tier: str | None = None) -> "Reservation":
+        """Reserve slots for a chain segment of equal-size blocks; write them
+        through ``view(offset, length)`` (from any process that maps the
+        slab, e.g. every TP rank writing its shard), then ``commit``.
+        ``tier="hbm"`` asks for device slots: those whose ``tiers`` entry is
+        HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
+        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
+                                block_bytes=block_bytes, tier=tier_field(tier))
+        r = self._unary("Reserve", req)
+        sa = r.slots
+        return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length),
+                           [TierKind(t - 1) if t else None for t in sa.tier], int(sa.device))
+
+    def commit(self, reservation: "Reservation", checksums: Sequence[int] | None = None) -> list[KeyStatus]:
+        """Make reserved blocks visible. Without ``checksums`` the daemon
+        computes them from the slab."""
+        c = self._unary("Commit", pb.CommitRequest(reservation_id=reservation.reservation_id,
+                                                          checksums=list(checksums or [])))
+        return self._merge_commit(reservation.statuses, c)
+
+    def release_lease(self, lease_id: str) -> None:
+        """Unpin a lease's blocks (``Lease.release`` calls this)."""
+        self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
+
+    def abort(self, reservation: "Reservation") -> int:
+        return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], tier: str | None = None,
+                cluster: bool = False) -> "Lease":
+        """Pin the hit prefix and return zero-copy views into the slab
+        (shared-memory clients only). Release with ``Lease.release()`` or a
+        ``with`` block. ``tier="hbm"`` (after ``map_hbm``): blocks are
+        promoted into HBM where possible and HBM slots come back as device
+        tensor views (``Lease.tiers`` says which). ``cluster``: fetch what
+        peers hold first when that beats recomputing it (docs/cluster.md)."""
+        if self.slab is None:
+            raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
+        want = tier_field(tier)
+        if want == TierKind.HBM + 1:
+            self.map_hbm()
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True,
+                                                     tier=want, cluster=cluster))
+        sa = r.slots
+        hit = int(r.hit_blocks)
+        tiers = [TierKind(sa.tier[i] - 1) for i in range(hit)]
+        views: list[Any] = [self.hbm.view(sa.offset[i], sa.length[i]) if t is TierKind.HBM
+                            else self._view(sa.offset[i], sa.length[i]) for i, t in enumerate(tiers)]
+        views += [None] * (len(sa.status) - hit)
+        lease = Lease(self, r.lease_id, hit, views, list(sa.checksum), list(sa.offset[:hit]), list(sa.length[:hit]))
+        lease.tiers = tiers
+        return lease
+
+    # ------------------------------------------------------------ others
+    def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
+        return self._statuses(self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys))).results)
+
+    def report_corrupt(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Tell the daemon these blocks failed their checksum on our side."""
+        return int(self._call(self.stub.ReportCorrupt, pb.ReportCorruptRequest(ns=ns_pb(ns), keys=list(keys))).dropped)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        req = pb.ClearRequest(ns=ns_pb(ns)) if ns is not None else pb.ClearRequest(all_namespaces=True)
+        return int(self._call(self.stub.Clear, req).removed)
+
+    def watch_events(self, after_seq: int = 0, ns: Namespace | None = None,
+                     timeout: float | None = None) -> Iterator[Event]:
+        """The daemon's events after ``after_seq`` (a GAP event first when some
+        were lost), until ``timeout`` seconds pass (None: for ever)."""
+        req = pb.WatchRequest(after_seq=after_seq)
+        if ns is not None:
+            req.ns.CopyFrom(ns_pb(ns))
+        try:
+            for ev in self.stub.WatchEvents(req, metadata=self._md(), timeout=timeout):
+                yield event_from_pb(ev)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            raise error_from_rpc(e) from None
+
+    def admin_get_config(self) -> str:
+        return str(self._call(self.admin.GetConfig, pb.GetConfigRequest()).toml)
+
+    def admin_resize(self, tier: str, capacity_bytes: int) -> ResizeResult:
+        r = self._call(self.admin.ResizeTier, pb.ResizeTierRequest(
+            tier=cast(Any, int(TierKind.parse(tier)) + 1), capacity_bytes=capacity_bytes))
+        return resize_from_pb(r)
+
+    def admin_set_policy(self, name: str) -> PolicyChange:
+        r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
+        return policy_from_pb(r)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Slots reserved for new blocks: write ``length`` bytes at ``offset`` of
+    each OK key, then ``Client.commit``."""
+
+    reservation_id: str
+    statuses: list[KeyStatus]
+    offsets: list[int]
+    lengths: list[int]
+    tiers: list[TierKind | None] = field(default_factory=list)
+    """Tier of each slot (HBM: write through Client.hbm_view)."""
+    device: int = 0
+    """CUDA device of the HBM slots."""
+
+
+class Lease:
+    """Pinned blocks a shared-memory client reads in place: the first
+    ``hit_blocks`` keys, at ``offsets``/``lengths`` in the slab."""
+
+    def __init__(self, client: Client, lease_id: str, hit_blocks: int, views: list[np.ndarray | None],
+                 checksums: list[int], offsets: list[int] | None = None, lengths: list[int] | None = None) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self.hit_blocks = hit_blocks
+        self.views = views
+        self.checksums = checksums
+        self.offsets = offsets or []
+        self.lengths = lengths or []
+        self.tiers: list[TierKind] = [TierKind.DRAM] * hit_blocks
+        self._released = not lease_id
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.views = [None] * len(self.views)
+            self.client.release_lease(self.lease_id)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

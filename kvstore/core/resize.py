@@ -1,0 +1,109 @@
+"""Run-time changes to a ``TieredStore`` (the Admin service): switching the
+eviction policy and resizing a tier without a restart and without losing
+blocks that still fit. A component of ``TieredStore`` (kvstore/core/store.py)
+working through ``Placement`` and the movers; it runs on the store's single
+thread."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstore.core.eviction import PolicyName, make_policy, select_victims
+from kvstore.core.hbm_mover import HbmMover
+from kvstore.core.index import NO_LOC, BlockState
+from kvstore.core.placement import Placement
+from kvstore.core.ssd_mover import SsdMover
+from kvstore.errors import CapacityError, NotFound
+from kvstore.results import DropReason
+from tiers.base import TierKind
+
+
+class Resizer:
+    """``set_policy`` and ``resize``."""
+
+    def __init__(self, place: Placement, ssd: SsdMover | None = None, hbm: HbmMover | None = None) -> None:
+        self.placement = place
+        self.ssd = ssd
+        self.hbm = hbm
+
+    def set_policy(self, name: str | PolicyName) -> str:
+        """Switch the eviction policy, keeping every block. Returns the old name."""
+        place = self.placement
+        old = place.policy.name.value
+        place.policy = make_policy(name, place.index)
+        return old
+
+    def resize(self, tier: TierKind, capacity_bytes: int) -> int:
+        """Change a tier's capacity at run time. Shrinking moves blocks out of
+        the retired region into free slots, evicting (policy order, leaf
+        first) only what no longer fits. Returns blocks evicted."""
+        if tier is TierKind.SSD and self.ssd is not None:
+            return self._resize_ssd(capacity_bytes)
+        if tier is TierKind.HBM and self.hbm is not None:
+            return self.hbm.resize(capacity_bytes)
+        if tier is not TierKind.DRAM:
+            raise NotFound(f"tier {tier.label} is not configured")
+        place = self.placement
+        t = place.dram
+        pages = t.pages_above(capacity_bytes)
+        evicted = 0
+        idx = place.index
+        if len(pages):
+            rows = idx.used_rows()
+            rows = rows[idx.tier[rows] == TierKind.DRAM]
+            inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
+            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != BlockState.COMMITTED):
+                raise CapacityError("blocks in the region being retired are pinned or being "
+                                    "written; retry after they are released")
+            # stop handing out retired pages, then relocate what is there
+            t.retire_pages(pages)
+            for r in inside.tolist():
+                if idx.state[r] == BlockState.FREE:
+                    continue
+                n = int(idx.size[r])
+                dst = t.allocate(n, 1)
+                if dst.size == 0:
+                    victims = place.victims(TierKind.DRAM, t.class_of(n), 1)
+                    victims = victims[~t.locs_in_pages(idx.loc[victims], pages)]
+                    if victims.size:
+                        place.drop(victims, DropReason.RESIZED)
+                        evicted += 1
+                        dst = t.allocate(n, 1)
+                if dst.size == 0:
+                    if idx.nchild[r] == 0:
+                        place.drop(np.asarray([r]), DropReason.RESIZED)
+                        evicted += 1
+                        continue
+                    sub = idx.subtree(np.asarray([r]))
+                    place.drop(sub, DropReason.RESIZED)
+                    evicted += int(sub.size)
+                    continue
+                src = int(idx.loc[r])
+                np.copyto(t.buf[int(dst[0]) : int(dst[0]) + n], t.buf[src : src + n])
+                t.free(np.asarray([src]))
+                idx.loc[r] = int(dst[0])
+        t.resize(capacity_bytes)
+        return evicted
+
+    def _resize_ssd(self, capacity_bytes: int) -> int:
+        assert self.ssd is not None
+        t = self.ssd.tier
+        place = self.placement
+        idx = place.index
+        evicted = 0
+        while t.used_bytes > capacity_bytes:
+            rows = idx.used_rows()
+            cand = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.SSD)
+                        & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
+            victims = select_victims(idx, place.policy, cand, 64)
+            if victims.size == 0:
+                copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
+                if copies.size == 0:
+                    raise CapacityError("ssd blocks are pinned; retry after they are released")
+                t.free(idx.ssd_loc[copies[:64]])
+                idx.ssd_loc[copies[:64]] = NO_LOC
+                continue
+            place.drop(victims, DropReason.RESIZED)
+            evicted += int(victims.size)
+        t.resize(capacity_bytes)
+        return evicted

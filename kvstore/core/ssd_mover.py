@@ -1,0 +1,511 @@
+"""Movement between the DRAM and SSD tiers: demote, promote, prefetch,
+write-through copies, and recovery of the SSD tier at start.
+
+The index keeps one *read place* per block (``tier``/``loc``) and, for a
+block read from DRAM, optionally the location of an intact SSD copy
+(``ssd_loc``): a promoted block keeps its SSD copy, and a write-through copy
+is made in the background, so evicting such a block from DRAM only drops the
+DRAM slot. The index never names two places to read from.
+
+- Evicting a DRAM block (policy order, leaf-first within DRAM): with an SSD
+  copy, the read place moves to SSD; else, if the SSD write admission admits
+  it (seen ``admit_min_hits`` times, within the write budget) or it has cached
+  children (a chain is never cut in the middle), it is written to SSD (data
+  first, index second) and moved; else it is dropped (and counted).
+- Evicting from SSD: SSD-resident blocks with no cached child anywhere,
+  policy order; then SSD copies of DRAM-resident blocks.
+- Promotion (``Acquire``/``Get``/``Prefetch``): SSD blocks are read into new
+  DRAM slots (checksum, namespace and key verified by the SSD tier), keep
+  their SSD copy, and become DRAM blocks. A block failing verification is a
+  miss and is dropped with its subtree.
+- Background work (``TieredStore.background``): prefetches first, then
+  write-through copies, then write-back demotion down to the low watermark,
+  then SSD space reclaim; each call does a bounded amount so foreground calls
+  interleave and never queue behind demotions.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from kvstore.core.eviction import close_upward, select_victims
+from kvstore.core.index import NO_LOC, NO_ROW, BlockState, keys_to_array
+from kvstore.core.placement import Placement
+from kvstore.core.plan import in_batch
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.keys import Namespace
+from kvstore.results import DropReason
+from tiers.base import BlockMeta, Buffer, TierKind
+from tiers.ssd import SsdTier
+from tiers.ssd_admit import SsdAdmission
+
+log = logging.getLogger("kvstore.core.ssd_mover")
+
+
+class WriteMode(str, Enum):
+    """When DRAM blocks are written to the SSD tier."""
+
+    BACK = "back"
+    """Demote on eviction (and in the background below the low watermark)."""
+    THROUGH = "through"
+    """Copy to SSD in the background soon after a put, so eviction only drops the DRAM copy."""
+
+    @classmethod
+    def parse(cls, value: str | WriteMode) -> WriteMode:
+        if isinstance(value, WriteMode):
+            return value
+        try:
+            return cls(str(value))
+        except ValueError:
+            raise InvalidArgument(f"ssd.write_mode {value!r}; allowed: {', '.join(m.value for m in cls)}") from None
+
+
+WRITE_MODES = tuple(m.value for m in WriteMode)
+
+
+@dataclass(slots=True, frozen=True)
+class SsdSpec:
+    path: str
+    capacity_bytes: int
+    admit_min_hits: int = 2
+    write_budget_mbps: float = 0.0
+    write_mode: WriteMode = WriteMode.BACK
+    """``WriteMode.BACK``: demote on eviction; ``THROUGH``: copy to SSD in the
+    background soon after a put, so eviction only drops the DRAM copy. A str
+    ("back", "through") is accepted and converted."""
+    low_watermark: float = 0.05
+    """Write-back keeps at least this share of DRAM free in the background."""
+    sync: bool = True
+    segment_bytes: int = 64 << 20
+    step_bytes: int = 8 << 20
+    """Most bytes one background step moves."""
+    prefetch_queue: int = 65536
+    """Bounded prefetch queue (blocks); beyond it Prefetch queues nothing more."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "write_mode", WriteMode.parse(self.write_mode))
+
+
+@dataclass(slots=True)
+class Recovery:
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    dropped: int = 0
+
+
+class SsdMover:
+    """Owns the SSD tier, its write admission and the movement queues."""
+
+    def __init__(self, place: Placement, spec: SsdSpec, clock: Callable[[], float]) -> None:
+        self.placement = place
+        self.spec = spec
+        self.tier = SsdTier(spec.path, spec.capacity_bytes, sync=spec.sync, segment_bytes=spec.segment_bytes)
+        self.admission = SsdAdmission(min_hits=spec.admit_min_hits, write_budget_mbps=spec.write_budget_mbps,
+                                      clock=clock)
+        self.prefetch_q: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.copy_q: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.demoted = 0
+        self.promoted = 0
+        self.dropped_cold = 0
+        self.bytes_demoted = 0
+        self.bytes_promoted = 0
+        self.write_errors = 0
+        self.refused: set[str] = set()
+        """Namespaces (as sorted JSON) whose digest another namespace holds on SSD."""
+        self.pending: dict[bytes, tuple[dict[str, object], int | None]] = {}
+        """Namespaces whose descriptor could not be written yet (digest -> its registration)."""
+
+    # ------------------------------------------------------------ helpers
+    def meta(self, rows: np.ndarray) -> list[BlockMeta]:
+        """What the SSD tier records beside each block (namespace, key, parent)."""
+        place = self.placement
+        idx = place.index
+        keys = idx.keys_of(rows)
+        out = []
+        for r, k in zip(rows.tolist(), keys):
+            p = int(idx.parent[r])
+            out.append(BlockMeta(place.namespaces.digest(int(idx.ns[r])), k, idx.key_of(p) if p >= 0 else b""))
+        return out
+
+    def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
+        """Verified reads of SSD blocks into host buffers."""
+        idx = self.placement.index
+        return self.tier.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs, self.meta(rows))
+
+    def free_copies(self, rows: np.ndarray) -> None:
+        """Free the SSD copies of ``rows`` (blocks being dropped)."""
+        idx = self.placement.index
+        copies = rows[idx.ssd_loc[rows] >= 0]
+        if copies.size:
+            self.tier.free(idx.ssd_loc[copies])
+
+    def on_stored(self, rows: np.ndarray) -> None:
+        """New blocks were committed: count them for admission, queue write-through copies."""
+        self.admission.seen(self.placement.index.keys_of(rows))
+        self.queue_copy(rows)
+
+    def on_read(self, rows: np.ndarray) -> None:
+        """Blocks were read: count them for admission."""
+        self.admission.seen(self.placement.index.keys_of(rows))
+
+    def register_namespace(self, digest: bytes, ns_dict: Mapping[str, object], block_bytes: int | None) -> None:
+        """Persist a namespace (and its payload size once known) for restarts.
+
+        SSD records name their namespace by digest only. Should two different
+        namespaces' digests collide, the one persisted first keeps the
+        digest and the other's blocks are never written to SSD (evicting
+        them drops them), so a restart cannot hand one's blocks to the other."""
+        old = self.tier.namespaces().get(bytes(digest))
+        if old is not None:
+            try:
+                theirs = json.loads(old)["namespace"]
+            except (ValueError, KeyError, TypeError):
+                theirs = None  # unreadable: recovery skipped it too; replace it
+            if theirs is not None and theirs != dict(ns_dict):
+                self.refused.add(json.dumps(dict(ns_dict), sort_keys=True))
+                log.warning("ssd: namespace digest %s already names another namespace; blocks of %s stay "
+                            "out of the ssd tier", bytes(digest).hex(), ns_dict)
+                return
+        doc = {"namespace": ns_dict, "block_bytes": block_bytes}
+        try:
+            self.tier.put_namespace(digest, json.dumps(doc, sort_keys=True).encode())
+        except KVStoreError as e:
+            # disk full or failing: puts into DRAM go on; until its descriptor
+            # is written (retried before each SSD write), a namespace never
+            # persisted keeps its blocks out of the SSD tier
+            self.write_errors += 1
+            if old is None:
+                self.pending[bytes(digest)] = (dict(ns_dict), block_bytes)
+            log.warning("ssd: namespace descriptor not written (%s)", e)
+            return
+        self.pending.pop(bytes(digest), None)
+
+    def _ssd_room(self, nbytes: int, count: int, protect: np.ndarray) -> np.ndarray:
+        """Up to ``count`` SSD ids, evicting SSD blocks (no cached children)."""
+        st = self.placement
+        idx = st.index
+        got = [self.tier.allocate(nbytes, count)]
+        n = got[0].size
+        while n < count:
+            rows = idx.used_rows()
+            ssd = rows[idx.tier[rows] == TierKind.SSD]
+            # a block with a child in DRAM stays (the child needs its parent)
+            blocked = ((idx.state[ssd] != BlockState.COMMITTED) | (idx.pins[ssd] > 0)
+                       | (idx.nchild[ssd] != idx.nchild_tier[ssd]))
+            if protect.size:
+                blocked |= np.isin(ssd, protect)
+            victims = st.select(TierKind.SSD, ssd, blocked, count - n)
+            if victims.size:
+                st.drop(victims, DropReason.EVICTED)
+            else:
+                copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
+                if copies.size == 0:
+                    break
+                victims = select_victims(idx, st.policy, copies, count - n)
+                self.tier.free(idx.ssd_loc[victims])
+                idx.ssd_loc[victims] = NO_LOC
+            more = self.tier.allocate(nbytes, count - n)
+            got.append(more)
+            n += more.size
+        return np.concatenate(got)
+
+    def _write(self, rows: np.ndarray) -> np.ndarray:
+        """Write DRAM blocks ``rows`` (one size) to SSD; returns the SSD ids
+        (-1 where there was no room or the write failed)."""
+        st = self.placement
+        idx = st.index
+        out = np.full(rows.size, NO_LOC, dtype=np.int64)
+        if rows.size == 0:
+            return out
+        for digest, (ns_dict, block_bytes) in list(self.pending.items()):
+            self.register_namespace(digest, ns_dict, block_bytes)
+        if self.refused or self.pending:
+            blocked = self.refused | {json.dumps(d, sort_keys=True) for d, _ in self.pending.values()}
+            names = {int(n): json.dumps(st.namespaces.get(int(n)).to_dict(), sort_keys=True) for n in np.unique(idx.ns[rows])}
+            keep = np.fromiter((names[int(n)] not in blocked for n in idx.ns[rows]), bool, rows.size)
+            if not keep.all():
+                out[keep] = self._write(rows[keep])
+                return out
+        nbytes = int(idx.size[rows[0]])
+        idx.pins[rows] += 1  # in flight: not evicted, not reused
+        try:
+            locs = self._ssd_room(nbytes, rows.size, rows)
+            k = locs.size
+            if k == 0:
+                return out
+            views = [st.dram.view(int(idx.loc[r]), int(idx.size[r])) for r in rows[:k].tolist()]
+            try:
+                csums = self.tier.write(locs, views, self.meta(rows[:k]))
+            except KVStoreError as e:
+                self.write_errors += 1
+                self.tier.free(locs)
+                log.warning("ssd write of %d blocks failed: %s", k, e)
+                return out
+            ok = csums == idx.csum[rows[:k]]
+            if not np.all(ok):  # the DRAM copy no longer matches its checksum
+                self.tier.free(locs[~ok])
+            out[:k] = np.where(ok, locs, NO_LOC)
+            self.bytes_demoted += int(nbytes * int(ok.sum()))
+            return out
+        finally:
+            idx.pins[rows] -= 1
+
+    # ----------------------------------------------------------- eviction
+    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> None:
+        """Make DRAM room from ``victims`` (DRAM blocks, unpinned, closed under
+        their DRAM descendants). ``keep``
+        rows must stay stored: they are demoted even when not admitted."""
+        st = self.placement
+        idx = st.index
+        st.policy.on_evict(idx, victims)
+        copied = idx.ssd_loc[victims] >= 0
+        has_copy = victims[copied]
+        rest = victims[~copied]
+        if rest.size:
+            keys = idx.keys_of(rest)
+            # a block keeping a child (one not leaving with it) must be demoted
+            inset = np.zeros(idx.parent.size, dtype=np.int64)
+            par = idx.parent[victims].astype(np.int64)
+            np.add.at(inset, par[par >= 0], 1)
+            must = idx.nchild[rest] > inset[rest]
+            if keep is not None and keep.size:
+                must |= np.isin(rest, keep)
+            admit = self.admission.admit(keys, idx.size[rest].astype(np.int64)) | must
+            # the parent of a demoted block is demoted too (chains stay whole)
+            full = copied.copy()
+            full[~copied] = admit
+            admit = close_upward(idx, victims, full)[~copied]
+            to_write = rest[admit]
+            cold = rest[~admit]
+            if to_write.size:
+                ids = self._write(to_write)
+                written = to_write[ids >= 0]
+                idx.ssd_loc[written] = ids[ids >= 0]
+                has_copy = np.concatenate([has_copy, written])
+                failed = to_write[ids < 0]
+                cold = np.concatenate([cold, failed])
+            if cold.size:
+                self.dropped_cold += int(cold.size)
+                st.drop(idx.subtree(cold), DropReason.EVICTED)
+                has_copy = has_copy[idx.state[has_copy] == BlockState.COMMITTED]  # not dropped with a parent
+        if has_copy.size:
+            self._move_to_ssd(has_copy)
+
+    def _move_to_ssd(self, rows: np.ndarray) -> None:
+        st = self.placement
+        idx = st.index
+        dram_locs = idx.loc[rows].copy()
+        idx.set_tier(rows, int(TierKind.SSD), idx.ssd_loc[rows].copy())
+        idx.ssd_loc[rows] = NO_LOC
+        st.dram.free(dram_locs)
+        self.demoted += int(rows.size)
+        st.count_eviction(TierKind.DRAM, DropReason.DEMOTED, int(rows.size))
+        st.emit_moved(rows, TierKind.DRAM, TierKind.SSD)
+
+    # ---------------------------------------------------------- promotion
+    def promote(self, rows: np.ndarray) -> np.ndarray:
+        """Bring SSD blocks (a chain prefix, parents first) into DRAM.
+        Returns a mask of rows now readable from DRAM; rows failing
+        verification are dropped with their subtrees."""
+        st = self.placement
+        idx = st.index
+        ok = np.zeros(rows.size, dtype=bool)
+        if rows.size == 0:
+            return ok
+        nbytes = int(idx.size[rows[0]])
+        idx.pins[rows] += 1
+        try:
+            locs = st.make_room(TierKind.DRAM, nbytes, rows.size, np.zeros(0, np.int64),
+                                 for_ns=int(idx.ns[rows[0]]))
+        finally:
+            idx.pins[rows] -= 1
+        k = locs.size
+        if k == 0:
+            return ok
+        sel = rows[:k]
+        outs = [st.dram.view(int(o), nbytes) for o in locs.tolist()]
+        good = self.tier.read_into(idx.loc[sel], idx.size[sel], idx.csum[sel], outs, self.meta(sel))
+        if not np.all(good):
+            first_bad = int(np.argmin(good))  # a chain stops at its first bad block
+            st.dram.free(locs[first_bad:])
+            st.corrupt(sel[first_bad:first_bad + 1])
+            sel, locs = sel[:first_bad], locs[:first_bad]
+        if sel.size:
+            ssd_locs = idx.loc[sel].copy()
+            idx.set_tier(sel, int(TierKind.DRAM), locs)
+            idx.ssd_loc[sel] = ssd_locs  # keep the SSD copy: a later eviction is free
+            self.promoted += int(sel.size)
+            self.bytes_promoted += nbytes * int(sel.size)
+            st.emit_moved(sel, TierKind.SSD, TierKind.DRAM)
+        ok[: sel.size] = True
+        return ok
+
+    def queue_prefetch(self, rows: np.ndarray) -> int:
+        idx = self.placement.index
+        n = 0
+        for r in rows.tolist():
+            if len(self.prefetch_q) >= self.spec.prefetch_queue:
+                break
+            self.prefetch_q.append((r, int(idx.k0[r]), int(idx.k1[r])))
+            n += 1
+        return n
+
+    def queue_copy(self, rows: np.ndarray) -> None:
+        if self.spec.write_mode is not WriteMode.THROUGH:
+            return
+        idx = self.placement.index
+        for r in rows.tolist():
+            self.copy_q.append((r, int(idx.k0[r]), int(idx.k1[r])))
+
+    def _take(self, q: collections.deque[tuple[int, int, int]], tier: TierKind, budget: int) -> np.ndarray:
+        """Still-valid rows from a queue (same key, committed, in ``tier``)."""
+        idx = self.placement.index
+        out: list[int] = []
+        seen: set[int] = set()
+        size = -1
+        while q and budget > 0:
+            r, k0, k1 = q[0]
+            live = (idx.state[r] == BlockState.COMMITTED and int(idx.k0[r]) == k0 and int(idx.k1[r]) == k1
+                    and idx.tier[r] == tier)
+            if not live or r in seen or (tier == TierKind.DRAM and idx.ssd_loc[r] >= 0):
+                q.popleft()
+                continue
+            if size >= 0 and int(idx.size[r]) != size:
+                break  # one size per batch
+            size = int(idx.size[r])
+            out.append(r)
+            seen.add(r)
+            budget -= size
+            q.popleft()
+        return np.asarray(out, dtype=np.int64)
+
+    # --------------------------------------------------------- background
+    def step(self) -> bool:
+        """One bounded unit of background work. True when more is pending."""
+        st = self.placement
+        idx = st.index
+        budget = self.spec.step_bytes
+        rows = self._take(self.prefetch_q, TierKind.SSD, budget)
+        if rows.size:
+            # promote in chain order (parents first): sort by depth
+            self.promote(rows[np.argsort(idx.depth[rows], kind="stable")])
+            return True
+        rows = self._take(self.copy_q, TierKind.DRAM, budget)
+        if rows.size:
+            admit = self.admission.admit(idx.keys_of(rows), idx.size[rows].astype(np.int64))
+            rows = rows[admit]
+            ids = self._write(rows)
+            idx.ssd_loc[rows[ids >= 0]] = ids[ids >= 0]
+            return True
+        if self.spec.write_mode is WriteMode.BACK:
+            t = st.dram
+            low = int(t.capacity_bytes * self.spec.low_watermark)
+            free = t.capacity_bytes - t.used_bytes
+            if free < low:
+                cand = st.evictable(TierKind.DRAM)
+                if cand.size:
+                    size = max(1, int(np.median(idx.size[cand])))
+                    k = max(1, min(budget // size, (low - free) // size + 1))
+                    victims = st.victims(TierKind.DRAM, None, k)
+                    if victims.size:
+                        self.evict_dram(victims)
+                        return True
+        if self.tier.garbage_bytes > self.spec.segment_bytes:
+            # more only while reclaim makes progress: garbage spread thinly over
+            # segments may stay above the threshold with nothing worth compacting
+            return self.tier.reclaim(budget) > 0 and self.tier.garbage_bytes > self.spec.segment_bytes
+        return bool(self.prefetch_q or self.copy_q)
+
+    # ----------------------------------------------------------- recovery
+    def recover(self) -> Recovery:
+        """Rebuild index rows for every block the SSD tier holds."""
+        place = self.placement
+        t0 = time.perf_counter()
+        rec = Recovery()
+        nsids: dict[bytes, int] = {}
+        for digest, desc in self.tier.namespaces().items():
+            try:
+                doc = json.loads(desc)
+                ns = Namespace.from_dict(doc["namespace"])
+                block_bytes = doc.get("block_bytes")
+            except (KVStoreError, ValueError, KeyError, TypeError) as e:
+                log.warning("ssd: unreadable namespace descriptor %s: %s", digest.hex(), e)
+                continue
+            if ns.digest != digest:
+                log.warning("ssd: namespace descriptor %s does not hash to its digest", digest.hex())
+                continue
+            nsids[digest] = place.nsid(ns, persist=False)
+            if isinstance(block_bytes, int) and block_bytes > 0:
+                place.namespaces.set_size(nsids[digest], block_bytes)
+        blocks = self.tier.recover()
+        idx = place.index
+        orphans: list[int] = []
+        i = 0
+        while i < len(blocks):
+            batch = blocks[i : i + 4096]
+            i += len(batch)
+            # group by namespace, keep order (parents first)
+            by_ns: dict[int, list[tuple[int, BlockMeta, int, int]]] = {}
+            for b in batch:
+                nid = nsids.get(b[1].ns_digest)
+                if nid is None:
+                    orphans.append(b[0])
+                else:
+                    by_ns.setdefault(nid, []).append(b)
+            for nid, items in by_ns.items():
+                keys = keys_to_array([m.key for _, m, _, _ in items])
+                present = idx.find(nid, keys)
+                pos = {m.key: j for j, (_, m, _, _) in enumerate(items)}
+                parents_known = idx.find(nid, keys_to_array([m.parent or bytes(16) for _, m, _, _ in items]))
+                keep: list[int] = []
+                prefs: list[int] = []
+                newpos: dict[int, int] = {}
+                for j, (loc, m, size, csum) in enumerate(items):
+                    if present[j] >= 0:
+                        orphans.append(loc)  # a duplicate copy
+                        continue
+                    if not m.parent:
+                        p = NO_ROW
+                    elif parents_known[j] >= 0:
+                        p = int(parents_known[j])
+                    elif m.parent in pos and pos[m.parent] in newpos:
+                        p = in_batch(newpos[pos[m.parent]])
+                    else:
+                        orphans.append(loc)
+                        continue
+                    newpos[j] = len(keep)
+                    keep.append(j)
+                    prefs.append(p)
+                if not keep:
+                    continue
+                sel = [items[j] for j in keep]
+                rows = idx.insert(nid, keys[np.asarray(keep)], np.asarray(prefs, dtype=np.int64),
+                                  int(TierKind.SSD), np.asarray([s[0] for s in sel], dtype=np.int64),
+                                  np.asarray([s[2] for s in sel], dtype=np.int64), BlockState.COMMITTED,
+                                  place.ticks(len(sel)))
+                idx.csum[rows] = np.asarray([s[3] for s in sel], dtype=np.uint64)
+                place.policy.on_insert(idx, rows)
+                if place.namespaces.size_of(nid) is None:
+                    place.namespaces.set_size(nid, int(sel[0][2]))
+                rec.blocks += len(sel)
+                rec.bytes += int(sum(s[2] for s in sel))
+        if orphans:
+            self.tier.free(np.asarray(orphans, dtype=np.int64))
+        rec.dropped = len(orphans)
+        rec.seconds = time.perf_counter() - t0
+        return rec
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+__all__ = ["WRITE_MODES", "CapacityError", "Recovery", "SsdMover", "SsdSpec", "WriteMode"]

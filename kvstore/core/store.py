@@ -1,0 +1,488 @@
+"""TieredStore: the single owner of the index and the tiers.
+
+Batch-first, in-process API used by the daemon (and by tests and benchmarks):
+
+- ``lookup(ns, keys)``: how many leading blocks are present, and their tiers.
+- ``put(ns, keys, payloads, parent=)`` / ``get(ns, keys)`` / ``get_into``:
+  copy in and out, one status per key.
+- ``reserve`` -> (client writes into the returned slots) -> ``commit`` /
+  ``abort``: the two-phase put of the shared-memory path.
+- ``acquire`` -> (client reads the slots) -> ``release``: pinned zero-copy
+  reads under a lease.
+- ``pin``/``unpin``, ``remove``, ``clear``, ``resize``, ``set_policy``,
+  ``stats``, and events for ``WatchEvents``.
+
+Chains: ``keys[i]``'s parent is ``keys[i-1]`` and ``keys[0]``'s parent is
+``parent`` (None for the first block of a prompt). A block is only stored
+when its parent is stored, eviction is leaf-first and removal takes
+descendants along, so every stored block's parent is stored: a lookup can
+never report a block whose prefix is gone.
+
+Namespaces: blocks are keyed by (namespace id, key), so two namespaces never
+see each other's blocks even for equal key bytes. All blocks of a namespace
+have one payload size, fixed by its first block, so a wrong-size payload is
+rejected.
+
+Components (each publishes what its neighbours need; none reads another's
+underscore names, and imports point one way, facade first):
+
+- ``namespaces.Namespaces``: namespace <-> id, tenants, block sizes, lookup stats.
+- ``placement.Placement``: the index, the tier table, planning new blocks
+  (``plan``), eviction (policy, tenant shares), drops, corrupt blocks, reads.
+- ``holds.Holds``: reservations, leases, pins, their expiry.
+- ``resize.Resizer``: run-time resize and policy switch.
+- ``ssd_mover.SsdMover`` / ``hbm_mover.HbmMover``: the tiers below and above
+  DRAM; placement reaches them through its ``LowerTier``/``UpperTier`` protocols.
+
+Single-threaded by design: the daemon calls it from its event loop; there are
+no per-object locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from admission.quota import TenantShares
+from kvstore.buffers import as_u8
+from kvstore.core.eviction import FrequencySketch, Policy, PolicyName, make_policy
+from kvstore.core.hbm_mover import HbmMover, HbmSpec
+from kvstore.core.holds import Holds, KeysLike
+from kvstore.core.index import BlockIndex, BlockState, keys_to_array
+from kvstore.core.namespaces import NO_NS, QUERY_NAMESPACES, Namespaces, namespace_label
+from kvstore.core.placement import Placement
+from kvstore.core.resize import Resizer
+from kvstore.core.ssd_mover import Recovery, SsdMover, SsdSpec
+from kvstore.errors import InvalidArgument, KeyStatus
+from kvstore.keys import Namespace
+from kvstore.results import (
+    BatchResult,
+    Counters,
+    DropReason,
+    Event,
+    EventKind,
+    GetResult,
+    LookupResult,
+    NamespaceStats,
+    SlotResult,
+    StoreStats,
+    TierStats,
+)
+from tiers.base import Buffer, Tier, TierKind
+from tiers.dram import DramTier
+
+__all__ = [
+    "NO_NS",
+    "QUERY_NAMESPACES",
+    "KeysLike",
+    "SlotResult",
+    "StoreConfig",
+    "StoreStats",
+    "TieredStore",
+    "namespace_label",
+]
+
+
+@dataclass(slots=True, frozen=True)
+class StoreConfig:
+    dram_bytes: int = 1 << 30
+    """Bytes of the shared-memory DRAM slab."""
+    dram_page_bytes: int = 16 << 20
+    """Slab page size: the unit that moves between slot size classes."""
+    dram_slot_sizes: tuple[int, ...] = ()
+    """Slot size classes; empty: one class per payload size (4 KiB aligned)."""
+    shm_name: str | None = None
+    """Name of the slab in /dev/shm (default: kvstore-<uid>-<pid>-<random>)."""
+    policy: PolicyName = PolicyName.LRU
+    """Eviction policy; a str ("lru", "lfu" or "cost") is accepted and converted."""
+    reservation_timeout: float = 30.0
+    """Seconds after which an uncommitted reservation is reclaimed."""
+    verify_reads: bool = True
+    """Check each block's xxh3_64 on every read out of DRAM."""
+    ssd: SsdSpec | None = None
+    """The SSD tier (None: no SSD tier)."""
+    copy_threads: int = 2
+    """Threads that copy (and checksum) one large batch in parallel."""
+    tenant_shares: tuple[tuple[str, float], ...] = ()
+    """(tenant, share of each tier): a tenant holding more than its share of a
+    tier has its blocks evicted first, so another tenant's burst cannot push a
+    tenant below its share."""
+    default_tenant_share: float = 1.0
+    """Share of tenants not named in ``tenant_shares`` (1.0: no limit)."""
+    hbm: HbmSpec | None = None
+    """The HBM tier (None: no HBM tier; see kvstore.core.hbm_mover)."""
+    dram_admission: bool = False
+    """When DRAM is full, store a new block only if it was looked up at least
+    as often as the block it would evict (``eviction.FrequencySketch``;
+    TinyLFU). Otherwise its put answers CAPACITY (docs/replay.md)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", PolicyName.parse(self.policy))
+
+
+class TieredStore:
+    """See the module docstring. A facade: the work is done by the
+    components it owns, ``ns_registry`` (``Namespaces``), ``place``
+    (``Placement``: index, tiers, eviction), ``holds`` (``Holds``),
+    ``resizer`` (``Resizer``), ``ssd`` (``SsdMover``) and ``hbm``
+    (``HbmMover``)."""
+
+    def __init__(self, config: StoreConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or StoreConfig()
+        self.clock = clock
+        cfg = self.config
+        policy = make_policy(cfg.policy)  # validated before the slab exists
+        quotas = bool(cfg.tenant_shares) or cfg.default_tenant_share < 1.0
+        shares = TenantShares(dict(cfg.tenant_shares), cfg.default_tenant_share) if quotas else None
+        self.ns_registry = Namespaces()
+        self.counters = Counters()
+        dram = DramTier(cfg.dram_bytes, name=cfg.shm_name, page_bytes=cfg.dram_page_bytes,
+                        slot_sizes=cfg.dram_slot_sizes, copy_threads=cfg.copy_threads)
+        self.place = Placement(dram, policy, self.ns_registry, self.counters, verify_reads=cfg.verify_reads,
+                               freq=FrequencySketch(cfg.dram_bytes >> 10) if cfg.dram_admission else None,
+                               shares=shares)
+        self.ssd: SsdMover | None = None
+        self.recovery: Recovery | None = None
+        if cfg.ssd is not None:
+            try:
+                self.ssd = SsdMover(self.place, cfg.ssd, clock)
+                self.place.attach_lower(self.ssd, self.ssd.tier)
+                self.recovery = self.ssd.recover()
+            except BaseException:
+                dram.close()
+                if self.ssd is not None:
+                    self.ssd.close()
+                raise
+        self.hbm: HbmMover | None = None
+        if cfg.hbm is not None:
+            try:
+                self.hbm = HbmMover(self.place, cfg.hbm)
+            except BaseException:
+                self.close()
+                raise
+            self.place.attach_upper(self.hbm, self.hbm.tier)
+        self.holds = Holds(self.place, clock=clock, reservation_timeout=cfg.reservation_timeout,
+                           ssd=self.ssd, hbm=self.hbm)
+        self.resizer = Resizer(self.place, self.ssd, self.hbm)
+
+    # ------------------------------------------------------------ plumbing
+    @property
+    def index(self) -> BlockIndex:
+        return self.place.index
+
+    @property
+    def dram(self) -> DramTier:
+        return self.place.dram
+
+    @property
+    def tiers(self) -> dict[TierKind, Tier]:
+        return self.place.tiers
+
+    @property
+    def policy(self) -> Policy:
+        return self.place.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        """Install a policy object (a custom one, e.g. the sweep's); names go through set_policy."""
+        self.place.policy = policy
+
+    @property
+    def freq(self) -> FrequencySketch | None:
+        return self.place.freq
+
+    @property
+    def tier_hits(self) -> np.ndarray:
+        """Blocks served (Acquire, Get) from each tier, by TierKind value."""
+        return self.place.tier_hits
+
+    def close(self) -> None:
+        self.place.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        self.place.subscribe(listener)
+
+    def tenant_of(self, digest: bytes) -> str | None:
+        """The tenant of the namespace with this digest; None when unknown or
+        when namespaces of two tenants share the digest."""
+        return self.ns_registry.tenant_of(digest)
+
+    def background(self) -> bool:
+        """One bounded step of background tier work (prefetch, write-through,
+        write-back demotion, SSD reclaim). True when more is pending."""
+        return self.ssd.step() if self.ssd is not None else False
+
+    def namespace_id(self, ns: Namespace, create: bool = True) -> int:
+        """The namespace's id in the index (``NO_NS`` for an unknown one when
+        ``create`` is False)."""
+        return self.place.nsid(ns, create=create)
+
+    # -------------------------------------------------------------- lookup
+    def lookup(self, ns: Namespace, keys: KeysLike) -> LookupResult:
+        # a queried namespace is counted in the per-namespace stats, but
+        # queries alone register at most QUERY_NAMESPACES namespaces
+        nid = self.place.nsid(ns, create=len(self.ns_registry) < QUERY_NAMESPACES)
+        karr = keys_to_array(keys)
+        res = self.index.lookup(nid, karr)
+        if self.place.freq is not None:
+            self.place.freq.record(karr, self.index.live)
+        c = self.counters
+        c.lookups += 1
+        c.lookup_blocks += karr.shape[0]
+        c.lookup_hit_blocks += res.hit
+        c.lookup_tokens += karr.shape[0] * ns.block_size
+        c.lookup_hit_tokens += res.hit * ns.block_size
+        if nid != NO_NS:
+            self.ns_registry.count_lookup(nid, karr.shape[0], res.hit)
+        return LookupResult(res.hit, res.tiers)
+
+    def peek(self, ns: Namespace, keys: KeysLike) -> LookupResult:
+        """Like ``lookup``, without counting it (for admission decisions)."""
+        res = self.index.lookup(self.place.nsid(ns, create=False), keys_to_array(keys))
+        return LookupResult(res.hit, res.tiers)
+
+    def block_bytes(self, ns: Namespace) -> int | None:
+        """Payload bytes of this namespace's blocks, once known."""
+        nid = self.ns_registry.find(ns)
+        return None if nid is None else self.ns_registry.size_of(nid)
+
+    # ----------------------------------------------------------------- put
+    def put(self, ns: Namespace, keys: KeysLike, payloads: Sequence[Buffer],
+            parent: bytes | None = None, tier: TierKind | None = None) -> BatchResult:
+        """Store a chain segment. ``keys[0]``'s parent is ``parent``; ``tier``
+        asks for HBM (see kvstore.core.hbm_mover)."""
+        nid = self.place.nsid(ns)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        if len(payloads) != n:
+            raise InvalidArgument(f"{n} keys but {len(payloads)} payloads")
+        res = BatchResult([KeyStatus.OK] * n)
+        srcs: list[np.ndarray | None] = []
+        sizes: list[int] = []
+        for i, p in enumerate(payloads):
+            try:
+                a = as_u8(p)
+            except (TypeError, ValueError) as e:
+                a = None
+                res.messages[i] = f"payload {i} is not a buffer: {e}"
+            srcs.append(a)
+            sizes.append(a.size if a is not None else 0)
+        todo, rows, locs = self.place.store_rows(nid, karr, sizes, parent, BlockState.RESERVED, res, tier)
+        if todo and self.hbm is not None and self.index.tier[rows[0]] == TierKind.HBM:
+            todo, rows = self.hbm.write_put(todo, rows, locs, srcs, res)
+        elif todo:
+            csums = self.dram.write(locs, [srcs[i] for i in todo])  # type: ignore[misc]
+            self.index.csum[rows] = csums
+        if todo:
+            self.place.committed(nid, rows)
+            self.counters.put_bytes += int(sum(sizes[i] for i in todo))
+        self.counters.puts += 1
+        self.counters.put_blocks += len(todo)
+        return res
+
+    # ----------------------------------------------------------------- get
+    def get_into(self, ns: Namespace, keys: KeysLike, outs: Sequence[Buffer]) -> BatchResult:
+        """Copy each present block into ``outs[i]`` (exactly its size)."""
+        nid = self.place.nsid(ns, create=False)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        if len(outs) != n:
+            raise InvalidArgument(f"{n} keys but {len(outs)} output buffers")
+        rows = self.index.find_committed(nid, karr)
+        res = BatchResult([KeyStatus.MISS] * n)
+        present = np.nonzero(rows >= 0)[0]
+        good = []
+        for i in present.tolist():
+            want = int(self.index.size[rows[i]])
+            have = as_u8(outs[i]).size
+            if have != want:
+                res.statuses[i] = KeyStatus.INVALID
+                res.messages[i] = f"output buffer {i} is {have} bytes; the block is {want} bytes"
+            else:
+                good.append(i)
+        self._get_rows(rows, np.asarray(good, dtype=np.int64), [outs[i] for i in good], res)
+        return res
+
+    def _get_rows(self, rows: np.ndarray, which: np.ndarray, outs: Sequence[Buffer],
+                  res: BatchResult) -> np.ndarray:
+        c = self.counters
+        c.gets += 1
+        c.get_blocks += rows.size
+        if which.size == 0:
+            return which
+        sel = rows[which]
+        ok = self.place.read(sel, outs)
+        bad = sel[~ok]
+        if bad.size:
+            for i in which[~ok].tolist():
+                res.statuses[i] = KeyStatus.CORRUPT
+            self.place.corrupt(bad)
+        good_rows = sel[ok]
+        for i in which[ok].tolist():
+            res.statuses[i] = KeyStatus.OK
+        self.place.served(good_rows)
+        if self.ssd is not None and good_rows.size:
+            self.ssd.on_read(good_rows)
+        c.get_hit_blocks += int(good_rows.size)
+        c.get_bytes += int(self.index.size[good_rows].sum()) if good_rows.size else 0
+        return which[ok]
+
+    def get(self, ns: Namespace, keys: KeysLike) -> GetResult:
+        """Copies of the present blocks (None where missing)."""
+        nid = self.place.nsid(ns, create=False)
+        karr = keys_to_array(keys)
+        n = karr.shape[0]
+        rows = self.index.find_committed(nid, karr)
+        present = np.nonzero(rows >= 0)[0]
+        outs = [np.empty(int(self.index.size[rows[i]]), dtype=np.uint8) for i in present.tolist()]
+        res = GetResult([KeyStatus.MISS] * n, payloads=[None] * n)
+        ok = set(self._get_rows(rows, present, outs, res).tolist())
+        for i, buf in zip(present.tolist(), outs):
+            if i in ok:
+                res.payloads[i] = buf
+        return res
+
+    # ------------------------------------------------------ remove/clear
+    def remove(self, ns: Namespace, keys: KeysLike) -> BatchResult:
+        """Remove blocks and their descendants. A block whose subtree holds a
+        pinned or reserved block stays (BUSY)."""
+        nid = self.place.nsid(ns, create=False)
+        idx = self.index
+        rows = idx.find_committed(nid, keys_to_array(keys))
+        res = BatchResult([KeyStatus.MISS] * rows.size)
+        for i, r in enumerate(rows.tolist()):
+            if r < 0 or idx.state[r] != BlockState.COMMITTED:
+                continue  # gone already (e.g. descendant of an earlier key)
+            sub = idx.subtree(np.asarray([r]))
+            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != BlockState.COMMITTED):
+                res.statuses[i] = KeyStatus.BUSY
+                res.messages[i] = "block or a descendant is pinned or being written"
+                continue
+            self.place.drop(sub, DropReason.REMOVED)
+            res.statuses[i] = KeyStatus.OK
+        return res
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        """Remove every block (of ``ns``, or of all namespaces) that is not
+        pinned or being written, nor an ancestor of one. Returns how many."""
+        idx = self.index
+        rows = idx.used_rows()
+        nid: int | None = None
+        if ns is not None:
+            nid = self.ns_registry.find(ns)
+            if nid is None:
+                return 0
+            rows = rows[idx.ns[rows] == nid]
+        busy = rows[(idx.pins[rows] > 0) | (idx.state[rows] != BlockState.COMMITTED)]
+        keep: set[int] = set()
+        for r in busy.tolist():  # a busy block keeps its ancestors
+            while r >= 0 and r not in keep:
+                keep.add(r)
+                r = int(idx.parent[r])
+        if keep:
+            rows = rows[~np.isin(rows, np.fromiter(keep, dtype=np.int64))]
+        # drop leaves-first is not needed: the set is closed under descendants
+        self.place.drop(rows, DropReason.CLEARED)
+        digest = ns.digest if ns is not None else b""
+        self.place.emit(Event(EventKind.CLEARED, digest, []))
+        if nid is not None and not keep:
+            self.ns_registry.forget_size(nid)
+        return int(rows.size)
+
+    # ------------------------------------------------------------- stats
+    def stats(self) -> StoreStats:
+        idx = self.index
+        rows = idx.used_rows()
+        out = []
+        for kind, t in self.tiers.items():
+            sel = rows[idx.tier[rows] == kind]
+            pinned = sel[idx.pins[sel] > 0]
+            ev = sum(v for (tk, _), v in self.counters.evictions.items() if tk == kind)
+            ts = TierStats(kind, t.capacity_bytes, t.used_bytes, int(sel.size),
+                           int(idx.size[pinned].sum()) if pinned.size else 0, ev, disk_bytes=t.used_bytes)
+            if self.ssd is not None:
+                if kind is TierKind.DRAM:
+                    ts.promotions, ts.demotions = self.ssd.promoted, self.ssd.demoted
+                elif kind is TierKind.SSD:
+                    ts.disk_bytes = self.ssd.tier.disk_bytes
+            if kind is TierKind.HBM and self.hbm is not None:
+                ts.promotions, ts.demotions = self.hbm.promoted, self.hbm.demoted
+            ts.hits = int(self.tier_hits[int(kind)])
+            out.append(ts)
+        per_ns = np.bincount(idx.ns[rows[idx.state[rows] == BlockState.COMMITTED]].astype(np.int64),
+                             minlength=len(self.ns_registry))
+        ns_stats = []
+        for nid, ns in self.ns_registry.items():
+            n_l, q, h = self.ns_registry.lookups(nid)
+            ns_stats.append(NamespaceStats(namespace_label(ns), ns.tenant, ns.digest, n_l, q, h,
+                                           int(per_ns[nid])))
+        leases, reservations = self.holds.counts()
+        return StoreStats(out, self.counters, ns_stats, self.policy.name.value, reservations, leases)
+
+    def namespaces(self) -> Iterable[Namespace]:
+        return self.ns_registry.all()
+
+    def committed_blocks(self) -> list[tuple[bytes, list[bytes]]]:
+        """Every committed block, as (namespace digest, keys) per namespace."""
+        idx = self.index
+        rows = idx.used_rows()
+        rows = rows[idx.state[rows] == BlockState.COMMITTED]
+        nss = idx.ns[rows]
+        return [(self.ns_registry.digest(nid), idx.keys_of(rows[nss == nid])) for nid in np.unique(nss).tolist()]
+
+    # ------------------------------------------------ holds (see Holds)
+    def reserve(self, ns: Namespace, keys: KeysLike, sizes: Sequence[int] | int,
+                owner: str, parent: bytes | None = None, tier: TierKind | None = None) -> SlotResult:
+        return self.holds.reserve(ns, keys, sizes, owner, parent, tier)
+
+    def commit(self, handle: str, owner: str, checksums: Sequence[int] | None = None) -> BatchResult:
+        return self.holds.commit(handle, owner, checksums)
+
+    def abort(self, handle: str, owner: str) -> int:
+        return self.holds.abort(handle, owner)
+
+    def acquire(self, ns: Namespace, keys: KeysLike, owner: str, ttl: float | None = None,
+                promote: bool = True, tier: TierKind | None = None) -> SlotResult:
+        return self.holds.acquire(ns, keys, owner, ttl, promote, tier)
+
+    def release(self, handle: str, owner: str) -> int:
+        return self.holds.release(handle, owner)
+
+    def prefetch(self, ns: Namespace, keys: KeysLike) -> tuple[int, int, int]:
+        return self.holds.prefetch(ns, keys)
+
+    def report_corrupt(self, ns: Namespace, keys: KeysLike) -> int:
+        return self.holds.report_corrupt(ns, keys)
+
+    def release_owner(self, owner: str) -> tuple[int, int]:
+        return self.holds.release_owner(owner)
+
+    def reap(self, now: float | None = None) -> int:
+        return self.holds.reap(now)
+
+    def pin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
+        return self.holds.pin(ns, keys)
+
+    def unpin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
+        return self.holds.unpin(ns, keys)
+
+    def hold_counts(self) -> tuple[int, int]:
+        """(open leases, open reservations)."""
+        return self.holds.counts()
+
+    # --------------------------------------------- run time (see Resizer)
+    def set_policy(self, name: str | PolicyName) -> str:
+        return self.resizer.set_policy(name)
+
+    def resize(self, tier: TierKind, capacity_bytes: int) -> int:
+        return self.resizer.resize(tier, capacity_bytes)

@@ -1,0 +1,586 @@
+"""The daemon's side of the cluster: membership, the directory share this
+daemon owns, publishing its stored/removed blocks to their owners, Lookup's
+cluster mode, the fetch behind Acquire, and the provider that serves its
+blocks to peers over the block transport.
+
+The transport (``transport.ucx`` by default) moves memory regions and knows
+nothing about the index; this module encodes the request header
+(``BlockFetchHeader``: namespace, the caller's credential, keys), authorizes
+it on the serving side, pins what is served (a lease released when the send
+ends), and on the fetching side reserves DRAM slots, fetches into them,
+commits the blocks that arrived intact and aborts the rest: a failed or
+corrupt block is a clean miss, never wrong data.
+
+Everything runs on the daemon's event loop (the store is single-threaded);
+``Served.release`` may be called from a transport thread and hops back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import grpc
+import numpy as np
+
+from kvstore.buffers import pack_keys, split_keys
+from kvstore.config import ClusterMode, Config
+from kvstore.errors import KVStoreError, KeyStatus
+from kvstore.keys import Namespace
+from kvstore.results import Event, EventKind, LookupResult, DropReason
+from kvstore.wire.convert import ns_pb
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
+from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
+from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate, shapes_from_toml
+
+log = logging.getLogger("kvstore.cluster")
+
+FETCH_OWNER = "cluster-fetch"
+"""Owner of the reservations a fetch writes into."""
+
+
+def default_transport() -> tuple[Any, Any]:
+    """(BlockServer class, BlockClient class) of the UCX transport."""
+    from transport import ucx
+
+    return ucx.BlockServer, ucx.BlockClient
+
+
+transport_factory: Callable[[], tuple[Any, Any]] = default_transport
+"""Where the daemon gets its block transport (tests swap in a fake)."""
+
+
+@dataclass(slots=True, frozen=True)
+class ServedBlocks:
+    """What the provider hands the transport (duck-typed ``Served``)."""
+
+    lengths: np.ndarray
+    checksums: np.ndarray
+    regions: list[memoryview]
+    release: Callable[[], None]
+
+
+@dataclass(slots=True)
+class ClusterView:
+    """Lookup's cluster answer for one chain."""
+
+    local: LookupResult
+    remote_blocks: int = 0
+    peer: str | None = None
+    block_bytes: int = 0
+    estimate: Estimate = field(default_factory=lambda: Estimate(ChainDecision.LOCAL, 0.0, 0.0, 0, 0))
+    block_load_s: float = 0.0
+
+
+class ClusterNode:
+    """One daemon's membership in the cluster (see the module docstring)."""
+
+    def __init__(self, daemon: Any, config: Config, grpc_address: str) -> None:
+        self.daemon = daemon
+        self.store = daemon.store
+        self.metrics = daemon.metrics
+        self.cfg = config.cluster
+        c = self.cfg
+        self.node_id = c.node_id or grpc_address
+        self.grpc_address = grpc_address
+        shapes: dict[str, Any] = {}
+        tables: dict[str, Any] = {}
+        if c.models_file:
+            with open(c.models_file, "rb") as f:
+                shapes, tables = shapes_from_toml(tomllib.load(f))
+        self.cost = CostModel(CostConfig(
+            latency_s=c.peer_latency, bandwidth_Bps=c.peer_bandwidth_gbps * GBIT,
+            h2d_bandwidth_Bps=c.h2d_bandwidth_gbytes * 1e9,
+            prefill_tokens_per_s=c.prefill_tokens_per_s or config.admission.prefill_tokens_per_s,
+            prefill_flops_per_s=c.prefill_tflops * 1e12, margin=c.fetch_margin), shapes, tables)
+        self.table = DirectoryTable()
+        self.token = os.environ.get(c.peer_token_env, "").strip() if c.peer_token_env else ""
+        server_cls, client_cls = transport_factory()
+        import importlib
+
+        self._served: Any = getattr(importlib.import_module(server_cls.__module__), "Served", ServedBlocks)
+        self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port)
+        self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
+        self.block_address = ""
+        self.membership: Membership
+        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
+        self._pending: list[tuple[str, bytes, list[bytes]]] = []
+        self._resync = True
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._digest_ns: dict[bytes, Namespace] = {}
+        self._loop = asyncio.get_running_loop()
+        self.health_fn: Callable[[bool], None] | None = None
+        self._last_health: bool | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def _me(self) -> Member:
+        caps = tuple(sorted((t.label, int(tier.capacity_bytes)) for t, tier in self.store.tiers.items()))
+        return Member(self.node_id, self.grpc_address, self.block_address, caps)
+
+    async def start(self) -> None:
+        self.block_address = await self.block_server.start()
+        me = self._me()
+        c = self.cfg
+        if c.mode is ClusterMode.ETCD:
+            self.membership = EtcdMembership(me, c.etcd_endpoint, c.etcd_prefix, int(round(c.lease_ttl)))
+        else:
+            self.membership = StaticMembership(me, c.peer_list, self._probe, c.probe_interval)
+        self.membership.subscribe(self._on_members)
+        self.store.subscribe(self._on_event)
+        await self.membership.start()
+        self._tasks.append(self._loop.create_task(self._publisher()))
+        self._tasks.append(self._loop.create_task(self._health_watch()))
+        self._sync_health()
+        log.info("cluster: node %s (mode %s), block transport on %s", self.node_id, c.mode.value,
+                 self.block_address)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.membership.stop()
+        for ch, _ in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        for what, step in (("block client", self.block_client.close), ("block server", self.block_server.stop)):
+            try:
+                await asyncio.wait_for(step(), 5.0)
+            except Exception as e:  # shutting down: never hang on the transport
+                log.warning("cluster: closing the %s failed: %s", what, e or type(e).__name__)
+
+    @property
+    def status(self) -> str:
+        return self.membership.status if hasattr(self, "membership") else "starting"
+
+    def live_ids(self) -> list[str]:
+        return sorted(self.membership.members)
+
+    # ------------------------------------------------------------- peers
+    def _stub(self, address: str) -> pb_grpc.ClusterStub:
+        got = self._channels.get(address)
+        if got is None:
+            ch = grpc.aio.insecure_channel(address)
+            got = self._channels[address] = (ch, pb_grpc.ClusterStub(ch))
+        return got[1]
+
+    def _md(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    async def _probe(self, address: str) -> Member | None:
+        r = await self._stub(address).NodeInfo(pb.NodeInfoRequest(), timeout=self.cfg.rpc_timeout,
+                                                metadata=self._md())
+        return Member(r.node_id, r.grpc_address or address, r.block_address,
+                      tuple(sorted(r.capacity_bytes.items())))
+
+    def _on_members(self, members: dict[str, Member]) -> None:
+        for node in self.table.nodes() - set(members):
+            n = self.table.drop_node(node)
+            log.info("cluster: %s left; dropped its %d directory entries", node, n)
+        for peer in set(self.cost.links) - set(members):
+            self.cost.forget(peer)
+        if self.cfg.probe_links:
+            for node, m in members.items():
+                if node != self.node_id and node not in self.cost.links and m.block_address:
+                    self.cost.link(node)  # seeded from config until the probe answers
+                    self._tasks = [t for t in self._tasks if not t.done()]
+                    self._tasks.append(self._loop.create_task(self._probe_link(m)))
+        self.metrics.cluster_members(len(members), self.membership.healthy)
+        self._sync_health()
+        self._resync = True  # ownership moved: every owner gets a full inventory
+        self._wake.set()
+
+    async def _probe_link(self, m: Member) -> None:
+        """Seed the link's latency with an empty fetch's round trip."""
+        try:
+            hdr = pb.BlockFetchHeader(node_id=self.node_id).SerializeToString()
+            best = None
+            for _ in range(3):  # the first one pays for the connection: keep the fastest round trip
+                t0 = time.perf_counter()
+                res = await self.block_client.fetch(m.block_address, hdr, 0, lambda _l: [],
+                                                    max(self.cfg.rpc_timeout, 2.0))
+                if res.error is not None:
+                    return
+                dt = time.perf_counter() - t0
+                best = dt if best is None else min(best, dt)
+            if best is not None:
+                self.cost.set_link(m.node_id, latency_s=best)
+        except Exception as e:
+            log.debug("link probe of %s failed: %s", m.node_id, e)
+
+    async def _health_watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            self._sync_health()
+            self.metrics.cluster_members(len(self.membership.members), self.membership.healthy)
+
+    def _sync_health(self) -> None:
+        ok = self.membership.healthy
+        if ok != self._last_health:
+            self._last_health = ok
+            if self.health_fn is not None:
+                self.health_fn(ok)
+
+    # ----------------------------------------------------------- publish
+    def _on_event(self, ev: Event) -> None:
+        if ev.kind is EventKind.STORED:
+            self._pending.append(("add", ev.ns_digest, ev.keys))
+        elif ev.kind is EventKind.REMOVED:
+            if ev.reason is not DropReason.MOVED:
+                self._pending.append(("remove", ev.ns_digest, ev.keys))
+        else:
+            self._pending.append(("clear", ev.ns_digest, []))
+        self._wake.set()
+
+    def _block_bytes_of(self, digest: bytes) -> int:
+        st = self.store
+        ns = self._digest_ns.get(digest)
+        if ns is None:
+            for n in st.namespaces():
+                self._digest_ns.setdefault(n.digest, n)
+            ns = self._digest_ns.get(digest)
+        return int(st.block_bytes(ns) or 0) if ns is not None else 0
+
+    def _inventory(self) -> list[tuple[str, bytes, list[bytes]]]:
+        """Every committed block of this node, per namespace, as add ops."""
+        return [("add", digest, keys) for digest, keys in self.store.committed_blocks()]
+
+    async def _publisher(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self.cfg.publish_interval if not self._resync else max(0.1, self.cfg.publish_interval))
+            try:
+                await self.flush()
+            except Exception:
+                log.exception("cluster: publishing to the directory failed")
+
+    async def flush(self) -> None:
+        """Send pending stored/removed events (or, after a membership change,
+        the whole inventory) to the owners of their keys."""
+        resync = self._resync
+        if resync:
+            self._resync = False
+            ops = self._inventory()
+            self._pending.clear()
+        else:
+            ops, self._pending = self._pending, []
+        if not ops and not resync:
+            return
+        ids = self.live_ids()
+        per: dict[str, list[pb.DirectoryUpdate]] = {n: [] for n in ids} if resync else {}
+        for kind, digest, keys in ops:
+            if kind == "clear":
+                for n in ids:
+                    per.setdefault(n, []).append(pb.DirectoryUpdate(ns_digest=digest, cleared=True))
+                continue
+            packed = pack_keys(keys)
+            own = owners(packed, ids)
+            arr = np.frombuffer(packed, np.uint8).reshape(-1, 16)
+            bb = self._block_bytes_of(digest) if kind == "add" else 0
+            for i in np.unique(own).tolist():
+                per.setdefault(ids[i], []).append(pb.DirectoryUpdate(
+                    ns_digest=digest, keys_packed=arr[own == i].tobytes(), removed=kind == "remove",
+                    block_bytes=bb))
+        members = self.membership.members
+        calls = []
+        for node, ups in per.items():
+            req = pb.PublishRequest(node_id=self.node_id, updates=ups, resync=resync)
+            if node == self.node_id:
+                self.apply(req)
+            elif node in members:
+                calls.append(self._publish_to(members[node], req))
+        await asyncio.gather(*calls)
+
+    async def _publish_to(self, m: Member, req: pb.PublishRequest) -> None:
+        try:
+            await self._stub(m.grpc_address).Publish(req, timeout=self.cfg.rpc_timeout, metadata=self._md())
+        except grpc.RpcError as e:
+            log.debug("publish to %s failed: %s", m.node_id, e)
+            self._resync = True  # it missed updates: send it everything once it answers again
+            self._wake.set()
+
+    # ------------------------------------------------- directory (owner side)
+    def apply(self, req: pb.PublishRequest) -> int:
+        node = req.node_id
+        if node != self.node_id and node not in self.membership.members:
+            # not (yet, or no longer) a member here: its entries would never be
+            # dropped. The publisher retries with a resync once views agree.
+            from kvstore.errors import Unavailable
+
+            raise Unavailable(f"{node!r} is not a live member in this daemon's view")
+        if req.resync:
+            self.table.drop_node(node)
+        n = 0
+        for u in req.updates:
+            if u.cleared:
+                n += self.table.clear(node, u.ns_digest or None)
+            elif u.removed:
+                n += self.table.remove(node, u.ns_digest, split_keys(u.keys_packed))
+            else:
+                n += self.table.add(node, u.ns_digest, split_keys(u.keys_packed), u.block_bytes)
+        return n
+
+    def locate_local(self, digest: bytes, keys: Sequence[bytes]) -> pb.LocateResponse:
+        holders = self.table.locate(keys)
+        nodes = sorted(set().union(*holders)) if holders else []
+        pos = {n: i for i, n in enumerate(nodes)}
+        masks = [sum(1 << pos[n] for n in h if pos[n] < 64) for h in holders]
+        return pb.LocateResponse(nodes=nodes, holders=masks, block_bytes=self.table.block_bytes.get(digest, 0))
+
+    # ------------------------------------------------------------ lookup
+    async def _locate(self, digest: bytes, keys: list[bytes]) -> tuple[list[set[str]], int]:
+        """Holders of each key, asking each owner once."""
+        ids = self.live_ids()
+        members = self.membership.members
+        own = owners(pack_keys(keys), ids)
+        holders: list[set[str]] = [set() for _ in keys]
+        bb = 0
+
+        async def ask(i: int) -> tuple[np.ndarray, pb.LocateResponse | None]:
+            sel = np.nonzero(own == i)[0]
+            sub = [keys[j] for j in sel.tolist()]
+            node = ids[i]
+            if node == self.node_id:
+                return sel, self.locate_local(digest, sub)
+            try:
+                return sel, await self._stub(members[node].grpc_address).Locate(
+                    pb.LocateRequest(ns_digest=digest, keys_packed=pack_keys(sub)),
+                    timeout=self.cfg.rpc_timeout, metadata=self._md())
+            except (grpc.RpcError, KeyError) as e:
+                log.debug("locate at %s failed: %s", node, e)
+                return sel, None
+
+        for sel, resp in await asyncio.gather(*(ask(i) for i in np.unique(own).tolist())):
+            if resp is None:
+                continue
+            bb = bb or int(resp.block_bytes)
+            for j, mask in zip(sel.tolist(), resp.holders):
+                holders[j] = {n for b, n in enumerate(resp.nodes) if mask >> b & 1}
+        return holders, bb
+
+    async def view(self, ns: Namespace, keys: Sequence[bytes], local: LookupResult, *,
+                   to_hbm: bool = False, block_bytes: int = 0) -> ClusterView:
+        """Where the rest of the chain after the local prefix is, and whether
+        to fetch it: the longest run one live peer holds right after it."""
+        out = ClusterView(local)
+        n, hit = len(keys), local.hit_blocks
+        if hit >= n or len(self.membership.members) < 2:
+            self.metrics.cluster_decision("local")
+            return out
+        rest = list(keys[hit:])
+        holders, bb = await self._locate(ns.digest, rest)
+        live = set(self.membership.members) - {self.node_id}
+        best, run = None, 0
+        for peer in holders[0] & live:
+            k = 0
+            while k < len(rest) and peer in holders[k]:
+                k += 1
+            bb_peer = (bb or block_bytes) * k
+            if k > run or (k == run and best is not None
+                           and self.cost.transfer_s(peer, bb_peer) < self.cost.transfer_s(best, bb_peer)):
+                best, run = peer, k
+        if best is None:
+            self.metrics.cluster_decision("local")
+            return out
+        bb = bb or self.store.block_bytes(ns) or block_bytes
+        out.remote_blocks, out.peer, out.block_bytes = run, best, bb
+        out.estimate = self.cost.decide(best, run * bb, ns.model_id, run * ns.block_size, hit * ns.block_size,
+                                        to_hbm)
+        out.block_load_s = self.cost.transfer_s(best, bb, to_hbm)
+        self.metrics.cluster_decision(out.estimate.decision.label)
+        return out
+
+    async def fetch_for(self, request: Any, metadata: Any, ns: Namespace, keys: bytes | list[bytes]) -> tuple[int, int]:
+        """Acquire's cluster step: fetch the remote run when that is cheaper.
+        Returns (blocks fetched, wire ChainDecision)."""
+        klist = keys if isinstance(keys, list) else split_keys(keys)
+        local = self.store.peek(ns, klist)
+        v = await self.view(ns, klist, local, to_hbm=request.to_hbm)
+        decision = int(v.estimate.decision) + 1
+        if v.estimate.decision is not ChainDecision.FETCH:
+            return 0, decision
+        cred = ""
+        for k, val in metadata or ():
+            if k == "authorization" and val.startswith("Bearer "):
+                cred = val[7:].strip()
+        return await self.fetch(ns, klist, v, cred), decision
+
+    # ------------------------------------------------------------- fetch
+    async def fetch(self, ns: Namespace, keys: Sequence[bytes], view: ClusterView, credential: str) -> int:
+        """Fetch the view's remote run into DRAM; returns blocks committed."""
+        if view.peer is None or not view.remote_blocks:
+            return 0
+        m = self.membership.members.get(view.peer)
+        if m is None or not m.block_address:
+            self.metrics.peer_fetch_failed(view.peer, "gone")
+            return 0
+        hit = view.local.hit_blocks
+        want = list(keys[hit : hit + view.remote_blocks])
+        parent = keys[hit - 1] if hit else None
+        header = pb.BlockFetchHeader(ns=ns_pb(ns), credential=credential, keys_packed=pack_keys(want),
+                                     node_id=self.node_id).SerializeToString()
+        store = self.store
+        held: dict[str, Any] = {}
+
+        def alloc(lengths: np.ndarray) -> list[memoryview | None]:
+            lengths = np.asarray(lengths, dtype=np.int64)
+            k = int(np.argmin(lengths > 0)) if (lengths <= 0).any() else int(lengths.size)
+            dests: list[memoryview | None] = [None] * int(lengths.size)
+            if k == 0:
+                return dests
+            res = store.reserve(ns, want[:k], lengths[:k].tolist(), owner=FETCH_OWNER, parent=parent)
+            held["handle"], held["res"] = res.handle, res
+            for i in range(k):
+                if res.statuses[i] is not KeyStatus.OK:
+                    break
+                dests[i] = memoryview(store.dram.view(int(res.offsets[i]), int(res.lengths[i])))
+            return dests
+
+        t0 = time.perf_counter()
+        try:
+            res = await asyncio.wait_for(
+                self.block_client.fetch(m.block_address, header, len(want), alloc, self.cfg.fetch_timeout),
+                self.cfg.fetch_timeout + 5.0)
+        except Exception as e:  # the transport must not hurt the caller: a miss
+            log.warning("fetch of %d blocks from %s failed: %s", len(want), view.peer, e)
+            self._abort(held)
+            self.metrics.peer_fetch_failed(view.peer, "error")
+            return 0
+        if res.error is not None:
+            if "do not reuse" in res.error:
+                self._quarantine(held)
+            else:
+                self._abort(held)
+            reason = "refused" if "ermission" in res.error else "error"
+            log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
+            self.metrics.peer_fetch_failed(view.peer, reason)
+            return 0
+        ok = np.asarray(res.ok, dtype=bool)
+        if res.corrupt:
+            store.counters.checksum_failures += int(res.corrupt)
+            self.metrics.peer_fetch_failed(view.peer, "corrupt", int(res.corrupt))
+        got = int(np.argmin(ok)) if (~ok).any() else int(ok.size)
+        if "handle" not in held or not held["handle"]:
+            if got == 0 and ok.size:
+                self.metrics.peer_fetch_failed(view.peer, "absent")  # a stale directory entry
+            return 0
+        rres = held["res"]
+        reserved = 0
+        while reserved < len(rres.statuses) and rres.statuses[reserved] is KeyStatus.OK:
+            reserved += 1
+        got = min(got, reserved)
+        sums = res.checksums
+        done = _commit_prefix(store, held["handle"], got,
+                              None if sums is None else np.asarray(sums, dtype=np.uint64)[: len(rres.statuses)])
+        nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
+        seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
+        if done:
+            self.cost.observe(view.peer, nbytes, seconds)
+            self.metrics.peer_fetched(view.peer, done, nbytes, seconds)
+        if done < len(want) and not res.corrupt:
+            self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
+        return done
+
+    def _quarantine(self, held: dict[str, Any]) -> None:
+        """The transport could not confirm that no late bytes will land in
+        the slots: keep them reserved for good (leaked, never reused) rather
+        than hand them to another block."""
+        h = held.get("handle")
+        if h and self.store.holds.quarantine(h):
+            log.error("fetch slots of reservation %s quarantined: the transport could not confirm "
+                      "its receives ended", h)
+
+    def _abort(self, held: dict[str, Any]) -> None:
+        h = held.get("handle")
+        if h:
+            try:
+                self.store.abort(h, FETCH_OWNER)
+            except KVStoreError:
+                pass
+
+    # ----------------------------------------------------- serving side
+    async def provide(self, header: bytes) -> Any:
+        """Serve a peer's fetch: authorize, pin the present prefix, hand out
+        views over the slab; ``release`` unpins."""
+        try:
+            h = pb.BlockFetchHeader.FromString(bytes(header))
+        except Exception:
+            raise ValueError("malformed block fetch header") from None
+        if not h.keys_packed:  # a link probe
+            return self._served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
+        if len(h.keys_packed) % 16:
+            raise ValueError("keys_packed is not a multiple of 16 bytes")
+        d = self.daemon
+        try:
+            who = d.auth.principal([("authorization", f"Bearer {h.credential}")] if h.credential else [])
+            if d.auth.enabled and who.tenant is not None and not who.admin and h.ns.tenant != who.tenant:
+                raise PermissionError(f"tenant {who.tenant!r} may not read namespace of tenant {h.ns.tenant!r}")
+            ns = d.namespace(h.ns, who)
+        except PermissionError:
+            raise
+        except KVStoreError as e:
+            from kvstore.errors import InvalidArgument
+
+            if isinstance(e, InvalidArgument):
+                raise ValueError(str(e)) from None
+            raise PermissionError(str(e)) from None
+        owner = f"peer:{h.node_id}"
+        res = self.store.acquire(ns, h.keys_packed, owner=owner, ttl=self.cfg.fetch_timeout * 4, promote=True)
+        present = int(np.count_nonzero(res.offsets >= 0))
+        regions = [memoryview(self.store.dram.view(int(o), int(n)))
+                   for o, n in zip(res.offsets[:present].tolist(), res.lengths[:present].tolist())]
+        handle = res.handle
+        loop = self._loop
+        done = [False]
+
+        def unpin() -> None:
+            if done[0] or not handle:
+                return
+            done[0] = True
+            try:
+                self.store.release(handle, owner)
+            except KVStoreError:
+                pass  # reaped already
+
+        def release() -> None:
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if on_loop:
+                unpin()
+            else:
+                loop.call_soon_threadsafe(unpin)
+
+        nbytes = int(res.lengths[:present].sum())
+        self.metrics.peer_served(h.node_id or "?", present, nbytes)
+        lengths = res.lengths.copy()
+        lengths[present:] = 0
+        return self._served(lengths, res.checksums.copy(), regions, release)
+
+
+def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | None) -> int:
+    """Commit the first ``keep`` blocks of a fetch reservation, abort the
+    rest (with their descendants). The store commits whole reservations;
+    the tail is dropped first through its reservation record."""
+    n = store.holds.reserved_blocks(handle)
+    if n is None:
+        return 0
+    if keep <= 0:
+        store.abort(handle, FETCH_OWNER)
+        return 0
+    store.holds.truncate(handle, FETCH_OWNER, keep)
+    sums = None
+    if checksums is not None and checksums.size >= n:
+        sums = checksums[:n].tolist()
+    res = store.commit(handle, FETCH_OWNER, sums)
+    return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
+
+
+__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "transport_factory"]

@@ -1,0 +1,77 @@
+"""The index's batch fast paths (chain insert, dict-backed find, table
+positions kept per row, delete without walking the sibling lists) against
+the slow paths they replace, on random forests with shared key halves."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstore.core.index import BlockIndex, BlockState
+
+
+def _check(idx: BlockIndex, ns_of: dict[int, int]) -> None:
+    idx.check_invariants()
+    rows = idx.used_rows()
+    # sibling lists are exactly the parent links
+    for r in rows.tolist():
+        kids = sorted(idx.children(r))
+        assert kids == sorted(rows[idx.parent[rows] == r].tolist())
+    # the kept table positions are the probed ones
+    assert np.array_equal(idx._tpos[rows], idx._probe_positions(rows))
+    assert np.array_equal(idx._positions(rows), idx._probe_positions(rows))
+    # dict-backed find agrees with the probing table, present and absent keys
+    for ns in set(ns_of.values()) | {99}:
+        keys = np.stack([idx.k0[rows], idx.k1[rows]], axis=1)
+        absent = keys.copy()
+        absent[:, 1] ^= np.uint64(1)  # same first half, other key
+        for q in (keys, absent):
+            want, _ = idx._probe(q[:, 0], q[:, 1], ns)
+            assert np.array_equal(idx.find(ns, q), want)
+
+
+def test_random_forests_keep_links_table_and_map_exact():
+    rng = np.random.default_rng(7)
+    idx = BlockIndex(initial_rows=16)
+    halves = rng.integers(0, 2**63, size=8, dtype=np.int64).astype(np.uint64)  # few: shared first halves
+    ns_of: dict[int, int] = {}
+    tick = 1
+    for step in range(60):
+        n = int(rng.integers(1, 12))
+        ns = int(rng.integers(0, 2))
+        keys = np.stack([halves[rng.integers(0, halves.size, n)],
+                         rng.integers(0, 2**63, size=n, dtype=np.int64).astype(np.uint64)], axis=1)
+        live = idx.used_rows()
+        live = live[idx.ns[live] == ns]
+        head = int(rng.choice(live)) if live.size and rng.random() < 0.6 else -1
+        if rng.random() < 0.5:  # a chain (the fast path)
+            parents = np.asarray([head] + [-2 - i for i in range(n - 1)], dtype=np.int64)
+        else:  # a fan: every key a child of the head or of an earlier key
+            parents = np.asarray([head] + [int(rng.choice([head, -2 - int(rng.integers(0, i))]))
+                                           for i in range(1, n)], dtype=np.int64)
+        rows = idx.insert(ns, keys, parents, int(rng.integers(0, 2)), np.arange(n), np.full(n, 10),
+                          BlockState.COMMITTED, tick)
+        tick += n
+        for r in rows.tolist():
+            ns_of[r] = ns
+        assert np.array_equal(idx.find(ns, keys), rows)
+        if step % 3 == 2:  # drop a random subtree (its root's parent may stay)
+            live = idx.used_rows()
+            sub = idx.subtree(np.asarray([int(rng.choice(live))]))
+            idx.delete(sub[rng.permutation(sub.size)])
+            for r in sub.tolist():
+                ns_of.pop(r)
+        _check(idx, ns_of)
+
+
+def test_chain_insert_matches_the_linked_one():
+    keys = np.arange(40, dtype=np.uint64).reshape(20, 2) + np.uint64(1)
+    a, b = BlockIndex(), BlockIndex()
+    ra = a.insert(0, keys, np.asarray([-1] + [-2 - i for i in range(19)]), 1, np.arange(20), np.full(20, 10),
+                  BlockState.RESERVED, 5)
+    # the same chain one key at a time (the per-row path)
+    rb = np.concatenate([b.insert(0, keys[i:i + 1], np.asarray([-1 if i == 0 else int(i - 1)]), 1,
+                                  np.asarray([i]), np.asarray([10]), BlockState.RESERVED, 5 + i)
+                         for i in range(20)])
+    assert np.array_equal(ra, rb)
+    for col in ("parent", "first_child", "next_sib", "prev_sib", "nchild", "nchild_tier", "depth", "last"):
+        assert np.array_equal(getattr(a, col)[ra], getattr(b, col)[rb]), col
