@@ -59,7 +59,12 @@ def status_pb(s: KeyStatus | int) -> Any:
 
 
 def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
-    """Proto namespace -> ``Namespace``; ``tenant`` (from credentials) wins."""
+    """Proto namespace -> ``Namespace``; ``tenant`` (from credentials) wins.
+
+    The wire's defaults (docs/keys.md, "The namespace over gRPC"): an empty
+    tenant is the caller's ("default" with auth off), ``tp_size`` 0 is 1, an
+    unset ``schema_version`` is 1 (a set 0 stays 0), empty enum names take
+    their defaults; integers above the spec's i64 range are refused."""
     if tenant is not None and msg.tenant and msg.tenant != tenant:
         raise PermissionDenied(f"namespace tenant {msg.tenant!r} is not the caller's tenant")
     kw: dict[str, Any] = {
@@ -70,7 +75,7 @@ def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
         "block_size": msg.block_size,
         "tp_size": msg.tp_size or 1,
         "pp_stage": msg.pp_stage,
-        "schema_version": msg.schema_version or 1,
+        "schema_version": msg.schema_version if msg.HasField("schema_version") else 1,
         "salt": msg.salt,
     }
     for name in ("kv_dtype", "layout", "hash_algo"):
