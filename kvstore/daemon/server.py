@@ -32,6 +32,7 @@ from kvstore.core.store import TieredStore
 from kvstore.daemon import peers
 from kvstore.daemon.admin_service import AdminService
 from kvstore.daemon.cluster_service import ClusterService
+from kvstore.daemon.decode import DecodeGuard, add_guarded
 from kvstore.daemon.kv_service import KVStoreService
 from kvstore.daemon.state import PROTOCOL_VERSION, SESSION_MD, store_config
 from kvstore.wire.convert import ns_from_pb
@@ -79,9 +80,13 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
             ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(options=opts)
     daemon = Daemon(config, store)
-    pb_grpc.add_KVStoreServicer_to_server(daemon, server)
-    pb_grpc.add_AdminServicer_to_server(daemon, server)
-    pb_grpc.add_ClusterServicer_to_server(daemon, server)
+    # undecodable request bytes: INVALID_ARGUMENT and one rate-limited log line per peer (decode.py)
+    guard = daemon.decode_guard = DecodeGuard(
+        lambda method: daemon.metrics.rejected(method, "INVALID_ARGUMENT"),
+        authenticate=lambda context: daemon.auth.principal(context.invocation_metadata()))
+    add_guarded(server, pb_grpc.add_KVStoreServicer_to_server, daemon, guard)
+    add_guarded(server, pb_grpc.add_AdminServicer_to_server, daemon, guard)
+    add_guarded(server, pb_grpc.add_ClusterServicer_to_server, daemon, guard)
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = (pb.DESCRIPTOR.services_by_name["KVStore"].full_name,

@@ -68,6 +68,7 @@ class DaemonState:
         self._ns_cache: dict[tuple[str | None, bytes], Namespace] = {}
         self.wake_background = asyncio.Event()
         self.lookup_socket = ""  # set by start() when the fast Lookup socket listens
+        self.decode_guard: Any = None  # kvstore.daemon.decode.DecodeGuard, set by start()
         self.cluster: Any = None  # kvstore.daemon.peers.ClusterNode when cluster.mode is not off
 
     # ----------------------------------------------------------- helpers
