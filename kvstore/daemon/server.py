@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.core.store import TieredStore
-from kvstore.daemon import peers
+from kvstore.daemon import peers, tls
 from kvstore.daemon.admin_service import AdminService
 from kvstore.daemon.cluster_service import ClusterService
 from kvstore.daemon.decode import DecodeGuard, add_guarded
@@ -93,10 +93,7 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
              pb.DESCRIPTOR.services_by_name["Admin"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    creds = None
-    if s.tls_cert_file:
-        with open(s.tls_key_file, "rb") as fk, open(s.tls_cert_file, "rb") as fc:
-            creds = grpc.ssl_server_credentials([(fk.read(), fc.read())])
+    creds = tls.server_credentials(s)  # None with TLS off; mutual TLS with server.tls_client_ca_file
     port = 0
     address = ""
     if s.host:
@@ -142,10 +139,10 @@ async def start_cluster(running: Any, config: Config) -> None:
         hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     node.health_fn = health
-    if not running.daemon.auth.enabled:
-        peers.log.warning("cluster mode %s with auth off: any host that reaches this node's UCX block port (ucxx "
-                    "listens on every interface) can read its blocks; configure server.tenants_file on an "
-                    "untrusted network (docs/security.md)", config.cluster.mode.value)
+    if not running.daemon.auth.enabled:  # only with cluster.allow_insecure_unauthenticated (config.py)
+        peers.log.warning("INSECURE: cluster mode %s with auth off (cluster.allow_insecure_unauthenticated): any "
+                          "host that reaches this node's gRPC port or UCX block port (ucxx listens on every "
+                          "interface) can read every tenant's blocks (docs/security.md)", config.cluster.mode.value)
     try:
         await node.start()
     except BaseException:
