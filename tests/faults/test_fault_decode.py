@@ -72,6 +72,7 @@ def test_undecodable_requests_get_invalid_argument(make_daemon, tmp_path: Path, 
     methods = {path for path, *_ in got}
     assert methods == {path for path, _, _ in _methods()} and len(methods) >= 20  # every one of them
     bad = [(p, data, c) for p, data, c, _ in got if c != grpc.StatusCode.INVALID_ARGUMENT]
+    record("security", undecodable_wrong_code=len(bad))
     assert not bad, bad
     for path, _, _, msg in got:
         assert msg.startswith("request is not a valid kvstore.v1.") and len(msg) < 200, (path, msg)
@@ -80,13 +81,14 @@ def test_undecodable_requests_get_invalid_argument(make_daemon, tmp_path: Path, 
     assert {c for _, _, c, _ in anon} == {grpc.StatusCode.UNAUTHENTICATED}
     # logged once for this peer, never with a traceback
     lines = [r for r in caplog.records if r.name == "kvstore.daemon.decode"]
+    tracebacks = [r for r in caplog.records if r.exc_info or "Unexpected" in r.getMessage()]
+    record("security", undecodable_log_lines=len(lines), undecodable_tracebacks=len(tracebacks))
     assert len(lines) == 1 and "127.0.0.1" in lines[0].getMessage(), [r.getMessage() for r in lines]
     assert not [r for r in caplog.records if r.exc_info or "Unexpected" in r.getMessage()]
     guard = d.daemon.decode_guard
     assert guard.rejected == len(got) and guard.logged == 1
     assert b'code="INVALID_ARGUMENT"' in d.daemon.metrics.render()
-    record("security", undecodable_calls=len(got), undecodable_methods=len(methods),
-           undecodable_log_lines=len(lines))
+    record("security", undecodable_calls=len(got) + len(anon), undecodable_methods=len(methods))
 
 
 def test_decode_log_is_rate_limited_per_peer() -> None:

@@ -6,6 +6,7 @@ decision, whose owner can still report on it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from kvstore.client import Client, ns_pb
@@ -49,19 +50,20 @@ def test_only_the_receiving_tenant_and_session_may_report(make_daemon, tmp_path:
         assert max(ids) - min(ids) > 2**40
         before = _rate(acme)
         target = ids[-1]
-        # another tenant, another session of the same tenant, no session: ignored
-        assert not _report(beta, target)
-        assert not _report(acme2, target)
-        assert not _report(bare, target)
+        # another tenant, another session of the same tenant, no session: ignored;
         # neighbours of a known id are not decisions of anyone's
-        assert not _report(beta, target + 1) and not _report(beta, target - 1)
+        foreign = [_report(beta, target), _report(acme2, target), _report(bare, target),
+                   _report(beta, target + 1), _report(beta, target - 1)]
+        record("security", foreign_reports_matched=sum(foreign), foreign_reports_tried=len(foreign))
+        assert not any(foreign)
         assert _rate(acme) == before, "a foreign report moved the shared predictor"
         # the decision is still there for its owner
         assert _report(acme, target, actual_s=0.05)
         assert not _report(acme, target)  # consumed once
     ast = d.daemon.admission.stats()
     assert ast.foreign_reports == 3
-    record("security", foreign_reports_ignored=ast.foreign_reports)
+    record("security", foreign_reports_ignored=ast.foreign_reports, decision_ids_sampled=len(ids),
+           decision_id_spread_log2=round(math.log2(max(ids) - min(ids)), 1))
 
 
 def test_without_auth_the_session_binds_the_decision(make_daemon) -> None:
