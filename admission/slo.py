@@ -18,8 +18,8 @@ rate limiter and Preble-style class fairness.
 from __future__ import annotations
 
 import collections
-import itertools
 import math
+import secrets
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Collection, Hashable, Sequence
@@ -171,6 +171,8 @@ class AdmissionStats:
     errors: ErrorStats
     unknown_reports: int
     """Reports whose decision id was unknown or already forgotten."""
+    foreign_reports: int = 0
+    """Reports on a decision made for another owner (tenant, session): ignored."""
 
 
 class AdmissionController:
@@ -185,11 +187,11 @@ class AdmissionController:
         self.config = config or AdmissionConfig()
         self.rate_limiter = rate_limiter
         self.fairness = fairness
-        self._ids = itertools.count(1)
-        self._recent: collections.OrderedDict[int, TTFTBreakdown] = collections.OrderedDict()
+        self._recent: collections.OrderedDict[int, tuple[Hashable, TTFTBreakdown]] = collections.OrderedDict()
         self._decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._reasons: collections.Counter[ReasonCode] = collections.Counter()
         self._unknown_reports = 0
+        self._foreign_reports = 0
 
     # ------------------------------------------------------------- validation
     def _validate(self, tenant: str, n_tokens: int, counts: np.ndarray, block_tokens: int, block_bytes: int,
@@ -220,7 +222,7 @@ class AdmissionController:
     def decide(self, tenant: str, n_tokens: int, hit_blocks_by_tier: HitCounts | None, block_tokens: int,
                block_bytes: int, ttft_target_s: float, *, block_tiers: Sequence[int] | np.ndarray | None = None,
                queue_wait_s: float | None = None, klass: Hashable | None = None,
-               dry_run: bool = False) -> Decision:
+               dry_run: bool = False, owner: Hashable = None) -> Decision:
         """Decide whether a request can meet ``ttft_target_s``.
 
         ``hit_blocks_by_tier``: hit blocks per tier (see :func:`hit_counts`),
@@ -229,7 +231,9 @@ class AdmissionController:
         ``queue_wait_s`` overrides the predictor's queue model. ``klass`` is the
         fairness class (default: the hit-ratio class). ``dry_run`` computes the
         decision without counting it, taking rate tokens or updating fairness
-        (a router comparing placements).
+        (a router comparing placements). ``owner`` (e.g. the daemon's tenant
+        and session) is who may :meth:`report` on the decision; its id is
+        random (63 bits from ``secrets``), so it cannot be guessed either.
 
         Raises :class:`InvalidArgument` for a target <= 0, an unknown tenant
         (with a registry), or ``n_tokens`` smaller than the hit blocks imply.
@@ -302,8 +306,8 @@ class AdmissionController:
             self._decisions[(tenant, kind.label)] += 1
             self._reasons[code] += 1
             if kind is not DecisionKind.REJECT:
-                did = next(self._ids)
-                self._recent[did] = chosen
+                did = self._new_id()
+                self._recent[did] = (owner, chosen)
                 while len(self._recent) > self.config.decision_memory:
                     self._recent.popitem(last=False)
                 p.note_admitted(chosen.total_s - chosen.queue_s)
@@ -314,16 +318,32 @@ class AdmissionController:
                         use_blocks=use, starved=starved, retry_after_s=retry, decision_id=did)
 
     # ------------------------------------------------------------- feedback
-    def report(self, decision_id: int, actual_s: float, *, actual_queue_s: float | None = None) -> float | None:
+    def _new_id(self) -> int:
+        """A fresh decision id: random, non-zero, 63 bits (fits the wire's
+        uint64 and any signed 64-bit client), never one still remembered."""
+        while True:
+            did = secrets.randbits(63)
+            if did and did not in self._recent:
+                return did
+
+    def report(self, decision_id: int, actual_s: float, *, actual_queue_s: float | None = None,
+               owner: Hashable = None) -> float | None:
         """The actual TTFT of an admitted request. Returns the signed error
         ``actual - predicted`` (for an error histogram), or None (counted in
         ``unknown_reports``) when the decision id is unknown or was forgotten
         (only ``decision_memory`` are kept); :meth:`report_raw` can then still
-        carry the prediction the engine kept."""
-        bd = self._recent.pop(decision_id, None)
-        if bd is None:
+        carry the prediction the engine kept. A report from anyone but the
+        decision's ``owner`` is ignored the same way (counted in
+        ``foreign_reports``) and leaves the decision for its owner."""
+        got = self._recent.get(decision_id)
+        if got is None:
             self._unknown_reports += 1
             return None
+        if got[0] != owner:
+            self._foreign_reports += 1
+            return None
+        del self._recent[decision_id]
+        bd = got[1]
         self.predictor.report(bd.total_s, actual_s, bd.uncached_tokens, breakdown=bd,
                               actual_queue_s=actual_queue_s)
         return float(actual_s) - bd.total_s
@@ -337,14 +357,15 @@ class AdmissionController:
 
     def predicted_of(self, decision_id: int) -> TTFTBreakdown | None:
         """The breakdown of a remembered admitted decision (not consumed)."""
-        return self._recent.get(decision_id)
+        got = self._recent.get(decision_id)
+        return got[1] if got is not None else None
 
     def stats(self) -> AdmissionStats:
         """Counters for metrics and ``kvstore stats``."""
         return AdmissionStats(decisions=dict(self._decisions), reasons=dict(self._reasons),
                               prefill_tokens_per_s=self.predictor.prefill_tokens_per_s,
                               queue_wait_s=self.predictor.queue_wait_s(), errors=self.predictor.error_stats(),
-                              unknown_reports=self._unknown_reports)
+                              unknown_reports=self._unknown_reports, foreign_reports=self._foreign_reports)
 
 
 def _ms(seconds: float) -> str:

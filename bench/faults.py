@@ -67,6 +67,10 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("security.static_scan_findings", 0, True),
     ("security.cross_tenant_leaks", 0, True),
     ("security.weak_hash_collision_leaks", 0, True),
+    ("security.foreign_reports_matched", 0, True),
+    ("security.undecodable_wrong_code", 0, True),
+    ("security.undecodable_tracebacks", 0, True),
+    ("security.undecodable_log_lines", 1, True),
     ("suite.failed_tests", 0, True),
 ]
 

@@ -380,7 +380,8 @@ class Daemons:
                         "KVSTORE_CLUSTER_PEERS": peers, "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms",
                         "KVSTORE_CLUSTER_FETCH_TIMEOUT": "30s",
                         # recompute made slow, so the decision is always "fetch"
-                        "KVSTORE_CLUSTER_PREFILL_TOKENS_PER_S": "10"})
+                        "KVSTORE_CLUSTER_PREFILL_TOKENS_PER_S": "10",
+                        "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true"})  # loopback only
             self.procs.append(subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--log-level", "warning"],
                                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.DEVNULL))

@@ -112,6 +112,9 @@ class ServerConfig(Section):
     """PEM certificate chain for TLS; set together with tls_key_file."""
     tls_key_file: str = ""
     """PEM private key for TLS; set together with tls_cert_file."""
+    tls_client_ca_file: str = ""
+    """PEM CA bundle: when set (with TLS on), every client must present a
+    certificate signed by it (mutual TLS); peers present their own."""
     drain_seconds: Duration = 10.0
     """On shutdown, how long in-flight calls may finish before they are cut."""
     reservation_timeout: Duration = 30.0
@@ -134,6 +137,8 @@ class ServerConfig(Section):
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
             self._fail(missing, "server.tls_cert_file and server.tls_key_file must be set together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            self._fail("tls_client_ca_file", "needs TLS on (server.tls_cert_file and server.tls_key_file)")
         if self.reservation_timeout <= 0:
             self._fail("reservation_timeout", "must be > 0")
         if self.lease_check_interval <= 0:
@@ -365,6 +370,15 @@ class ClusterConfig(Section):
     peer_token_env: str = ""
     """Environment variable holding the bearer token this daemon sends to peers
     (cluster RPCs need an admin token when peers have auth on)."""
+    tls_ca_file: str = ""
+    """PEM CA bundle that peers' server certificates are checked against when
+    server TLS is on; empty: server.tls_client_ca_file, else the system roots.
+    Peer calls present this daemon's own certificate (mutual TLS)."""
+    allow_insecure_unauthenticated: bool = False
+    """Allow cluster mode with auth off (no server.tenants_file, auth_token_file
+    or auth_token_env). INSECURE: then anyone who reaches this node's gRPC or
+    UCX block port can read every tenant's blocks. Only for a closed network
+    or a test."""
 
     def _validate(self) -> None:
         if self.mode is ClusterMode.STATIC and not self.peers.strip():
@@ -434,6 +448,14 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, cls):
                 raise ConfigError(f"{name}: expected a {cls.__name__}, got {value!r}", key=name)
+        s = self.server
+        if (self.cluster.mode is not ClusterMode.OFF and not self.cluster.allow_insecure_unauthenticated
+                and not (s.tenants_file or s.auth_token_file or s.auth_token_env)):
+            raise ConfigError(
+                f"cluster.mode is {self.cluster.mode.value} but auth is off: any host that reaches this node "
+                "could read every tenant's blocks. Configure server.tenants_file (or auth_token_file / "
+                "auth_token_env), or set cluster.allow_insecure_unauthenticated = true on a closed network "
+                "(docs/security.md)", key="cluster.allow_insecure_unauthenticated")
         if (self.metrics.port != 0 and self.server.host
                 and self.metrics.port == self.server.port
                 and self.metrics.host == self.server.host):

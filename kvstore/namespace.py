@@ -309,7 +309,7 @@ class Namespace:
                 raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
             value = operator.index(value)
             if not lo <= value <= hi:
-                bound = f">= {lo}" if hi == _MAX_I64 else f"in {lo}..{hi}"
+                bound = f">= {lo}" if hi == _MAX_I64 and value < lo else f"in {lo}..{hi}"
                 raise InvalidArgument(f"{name} must be {bound}, got {value}")
             setattr_(self, name, value)
         frame = self._build_frame()

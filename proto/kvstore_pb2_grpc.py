@@ -255,6 +255,9 @@ class KVStoreServicer:
     def Report(self, request, context):
         """The engine reports the TTFT it measured for an admitted request; the
         daemon tracks the prediction error and recalibrates its prefill speed.
+        Only the tenant and session (x-kvstore-session) that received the
+        decision may report on it; anyone else's report is ignored (matched =
+        false), like an unknown id.
         Block transfer between daemons lives in a separate service (cluster).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -17,6 +17,7 @@ from kvstore.daemon.state import DaemonState
 from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
 from kvstore.results import LookupResult
+from kvstore.wire.convert import digest_of
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierKind
@@ -35,14 +36,20 @@ class ClusterService(DaemonState, pb_grpc.ClusterServicer):
 
     @rpc("Publish", admin=True)
     async def Publish(self, request: pb.PublishRequest, context: Any, who: Principal) -> pb.PublishResponse:
+        for i, u in enumerate(request.updates):
+            digest_of(u.ns_digest, f"updates[{i}].ns_digest", allow_empty=u.cleared)
+            if len(u.keys_packed) % 16:
+                raise InvalidArgument(f"updates[{i}].keys_packed is {len(u.keys_packed)} bytes, not a multiple "
+                                      "of 16 (16-byte keys)")
         return pb.PublishResponse(applied=self.need_cluster().apply(request))
 
     @rpc("Locate", admin=True)
     async def Locate(self, request: pb.LocateRequest, context: Any, who: Principal) -> pb.LocateResponse:
+        digest = digest_of(request.ns_digest)
         if len(request.keys_packed) % 16:
-            raise InvalidArgument("keys_packed is not a multiple of 16 bytes")
-        p = request.keys_packed
-        return self.need_cluster().locate_local(request.ns_digest, split_keys(p))
+            raise InvalidArgument(f"keys_packed is {len(request.keys_packed)} bytes, not a multiple of 16 "
+                                  "(16-byte keys)")
+        return self.need_cluster().locate_local(digest, split_keys(request.keys_packed))
 
 
 async def lookup_response(daemon: Any, request: pb.LookupRequest, ns: Namespace, res: LookupResult,

@@ -28,8 +28,8 @@ from kvstore.daemon.auth import Principal
 from kvstore.daemon.rpc import gave_up, rpc
 from kvstore.daemon.state import PROTOCOL_VERSION, DaemonState, version
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
-from kvstore.wire.convert import (chain_keys, hbm_pb, keys_of, results_pb, status_for, status_pb, tier_pb,
-                                  ttft_pb, want_tier)
+from kvstore.wire.convert import (chain_keys, details_pb, hbm_pb, keys_of, parent_of, results_pb, status_for, status_pb,
+                                  tier_pb, ttft_pb, want_tier)
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierKind
@@ -115,13 +115,15 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
             sizes = int(request.block_bytes)
         else:
             raise InvalidArgument("sizes or block_bytes is required")
+        parent = parent_of(request)
         owner, _ = self.owner(context, who)
-        res = self.store.reserve(ns, keys, sizes, owner=owner, parent=request.parent or None,
+        res = self.store.reserve(ns, keys, sizes, owner=owner, parent=parent,
                                  tier=want_tier(request.tier))
         if res.handle and gave_up(context):  # nobody will write or commit these slots
             self.store.abort(res.handle, owner)
             raise errors.DeadlineExceeded("Reserve: the caller's deadline passed; the reservation was aborted")
-        return pb.ReserveResponse(reservation_id=res.handle, slots=self.slots(res), details=res.messages,
+        return pb.ReserveResponse(reservation_id=res.handle, slots=self.slots(res),
+                                  details=details_pb(res.statuses, res.messages),
                                   expires_in_ms=int(self.config.server.reservation_timeout * 1000))
 
     @rpc("Commit")
@@ -130,7 +132,7 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         if request.keys:
             raise InvalidArgument("partial commit is not supported: commit the whole reservation or abort it")
         res = self.store.commit(request.reservation_id, owner, list(request.checksums) or None)
-        return pb.CommitResponse(results=[pb.KeyResult(status=status_pb(s)) for s in res.statuses])
+        return pb.CommitResponse(results=results_pb(None, res))
 
     @rpc("Abort")
     async def Abort(self, request: pb.AbortRequest, context: Any, who: Principal) -> pb.AbortResponse:
@@ -164,6 +166,7 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
     async def Put(self, request: pb.PutRequest, context: Any, who: Principal) -> pb.PutResponse:
         ns = self.namespace(request.ns, who)
         keys = keys_of(request.keys)
+        parent = parent_of(request)
         payloads = list(request.payloads)
         if len(payloads) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
@@ -174,11 +177,11 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
                 if checksum(p) != c:
                     # stop the chain here: this payload and what follows are not stored
                     keys_ok = keys[:i]
-                    res = self.store.put(ns, keys_ok, payloads[:i], parent=request.parent or None)
+                    res = self.store.put(ns, keys_ok, payloads[:i], parent=parent)
                     res.statuses += [KeyStatus.CORRUPT] + [KeyStatus.PARENT_MISSING] * (len(keys) - i - 1)
                     res.messages[i] = "payload does not match its checksum"
                     return pb.PutResponse(results=results_pb(keys, res))
-        res = self.store.put(ns, keys, payloads, parent=request.parent or None)
+        res = self.store.put(ns, keys, payloads, parent=parent)
         self.metrics.inline_bytes("in", sum(len(p) for p in payloads))
         return pb.PutResponse(results=results_pb(keys, res))
 
@@ -223,7 +226,7 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         d = self.admission.decide(ns.tenant, int(request.n_tokens), None, ns.block_size, block_bytes,
                                   float(request.ttft_target_s), block_tiers=res.tier_codes,
                                   queue_wait_s=request.queue_wait_s or None, klass=request.klass or None,
-                                  dry_run=request.dry_run)
+                                  dry_run=request.dry_run, owner=(who.tenant, self.session_of(context, who)))
         self.metrics.admission_decision(ns.tenant, d.kind.name.lower(), d.reason_code, d.predicted.total_s)
         return pb.AdmitResponse(
             kind=cast(Any, {DecisionKind.ADMIT: 1, DecisionKind.ADMIT_DEGRADED: 2, DecisionKind.REJECT: 3}[d.kind]),
@@ -235,8 +238,11 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
     async def Report(self, request: pb.ReportRequest, context: Any, who: Principal) -> pb.ReportResponse:
         if not request.actual_ttft_s > 0:
             raise InvalidArgument(f"actual_ttft_s must be > 0, got {request.actual_ttft_s}")
+        # only the tenant and session that received the decision may report on it; anyone else's
+        # report is ignored like an unknown id (the id is random, so it cannot be guessed either)
         err = self.admission.report(int(request.decision_id), float(request.actual_ttft_s),
-                                    actual_queue_s=request.queue_s or None)
+                                    actual_queue_s=request.queue_s or None,
+                                    owner=(who.tenant, self.session_of(context, who)))
         if err is None:
             return pb.ReportResponse(matched=False)
         self.metrics.admission_report(err, self.admission.predictor.prefill_tokens_per_s)

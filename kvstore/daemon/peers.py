@@ -30,6 +30,7 @@ import numpy as np
 
 from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
+from kvstore.daemon import tls
 from kvstore.errors import KVStoreError, KeyStatus
 from kvstore.keys import Namespace
 from kvstore.results import Event, EventKind, LookupResult, DropReason
@@ -101,6 +102,8 @@ class ClusterNode:
             prefill_flops_per_s=c.prefill_tflops * 1e12, margin=c.fetch_margin), shapes, tables)
         self.table = DirectoryTable()
         self.token = os.environ.get(c.peer_token_env, "").strip() if c.peer_token_env else ""
+        self.creds = tls.peer_credentials(config)  # peer channels follow the server's TLS (mutual TLS)
+        tls.warn_clear_token(config, self.token, c.peer_list)
         server_cls, client_cls = transport_factory()
         import importlib
 
@@ -165,7 +168,7 @@ class ClusterNode:
     def _stub(self, address: str) -> pb_grpc.ClusterStub:
         got = self._channels.get(address)
         if got is None:
-            ch = grpc.aio.insecure_channel(address)
+            ch = tls.peer_channel(address, self.creds)
             got = self._channels[address] = (ch, pb_grpc.ClusterStub(ch))
         return got[1]
 

@@ -29,9 +29,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.core.store import TieredStore
-from kvstore.daemon import peers
+from kvstore.daemon import peers, tls
 from kvstore.daemon.admin_service import AdminService
 from kvstore.daemon.cluster_service import ClusterService
+from kvstore.daemon.decode import DecodeGuard, add_guarded
 from kvstore.daemon.kv_service import KVStoreService
 from kvstore.daemon.state import PROTOCOL_VERSION, SESSION_MD, store_config
 from kvstore.wire.convert import ns_from_pb
@@ -79,19 +80,20 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
             ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(options=opts)
     daemon = Daemon(config, store)
-    pb_grpc.add_KVStoreServicer_to_server(daemon, server)
-    pb_grpc.add_AdminServicer_to_server(daemon, server)
-    pb_grpc.add_ClusterServicer_to_server(daemon, server)
+    # undecodable request bytes: INVALID_ARGUMENT and one rate-limited log line per peer (decode.py)
+    guard = daemon.decode_guard = DecodeGuard(
+        lambda method: daemon.metrics.rejected(method, "INVALID_ARGUMENT"),
+        authenticate=lambda context: daemon.auth.principal(context.invocation_metadata()))
+    add_guarded(server, pb_grpc.add_KVStoreServicer_to_server, daemon, guard)
+    add_guarded(server, pb_grpc.add_AdminServicer_to_server, daemon, guard)
+    add_guarded(server, pb_grpc.add_ClusterServicer_to_server, daemon, guard)
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = (pb.DESCRIPTOR.services_by_name["KVStore"].full_name,
              pb.DESCRIPTOR.services_by_name["Admin"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    creds = None
-    if s.tls_cert_file:
-        with open(s.tls_key_file, "rb") as fk, open(s.tls_cert_file, "rb") as fc:
-            creds = grpc.ssl_server_credentials([(fk.read(), fc.read())])
+    creds = tls.server_credentials(s)  # None with TLS off; mutual TLS with server.tls_client_ca_file
     port = 0
     address = ""
     if s.host:
@@ -137,10 +139,10 @@ async def start_cluster(running: Any, config: Config) -> None:
         hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     node.health_fn = health
-    if not running.daemon.auth.enabled:
-        peers.log.warning("cluster mode %s with auth off: any host that reaches this node's UCX block port (ucxx "
-                    "listens on every interface) can read its blocks; configure server.tenants_file on an "
-                    "untrusted network (docs/security.md)", config.cluster.mode.value)
+    if not running.daemon.auth.enabled:  # only with cluster.allow_insecure_unauthenticated (config.py)
+        peers.log.warning("INSECURE: cluster mode %s with auth off (cluster.allow_insecure_unauthenticated): any "
+                          "host that reaches this node's gRPC port or UCX block port (ucxx listens on every "
+                          "interface) can read every tenant's blocks (docs/security.md)", config.cluster.mode.value)
     try:
         await node.start()
     except BaseException:

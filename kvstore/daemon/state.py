@@ -68,6 +68,7 @@ class DaemonState:
         self._ns_cache: dict[tuple[str | None, bytes], Namespace] = {}
         self.wake_background = asyncio.Event()
         self.lookup_socket = ""  # set by start() when the fast Lookup socket listens
+        self.decode_guard: Any = None  # kvstore.daemon.decode.DecodeGuard, set by start()
         self.cluster: Any = None  # kvstore.daemon.peers.ClusterNode when cluster.mode is not off
 
     # ----------------------------------------------------------- helpers
@@ -93,15 +94,23 @@ class DaemonState:
             self._ns_cache[wire] = ns
         return ns
 
-    def owner(self, context: Any, who: Principal) -> tuple[str, bool]:
-        """(owner id, has a live session)."""
+    def session_of(self, context: Any, who: Principal) -> str:
+        """The caller's session id (metadata ``x-kvstore-session``, checked:
+        live and the caller's tenant's), or "" without one."""
         for k, v in context.invocation_metadata() or ():
             if k == SESSION_MD:
                 if v not in self.sessions:
                     raise errors.NotFound(f"session {v!r} is unknown (expired or from another daemon run)")
                 if self.sessions[v] != who.tenant:
                     raise PermissionDenied("session belongs to another tenant")
-                return v, True
+                return str(v)
+        return ""
+
+    def owner(self, context: Any, who: Principal) -> tuple[str, bool]:
+        """(owner id, has a live session)."""
+        sid = self.session_of(context, who)
+        if sid:
+            return sid, True
         return "anon:" + context.peer(), False
 
     def slots(self, res: SlotResult) -> pb.SlotArray:

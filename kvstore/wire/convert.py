@@ -59,7 +59,12 @@ def status_pb(s: KeyStatus | int) -> Any:
 
 
 def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
-    """Proto namespace -> ``Namespace``; ``tenant`` (from credentials) wins."""
+    """Proto namespace -> ``Namespace``; ``tenant`` (from credentials) wins.
+
+    The wire's defaults (docs/keys.md, "The namespace over gRPC"): an empty
+    tenant is the caller's ("default" with auth off), ``tp_size`` 0 is 1, an
+    unset ``schema_version`` is 1 (a set 0 stays 0), empty enum names take
+    their defaults; integers above the spec's i64 range are refused."""
     if tenant is not None and msg.tenant and msg.tenant != tenant:
         raise PermissionDenied(f"namespace tenant {msg.tenant!r} is not the caller's tenant")
     kw: dict[str, Any] = {
@@ -70,7 +75,7 @@ def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
         "block_size": msg.block_size,
         "tp_size": msg.tp_size or 1,
         "pp_stage": msg.pp_stage,
-        "schema_version": msg.schema_version or 1,
+        "schema_version": msg.schema_version if msg.HasField("schema_version") else 1,
         "salt": msg.salt,
     }
     for name in ("kv_dtype", "layout", "hash_algo"):
@@ -87,8 +92,46 @@ def ns_pb(ns: Namespace) -> pb.Namespace:
     return pb.Namespace(**{k: v for k, v in d.items() if k in fields})
 
 
-def results_pb(keys: list[bytes], res: BatchResult) -> list[pb.KeyResult]:
-    return [pb.KeyResult(key=k, status=status_pb(s), detail=res.messages.get(i, ""))
+_REASON: dict[KeyStatus, str] = {
+    KeyStatus.MISS: "not stored",
+    KeyStatus.EXISTS: "already stored: nothing to write",
+    KeyStatus.CAPACITY: "no room in the tier, even after eviction",
+    KeyStatus.INVALID: "invalid input for this key",
+    KeyStatus.CORRUPT: "checksum mismatch: the block was dropped",
+    KeyStatus.BUSY: "another writer holds a reservation on this key",
+    KeyStatus.NOT_OWNER: "the caller does not own the reservation or lease",
+}
+"""The reason a non-OK key gets when the store named none."""
+
+
+def details_pb(statuses: Any, messages: dict[int, str]) -> dict[int, str]:
+    """Key index -> reason for every non-OK key (the store's message where it
+    gave one, else the status's reason; PARENT_MISSING names the refused
+    parent). Loops over the non-OK keys only."""
+    st = np.asarray(statuses, dtype=np.int64).reshape(-1)
+    out: dict[int, str] = {}
+    for i in np.flatnonzero(st != int(KeyStatus.OK)).tolist():
+        msg = messages.get(i)
+        if not msg:
+            s = KeyStatus(int(st[i]))
+            if s is not KeyStatus.PARENT_MISSING:
+                msg = _REASON.get(s, s.name.lower())
+            elif i == 0:
+                msg = "parent block is not stored"
+            else:
+                prev = KeyStatus(int(st[i - 1]))
+                msg = (f"its parent keys[{i - 1}] is not stored ({prev.name})" if prev is not KeyStatus.OK
+                       else f"its parent keys[{i - 1}] is not stored")
+        out[i] = msg
+    return out
+
+
+def results_pb(keys: list[bytes] | None, res: BatchResult) -> list[pb.KeyResult]:
+    """One KeyResult per key; every non-OK key carries its reason."""
+    details = details_pb(res.statuses, res.messages)
+    if keys is None:
+        return [pb.KeyResult(status=status_pb(s), detail=details.get(i, "")) for i, s in enumerate(res.statuses)]
+    return [pb.KeyResult(key=k, status=status_pb(s), detail=details.get(i, ""))
             for i, (k, s) in enumerate(zip(keys, res.statuses))]
 
 
@@ -100,14 +143,35 @@ def slots_pb(res: SlotResult) -> pb.SlotArray:
                         checksum=res.checksums.tolist())
 
 
-def keys_of(msg_keys: Any) -> list[bytes]:
+def keys_of(msg_keys: Any, field: str = "keys") -> list[bytes]:
+    """A repeated key field; a bad entry is named by its field and index."""
     keys = list(msg_keys)
     if len(keys) > MAX_KEYS:
-        raise InvalidArgument(f"{len(keys)} keys in one call; at most {MAX_KEYS}")
+        raise InvalidArgument(f"{len(keys)} {field} in one call; at most {MAX_KEYS}")
     for i, k in enumerate(keys):
         if len(k) != 16:
-            raise InvalidArgument(f"key {i} must be 16 bytes, got {len(k)}")
+            raise InvalidArgument(f"{field}[{i}] must be 16 bytes (a block key), got {len(k)} bytes")
     return keys
+
+
+def parent_of(request: Any) -> bytes | None:
+    """A request's ``parent`` (the key before ``keys[0]``): None when empty."""
+    p = bytes(request.parent)
+    if not p:
+        return None
+    if len(p) != 16:
+        raise InvalidArgument(f"parent must be 16 bytes (the block key before keys[0]) or empty for a chain "
+                              f"root, got {len(p)} bytes")
+    return p
+
+
+def digest_of(value: bytes, field: str = "ns_digest", *, allow_empty: bool = False) -> bytes:
+    """A namespace digest field (16 bytes; empty only where it means 'all')."""
+    d = bytes(value)
+    if len(d) != 16 and not (allow_empty and not d):
+        empty = " or empty" if allow_empty else ""
+        raise InvalidArgument(f"{field} must be 16 bytes (a namespace digest){empty}, got {len(d)} bytes")
+    return d
 
 
 def chain_keys(request: Any) -> bytes | list[bytes]:
@@ -117,7 +181,7 @@ def chain_keys(request: Any) -> bytes | list[bytes]:
         if len(request.keys):
             raise InvalidArgument("give keys or keys_packed, not both")
         if len(packed) % 16:
-            raise InvalidArgument(f"keys_packed is {len(packed)} bytes, not a multiple of 16")
+            raise InvalidArgument(f"keys_packed is {len(packed)} bytes, not a multiple of 16 (16-byte keys)")
         if len(packed) // 16 > MAX_KEYS:
             raise InvalidArgument(f"{len(packed) // 16} keys in one call; at most {MAX_KEYS}")
         return bytes(packed)
@@ -151,6 +215,6 @@ def ttft_pb(b: TTFTBreakdown) -> pb.TTFTParts:
                         cached_tokens=int(b.cached_tokens), uncached_tokens=int(b.uncached_tokens))
 
 
-__all__ = ["MAX_KEYS", "REASONS", "REASON_PB", "STATUS_TABLE", "chain_keys", "hbm_pb", "keys_of", "ns_from_pb", "ns_pb", "results_pb",
+__all__ = ["MAX_KEYS", "REASONS", "REASON_PB", "STATUS_TABLE", "chain_keys", "details_pb", "digest_of", "hbm_pb", "keys_of", "parent_of", "ns_from_pb", "ns_pb", "results_pb",
            "slots_pb", "status_for", "status_pb", "tier_codes_from_pb", "tier_from_pb", "tier_name", "tier_pb",
            "ttft_pb", "want_tier"]

@@ -279,8 +279,8 @@ def test_fuzz_mutated_and_wrongly_typed_bytes(served) -> None:
         code = _call(served, name, data, rng.choice(["tenant", "tenant", "admin"]))
         if _decodes(classes[name], data):
             assert code not in ("UNKNOWN", "INTERNAL"), (name, data, code)
-        else:  # gRPC's own answer to bytes that do not parse as the request type
-            assert code == "UNKNOWN", (name, data, code)
+        else:  # bytes that do not parse as the request type (kvstore/daemon/decode.py)
+            assert code == "INVALID_ARGUMENT", (name, data, code)
             undecodable += 1
         mutated += 1
     # every field number 1..16 of every request with every wire type
@@ -294,6 +294,7 @@ def test_fuzz_mutated_and_wrongly_typed_bytes(served) -> None:
                 if _decodes(cls, data):
                     assert code not in ("UNKNOWN", "INTERNAL"), (name, data, code)
                 else:
+                    assert code == "INVALID_ARGUMENT", (name, data, code)
                     undecodable += 1
                 typed += 1
     assert served["serve"].alive()
@@ -359,7 +360,7 @@ def test_oversized_messages_and_huge_batches(served) -> None:
         ("Lookup", lambda: pb.LookupRequest(ns=pb.Namespace(model_id="m", kv_dtype="int4")).SerializeToString(),
          {"INVALID_ARGUMENT"}),
         ("Lookup", lambda: (pb.LookupRequest(ns=pb.Namespace(model_id="m")).SerializeToString()[:-1]
-                            + b"\xff"), {"UNKNOWN"}),  # bad UTF-8 in a string: gRPC cannot parse it
+                            + b"\xff"), {"INVALID_ARGUMENT"}),  # bad UTF-8 in a string: it does not parse
     ]
     t_max = 0.0
     for name, build, want in expect:

@@ -23,6 +23,7 @@ def fake_transport(monkeypatch):
 
 def etcd_node(make_daemon, etcd, **kw) -> Node:  # noqa: F811
     opts = {"cluster__mode": "etcd", "cluster__etcd_endpoint": etcd.endpoint, "cluster__lease_ttl": "2s",
+            "cluster__allow_insecure_unauthenticated": "true",
             "cluster__publish_interval": "10ms", "cluster__fetch_timeout": "1s", "dram__capacity": "32MiB",
             "cluster__prefill_tokens_per_s": 10}
     opts.update(kw)

@@ -70,6 +70,7 @@ def static_pair(make_daemon, n: int = 2, md: list[tuple[str, str]] | None = None
     nodes = []
     for i, p in enumerate(ports):
         opts = {"server__port": p, "cluster__mode": "static", "cluster__peers": ",".join(addrs),
+                "cluster__allow_insecure_unauthenticated": "true",  # tests on loopback; auth tested apart
                 "cluster__probe_interval": "100ms", "cluster__publish_interval": "10ms",
                 "cluster__fetch_timeout": "1s", "dram__capacity": "32MiB", "cluster__prefill_tokens_per_s": 10}
         opts.update({k: v for k, v in kw.items() if not k.startswith("n")})

@@ -43,7 +43,8 @@ class Proc:
                     "KVSTORE_METRICS_PORT": "0", "KVSTORE_DRAM_CAPACITY": "32MiB",
                     "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms", "KVSTORE_CLUSTER_PROBE_INTERVAL": "200ms",
                     "KVSTORE_CLUSTER_FETCH_TIMEOUT": f"{FETCH_TIMEOUT}s",
-                    "KVSTORE_CLUSTER_PREFILL_TOKENS_PER_S": "10"})
+                    "KVSTORE_CLUSTER_PREFILL_TOKENS_PER_S": "10",
+                    "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true"})
         env.update({f"KVSTORE_CLUSTER_{k.upper()}": str(v) for k, v in cfg.items()})
         self.log = tempfile.NamedTemporaryFile(prefix="kvstore-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], cwd=ROOT, env=env,
