@@ -47,6 +47,7 @@ __all__ = [
     "WEIGHT_SUFFIXES",
     "DigestCache",
     "config_digest",
+    "config_geometry",
     "engine_namespace",
     "hf_snapshot_digest",
     "kv_schema",
@@ -429,10 +430,11 @@ def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return tc if isinstance(tc, Mapping) and tc.get("num_hidden_layers") else cfg
 
 
-def _geometry(cfg: Mapping[str, Any], tp_size: int) -> tuple[int, int, int]:
-    """(layers, KV heads per TP rank, head size) as vLLM derives them for a
-    standard decoder; (0, 0, 0) when the config does not say."""
-    t = _text(cfg)
+def config_geometry(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None,
+                    tp_size: int = 1) -> tuple[int, int, int]:
+    """(layers, KV heads per TP rank, head size) of a standard decoder, as
+    vLLM derives them from the config; zeros where the config does not say."""
+    t = _text(_merged(hf_config, overrides))
     try:
         layers = int(t.get("num_hidden_layers") or t.get("n_layer") or 0)
         heads = int(t.get("num_attention_heads") or t.get("n_head") or 0)
@@ -467,7 +469,7 @@ def kv_schema(hf_config: Mapping[str, Any], *, block_size: int, kv_dtype: KVDtyp
     quantization method. ``schema_version`` is 31 bits of its xxh3_64 (an
     unsigned 32-bit field on the wire)."""
     kvd = KVDtype.parse(kv_dtype)
-    layers, kv_heads, head = geometry or _geometry(_merged(hf_config, overrides), tp_size)
+    layers, kv_heads, head = geometry or config_geometry(hf_config, overrides, tp_size)
     desc = (f"{layout_tag}|layers={layers}|kv_heads={kv_heads}|head={head}|block={block_size}|{kvd.value}")
     if compute_dtype and compute_dtype.removeprefix("torch.") != kvd.value:
         desc += f"|compute={compute_dtype.removeprefix('torch.')}"
