@@ -33,6 +33,7 @@ import re
 import stat
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final, Iterable, Mapping
@@ -157,6 +158,8 @@ only; vLLM loads from there)."""
 
 CHUNK: Final = 16 << 20
 """Read size of the content hash."""
+RACY_WINDOW_NS: Final = 2_000_000_000
+"""Files changed this recently (ns) before being hashed are not cached."""
 _SNAPSHOT_RE: Final = re.compile(r"^[0-9a-f]{40}$")
 _CACHE_VERSION: Final = 1
 _CACHE_MAX_ENTRIES: Final = 4096
@@ -220,10 +223,17 @@ class DigestCache:
     weight file's real path to its digest and the ``(size, inode, device,
     mtime_ns, ctime_ns)`` it had when hashed. An entry whose file changed in
     any of these is stale. Written atomically (temp file + rename), mode
-    0600; a missing or corrupt cache is treated as empty."""
+    0600; a missing or corrupt cache is treated as empty.
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    A file changed less than ``racy_window_ns`` before it was hashed is not
+    remembered (hashed again next time): file times tick coarsely, so a
+    write in the same tick as the hash could leave every stamp field equal
+    (git's "racily clean" entries)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+                 racy_window_ns: int = RACY_WINDOW_NS) -> None:
         self.path = Path(path) if path is not None else self.default_path()
+        self.racy_window_ns = racy_window_ns
 
     @staticmethod
     def default_path() -> Path:
@@ -316,9 +326,12 @@ def _content_digest(files: list[Path], cache: DigestCache | None, threads: int) 
                 done[r[3]] = d
         if cache is not None:
             new = {}
+            now = time.time_ns()
             for _name, _size, _d, real, st_before in todo:
                 st_after = os.stat(real)
-                if DigestCache.stamp(st_after) == DigestCache.stamp(st_before):  # not changed while hashed
+                changed = max(st_after.st_mtime_ns, st_after.st_ctime_ns)
+                if DigestCache.stamp(st_after) == DigestCache.stamp(st_before) and \
+                        now - changed >= cache.racy_window_ns:  # not changed while (or just before) hashed
                     new[real] = {"stamp": DigestCache.stamp(st_after), "digest": done[real]}
             cache.store(new)
     parts = [(name, size, d if d is not None else done[real]) for name, size, d, real, _st in rows]
