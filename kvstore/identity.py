@@ -367,21 +367,28 @@ _digest_weights: Final = weights_digest  # reachable where a parameter shadows t
 
 def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None = None) -> "Future[str]":
     """:func:`weights_digest` in a background thread, shared by every caller
-    in this process that asks for the same directory while it runs (the
-    vLLM worker starts it, the scheduler joins the same hash)."""
+    in this process that asks for the same directory while it runs (two
+    connector instances of one process hash once)."""
     key = (os.path.realpath(model_dir), str(cache or ""), "")
     with _INFLIGHT_LOCK:
         fut = _INFLIGHT.get(key)
-        if fut is not None and not (fut.done() and fut.exception() is not None):
+        if fut is not None:
             return fut
         fut = Future()
         _INFLIGHT[key] = fut
 
     def run() -> None:
         try:
-            fut.set_result(weights_digest(model_dir, cache=cache))
+            digest: str | None = weights_digest(model_dir, cache=cache)
+            error: BaseException | None = None
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-            fut.set_exception(e)
+            digest, error = None, e
+        with _INFLIGHT_LOCK:  # shared only while it runs: a later call sees later files
+            _INFLIGHT.pop(key, None)
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(str(digest))
 
     threading.Thread(target=run, name="kvstore-weights-digest", daemon=True).start()
     return fut
