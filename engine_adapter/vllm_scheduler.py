@@ -21,8 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine_adapter.vllm_common import (FAULT_TYPES, BlockMove, ConnectorIdentity, DaemonLink,
-                                        KVStoreConnectorMetadata, KVStoreWorkerMetadata, request_ns, split_keys)
+from engine_adapter.vllm_common import (
+    FAULT_TYPES,
+    BlockMove,
+    ConnectorIdentity,
+    DaemonLink,
+    KVStoreConnectorMetadata,
+    KVStoreWorkerMetadata,
+    request_ns,
+    split_keys,
+)
 from kvstore.keys import KEY_LEN, block_keys, block_keys_array
 
 if TYPE_CHECKING:
@@ -76,7 +84,7 @@ class SchedulerSide:
         self.tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self.events: list[Any] = []
 
-    def state(self, request: "Request") -> ReqState | None:
+    def state(self, request: Request) -> ReqState | None:
         st = self.reqs.get(request.request_id)
         if st is not None:
             return st
@@ -117,7 +125,7 @@ class SchedulerSide:
         st.keys = block_keys_array(request_ns(base, st.adapter, st.salt), toks).tobytes()
         return n
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self.state(request) if self.do_load or self.do_save else None
         if st is None or not st.load:
             return 0, False
@@ -145,7 +153,7 @@ class SchedulerSide:
                          ms=round((time.perf_counter() - t0) * 1000, 3))
         return ext, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
         if st is None:
@@ -159,7 +167,7 @@ class SchedulerSide:
         # hit was saved when this process first computed or loaded it)
         st.saved = max(st.hit_blocks, st.local_tokens // self.block_size)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(saves=self.tails)
         self.tails = []
         computed: dict[str, int] = {}
@@ -206,7 +214,7 @@ class SchedulerSide:
                 st.saved = full
         return meta
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         bad = getattr(connector_output, "invalid_block_ids", None)
         if bad:  # blocks that failed to load are recomputed by vLLM: store them again afterwards
             for st in self.reqs.values():
@@ -250,7 +258,7 @@ class SchedulerSide:
         ev, self.events = self.events, []
         return ev
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous (in ``wait_for_save`` of the step that
         computed the block), so vLLM may usually free the blocks at once.
         A request that finished normally may still hold full blocks not yet

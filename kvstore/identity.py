@@ -34,9 +34,10 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Final, Iterable, Mapping
+from typing import Any, Final
 
 import xxhash
 
@@ -164,7 +165,7 @@ _SNAPSHOT_RE: Final = re.compile(r"^[0-9a-f]{40}$")
 _CACHE_VERSION: Final = 1
 _CACHE_MAX_ENTRIES: Final = 4096
 _INFLIGHT_LOCK: Final = threading.Lock()
-_INFLIGHT: dict[tuple[str, str, str], "Future[str]"] = {}
+_INFLIGHT: dict[tuple[str, str, str], Future[str]] = {}
 
 
 def _canonical(value: Any) -> str:
@@ -275,7 +276,7 @@ class DigestCache:
             return
         try:
             files = self.load()
-            files.update(new)
+            files.update({k: dict(v) for k, v in new.items()})
             if len(files) > _CACHE_MAX_ENTRIES:
                 files = dict(list(files.items())[-_CACHE_MAX_ENTRIES:])
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -365,7 +366,7 @@ def weights_digest(model_dir: str | os.PathLike[str], *, cache: DigestCache | st
 _digest_weights: Final = weights_digest  # reachable where a parameter shadows the name
 
 
-def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None = None) -> "Future[str]":
+def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None = None) -> Future[str]:
     """:func:`weights_digest` in a background thread, shared by every caller
     in this process that asks for the same directory while it runs (two
     connector instances of one process hash once)."""

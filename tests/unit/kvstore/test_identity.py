@@ -17,8 +17,16 @@ import xxhash
 
 from kvstore import identity
 from kvstore.errors import InvalidArgument
-from kvstore.identity import (KV_CONFIG_FIELDS, DigestCache, config_digest, config_geometry, engine_namespace,
-                              kv_schema, weights_digest, weights_digest_async)
+from kvstore.identity import (
+    KV_CONFIG_FIELDS,
+    DigestCache,
+    config_digest,
+    config_geometry,
+    engine_namespace,
+    kv_schema,
+    weights_digest,
+    weights_digest_async,
+)
 
 BASE: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
                         "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
