@@ -304,3 +304,13 @@ def test_a_file_changed_just_before_its_hash_is_not_remembered(tmp_path: Path, m
     weights_digest(d, cache=DigestCache(cache, racy_window_ns=3600 * 10**9))
     weights_digest(d, cache=DigestCache(cache, racy_window_ns=3600 * 10**9))
     assert [Path(p).name for p in reads.paths] == ["a.safetensors"] * 2
+
+
+def test_empty_and_large_files_hash_like_their_bytes(tmp_path: Path) -> None:
+    big = os.urandom((64 << 20) + 123)  # more than one mapped chunk
+    d = make_model(tmp_path / "m", {"empty.bin": b"", "big.safetensors": big})
+    got = weights_digest(d, use_cache=False)
+    rows = [("big.safetensors", len(big), xxhash.xxh3_128_hexdigest(big)),
+            ("empty.bin", 0, xxhash.xxh3_128_hexdigest(b""))]
+    want = "xxh3:" + xxhash.xxh3_128_hexdigest(json.dumps(rows, separators=(",", ":")).encode())
+    assert got == want
