@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = [
+    "DUMMY_WEIGHTS",
     "FAULTS",
     "FAULT_TYPES",
     "TORCH_KV",
@@ -123,7 +124,12 @@ def layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | 
     return desc
 
 
-def _model_dir(mc: Any) -> str | None:
+DUMMY_WEIGHTS = "vllm-dummy-weights"
+"""The weights digest of ``load_format="dummy"`` (vLLM's seeded random
+weights: the same for the same config, which ``model_id`` names)."""
+
+
+def _model_dir(mc: Any, download_dir: str | None) -> str | None:
     """The local directory (or GGUF file) vLLM loads the model from: the
     path itself, or the Hugging Face cache snapshot of a repository id;
     None when neither is on this host."""
@@ -133,7 +139,8 @@ def _model_dir(mc: Any) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return str(snapshot_download(model, revision=getattr(mc, "revision", None), local_files_only=True))
+        return str(snapshot_download(model, revision=getattr(mc, "revision", None), cache_dir=download_dir,
+                                     local_files_only=True))
     except Exception:  # noqa: BLE001 - not a cached repository (or no hub library): unknown
         return None
 
@@ -167,7 +174,10 @@ class ConnectorIdentity:
         mc = vllm_config.model_config
         self.given_digest = str(extra.get("weights_digest") or "")
         self.kv_dtype = kv_dtype(vllm_config)
-        self.model_dir = _model_dir(mc)
+        load = getattr(vllm_config, "load_config", None)
+        self.model_dir = _model_dir(mc, getattr(load, "download_dir", None))
+        if not self.given_digest and str(getattr(load, "load_format", "")) == "dummy":
+            self.given_digest = DUMMY_WEIGHTS
         cfg_dir = getattr(mc, "hf_config_path", None) or self.model_dir
         if cfg_dir is not None:
             self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)

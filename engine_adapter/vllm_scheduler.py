@@ -15,6 +15,7 @@ finished request), and sends the plan to the worker as
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from engine_adapter.vllm_common import (
     request_ns,
     split_keys,
 )
+from kvstore import identity
 from kvstore.keys import KEY_LEN, block_keys, block_keys_array
 
 if TYPE_CHECKING:
@@ -53,7 +55,10 @@ class ReqState:
     """Keys of every full prompt block, extended over the generated tokens
     as their blocks fill (:meth:`SchedulerSide.keys_upto`)."""
     adapter: str
+    """The namespace's ``adapter_id`` (:meth:`SchedulerSide.adapter_id`)."""
     salt: str
+    lora_name: str = ""
+    """vLLM's name of the request's LoRA (for KV events)."""
     load: bool = True
     save: bool = True
     hit_blocks: int = 0
@@ -83,6 +88,7 @@ class SchedulerSide:
         self.tails: list[BlockMove] = []  # tail saves of finished requests, sent with the next step's plan
         self.tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self.events: list[Any] = []
+        self.adapters: dict[tuple[int, str, str], str] = {}
 
     def state(self, request: Request) -> ReqState | None:
         st = self.reqs.get(request.request_id)
@@ -95,15 +101,39 @@ class SchedulerSide:
         if base is None:
             return None  # the weights could not be identified: no store for this deployment
         lora = getattr(request, "lora_request", None)
-        adapter = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+        lora_name = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+        adapter = self.adapter_id(lora) if lora is not None else ""
         salt = str(getattr(request, "cache_salt", None) or "")
         ns = request_ns(base, adapter, salt)
         keys = b"".join(block_keys(ns, np.asarray(toks, dtype=np.int64)))
         params = getattr(request, "kv_transfer_params", None) or {}
-        st = ReqState(request, keys, adapter, salt, load=self.do_load and params.get("kvstore_load") is not False,
+        st = ReqState(request, keys, adapter, salt, lora_name,
+                      load=self.do_load and params.get("kvstore_load") is not False,
                       save=self.do_save and params.get("kvstore_save") is not False)
         self.reqs[request.request_id] = st
         return st
+
+    def adapter_id(self, lora: Any) -> str:
+        """The namespace ``adapter_id`` of a LoRA: the digest of its files
+        (:func:`kvstore.identity.adapter_digest`, so an adapter updated
+        under the same name is a new namespace, and the same adapter under
+        another name shares blocks), or ``"name:<lora name>"`` when its files
+        are not on this host. Remembered per (id, name, path) for the
+        process (vLLM gives an updated adapter a new id)."""
+        name = str(getattr(lora, "lora_name", "") or "")
+        path = str(getattr(lora, "lora_path", None) or getattr(lora, "lora_local_path", None) or "")
+        memo_key = (int(getattr(lora, "lora_int_id", 0) or 0), name, path)
+        got = self.adapters.get(memo_key)
+        if got is None:
+            got = f"name:{name}"[:200]
+            if path and os.path.isdir(path):
+                try:
+                    got = identity.adapter_digest(path)
+                except (OSError, ValueError) as e:  # no weight files, unreadable: fall back to the name
+                    log.warning("kvstore connector: cannot hash LoRA %s at %s (%s); naming it by its name",
+                                name, path, e)
+            self.adapters[memo_key] = got
+        return got
 
     def keys_upto(self, st: ReqState, n: int) -> int:
         """Make ``st.keys`` cover the first ``n`` full blocks of the
@@ -252,7 +282,7 @@ class SchedulerSide:
                            parent_block_hash=maybe_convert_block_hash(hashes[start - 1]) if start else None,
                            token_ids=toks, block_size=self.block_size,
                            lora_id=getattr(lora, "lora_int_id", None) if lora else None,
-                           medium="kvstore", lora_name=st.adapter or None)
+                           medium="kvstore", lora_name=st.lora_name or None)
 
     def take_events(self) -> list[Any]:
         ev, self.events = self.events, []

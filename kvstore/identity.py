@@ -49,6 +49,7 @@ __all__ = [
     "KV_CONFIG_FIELDS",
     "WEIGHT_SUFFIXES",
     "DigestCache",
+    "adapter_digest",
     "config_digest",
     "config_geometry",
     "engine_namespace",
@@ -152,7 +153,7 @@ side of including a field: a wrong hit costs correctness, a miss only time."""
 _FIELD_NAMES: Final = tuple(name for name, _ in KV_CONFIG_FIELDS)
 
 WEIGHT_SUFFIXES: Final[tuple[str, ...]] = (
-    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz", ".pdparams",
+    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz", ".pdparams", ".tensors",
     ".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json",
 )
 """Files of a model directory that :func:`weights_digest` hashes (top level
@@ -413,6 +414,27 @@ def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None
     return fut
 
 
+_ADAPTER_CONFIG_SKIP: Final = frozenset({"base_model_name_or_path", "revision", "inference_mode"})
+
+
+def adapter_digest(adapter_dir: str | os.PathLike[str], *, cache: DigestCache | str | None = None) -> str:
+    """The namespace ``adapter_id`` of a LoRA (PEFT) adapter directory:
+    ``"lora:"`` + XXH3-128 over its ``adapter_config.json`` (every field but
+    the base model's path and revision, which the namespace names already)
+    and the :func:`weights_digest` of its weight files. Like the model's,
+    it changes when the adapter's files do, and not with its name or path."""
+    p = Path(adapter_dir)
+    cfg: dict[str, Any] = {}
+    cfg_path = p / "adapter_config.json"
+    if cfg_path.is_file():
+        with open(cfg_path, encoding="utf-8") as f:
+            data = json.load(f)
+        if isinstance(data, dict):
+            cfg = {k: v for k, v in data.items() if k not in _ADAPTER_CONFIG_SKIP}
+    weights = weights_digest(p, cache=cache)
+    return "lora:" + _h128(_canonical({"config": cfg, "weights": weights}))
+
+
 # --------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------
@@ -420,17 +442,20 @@ def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None
 
 def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """``config.json`` of a model directory as written (no defaults filled
-    in, so every reader gets the same fields); {} when there is none (a
-    GGUF file carries its config inside the weights)."""
+    in, so every reader gets the same fields), else ``params.json`` (the
+    Mistral format); {} when there is neither (a GGUF file carries its
+    config inside the weights)."""
     p = Path(model_dir)
-    path = p / "config.json" if p.is_dir() else p.with_name("config.json")
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise InvalidArgument(f"{path}: config.json is not a JSON object")
-    return data
+    base = p if p.is_dir() else p.parent
+    for name in ("config.json", "params.json"):
+        path = base / name
+        if path.is_file():
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise InvalidArgument(f"{path}: {name} is not a JSON object")
+            return data
+    return {}
 
 
 def _merged(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:

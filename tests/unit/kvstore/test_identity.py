@@ -314,3 +314,29 @@ def test_empty_and_large_files_hash_like_their_bytes(tmp_path: Path) -> None:
             ("empty.bin", 0, xxhash.xxh3_128_hexdigest(b""))]
     want = "xxh3:" + xxhash.xxh3_128_hexdigest(json.dumps(rows, separators=(",", ":")).encode())
     assert got == want
+
+
+def test_mistral_format_params_json_is_the_config(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "consolidated.safetensors").write_bytes(b"w")
+    (d / "params.json").write_text(json.dumps({"dim": 4096, "rope_theta": 1e6}))
+    assert identity.load_config(d) == {"dim": 4096, "rope_theta": 1e6}
+    a = ns_of(d, tmp_path / "c.json")
+    (d / "params.json").write_text(json.dumps({"dim": 4096, "rope_theta": 1e4}))
+    assert ns_of(d, tmp_path / "c.json").model_id != a.model_id
+
+
+def test_adapter_digest_names_a_lora_by_its_files(tmp_path: Path) -> None:
+    def lora(d: Path, weights: bytes, **cfg: Any) -> Path:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "adapter_model.safetensors").write_bytes(weights)
+        (d / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, **cfg}))
+        return d
+
+    a = identity.adapter_digest(lora(tmp_path / "a", b"v1", base_model_name_or_path="/x"), cache=tmp_path / "c")
+    assert a.startswith("lora:")
+    assert identity.adapter_digest(lora(tmp_path / "elsewhere", b"v1", base_model_name_or_path="/y"),
+                                   cache=tmp_path / "c") == a
+    assert identity.adapter_digest(lora(tmp_path / "b", b"v2"), cache=tmp_path / "c") != a
+    assert identity.adapter_digest(lora(tmp_path / "c2", b"v1", lora_alpha=32), cache=tmp_path / "c") != a
