@@ -178,7 +178,8 @@ class ConnectorIdentity:
         self.model_dir = _model_dir(mc, getattr(load, "download_dir", None))
         if not self.given_digest and str(getattr(load, "load_format", "")) == "dummy":
             self.given_digest = DUMMY_WEIGHTS
-        cfg_dir = getattr(mc, "hf_config_path", None) or self.model_dir
+        cfg_path = getattr(mc, "hf_config_path", None)
+        cfg_dir = cfg_path if cfg_path and os.path.isdir(str(cfg_path)) else self.model_dir
         if cfg_dir is not None:
             self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)
         else:

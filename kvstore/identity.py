@@ -443,10 +443,12 @@ def adapter_digest(adapter_dir: str | os.PathLike[str], *, cache: DigestCache | 
 def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """``config.json`` of a model directory as written (no defaults filled
     in, so every reader gets the same fields), else ``params.json`` (the
-    Mistral format); {} when there is neither (a GGUF file carries its
-    config inside the weights)."""
-    p = Path(model_dir)
-    base = p if p.is_dir() else p.parent
+    Mistral format); {} when there is neither, or when ``model_dir`` is a
+    file (a GGUF file carries its config inside the weights, which the
+    weights digest covers)."""
+    base = Path(model_dir)
+    if not base.is_dir():
+        return {}
     for name in ("config.json", "params.json"):
         path = base / name
         if path.is_file():
