@@ -156,11 +156,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         ns = self.identity.ns
         if not self.announced:
             self.announced = True
-            log.info("kvstore connector (%s): namespace %s, layout %s (identity took %.3f s)", self.role.name,
-                     ns.to_dict() if ns else None, self.identity.descriptor, self.identity.seconds)
+            log.info("kvstore connector (%s): namespace %s, layout %s (waited %.3f s for the weights digest)",
+                     self.role.name, ns.to_dict() if ns else None, self.identity.descriptor, self.identity.waited_s)
             self.link.record(event="identity", namespace=ns.to_dict() if ns else None,
                              layout_tag=self.identity.layout_tag, schema=self.identity.descriptor,
-                             seconds=round(self.identity.seconds, 6),
+                             waited_s=round(self.identity.waited_s, 6),
                              weights_digest_given=bool(self.identity.given_digest))
         return ns
 

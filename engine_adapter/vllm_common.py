@@ -185,7 +185,6 @@ class ConnectorIdentity:
         else:
             get = getattr(getattr(mc, "hf_config", None), "to_diff_dict", None)
             self.hf_config = dict(get()) if callable(get) else {}
-        self.t0 = time.perf_counter()
         self.future: Future[str]
         if self.given_digest:
             self.future = Future()
@@ -198,7 +197,8 @@ class ConnectorIdentity:
             self.future = identity.weights_digest_async(self.model_dir,
                                                         cache=extra.get("digest_cache") or None)
         self.failed = False
-        self.seconds = 0.0
+        self.waited_s = 0.0
+        """Seconds the first use of the namespace waited for the weights hash."""
         self.layout_tag = ""
         self.descriptor = ""
         self._ns: Namespace | None = None
@@ -231,6 +231,7 @@ class ConnectorIdentity:
     def ns(self) -> Namespace | None:
         """The namespace (joins the weights hash the first time); None when the weights could not be hashed."""
         if self._ns is None and not self.failed:
+            t0 = time.perf_counter()
             try:
                 weights = self.future.result()
             except Exception as e:  # noqa: BLE001 - reported, and the store is then unused
@@ -239,7 +240,7 @@ class ConnectorIdentity:
                 self.failed = True
                 return None
             self._ns = self.namespace(weights)
-            self.seconds = time.perf_counter() - self.t0
+            self.waited_s = time.perf_counter() - t0
         return self._ns
 
 
