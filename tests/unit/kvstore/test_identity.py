@@ -340,3 +340,10 @@ def test_adapter_digest_names_a_lora_by_its_files(tmp_path: Path) -> None:
                                    cache=tmp_path / "c") == a
     assert identity.adapter_digest(lora(tmp_path / "b", b"v2"), cache=tmp_path / "c") != a
     assert identity.adapter_digest(lora(tmp_path / "c2", b"v1", lora_alpha=32), cache=tmp_path / "c") != a
+
+
+def test_docs_list_every_field() -> None:
+    root = Path(__file__).resolve().parents[3]
+    text = (root / "docs" / "keys.md").read_text(encoding="utf-8")
+    for name, why in KV_CONFIG_FIELDS:
+        assert f"| `{name}` | {why} |" in text, name
