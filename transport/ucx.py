@@ -172,16 +172,16 @@ def ucx_module(host: str = "127.0.0.1", net_devices: str | None = None) -> Any:
     UCX's one-time set-up outside a deadline).
 
     ucxx publishes no accessor for its application context, whose notifier
-    thread must be restarted when the event loop changes (tests): ``core._ctx``
-    / ``core._get_ctx()`` are the one place this module reaches into ucxx's
-    private names."""
+    thread must be restarted when the event loop changes (tests): see
+    ``_app_context``."""
     global _bound_loop
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
     from ucxx import core
 
     loop = asyncio.get_running_loop()
-    if core._ctx is None:
+    ctx = _app_context(core)
+    if ctx is None:
         opts: dict[str, str] = {}
         if net_devices is None and "UCX_NET_DEVICES" not in os.environ and _is_loopback(host):
             net_devices = "lo"
@@ -191,13 +191,18 @@ def ucx_module(host: str = "127.0.0.1", net_devices: str | None = None) -> Any:
         ucxx.init(options=opts, progress_mode="thread", enable_python_future=True)
         _bound_loop = loop
     elif _bound_loop is not loop:
-        ctx = core._get_ctx()
         if ctx.notifier_thread is not None:  # its futures belong to the old loop
             ctx.stop_notifier_thread()
             ctx.start_notifier_thread()
         ctx.continuous_ucx_progress(loop)
         _bound_loop = loop
     return ucxx
+
+
+def _app_context(core: Any) -> Any:
+    """ucxx's application context, or None before ``ucxx.init`` (ucxx has no
+    public accessor that does not create one: this is the one private read)."""
+    return core._ctx
 
 
 def shutdown() -> None:
@@ -209,7 +214,7 @@ def shutdown() -> None:
         return
     from ucxx import core
 
-    if core._ctx is None:
+    if _app_context(core) is None:
         return
     core.stop_notifier_thread()
     try:
