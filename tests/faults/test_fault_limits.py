@@ -95,3 +95,58 @@ def test_resize_beyond_the_host_is_refused_and_a_failed_resize_changes_nothing(m
         assert r.new_capacity_bytes == 32 << 20
         assert _put_get_ok(c, 30)
     record("resize_limits", refused=len(refused), shm_free_bytes=host, failed_remap_left_tier_unchanged=1)
+
+
+BETA = Namespace(tenant="beta", model_id="llama", block_size=16)
+
+
+def test_an_oversized_reserve_leaves_another_tenants_hits_intact(make_daemon) -> None:
+    """200,000 keys x 1 MiB against a 16 MiB DRAM tier: the request can never
+    fit, so it is given the free slots only and evicts nothing (the old
+    daemon granted the slots it could make by evicting every block on the
+    way, so the other tenant's prompt hit 0 blocks afterwards)."""
+    d = make_daemon(dram__capacity="16MiB", dram__page_size="1MiB")
+    with Client(d.target) as c:
+        prompts = [chain_keys(500 + i, 8) for i in range(4)]
+        for keys in prompts:
+            assert c.put(BETA, keys, [P(k) for k in keys]) == [KeyStatus.OK] * 8
+        before = [c.lookup(BETA, keys).hit_blocks for keys in prompts]
+        big = chain_keys(7, 200_000)
+        r = c.reserve(NS, big, 1 << 20)
+        granted = sum(s == KeyStatus.OK for s in r.statuses)
+        assert granted < len(big) and all(s == KeyStatus.CAPACITY for s in r.statuses[granted:])
+        after = [c.lookup(BETA, keys).hit_blocks for keys in prompts]
+        evictions = sum(t.evictions for t in c.stats().tiers)  # before the abort (it counts too)
+        if r.reservation_id:
+            c.abort(r)
+        assert after == before == [8] * 4
+        assert evictions == 0
+        for keys in prompts:
+            assert [g.tobytes() for g in c.get(BETA, keys)] == [P(k) for k in keys]
+    record("oversized_reserve", keys=len(big), block_bytes=1 << 20, granted=granted,
+           other_tenant_hits_before=sum(before), other_tenant_hits_after=sum(after), evicted=evictions)
+
+
+def test_a_request_over_its_tenants_share_evicts_nothing_of_another_tenant() -> None:
+    """With tenant shares (acme 0.5, beta 0.5 of an 8 MiB DRAM tier): beta
+    holds 3 MiB, under its share; acme asks for 6 MiB, more than its share:
+    acme gets the 5 MiB that are free, and beta keeps every block."""
+    from kvstore.core.store import StoreConfig, TieredStore
+
+    cfg = StoreConfig(dram_bytes=8 << 20, dram_page_bytes=1 << 20,
+                      tenant_shares=(("acme", 0.5), ("beta", 0.5)), default_tenant_share=0.0)
+    with TieredStore(cfg) as s:
+        prompts = [chain_keys(600 + i, 16) for i in range(3)]
+        for keys in prompts:
+            assert s.put(BETA, keys, [P(k) for k in keys]).statuses == [KeyStatus.OK] * 16
+        before = [s.lookup(BETA, keys).hit_blocks for keys in prompts]
+        big = chain_keys(8, 96)  # 6 MiB of 64 KiB blocks
+        res = s.reserve(NS, big, BS, owner="acme-client")
+        granted = sum(x == KeyStatus.OK for x in res.statuses)
+        after = [s.lookup(BETA, keys).hit_blocks for keys in prompts]
+        s.abort(res.handle, "acme-client")
+        assert granted == 80  # the free 5 MiB, nothing evicted for the rest
+        assert after == before == [16] * 3
+        # within its share, acme makes room from over-share blocks (its own) first
+        assert s.put(NS, big[:64], [P(k) for k in big[:64]]).statuses == [KeyStatus.OK] * 64
+        assert [s.lookup(BETA, keys).hit_blocks for keys in prompts] == [16] * 3
