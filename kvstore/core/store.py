@@ -222,6 +222,12 @@ class TieredStore:
         write-back demotion, SSD reclaim). True when more is pending."""
         return self.ssd.step() if self.ssd is not None else False
 
+    def flush(self, seconds: float | None = None) -> tuple[int, int]:
+        """At a clean shutdown: write DRAM-only blocks to SSD, parents first,
+        for at most ``seconds`` (default ``ssd.shutdown_flush_seconds``).
+        Returns (blocks written, blocks left DRAM-only); (0, 0) without SSD."""
+        return self.ssd.flush(seconds) if self.ssd is not None else (0, 0)
+
     def namespace_id(self, ns: Namespace, create: bool = True) -> int:
         """The namespace's id in the index (``NO_NS`` for an unknown one when
         ``create`` is False)."""

@@ -194,6 +194,11 @@ async def _serve(config: Config) -> int:
     await stop.wait()
     log.info("draining (up to %.1fs)", config.server.drain_seconds)
     await running.stop(config.server.drain_seconds)
+    if d.store.ssd is not None:
+        t1 = time.perf_counter()
+        written, left = d.store.flush()
+        log.info("flushed %d dram-only blocks to ssd in %.2fs (%d left dram-only)", written,
+                 time.perf_counter() - t1, left)
     d.store.close()
     if config.cluster.mode.value != "off":
         shutdown_transport()

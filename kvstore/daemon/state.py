@@ -181,7 +181,7 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
                       admit_min_hits=config.ssd.admit_min_hits,
                       write_budget_mbps=float(config.ssd.write_budget_mbps),
                       write_mode=WriteMode(config.ssd.write_mode.value), low_watermark=config.ssd.low_watermark,
-                      sync=config.ssd.sync)
+                      sync=config.ssd.sync, shutdown_flush_seconds=config.ssd.shutdown_flush_seconds)
     return StoreConfig(
         dram_bytes=config.dram.capacity,
         dram_page_bytes=config.dram.page_size,
