@@ -40,11 +40,11 @@ from kvstore.core.eviction import close_upward, select_victims
 from kvstore.core.index import NO_LOC, NO_ROW, BlockState, keys_to_array
 from kvstore.core.placement import Placement
 from kvstore.core.plan import in_batch
+from kvstore.core.ssd_io import GuardedSsdTier, IoGate
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import DropReason
 from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.ssd import SsdTier
 from tiers.ssd_admit import SsdAdmission
 
 log = logging.getLogger("kvstore.core.ssd_mover")
@@ -110,7 +110,9 @@ class SsdMover:
     def __init__(self, place: Placement, spec: SsdSpec, clock: Callable[[], float]) -> None:
         self.placement = place
         self.spec = spec
-        self.tier = SsdTier(spec.path, spec.capacity_bytes, sync=spec.sync, segment_bytes=spec.segment_bytes)
+        self.gate = IoGate()
+        """Runs the slow file I/O (off the store lock on the daemon's disk worker)."""
+        self.tier = GuardedSsdTier(spec.path, spec.capacity_bytes, sync=spec.sync, segment_bytes=spec.segment_bytes)
         self.admission = SsdAdmission(min_hits=spec.admit_min_hits, write_budget_mbps=spec.write_budget_mbps,
                                       clock=clock)
         self.prefetch_q: collections.deque[tuple[int, int, int]] = collections.deque()
@@ -141,7 +143,12 @@ class SsdMover:
     def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
         """Verified reads of SSD blocks into host buffers."""
         idx = self.placement.index
-        return self.tier.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs, self.meta(rows))
+        args = (idx.loc[rows].copy(), idx.size[rows].copy(), idx.csum[rows].copy(), outs, self.meta(rows))
+        idx.pins[rows] += 1  # nothing takes them away while the read runs
+        try:
+            return self.gate.run(self.tier.read_into, *args)
+        finally:
+            idx.pins[rows] -= 1
 
     def free_copies(self, rows: np.ndarray) -> None:
         """Free the SSD copies of ``rows`` (blocks being dropped)."""
@@ -247,7 +254,7 @@ class SsdMover:
                 return out
             views = [st.dram.view(int(idx.loc[r]), int(idx.size[r])) for r in rows[:k].tolist()]
             try:
-                csums = self.tier.write(locs, views, self.meta(rows[:k]))
+                csums = self.gate.run(self.tier.write, locs, views, self.meta(rows[:k]))
             except KVStoreError as e:
                 self.write_errors += 1
                 self.tier.free(locs)
@@ -336,7 +343,12 @@ class SsdMover:
             return ok
         sel = rows[:k]
         outs = [st.dram.view(int(o), nbytes) for o in locs.tolist()]
-        good = self.tier.read_into(idx.loc[sel], idx.size[sel], idx.csum[sel], outs, self.meta(sel))
+        args = (idx.loc[sel].copy(), idx.size[sel].copy(), idx.csum[sel].copy(), outs, self.meta(sel))
+        idx.pins[sel] += 1
+        try:
+            good = self.gate.run(self.tier.read_into, *args)
+        finally:
+            idx.pins[sel] -= 1
         if not np.all(good):
             first_bad = int(np.argmin(good))  # a chain stops at its first bad block
             st.dram.free(locs[first_bad:])
@@ -425,7 +437,7 @@ class SsdMover:
         if self.tier.garbage_bytes > self.spec.segment_bytes:
             # more only while reclaim makes progress: garbage spread thinly over
             # segments may stay above the threshold with nothing worth compacting
-            return self.tier.reclaim(budget) > 0 and self.tier.garbage_bytes > self.spec.segment_bytes
+            return self.gate.run(self.tier.reclaim, budget) > 0 and self.tier.garbage_bytes > self.spec.segment_bytes
         return bool(self.prefetch_q or self.copy_q)
 
     # ------------------------------------------------------------ shutdown

@@ -26,6 +26,7 @@ from kvstore.core.ssd_mover import SsdSpec, WriteMode
 from kvstore.core.hbm_mover import spec_from_config as hbm_spec_from_config
 from kvstore.core.store import SlotResult, StoreConfig, TieredStore
 from kvstore.daemon.auth import Auth, Principal
+from kvstore.daemon.disk_worker import DiskWorker
 from kvstore.daemon.events import EventLog
 from kvstore.daemon.metrics import Metrics, loop_stats_fn
 from kvstore.errors import InvalidArgument, PermissionDenied
@@ -46,7 +47,8 @@ class DaemonState:
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
         self.auth = Auth(config)
-        self.store = store or TieredStore(store_config(config, self.auth.shares))
+        self.disk = DiskWorker(store or TieredStore(store_config(config, self.auth.shares)))
+        self.store = self.disk.store  # each call under the store lock; disk-bound ones on the disk worker
         a = config.admission
         self.admission = AdmissionController(
             TTFTPredictor(PredictorConfig(prefill_tokens_per_s=a.prefill_tokens_per_s,
@@ -135,7 +137,8 @@ class DaemonState:
         while True:
             try:
                 async with self.qos.slot(QosClass.BACKGROUND):  # yields to queued foreground calls
-                    more = self.store.background()
+                    pass  # ... but holds no slot while the disk worker runs the step
+                more = await self.disk.always(self.store.background)
             except QosRejected:
                 more = False
             except Exception:
@@ -170,6 +173,7 @@ class DaemonState:
     def stop_background(self) -> None:
         for t in self._tasks:
             t.cancel()
+        self.disk.close()
 
 
 def store_config(config: Config, shares: dict[str, float] | None = None) -> StoreConfig:
