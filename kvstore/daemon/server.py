@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.core.store import TieredStore
-from kvstore.daemon import peers
+from kvstore.daemon import peers, slab_owner
 from kvstore.daemon.admin_service import AdminService
 from kvstore.daemon.cluster_service import ClusterService
 from kvstore.daemon.kv_service import KVStoreService
@@ -69,6 +69,7 @@ class Running:
                 log.exception("stopping the cluster node failed")
         await self.server.stop(grace)
         self.daemon.stop_background()
+        slab_owner.forget(self.daemon.identity, self.daemon.store.dram.name)  # a clean stop leaves no slab
 
 
 async def start(config: Config, store: TieredStore | None = None) -> Running:

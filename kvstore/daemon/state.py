@@ -25,6 +25,7 @@ from kvstore.core.eviction import PolicyName
 from kvstore.core.ssd_mover import SsdSpec, WriteMode
 from kvstore.core.hbm_mover import spec_from_config as hbm_spec_from_config
 from kvstore.core.store import SlotResult, StoreConfig, TieredStore
+from kvstore.daemon import slab_owner
 from kvstore.daemon.auth import Auth, Principal
 from kvstore.daemon.disk_worker import DiskWorker
 from kvstore.daemon.events import EventLog
@@ -47,7 +48,10 @@ class DaemonState:
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
         self.auth = Auth(config)
+        self.identity = slab_owner.identity(config) if store is None else ""
+        self.reclaimed_slab = slab_owner.reclaim_predecessor(self.identity, config.dram.shm_name)
         self.disk = DiskWorker(store or TieredStore(store_config(config, self.auth.shares)))
+        slab_owner.record(self.identity, self.disk.raw.dram.name)
         self.store = self.disk.store  # each call under the store lock; disk-bound ones on the disk worker
         a = config.admission
         self.admission = AdmissionController(

@@ -68,3 +68,46 @@ def test_sigterm_in_write_back_mode_keeps_every_block(tmp_path) -> None:
     assert wrong == 0
     assert hits == 512
     assert "flushed" in err, err[-2000:]
+
+
+def test_a_restart_removes_the_slab_of_a_killed_predecessor(tmp_path) -> None:
+    """SIGKILL leaves the daemon's slab in /dev/shm; the next daemon with the
+    same identity (its SSD directory) removes it when it starts, so a crash
+    loop does not fill host memory (the old daemon left one slab per kill).
+    The time to SERVING after the kill and the blocks found again (from SSD:
+    the slab is removed, not adopted) are recorded."""
+    from tests.faults.faultlib import slabs_of
+
+    sock = str(tmp_path / "kv.sock")
+    flags = ("--dram", "64MiB", "--ssd", "256MiB", "--ssd-path", str(tmp_path / "ssd"))
+    env = {"KVSTORE_DRAM_PAGE_SIZE": "1MiB", "KVSTORE_SSD_WRITE_MODE": "through", "KVSTORE_SSD_ADMIT_MIN_HITS": "0"}
+    chains = [chain_keys(1900 + i, 16) for i in range(8)]
+    pids: list[int] = []
+    recovered: list[int] = []
+    serving_s: list[float] = []
+    for rnd in range(3):
+        t0 = time.perf_counter()
+        s = Serve(sock, *flags, env=env).wait_healthy()
+        serving_s.append(time.perf_counter() - t0)
+        pids.append(s.pid)
+        try:
+            for old in pids[:-1]:
+                assert not slabs_of(old), f"round {rnd}: the slab of killed daemon {old} is still in /dev/shm"
+            assert len(slabs_of(s.pid)) == 1
+            with Client(s.target) as c:
+                if rnd:
+                    recovered.append(_hits(c, chains)[0])
+                for keys in chains:
+                    c.put(NS, keys, [P(k) for k in keys])
+        finally:
+            s.kill()
+        assert slabs_of(s.pid), "SIGKILL leaves the slab (the successor removes it)"
+    s = Serve(sock, *flags, env=env).wait_healthy()
+    try:
+        assert not any(slabs_of(p) for p in pids)
+    finally:
+        assert s.terminate() == 0
+    assert not slabs_of(s.pid)  # a clean stop removes its own
+    record("slab_after_sigkill", kills=len(pids), slabs_left=0, adopted_blocks=0,
+           blocks_found_after_kill=min(recovered) if recovered else 0,
+           seconds_to_serving_after_kill=round(max(serving_s[1:]), 2))
