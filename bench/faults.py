@@ -71,6 +71,14 @@ TARGETS: list[tuple[str, float, bool]] = [
     ("security.undecodable_wrong_code", 0, True),
     ("security.undecodable_tracebacks", 0, True),
     ("security.undecodable_log_lines", 1, True),
+    # issue 19: no single call takes the daemon or the cache down
+    ("resize_limits.refused", 2, False),
+    ("resize_limits.failed_remap_left_tier_unchanged", 1, False),
+    ("oversized_reserve.evicted", 0, True),
+    ("oversized_reserve.other_tenant_hits_kept_ratio", 1, False),
+    ("sigterm_write_back.survived_ratio", 1, False),
+    ("sigterm_write_back.wrong_bytes", 0, True),
+    ("slab_after_sigkill.slabs_left", 0, True),
     ("suite.failed_tests", 0, True),
 ]
 
@@ -92,6 +100,12 @@ def flatten(figs: dict[str, dict[str, Any]]) -> dict[str, float]:
         out["torn_files.start_ratio"] = out["torn_files.daemon_starts"] / max(1.0, out["torn_files.trials"])
     if "disk_full.puts" in out:
         out["disk_full.put_ok_ratio"] = out["disk_full.puts_ok"] / max(1.0, out["disk_full.puts"])
+    if "oversized_reserve.other_tenant_hits_before" in out:
+        out["oversized_reserve.other_tenant_hits_kept_ratio"] = (
+            out["oversized_reserve.other_tenant_hits_after"] / max(1.0, out["oversized_reserve.other_tenant_hits_before"]))
+    if "sigterm_write_back.blocks" in out:
+        out["sigterm_write_back.survived_ratio"] = (out["sigterm_write_back.survived"]
+                                                    / max(1.0, out["sigterm_write_back.blocks"]))
     return out
 
 

@@ -255,6 +255,11 @@ class SsdConfig(Section):
     sync: bool = True
     """fsync data and index on every write batch (crash-safe). false is for
     tests and throwaway caches only."""
+    shutdown_flush_seconds: Annotated[Duration, bounds(0, 3600)] = 5.0
+    """On SIGTERM, write the blocks that live only in DRAM (write-back: not
+    demoted yet; write-through: not copied yet) to SSD, parents first, for at
+    most this long before exiting, so that a clean restart finds them; 0:
+    flush nothing (docs/reliability.md)."""
 
     def resolved_path(self, env: Mapping[str, str] | None = None) -> Path:
         """``path``, or the default data directory when empty."""

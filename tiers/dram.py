@@ -28,6 +28,7 @@ import numpy as np
 
 from kvstore.buffers import as_u8
 from kvstore.checksum import copy_many, verify_many
+from kvstore.errors import CapacityError
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.slots import SLOT_ALIGN, PagedSlots
 
@@ -83,18 +84,40 @@ class DramTier(PagedSlots):
         return verify_many([as_u8(d) for d in outs], srcs, np.asarray(checksums).tolist(), self.copy_threads)
 
     # ---------------------------------------------------------------- resize
+    def host_room(self) -> tuple[int, int]:
+        """(bytes of this slab the host backs now, bytes the shared-memory
+        file system could still back): the most a slab can grow to is their
+        sum (tmpfs backs a file's pages when they are first written)."""
+        st = os.statvfs(os.path.dirname(self.path))
+        return int(os.fstat(self._fd).st_blocks) * 512, int(st.f_bavail) * int(st.f_frsize)
+
     def resize(self, capacity_bytes: int) -> None:
+        """Atomic: the file and the mapping are grown first; when either
+        fails, the tier is left exactly as it was (CapacityError)."""
+        new_pages = int(capacity_bytes) // self.page_bytes
+        if new_pages > self._npages:
+            new_cap = new_pages * self.page_bytes
+            try:
+                os.ftruncate(self._fd, new_cap)
+                new_map = mmap.mmap(self._fd, new_cap)
+            except (OSError, ValueError, OverflowError) as e:
+                try:
+                    os.ftruncate(self._fd, self._capacity)
+                except OSError:
+                    pass
+                raise CapacityError(f"cannot grow the dram slab to {new_cap} bytes (now {self._capacity} "
+                                    f"bytes): {e}") from None
+            self._resize_pages(capacity_bytes)
+            # Outstanding views keep the old mapping alive; both map the same pages.
+            self._map = new_map
+            self.buf = np.frombuffer(self._map, dtype=np.uint8)
+            return
         old = self._resize_pages(capacity_bytes)
         if self._npages == old:
             return
         os.ftruncate(self._fd, self._capacity)
-        if self._npages < old:
-            # clients only touch offsets we hand out, all below the new size
-            self.buf = self.buf[: self._capacity]
-            return
-        # Outstanding views keep the old mapping alive; both map the same pages.
-        self._map = mmap.mmap(self._fd, self._capacity)
-        self.buf = np.frombuffer(self._map, dtype=np.uint8)
+        # clients only touch offsets we hand out, all below the new size
+        self.buf = self.buf[: self._capacity]
 
     def corrupt_for_test(self, loc: int, bit: int = 0) -> None:
         """Flip one bit of a slot (fault-injection hook for tests)."""

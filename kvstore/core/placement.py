@@ -229,6 +229,9 @@ class Placement:
         first = t.allocate(nbytes, count)
         if first.size == count:
             return first
+        count = max(first.size, self.evict_plan(tier, nbytes, count, for_ns))
+        if first.size == count:
+            return first
         parts = [first]
         got = first.size
         protect = np.unique(protect)
@@ -252,6 +255,28 @@ class Placement:
         finally:
             self.index.pins[pin] -= 1
         return np.concatenate(parts)
+
+    def evict_plan(self, tier: TierKind, nbytes: int, count: int, for_ns: int | None) -> int:
+        """Plan before evicting: how many of ``count`` new payloads of
+        ``nbytes`` one request may be given by evicting. None (0) when the
+        whole request can never fit: it is larger than the tier, or than its
+        tenant's share of the tier; such a request gets the free slots only,
+        so one oversized call can neither flush the cache nor push another
+        tenant below its share. Otherwise at most what eviction could ever
+        free (the tier less its pinned and reserved blocks): nothing is
+        evicted for keys that would be refused anyway."""
+        slot = self.dram.footprint(nbytes)
+        cap = self.tiers[tier].capacity_bytes
+        limit = cap
+        if self.shares is not None and for_ns is not None:
+            limit = int(self.shares.share(self.namespaces.get(for_ns).tenant, tier) * cap)
+        if count * slot > limit:
+            return 0
+        idx = self.index
+        rows = idx.used_rows()
+        rows = rows[idx.tier[rows] == tier]
+        held = rows[(idx.pins[rows] > 0) | (idx.state[rows] != BlockState.COMMITTED)]
+        return min(count, max(0, cap - int(idx.size[held].sum())) // slot)
 
     def _admitted(self, karr: np.ndarray, nbytes: int, nid: int) -> int:
         """DRAM admission: how many of these new blocks (a chain) get a slot."""

@@ -6,6 +6,8 @@ thread."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kvstore.core.eviction import PolicyName, make_policy, select_victims
@@ -13,9 +15,43 @@ from kvstore.core.hbm_mover import HbmMover
 from kvstore.core.index import NO_LOC, BlockState
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_mover import SsdMover
-from kvstore.errors import CapacityError, NotFound
+from kvstore.errors import CapacityError, InvalidArgument, NotFound
 from kvstore.results import DropReason
 from tiers.base import TierKind
+
+
+MAX_CAPACITY = 1 << 56
+"""No tier is ever sized beyond 64 PiB (a bound on what the wire may ask for,
+before the host's own limits are asked)."""
+
+
+def check_host_room(r: Resizer, tier: TierKind, capacity_bytes: int) -> None:
+    """Refuse a size the host cannot back, before anything is allocated or
+    moved: DRAM beyond the slab plus the free space of ``/dev/shm``; SSD
+    beyond what its directory holds plus the file system's free space; HBM
+    beyond the device allocation made at start (``HbmTier.resize``). Raises
+    InvalidArgument (not a size) or CapacityError (RESOURCE_EXHAUSTED),
+    naming both numbers."""
+    cap = int(capacity_bytes)
+    if cap <= 0:
+        raise InvalidArgument(f"{tier.label} capacity must be > 0 bytes, got {cap}")
+    if cap > MAX_CAPACITY:
+        raise InvalidArgument(f"{tier.label} capacity {cap} bytes is beyond the largest allowed "
+                              f"({MAX_CAPACITY} bytes)")
+    if tier is TierKind.DRAM:
+        held = r.placement.dram.capacity_bytes
+        now, free = r.placement.dram.host_room()
+        where = "free in the dram slab's file system (/dev/shm)"
+    elif tier is TierKind.SSD and r.ssd is not None:
+        t = r.ssd.tier
+        st = os.statvfs(t.path)
+        held, now, free = t.capacity_bytes, t.disk_bytes, int(st.f_bavail) * int(st.f_frsize)
+        where = f"free on the ssd file system ({t.path})"
+    else:
+        return
+    if cap > held and cap > now + free:
+        raise CapacityError(f"{tier.label} capacity {cap} bytes is more than the host can back: "
+                            f"{now + free} bytes ({now} in use now + {free} {where})")
 
 
 class Resizer:
@@ -36,7 +72,13 @@ class Resizer:
     def resize(self, tier: TierKind, capacity_bytes: int) -> int:
         """Change a tier's capacity at run time. Shrinking moves blocks out of
         the retired region into free slots, evicting (policy order, leaf
-        first) only what no longer fits. Returns blocks evicted."""
+        first) only what no longer fits. Returns blocks evicted.
+
+        Checked before anything moves: the new size must be one the host can
+        back (``check_host_room``); a refused or failed resize leaves the tier
+        as it was."""
+        if tier in self.placement.tiers:
+            check_host_room(self, tier, capacity_bytes)
         if tier is TierKind.SSD and self.ssd is not None:
             return self._resize_ssd(capacity_bytes)
         if tier is TierKind.HBM and self.hbm is not None:

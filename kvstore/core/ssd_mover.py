@@ -40,11 +40,11 @@ from kvstore.core.eviction import close_upward, select_victims
 from kvstore.core.index import NO_LOC, NO_ROW, BlockState, keys_to_array
 from kvstore.core.placement import Placement
 from kvstore.core.plan import in_batch
+from kvstore.core.ssd_io import GuardedSsdTier, IoGate
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import DropReason
 from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.ssd import SsdTier
 from tiers.ssd_admit import SsdAdmission
 
 log = logging.getLogger("kvstore.core.ssd_mover")
@@ -89,6 +89,8 @@ class SsdSpec:
     """Most bytes one background step moves."""
     prefetch_queue: int = 65536
     """Bounded prefetch queue (blocks); beyond it Prefetch queues nothing more."""
+    shutdown_flush_seconds: float = 5.0
+    """``flush`` at a clean shutdown stops after this long (write-back mode)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "write_mode", WriteMode.parse(self.write_mode))
@@ -108,7 +110,9 @@ class SsdMover:
     def __init__(self, place: Placement, spec: SsdSpec, clock: Callable[[], float]) -> None:
         self.placement = place
         self.spec = spec
-        self.tier = SsdTier(spec.path, spec.capacity_bytes, sync=spec.sync, segment_bytes=spec.segment_bytes)
+        self.gate = IoGate()
+        """Runs the slow file I/O (off the store lock on the daemon's disk worker)."""
+        self.tier = GuardedSsdTier(spec.path, spec.capacity_bytes, sync=spec.sync, segment_bytes=spec.segment_bytes)
         self.admission = SsdAdmission(min_hits=spec.admit_min_hits, write_budget_mbps=spec.write_budget_mbps,
                                       clock=clock)
         self.prefetch_q: collections.deque[tuple[int, int, int]] = collections.deque()
@@ -139,7 +143,12 @@ class SsdMover:
     def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
         """Verified reads of SSD blocks into host buffers."""
         idx = self.placement.index
-        return self.tier.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs, self.meta(rows))
+        args = (idx.loc[rows].copy(), idx.size[rows].copy(), idx.csum[rows].copy(), outs, self.meta(rows))
+        idx.pins[rows] += 1  # nothing takes them away while the read runs
+        try:
+            return self.gate.run(self.tier.read_into, *args)
+        finally:
+            idx.pins[rows] -= 1
 
     def free_copies(self, rows: np.ndarray) -> None:
         """Free the SSD copies of ``rows`` (blocks being dropped)."""
@@ -218,9 +227,10 @@ class SsdMover:
             n += more.size
         return np.concatenate(got)
 
-    def _write(self, rows: np.ndarray) -> np.ndarray:
+    def _write(self, rows: np.ndarray, evict: bool = True) -> np.ndarray:
         """Write DRAM blocks ``rows`` (one size) to SSD; returns the SSD ids
-        (-1 where there was no room or the write failed)."""
+        (-1 where there was no room or the write failed). ``evict`` False:
+        into free SSD space only."""
         st = self.placement
         idx = st.index
         out = np.full(rows.size, NO_LOC, dtype=np.int64)
@@ -233,18 +243,18 @@ class SsdMover:
             names = {int(n): json.dumps(st.namespaces.get(int(n)).to_dict(), sort_keys=True) for n in np.unique(idx.ns[rows])}
             keep = np.fromiter((names[int(n)] not in blocked for n in idx.ns[rows]), bool, rows.size)
             if not keep.all():
-                out[keep] = self._write(rows[keep])
+                out[keep] = self._write(rows[keep], evict)
                 return out
         nbytes = int(idx.size[rows[0]])
         idx.pins[rows] += 1  # in flight: not evicted, not reused
         try:
-            locs = self._ssd_room(nbytes, rows.size, rows)
+            locs = self._ssd_room(nbytes, rows.size, rows) if evict else self.tier.allocate(nbytes, rows.size)
             k = locs.size
             if k == 0:
                 return out
             views = [st.dram.view(int(idx.loc[r]), int(idx.size[r])) for r in rows[:k].tolist()]
             try:
-                csums = self.tier.write(locs, views, self.meta(rows[:k]))
+                csums = self.gate.run(self.tier.write, locs, views, self.meta(rows[:k]))
             except KVStoreError as e:
                 self.write_errors += 1
                 self.tier.free(locs)
@@ -333,7 +343,12 @@ class SsdMover:
             return ok
         sel = rows[:k]
         outs = [st.dram.view(int(o), nbytes) for o in locs.tolist()]
-        good = self.tier.read_into(idx.loc[sel], idx.size[sel], idx.csum[sel], outs, self.meta(sel))
+        args = (idx.loc[sel].copy(), idx.size[sel].copy(), idx.csum[sel].copy(), outs, self.meta(sel))
+        idx.pins[sel] += 1
+        try:
+            good = self.gate.run(self.tier.read_into, *args)
+        finally:
+            idx.pins[sel] -= 1
         if not np.all(good):
             first_bad = int(np.argmin(good))  # a chain stops at its first bad block
             st.dram.free(locs[first_bad:])
@@ -422,8 +437,43 @@ class SsdMover:
         if self.tier.garbage_bytes > self.spec.segment_bytes:
             # more only while reclaim makes progress: garbage spread thinly over
             # segments may stay above the threshold with nothing worth compacting
-            return self.tier.reclaim(budget) > 0 and self.tier.garbage_bytes > self.spec.segment_bytes
+            return self.gate.run(self.tier.reclaim, budget) > 0 and self.tier.garbage_bytes > self.spec.segment_bytes
         return bool(self.prefetch_q or self.copy_q)
+
+    # ------------------------------------------------------------ shutdown
+    def flush(self, seconds: float | None = None) -> tuple[int, int]:
+        """At a clean shutdown: write every DRAM block without an SSD copy
+        to SSD, parents first (by depth), in bounded batches, for at most
+        ``seconds`` (``spec.shutdown_flush_seconds``), into free SSD space
+        only (nothing on SSD is evicted for it); it stops at a batch of which
+        nothing could be written (disk full or failing). Parents go first, so
+        a restart finds whole chains (a block whose parent could not be
+        written is an orphan there and is dropped). Returns (blocks written,
+        blocks left DRAM-only)."""
+        limit = self.spec.shutdown_flush_seconds if seconds is None else seconds
+        place = self.placement
+        idx = place.index
+        rows = idx.used_rows()
+        rows = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.DRAM)
+                    & (idx.ssd_loc[rows] < 0)]
+        if rows.size == 0 or limit <= 0:
+            return 0, int(rows.size)
+        rows = rows[np.lexsort((idx.size[rows], idx.depth[rows]))]  # parents first, one size per run
+        end = time.monotonic() + limit
+        at = written = 0
+        step = max(1, self.spec.step_bytes)
+        while at < rows.size and time.monotonic() < end:
+            size = int(idx.size[rows[at]])
+            batch = rows[at : at + max(1, step // max(1, size))]
+            batch = batch[idx.size[batch] == size]
+            at += batch.size
+            ids = self._write(batch, evict=False)
+            ok = ids >= 0
+            idx.ssd_loc[batch[ok]] = ids[ok]
+            written += int(ok.sum())
+            if not ok.any():
+                break  # the disk is full or failing
+        return written, int(rows.size) - written
 
     # ----------------------------------------------------------- recovery
     def recover(self) -> Recovery:

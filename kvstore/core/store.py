@@ -56,7 +56,7 @@ from kvstore.core.namespaces import NO_NS, QUERY_NAMESPACES, Namespaces, namespa
 from kvstore.core.placement import Placement
 from kvstore.core.resize import Resizer
 from kvstore.core.ssd_mover import Recovery, SsdMover, SsdSpec
-from kvstore.errors import InvalidArgument, KeyStatus
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import (
     BatchResult,
@@ -221,6 +221,36 @@ class TieredStore:
         """One bounded step of background tier work (prefetch, write-through,
         write-back demotion, SSD reclaim). True when more is pending."""
         return self.ssd.step() if self.ssd is not None else False
+
+    # --------------------------------------- what a call needs (the daemon)
+    def needs_disk_read(self, ns: Namespace, keys: KeysLike) -> bool:
+        """Would a Get or Acquire of these keys read the SSD tier?"""
+        if self.ssd is None:
+            return False
+        try:
+            rows = self.index.find_committed(self.place.nsid(ns, create=False), keys_to_array(keys))
+        except KVStoreError:
+            return False  # the call itself answers the bad input
+        rows = rows[rows >= 0]
+        return bool(np.any(self.index.tier[rows] == TierKind.SSD))
+
+    def needs_disk_write(self, count: int, nbytes: int) -> bool:
+        """Would storing ``count`` new blocks of ``nbytes`` evict (and so
+        write to the SSD tier)?"""
+        if self.ssd is None:
+            return False
+        if self.hbm is not None:
+            return True
+        try:
+            return self.dram.free_slots(nbytes) < count
+        except KVStoreError:
+            return False
+
+    def flush(self, seconds: float | None = None) -> tuple[int, int]:
+        """At a clean shutdown: write DRAM-only blocks to SSD, parents first,
+        for at most ``seconds`` (default ``ssd.shutdown_flush_seconds``).
+        Returns (blocks written, blocks left DRAM-only); (0, 0) without SSD."""
+        return self.ssd.flush(seconds) if self.ssd is not None else (0, 0)
 
     def namespace_id(self, ns: Namespace, create: bool = True) -> int:
         """The namespace's id in the index (``NO_NS`` for an unknown one when

@@ -35,7 +35,7 @@ class AdminService(DaemonState, pb_grpc.AdminServicer):
         if t is None:
             raise errors.NotFound(f"tier {tier.label} is not configured")
         old = t.capacity_bytes
-        evicted = self.store.resize(tier, int(request.capacity_bytes))
+        evicted = await self.disk.always(self.store.resize, tier, int(request.capacity_bytes))
         return pb.ResizeTierResponse(old_capacity_bytes=old, new_capacity_bytes=t.capacity_bytes,
                                      evicted_blocks=evicted)
 

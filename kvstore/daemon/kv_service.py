@@ -117,8 +117,11 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
             raise InvalidArgument("sizes or block_bytes is required")
         parent = parent_of(request)
         owner, _ = self.owner(context, who)
-        res = self.store.reserve(ns, keys, sizes, owner=owner, parent=parent,
-                                 tier=want_tier(request.tier))
+        nbytes = sizes if isinstance(sizes, int) else max(sizes)
+        res = await self.disk.run(lambda: self.store.needs_disk_write(len(keys), nbytes), self.store.reserve,
+                                  ns, keys, sizes, owner=owner, parent=parent,
+                                  tier=want_tier(request.tier),
+                                  undo=lambda r: r.handle and self.store.abort(r.handle, owner))
         if res.handle and gave_up(context):  # nobody will write or commit these slots
             self.store.abort(res.handle, owner)
             raise errors.DeadlineExceeded("Reserve: the caller's deadline passed; the reservation was aborted")
@@ -148,8 +151,9 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         fetched, decision = 0, 0
         if request.cluster and request.promote and self.cluster is not None:
             fetched, decision = await self.cluster.fetch_for(request, context.invocation_metadata(), ns, keys)
-        res = self.store.acquire(ns, keys, owner=owner, ttl=ttl, promote=request.promote,
-                                 tier=want_tier(request.tier))
+        res = await self.disk.run(lambda: self.store.needs_disk_read(ns, keys), self.store.acquire, ns, keys,
+                                  owner=owner, ttl=ttl, promote=request.promote, tier=want_tier(request.tier),
+                                  undo=lambda r: r.handle and self.store.release(r.handle, owner))
         if res.handle and gave_up(context):  # (e.g. a slow promotion): nobody will release this lease
             self.store.release(res.handle, owner)
             raise errors.DeadlineExceeded("Acquire: the caller's deadline passed; the lease was released")
@@ -181,7 +185,9 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
                     res.statuses += [KeyStatus.CORRUPT] + [KeyStatus.PARENT_MISSING] * (len(keys) - i - 1)
                     res.messages[i] = "payload does not match its checksum"
                     return pb.PutResponse(results=results_pb(keys, res))
-        res = self.store.put(ns, keys, payloads, parent=parent)
+        nbytes = len(payloads[0]) if payloads else 0
+        res = await self.disk.run(lambda: self.store.needs_disk_write(len(keys), nbytes), self.store.put,
+                                  ns, keys, payloads, parent=parent)
         self.metrics.inline_bytes("in", sum(len(p) for p in payloads))
         return pb.PutResponse(results=results_pb(keys, res))
 
@@ -195,7 +201,7 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
             chunk = min(int(request.max_chunk_bytes or limit), limit)
             if chunk <= 0:
                 raise InvalidArgument("max_chunk_bytes must be positive")
-            res = self.store.get(ns, keys)
+            res = await self.disk.run(lambda: self.store.needs_disk_read(ns, keys), self.store.get, ns, keys)
         except KVStoreError as e:
             self.metrics.rejected("Get", status_for(e).name)
             await context.abort(status_for(e), str(e))

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.core.store import TieredStore
-from kvstore.daemon import peers, tls
+from kvstore.daemon import peers, slab_owner, tls
 from kvstore.daemon.admin_service import AdminService
 from kvstore.daemon.cluster_service import ClusterService
 from kvstore.daemon.decode import DecodeGuard, add_guarded
@@ -70,6 +70,7 @@ class Running:
                 log.exception("stopping the cluster node failed")
         await self.server.stop(grace)
         self.daemon.stop_background()
+        slab_owner.forget(self.daemon.identity, self.daemon.store.dram.name)  # a clean stop leaves no slab
 
 
 async def start(config: Config, store: TieredStore | None = None) -> Running:
@@ -196,6 +197,11 @@ async def _serve(config: Config) -> int:
     await stop.wait()
     log.info("draining (up to %.1fs)", config.server.drain_seconds)
     await running.stop(config.server.drain_seconds)
+    if d.store.ssd is not None:
+        t1 = time.perf_counter()
+        written, left = d.store.flush()
+        log.info("flushed %d dram-only blocks to ssd in %.2fs (%d left dram-only)", written,
+                 time.perf_counter() - t1, left)
     d.store.close()
     if config.cluster.mode.value != "off":
         shutdown_transport()

@@ -25,7 +25,9 @@ from kvstore.core.eviction import PolicyName
 from kvstore.core.ssd_mover import SsdSpec, WriteMode
 from kvstore.core.hbm_mover import spec_from_config as hbm_spec_from_config
 from kvstore.core.store import SlotResult, StoreConfig, TieredStore
+from kvstore.daemon import slab_owner
 from kvstore.daemon.auth import Auth, Principal
+from kvstore.daemon.disk_worker import DiskWorker
 from kvstore.daemon.events import EventLog
 from kvstore.daemon.metrics import Metrics, loop_stats_fn
 from kvstore.errors import InvalidArgument, PermissionDenied
@@ -46,7 +48,11 @@ class DaemonState:
     def __init__(self, config: Config, store: TieredStore | None = None) -> None:
         self.config = config
         self.auth = Auth(config)
-        self.store = store or TieredStore(store_config(config, self.auth.shares))
+        self.identity = slab_owner.identity(config) if store is None else ""
+        self.reclaimed_slab = slab_owner.reclaim_predecessor(self.identity, config.dram.shm_name)
+        self.disk = DiskWorker(store or TieredStore(store_config(config, self.auth.shares)))
+        slab_owner.record(self.identity, self.disk.raw.dram.name)
+        self.store = self.disk.store  # each call under the store lock; disk-bound ones on the disk worker
         a = config.admission
         self.admission = AdmissionController(
             TTFTPredictor(PredictorConfig(prefill_tokens_per_s=a.prefill_tokens_per_s,
@@ -144,7 +150,8 @@ class DaemonState:
         while True:
             try:
                 async with self.qos.slot(QosClass.BACKGROUND):  # yields to queued foreground calls
-                    more = self.store.background()
+                    pass  # ... but holds no slot while the disk worker runs the step
+                more = await self.disk.always(self.store.background)
             except QosRejected:
                 more = False
             except Exception:
@@ -179,6 +186,7 @@ class DaemonState:
     def stop_background(self) -> None:
         for t in self._tasks:
             t.cancel()
+        self.disk.close()
 
 
 def store_config(config: Config, shares: dict[str, float] | None = None) -> StoreConfig:
@@ -190,7 +198,7 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
                       admit_min_hits=config.ssd.admit_min_hits,
                       write_budget_mbps=float(config.ssd.write_budget_mbps),
                       write_mode=WriteMode(config.ssd.write_mode.value), low_watermark=config.ssd.low_watermark,
-                      sync=config.ssd.sync)
+                      sync=config.ssd.sync, shutdown_flush_seconds=config.ssd.shutdown_flush_seconds)
     return StoreConfig(
         dram_bytes=config.dram.capacity,
         dram_page_bytes=config.dram.page_size,
