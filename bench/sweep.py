@@ -361,12 +361,13 @@ def analyse(results: list[dict[str, Any]], rep: Report, kinds: list[str]) -> tup
             continue
         b = opt[(kind, row["cost"]["cap"])]
         lines = [f"hits by how often the trace uses the block, {kind} c{level} ({row['cost']['cap']} blocks):"]
-        ref = b["belady"]["block_hit_ratio"]
         for name in STORE_LABELS + ("oracle-freq",):
             x = row.get(name)
             if x:
+                bname = "belady_min" if declines(x) and "belady_min" in b else "belady"
+                ref = b[bname]["block_hit_ratio"]
                 lines.append(f"  {name:<26} hit {x['block_hit_ratio']:.4f} = {x['block_hit_ratio'] / ref:.3f}"
-                             f" x belady; hits by use count: " + ", ".join(f"{k} {v}" for k, v in x["by_reuse"].items()))
+                             f" x {bname}; hits by use count: " + ", ".join(f"{k} {v}" for k, v in x["by_reuse"].items()))
         for what in ("belady", "belady_min"):
             y = b.get(what)
             if y:
