@@ -146,7 +146,7 @@ def vllm_python() -> str | None:
     cands.append(os.path.join(root, ".venv-vllm", "bin", "python"))
     try:
         common = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"], cwd=root,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
+                                check=False, capture_output=True, text=True, timeout=10).stdout.strip()
         if common:
             cands.append(os.path.join(os.path.dirname(common), ".venv-vllm", "bin", "python"))
     except (OSError, subprocess.SubprocessError):
@@ -175,7 +175,7 @@ def measure_vllm(tokens: np.ndarray, block_size: int, repeats: int) -> dict[str,
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PYTHONHASHSEED"] = "0"  # vLLM's xxhash NONE_HASH: a fixed seed, no warning
         r = subprocess.run([py, "-c", VLLM_CHILD, path, str(block_size), str(repeats), ",".join(VLLM_HASHES)],
-                           capture_output=True, text=True, timeout=600, env=env, cwd=tempfile.gettempdir())
+                           capture_output=True, text=True, timeout=600, env=env, cwd=tempfile.gettempdir(), check=False)
     except (OSError, subprocess.SubprocessError) as e:
         return {"error": f"vLLM run failed: {e!r}"}
     finally:

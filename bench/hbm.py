@@ -229,7 +229,7 @@ def bench_ipc(rep: Report, total: int, block: int, repeats: int) -> dict[str, fl
     over = {"dram.capacity": "256MiB", "hbm.capacity": str(total + 64 * MIB), "hbm.admit": "reserve"}
     with InProcessDaemon(over) as d:
         r = subprocess.run([sys.executable, "-c", IPC_CHILD, ROOT, d.target, str(total), str(block), str(repeats)],
-                           capture_output=True, text=True, timeout=400, cwd=ROOT)
+                           capture_output=True, text=True, timeout=400, cwd=ROOT, check=False)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("IPC_JSON ")), None)
     if r.returncode != 0 or line is None:
         raise RuntimeError(f"ipc child failed (rc {r.returncode}): {r.stderr[-2000:]}")
