@@ -226,7 +226,8 @@ def bench_ipc(rep: Report, total: int, block: int, repeats: int) -> dict[str, fl
     running here, HBM slots mapped through CUDA IPC."""
     from kvstore.tools.demo import InProcessDaemon
 
-    over = {"dram.capacity": "256MiB", "hbm.capacity": str(total + 64 * MIB), "hbm.admit": "reserve"}
+    # twice the rounds' bytes: a removed block's slot may wait on its copy's event before reuse
+    over = {"dram.capacity": "256MiB", "hbm.capacity": str(2 * total + 64 * MIB), "hbm.admit": "reserve"}
     with InProcessDaemon(over) as d:
         r = subprocess.run([sys.executable, "-c", IPC_CHILD, ROOT, d.target, str(total), str(block), str(repeats)],
                            capture_output=True, text=True, timeout=400, cwd=ROOT, check=False)
