@@ -2,12 +2,15 @@
 
 Every benchmark writes ``{"figures": {...}, "targets": [{"name", "value",
 "target", "met"}]}`` (DESIGN.md section 5); ``met`` is computed from figures
-measured in the same run.
+measured in the same run. A target that could not be measured in this run
+(its measurement failed, was skipped or did not run) is still written, with
+``value: null`` and ``met: false`` (``Report.unmeasured``), never left out.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import sys
@@ -47,10 +50,22 @@ class Report:
         self.figures[name] = float(value)
         self.units[name] = unit
 
-    def target(self, name: str, value: float, target: float, lower_is_better: bool = False) -> None:
+    def target(self, name: str, value: float | None, target: float, lower_is_better: bool = False,
+               why: str = "") -> None:
+        """A target computed from a figure of this run; ``value=None`` (or
+        NaN) means it was not measured: written with ``met: false``."""
+        if value is None or math.isnan(value):
+            self.unmeasured(name, target, lower_is_better, why or "not measured")
+            return
         met = value <= target if lower_is_better else value >= target
         self.targets.append({"name": name, "value": float(value), "target": float(target),
                              "met": bool(met), "direction": "<=" if lower_is_better else ">="})
+
+    def unmeasured(self, name: str, target: float, lower_is_better: bool = False, why: str = "not measured") -> None:
+        """A target this run could not measure: ``value: null``, ``met: false``
+        and the reason (``why``)."""
+        self.targets.append({"name": name, "value": None, "target": float(target), "met": False,
+                             "direction": "<=" if lower_is_better else ">=", "why": why})
 
     def table(self) -> str:
         w = max([len(k) for k in self.figures] + [10])
@@ -64,8 +79,10 @@ class Report:
                       f"|{'-' * (tw + 2)}|{'-' * 12}|{'-' * 12}|-----|"]
             for t in self.targets:
                 goal = f"{t['direction']} {t['target']:g}"
-                lines.append(f"| {str(t['name']).ljust(tw)} | {t['value']:>10.4g} | {goal:>10} | "
-                             f"{'yes' if t['met'] else 'NO'} |")
+                value = "null" if t["value"] is None else f"{t['value']:.4g}"
+                why = f" ({t['why']})" if t.get("why") else ""
+                lines.append(f"| {str(t['name']).ljust(tw)} | {value:>10} | {goal:>10} | "
+                             f"{'yes' if t['met'] else 'NO'} |{why}")
         return "\n".join(lines)
 
     def emit(self, json_path: str | None) -> None:

@@ -2,7 +2,8 @@
 
 Figures, all measured in one run on this machine:
 - chain hashing of a 128k-token prompt (tokens/s) beside raw xxh3_128 over the
-  same bytes;
+  same bytes (figures), and per block beside vLLM's block hashing of the same
+  tokens (the target: >= 20x vLLM's fastest, bench/hashing.py);
 - ``lookup`` time for chains of 256 and 4,096 blocks;
 - batched put and get GB/s for 64 KiB, 1 MiB and 4 MiB blocks beside
   ``numpy.copyto`` of the same bytes (one contiguous batch: the strict baseline);
@@ -42,10 +43,9 @@ def bench_hashing(rep: Report, repeats: int) -> None:
         rep.figure(f"hash_bs{bs}_tokens_per_s", r["tokens_per_s"], "tokens/s")
         rep.figure(f"hash_bs{bs}_raw_xxh3_tokens_per_s", r["raw_tokens_per_s"], "tokens/s")
         rep.figure(f"hash_bs{bs}_ratio_to_raw", r["ratio"], "x")
-    # The chain is serial (each key feeds the next hash), so per-block cost
-    # bounds the ratio at small blocks; report the target at each block size.
-    for bs, r in res.items():
-        rep.target(f"chain hashing / raw xxh3, block_size {bs}", r["ratio"], 0.3)
+    # the target "chain hashing >= 0.3x raw xxh3" is retired (issue 18): the
+    # chain is measured against vLLM's block hashing of the same tokens
+    hashing.vllm_comparison(rep, repeats)
 
 
 def bench_lookup(rep: Report, repeats: int) -> None:

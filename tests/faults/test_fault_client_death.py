@@ -73,6 +73,13 @@ def test_a_thousand_client_deaths_leak_nothing(make_daemon) -> None:
     baseline = _snapshot(d)
     killed = procs = peak_sessions = peak_leases = 0
     reclaim_s: list[float] = []
+
+    def report(final: dict[str, int]) -> None:  # what was measured so far (before any assert on it)
+        record("client_death", sigkilled_clients=killed, processes=procs, peak_sessions=peak_sessions,
+               peak_leases=peak_leases, leaked_slots=final["leaked_slots"], leaked_leases=final["leases"],
+               leaked_reservations=final["reservations"], leaked_pins=final["pinned_rows"],
+               leaked_sessions=final["sessions"], reclaim_max_s=round(max(reclaim_s, default=0.0), 3))
+
     while killed < deaths:
         n = min(per_proc, deaths - killed)
         p = subprocess.Popen([sys.executable, "-c", CHILD, d.target, str(n), str(procs)], cwd=ROOT,
@@ -97,18 +104,18 @@ def test_a_thousand_client_deaths_leak_nothing(make_daemon) -> None:
         try:
             wait_until(reclaimed, timeout=60, what="reclaim after SIGKILL")
         except TimeoutError:
+            killed += n
+            procs += 1
+            report(last[0])
             raise AssertionError(f"not reclaimed after 60 s: {last[0]} (baseline {baseline})") from None
         reclaim_s.append(time.monotonic() - t0)
         killed += n
         procs += 1
     final = _snapshot(d)
+    report(final)
     with Client(d.target) as c:  # and the daemon is fine: the shared chain is intact and unpinned
         got = c.get(NS, shared)
         assert [g.tobytes() for g in got] == [payload_for(b"d", k, BS) for k in shared]
-    record("client_death", sigkilled_clients=killed, processes=procs, peak_sessions=peak_sessions,
-           peak_leases=peak_leases, leaked_slots=final["leaked_slots"], leaked_leases=final["leases"],
-           leaked_reservations=final["reservations"], leaked_pins=final["pinned_rows"],
-           leaked_sessions=final["sessions"], reclaim_max_s=round(max(reclaim_s), 3))
     assert final == baseline and final["leaked_slots"] == 0
 
 

@@ -32,6 +32,8 @@ CODES: collections.Counter[str] = collections.Counter()
 CORPUS: dict[str, list[bytes]] = collections.defaultdict(list)
 """Serialized requests of the structured fuzz run: seeds for the mutation run."""
 INPUTS: collections.Counter[str] = collections.Counter()
+UNEXPECTED: list[Any] = []
+"""Calls answered with a status code they must never get (recorded, then failed on)."""
 
 METHODS: list[tuple[str, str, Any, bool]] = []  # (name, path, request class, server streaming)
 for _svc in ("KVStore", "Admin"):
@@ -194,6 +196,21 @@ def _message(desc: Any, depth: int, keys: list[bytes], plain: bool = False) -> s
     return st.fixed_dictionaries({}, optional=fields).map(build)
 
 
+def _check(ok: bool, what: Any) -> None:
+    """Count and record an unexpected status code, then fail on it."""
+    if not ok:
+        UNEXPECTED.append(what)
+        record("fuzz", unexpected_codes=len(UNEXPECTED))
+    assert ok, what
+
+
+def _alive(served: dict[str, Any]) -> bool:
+    """Whether the daemon still runs, recorded as the ``crashes`` figure."""
+    alive = served["serve"].alive()
+    record("fuzz", crashes=0 if alive else 1)
+    return alive
+
+
 # --------------------------------------------------------------- the tests
 def test_fuzz_well_typed_messages(served) -> None:
     n = isetting("fuzz_inputs", 1000)
@@ -213,11 +230,13 @@ def test_fuzz_well_typed_messages(served) -> None:
             CORPUS[name].append(data_)
         code = _call(served, name, data_, who)
         seen.append(code)
-        assert code not in ("UNKNOWN", "INTERNAL"), (name, msg, code)
+        _check(code not in ("UNKNOWN", "INTERNAL"), (name, msg, code))
 
-    run()
-    assert served["serve"].alive()
-    record("fuzz", structured_inputs=len(seen))
+    try:
+        run()
+    finally:
+        record("fuzz", structured_inputs=len(seen), unexpected_codes=len(UNEXPECTED))
+    assert _alive(served)
 
 
 def _mutate(data: bytes, rng: random.Random) -> bytes:
@@ -278,9 +297,9 @@ def test_fuzz_mutated_and_wrongly_typed_bytes(served) -> None:
         data = _mutate(rng.choice(seeds[name]), rng)
         code = _call(served, name, data, rng.choice(["tenant", "tenant", "admin"]))
         if _decodes(classes[name], data):
-            assert code not in ("UNKNOWN", "INTERNAL"), (name, data, code)
+            _check(code not in ("UNKNOWN", "INTERNAL"), (name, data, code))
         else:  # bytes that do not parse as the request type (kvstore/daemon/decode.py)
-            assert code == "INVALID_ARGUMENT", (name, data, code)
+            _check(code == "INVALID_ARGUMENT", (name, data, code))
             undecodable += 1
         mutated += 1
     # every field number 1..16 of every request with every wire type
@@ -292,13 +311,13 @@ def test_fuzz_mutated_and_wrongly_typed_bytes(served) -> None:
                 data = _varint((fno << 3) | wt) + body
                 code = _call(served, name, data, "tenant")
                 if _decodes(cls, data):
-                    assert code not in ("UNKNOWN", "INTERNAL"), (name, data, code)
+                    _check(code not in ("UNKNOWN", "INTERNAL"), (name, data, code))
                 else:
                     assert code == "INVALID_ARGUMENT", (name, data, code)
                     undecodable += 1
                 typed += 1
-    assert served["serve"].alive()
     record("fuzz", mutated_inputs=mutated, wrong_wire_type_inputs=typed, undecodable_inputs=undecodable)
+    assert _alive(served)
 
 
 def _decodes(cls: Any, data: bytes) -> bool:
@@ -367,23 +386,24 @@ def test_oversized_messages_and_huge_batches(served) -> None:
         t0 = time.perf_counter()
         code = _call(s, name, build(), "tenant")
         t_max = max(t_max, time.perf_counter() - t0)
-        assert code in want, (name, code)
+        _check(code in want, (name, code))
     # a flood of sessions that never open their KeepAlive
     for _ in range(isetting("fuzz_handshakes", 2000)):
         _call(s, "Handshake", pb.HandshakeRequest(client_name="x").SerializeToString(), "tenant")
-    assert s["serve"].alive()
     record("fuzz", oversized_and_huge_cases=len(expect), slowest_huge_call_s=round(t_max, 2))
+    assert _alive(s)
 
 
 def test_daemon_survived_with_bounded_memory(served) -> None:
     """Runs last in this module: the daemon is alive and serving, logged no
     internal error, and its memory stayed bounded."""
     s = served
-    assert s["serve"].alive()
+    record("fuzz", inputs_total=sum(INPUTS.values()), unexpected_codes=len(UNEXPECTED))
+    assert _alive(s)
     keys = s["keys"]
     with Client(s["serve"].target, token=TOKENS["tenant"]) as c:
         got = c.get(NS, keys)
-        assert all(g is None or g.tobytes() == bytes([i]) * 4096 for i, g in enumerate(got))
+        wrong = sum(g is not None and g.tobytes() != bytes([i]) * 4096 for i, g in enumerate(got))
         # sessions that never opened their KeepAlive end after reservation_timeout (2 s here)
         t_end = time.monotonic() + 30
         while (st := c._call(c.stub.Stats, pb.StatsRequest())).sessions > 10 and time.monotonic() < t_end:
@@ -395,9 +415,12 @@ def test_daemon_survived_with_bounded_memory(served) -> None:
     text = s["log"].read()
     internal = text.count("ERROR kvstore.daemon.server:")  # a handler's unexpected exception
     total = sum(INPUTS.values())
-    record("fuzz", inputs_total=total, crashes=0 if s["serve"].alive() else 1, internal_errors=internal,
+    alive = _alive(s)
+    record("fuzz", inputs_total=total, internal_errors=internal, wrong_bytes_after=wrong,
            status_codes=dict(sorted(CODES.items())), rss_start_mib=mib(s["start_rss"]), rss_peak_mib=mib(peak),
            rss_end_mib=mib(end), sessions_open_after=st.sessions)
+    assert alive
+    assert wrong == 0
     assert internal == 0, text[-3000:]
     assert peak < s["start_rss"] + (512 << 20)  # bounded: the largest messages are 24 MiB
     assert st.sessions < 100  # sessions that never opened a KeepAlive do not pile up

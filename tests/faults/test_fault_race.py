@@ -190,6 +190,7 @@ def test_eviction_racing_lookup_acquire(race_daemon) -> None:
 
     t = threading.Thread(target=background, daemon=True)
     t.start()
+    c = Shared.counts
     try:
         run_state_machine_as_test(RaceMachine, settings=settings(
             max_examples=isetting("race_examples", 15), stateful_step_count=isetting("race_steps", 20),
@@ -197,12 +198,13 @@ def test_eviction_racing_lookup_acquire(race_daemon) -> None:
     finally:
         stop.set()
         t.join(60)
+        # what was measured, recorded whether the machine passed or not
+        record("eviction_race", steps=c["steps"], concurrent_bursts=c["bursts"], leases=c["leases"],
+               leases_shorter_than_lookup=c["lease_shrunk"], blocks_read=c["reads"], blocks_hit=c["hits"],
+               background_rounds=bg_reads["n"], wrong_bytes=len(Shared.violations))
     evictions = d.call(lambda: sum(v for (_, r), v in d.store.counters.evictions.items() if r == "evicted"))
     leftovers = d.call(lambda: d.store.hold_counts())
-    c = Shared.counts
-    record("eviction_race", steps=c["steps"], concurrent_bursts=c["bursts"], leases=c["leases"],
-           leases_shorter_than_lookup=c["lease_shrunk"], blocks_read=c["reads"], blocks_hit=c["hits"],
-           background_rounds=bg_reads["n"], evictions=evictions, wrong_bytes=len(Shared.violations))
+    record("eviction_race", evictions=evictions, leases_left=leftovers[0], reservations_left=leftovers[1])
     assert not Shared.violations
     assert evictions > 0 and c["hits"] > 0
     assert leftovers == (0, 0)

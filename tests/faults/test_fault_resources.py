@@ -93,11 +93,12 @@ def test_disk_full_then_space_returns(make_daemon, tmp_path) -> None:
     chains: list[list[bytes]] = []
     with Client(d.target) as c:
         fs.enospc = True
-        put_ok = 0
+        put_ok = puts = 0
         for i in range(16):  # 8 MiB through a 4 MiB DRAM tier: every demotion hits ENOSPC
             keys = chain_keys(i, 8)
             chains.append(keys)
             put_ok += c.put(NS, keys, [P(k) for k in keys]) == [KeyStatus.OK] * 8
+            puts += 1
         errors_full = d.call(lambda: mover.write_errors)
         hits_full, wrong_full = _verify(c, chains)
         fs.enospc = False
@@ -106,6 +107,7 @@ def test_disk_full_then_space_returns(make_daemon, tmp_path) -> None:
             keys = chain_keys(i, 8)
             chains.append(keys)
             put_ok += c.put(NS, keys, [P(k) for k in keys]) == [KeyStatus.OK] * 8
+            puts += 1
         errors_sync = d.call(lambda: mover.write_errors) - errors_full
         fs.sync_error = None
         demoted0 = d.call(lambda: mover.demoted)
@@ -113,13 +115,14 @@ def test_disk_full_then_space_returns(make_daemon, tmp_path) -> None:
             keys = chain_keys(i, 8)
             chains.append(keys)
             put_ok += c.put(NS, keys, [P(k) for k in keys]) == [KeyStatus.OK] * 8
+            puts += 1
         demoted = d.call(lambda: mover.demoted) - demoted0
         hits, wrong = _verify(c, chains)
         on_ssd = d.call(lambda: int((d.store.index.tier[d.store.index.used_rows()] == 2).sum()))
-    record("disk_full", puts=36, puts_ok=put_ok, demotion_write_errors_enospc=errors_full,
+    record("disk_full", puts=puts, puts_ok=put_ok, demotion_write_errors_enospc=errors_full,
            demotion_write_errors_eio_sync=errors_sync, demoted_after_space_returned=demoted,
            blocks_on_ssd_after=on_ssd, corrupt_returns=wrong_full + wrong)
-    assert put_ok == 36  # puts into DRAM never fail because the disk is full
+    assert puts == put_ok == 36  # puts into DRAM never fail because the disk is full
     assert errors_full > 0 and errors_sync > 0
     assert wrong_full == 0 and wrong == 0
     assert demoted > 0 and on_ssd > 0 and hits > 0
@@ -161,19 +164,25 @@ def test_slow_disk_deadlines_and_abandoned_calls(make_daemon, tmp_path) -> None:
     """With every SSD call taking 30 ms: foreground calls keep a status by
     their deadline, and an Acquire or Reserve whose caller gave up (its
     deadline passed while the daemon worked) leaves no lease, pin or
-    reservation behind."""
+    reservation behind.
+
+    Also measured (issue 19), not asserted: Lookup p99 under the same
+    background load with a normal disk and with the 30 ms disk, in slices
+    that alternate between the two, and their ratio (target <= 2 in
+    bench/faults.py)."""
     d, fs = _ssd_daemon(make_daemon, tmp_path)
     chains = [chain_keys(100 + i, 8) for i in range(16)]
+    delay = float(setting("slow_disk_delay", 0.03))
+    slices = 4
     with Client(d.target) as c:
         for keys in chains:
             assert c.put(NS, keys, [P(k) for k in keys]) == [KeyStatus.OK] * 8
         wait_until(lambda: d.call(lambda: d.store.ssd.demoted) > 0, what="demotions")
-        fs.delay = float(setting("slow_disk_delay", 0.03))
-        lat: list[float] = []
+        lat: dict[bool, list[float]] = {False: [], True: []}  # slow disk? -> Lookup seconds
         deadline_hit = 0
         stop = threading.Event()
 
-        def load() -> None:  # puts that demote, gets that promote: slow SSD work on the loop
+        def load() -> None:  # puts that demote, gets that promote: SSD work on the loop
             with Client(d.target) as w:
                 i = 0
                 while not stop.is_set():
@@ -187,21 +196,37 @@ def test_slow_disk_deadlines_and_abandoned_calls(make_daemon, tmp_path) -> None:
 
         t = threading.Thread(target=load, daemon=True)
         t.start()
-        t_end = time.monotonic() + setting("slow_disk_s", 4.0)
-        while time.monotonic() < t_end:
-            t0 = time.perf_counter()
-            try:
-                c._call(c.stub.Lookup, pb.LookupRequest(ns=ns_pb(NS), keys_packed=b"".join(chains[0])), timeout=5.0)
-            except DeadlineExceeded:
-                deadline_hit += 1
-            lat.append(time.perf_counter() - t0)
+        span = setting("slow_disk_s", 4.0) / slices
+        for part in range(2 * slices):  # normal, slow, normal, slow, ...
+            slow_now = part % 2 == 1
+            fs.delay = delay if slow_now else 0.0
+            t_end = time.monotonic() + span
+            while time.monotonic() < t_end:
+                t0 = time.perf_counter()
+                try:
+                    c._call(c.stub.Lookup, pb.LookupRequest(ns=ns_pb(NS), keys_packed=b"".join(chains[0])),
+                            timeout=5.0)
+                except DeadlineExceeded:
+                    deadline_hit += 1
+                lat[slow_now].append(time.perf_counter() - t0)
+        fs.delay = delay
         stop.set()
         t.join(60)
+        slow_ms, normal_ms = np.asarray(lat[True]) * 1000, np.asarray(lat[False]) * 1000
+        slow_p99, normal_p99 = float(np.percentile(slow_ms, 99)), float(np.percentile(normal_ms, 99))
+        record("slow_disk", io_delay_ms=delay * 1000, lookups=int(slow_ms.size),
+               lookup_p50_ms=float(np.percentile(slow_ms, 50)), lookup_p99_ms=slow_p99,
+               lookup_max_ms=float(slow_ms.max()), normal_lookups=int(normal_ms.size),
+               normal_lookup_p50_ms=float(np.percentile(normal_ms, 50)), normal_lookup_p99_ms=normal_p99,
+               normal_lookup_max_ms=float(normal_ms.max()),
+               lookup_p99_ratio=slow_p99 / normal_p99 if normal_p99 > 0 else float("inf"),
+               lookup_deadline_exceeded=deadline_hit)
         # calls whose deadline is shorter than the work they start: the store
         # calls take 50 ms here (as a promotion from a slow disk does), the
         # deadline is 20 ms, so the caller has always gone when they finish
         slow = _SlowStore(d.store)
         abandoned = 0
+        other_codes: list[Any] = []
         for keys in chains:
             for call, req in ((c.stub.Acquire, pb.AcquireRequest(ns=ns_pb(NS), keys_packed=b"".join(keys),
                                                                   promote=True)),
@@ -228,20 +253,26 @@ def test_slow_disk_deadlines_and_abandoned_calls(make_daemon, tmp_path) -> None:
         wait_until(lambda: _leftovers(d) == (0, 0, 0), timeout=30,
                    what="no lease, reservation or pin left by abandoned calls")
         slow.undo()
-        assert abandoned == slow.calls == 2 * len(chains)  # each one reached the store, then was undone
         fs.delay = 0.0
         # the session is still open, so nothing is reclaimed by its end: what
         # an abandoned call took must have been given back at once
-        wait_until(lambda: _leftovers(d) == (0, 0, 0), timeout=30,
-                   what="no lease, reservation or pin left by abandoned calls")
+        left = [(-1, -1, -1)]
+
+        def nothing_left() -> bool:
+            left[0] = _leftovers(d)
+            return left[0] == (0, 0, 0)
+
+        try:
+            wait_until(nothing_left, timeout=30, what="no lease, reservation or pin left by abandoned calls")
+        except TimeoutError:
+            pass
         hits, wrong = _verify(c, chains)
-    lat_ms = np.asarray(lat) * 1000
-    record("slow_disk", io_delay_ms=fs.delay * 1000 or setting("slow_disk_delay", 0.03) * 1000,
-           lookups=len(lat), lookup_p50_ms=float(np.percentile(lat_ms, 50)),
-           lookup_p99_ms=float(np.percentile(lat_ms, 99)), lookup_max_ms=float(lat_ms.max()),
-           lookup_deadline_exceeded=deadline_hit, abandoned_calls=abandoned, abandoned_left_behind=0,
-           corrupt_returns=wrong)
-    assert max(lat) < 5.0 + 2.0  # every call ended (with a status) by its deadline
+    record("slow_disk", abandoned_calls=abandoned, abandoned_calls_reaching_store=slow.calls,
+           abandoned_left_behind=sum(left[0]), corrupt_returns=wrong)
+    assert not other_codes, other_codes
+    assert abandoned == slow.calls == 2 * len(chains)  # each one reached the store, then was undone
+    assert left[0] == (0, 0, 0), left[0]
+    assert max(lat[True] + lat[False]) < 5.0 + 2.0  # every call ended (with a status) by its deadline
     assert wrong == 0
 
 
@@ -259,14 +290,13 @@ def test_cpu_starvation_expires_nothing_live(make_daemon) -> None:
         busy = [subprocess.Popen([sys.executable, "-c", BUSY.format(s=secs + 5)])
                 for _ in range(os.cpu_count() or 2)]
         lat: list[float] = []
-        errors = 0
+        errors = short = 0
         try:
             t_end = time.monotonic() + secs
             while time.monotonic() < t_end:
                 t0 = time.perf_counter()
                 try:
-                    r = c.lookup(NS, keys)
-                    assert r.hit_blocks == 8
+                    short += c.lookup(NS, keys).hit_blocks != 8
                 except DeadlineExceeded:
                     errors += 1
                 lat.append(time.perf_counter() - t0)
@@ -277,19 +307,21 @@ def test_cpu_starvation_expires_nothing_live(make_daemon) -> None:
         sessions = d.call(lambda: len(d.daemon.sessions))
         leases, resvs, _ = _leftovers(d)
         expired = d.call(lambda: (d.store.counters.leases_expired, d.store.counters.reservations_expired))
-        for v, k in zip(lease.views, keys):
-            assert v is not None and v.tobytes() == P(k)  # still pinned, never overwritten
+        overwritten = sum(v is None or v.tobytes() != P(k) for v, k in zip(lease.views, keys))
+        lat_ms = np.asarray(lat) * 1000
+        record("cpu_starvation", busy_processes=len(busy), seconds=secs, lookups=len(lat),
+               lookup_p99_ms=float(np.percentile(lat_ms, 99)), lookup_max_ms=float(lat_ms.max()),
+               deadline_exceeded=errors, lookups_short_of_the_chain=short,
+               leases_falsely_expired=expired[0], reservations_falsely_expired=expired[1],
+               pinned_blocks_overwritten=overwritten, sessions_alive=sessions)
+        assert overwritten == 0  # still pinned, never overwritten
         lease.release()  # NOT_FOUND here would mean it had been expired
         for off, n in zip(resv.offsets, resv.lengths):
             c.view(off, n)[:] = 7
         assert c.commit(resv) == [KeyStatus.OK] * 4
-    lat_ms = np.asarray(lat) * 1000
-    record("cpu_starvation", busy_processes=len(busy), seconds=secs, lookups=len(lat),
-           lookup_p99_ms=float(np.percentile(lat_ms, 99)), lookup_max_ms=float(lat_ms.max()),
-           deadline_exceeded=errors, leases_falsely_expired=expired[0], reservations_falsely_expired=expired[1],
-           sessions_alive=sessions)
     assert sessions >= 1 and leases >= 1 and resvs >= 1
     assert expired == (0, 0)
+    assert short == 0
     assert errors == 0  # 30 s deadlines are honoured, even on a starved machine
 
 
