@@ -32,6 +32,7 @@ def config(target: str) -> SimpleNamespace:
                          get_num_layers=lambda pc: LAYERS, get_num_kv_heads=lambda pc: KVH,
                          get_head_size=lambda: HEAD)
     ktc = SimpleNamespace(kv_connector_extra_config={"target": target, "tenant": "tail", "timeout": 2.0,
+                                                     "weights_digest": "tail-check-weights",
                                                      "retry_interval": 0.0},
                           kv_role="kv_both", kv_load_failure_policy="recompute")
     return SimpleNamespace(kv_transfer_config=ktc, model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto",
@@ -68,14 +69,14 @@ def main() -> None:
     # 40 prompt + 24 generated = 64 tokens, 63 with KV: blocks 0-2 complete
     # (block 2 = 8 prompt + 8 generated tokens), block 3 lacks its last KV
     done = request("done", prompt, answer, RequestStatus.FINISHED_LENGTH_CAPPED)
-    st = sched._state(done)
+    st = sched.scheduler.state(done)
     keys = block_keys(sched.ns, np.asarray(prompt + answer, dtype=np.int64))
     with Client(target) as c:  # the prompt's blocks went in earlier steps
-        c.put(sched.ns, keys[:2], [np.zeros(worker._block_bytes, np.uint8)] * 2)
+        c.put(sched.ns, keys[:2], [np.zeros(worker.worker.block_bytes, np.uint8)] * 2)
     st.saved = 2
     res["finished"] = list(sched.request_finished(done, [4, 5, 6, 7]))
     aborted = request("aborted", prompt, answer, RequestStatus.FINISHED_ABORTED)
-    sched._state(aborted)
+    sched.scheduler.state(aborted)
     res["aborted"] = list(sched.request_finished(aborted, [0, 1, 2, 3]))
     meta = sched.build_connector_meta(step())
     res["plan"] = [(m.req_id, m.first, m.block_ids, m.final) for m in meta.saves]
@@ -89,7 +90,7 @@ def main() -> None:
         res["hit_chain"] = int(c.lookup(sched.ns, keys).hit_blocks)
         res["hit_block2"] = int(c.lookup(sched.ns, [keys[2]]).hit_blocks)
         res["hit_block3"] = int(c.lookup(sched.ns, [keys[3]]).hit_blocks)
-        buf = np.zeros(worker._block_bytes, np.uint8)
+        buf = np.zeros(worker.worker.block_bytes, np.uint8)
         res["get"] = [s.name for s in c.get_into(sched.ns, [keys[2]], [buf])]
     want = torch.cat([t[6].reshape(-1).view(torch.uint8) for t in layers.values()]).numpy()
     res["bytes_equal"] = bool(np.array_equal(buf, want))
@@ -97,7 +98,7 @@ def main() -> None:
     down = KVStoreConnector(config("127.0.0.1:1"), KVConnectorRole.WORKER, kcc)
     down.register_kv_caches(layers)
     late = request("late", prompt, answer, RequestStatus.FINISHED_STOPPED)
-    sched._state(late)
+    sched.scheduler.state(late)
     res["late"] = list(sched.request_finished(late, [4, 5, 6, 7]))
     down.bind_connector_metadata(sched.build_connector_meta(step()))
     down.wait_for_save()

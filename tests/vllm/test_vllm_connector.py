@@ -158,7 +158,7 @@ def test_cold_run_saves_the_prompt_blocks(runs) -> None:
         assert tails == []
     assert len(runs["keys"]) == 7
     # the router, fed by the daemon's WatchEvents, knows node-a holds P's 7 blocks
-    ns = Namespace.from_dict(_events(runs["a_stats"], "init")[0]["namespace"])
+    ns = Namespace.from_dict(_events(runs["a_stats"], "identity")[0]["namespace"])
     ranked = runs["router_after_a"].rank(ns, P)
     assert [(h.endpoint, h.blocks) for h in ranked] == [("node-a", 7)]
     assert [(h.endpoint, h.blocks) for h in runs["router_after_a"].rank(ns, Q)] == [("node-a", 3)]

@@ -1,0 +1,347 @@
+"""What both halves of the vLLM connector share: the namespace (the cache
+identity of this deployment), the scheduler -> worker plan, and the link to
+the daemon (client, fault handling, stats). See ``engine_adapter.vllm``.
+
+Namespace: :func:`kvstore.identity.engine_namespace` (the function the
+router calls too) over the model directory vLLM loads: a digest of the
+weight files (or ``weights_digest`` from the extra config), a digest of the
+KV-affecting ``config.json`` fields after vLLM's ``hf_overrides``, tenant,
+KV dtype, block size, TP size, and a schema version over the vLLM KV layout
+(platform, resolved KV cache layout, layers, KV heads, head size, block
+size, dtypes). The weights are hashed in a background thread started when
+the connector is constructed and joined when the namespace is first needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from prometheus_client import Counter
+
+from kvstore import identity
+from kvstore.client import Client
+from kvstore.errors import KVStoreError
+from kvstore.keys import KEY_LEN, KVDtype, KVLayout, Namespace
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["BlockMove", "ConnectorIdentity", "DaemonLink", "FAULTS", "FAULT_TYPES", "KVStoreConnectorMetadata",
+           "KVStoreWorkerMetadata", "TORCH_KV", "connector_namespace", "extra_config", "flag", "kv_dtype",
+           "layout_descriptor", "request_ns", "split_keys"]
+
+log = logging.getLogger("kvstore.vllm")
+
+try:
+    FAULTS = Counter("kvstore_engine_store_faults_total",
+                     "Store calls from the engine adapter that failed (daemon down, timeout, refused) "
+                     "and were served as a miss", ["op"])
+except ValueError:  # engine_adapter.connector registered it first in this process
+    from engine_adapter.connector import FAULTS
+
+FAULT_TYPES: tuple[type[BaseException], ...] = (KVStoreError, OSError, ValueError, RuntimeError)
+"""Exceptions of a store call served as a miss (or an unsaved block)."""
+
+CACHE_DTYPES = {"fp8": KVDtype.FLOAT8_E4M3FN, "fp8_e4m3": KVDtype.FLOAT8_E4M3FN,
+                "fp8_e5m2": KVDtype.FLOAT8_E5M2, "bfloat16": KVDtype.BFLOAT16, "float16": KVDtype.FLOAT16,
+                "half": KVDtype.FLOAT16, "float32": KVDtype.FLOAT32, "float": KVDtype.FLOAT32}
+TORCH_KV = {torch.float16: KVDtype.FLOAT16, torch.bfloat16: KVDtype.BFLOAT16, torch.float32: KVDtype.FLOAT32,
+            torch.float8_e4m3fn: KVDtype.FLOAT8_E4M3FN, torch.float8_e5m2: KVDtype.FLOAT8_E5M2,
+            torch.int8: KVDtype.INT8, torch.uint8: KVDtype.UINT8}
+
+
+# --------------------------------------------------------------------------
+# Namespace
+# --------------------------------------------------------------------------
+
+
+def extra_config(vllm_config: "VllmConfig") -> dict[str, Any]:
+    """The connector's ``kv_connector_extra_config`` (a copy; {} when unset)."""
+    ktc = vllm_config.kv_transfer_config
+    return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+
+
+def kv_dtype(vllm_config: "VllmConfig") -> KVDtype:
+    """The element type of vLLM's KV cache."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        try:
+            return CACHE_DTYPES[cache_dtype]
+        except KeyError:
+            raise ValueError(f"kvstore connector: KV cache dtype {cache_dtype!r} is not supported; "
+                             f"allowed: auto, {', '.join(CACHE_DTYPES)}") from None
+    return TORCH_KV[vllm_config.model_config.dtype]
+
+
+def _layout_tag(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> str:
+    from vllm.platforms import current_platform
+
+    resolved = getattr(kv_cache_config, "kv_cache_layout", None) or ""
+    return identity.vllm_layout_tag(str(current_platform.device_type), str(resolved),
+                                    str(extra_config(vllm_config).get("layout_tag", "")))
+
+
+def _geometry(vllm_config: "VllmConfig") -> tuple[int, int, int]:
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size())
+
+
+def layout_descriptor(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> str:
+    """The vLLM KV layout a stored block's bytes follow (both roles compute
+    the same string from the config alone; the worker checks its tensors
+    against it)."""
+    mc = vllm_config.model_config
+    desc, _ = identity.kv_schema({}, block_size=int(vllm_config.cache_config.block_size),
+                                 kv_dtype=kv_dtype(vllm_config), layout_tag=_layout_tag(vllm_config, kv_cache_config),
+                                 compute_dtype=str(mc.dtype), geometry=_geometry(vllm_config))
+    return desc
+
+
+def _model_dir(mc: Any) -> str | None:
+    """The local directory (or GGUF file) vLLM loads the model from: the
+    path itself, or the Hugging Face cache snapshot of a repository id;
+    None when neither is on this host."""
+    model = str(mc.model)
+    if os.path.exists(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(model, revision=getattr(mc, "revision", None), local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a cached repository (or no hub library): unknown
+        return None
+
+
+def _overrides(mc: Any) -> dict[str, Any]:
+    """vLLM's ``hf_overrides`` as a mapping. A callable override cannot be
+    replayed by a router: its effect (the KV fields of the config vLLM ended
+    with) stands in for it."""
+    ov = getattr(mc, "hf_overrides", None) or {}
+    if callable(ov):
+        final = mc.hf_config.to_dict()
+        return {name: final[name] for name, _ in identity.KV_CONFIG_FIELDS if final.get(name) is not None}
+    return dict(ov)
+
+
+class ConnectorIdentity:
+    """The namespace of this deployment, resolved in the background.
+
+    Construction checks, at once, that the weights can be identified (a
+    local model directory with weight files, or ``weights_digest`` in the
+    extra config; otherwise ValueError: vLLM refuses to start) and starts
+    hashing them (:func:`kvstore.identity.weights_digest_async`, shared by
+    both connector instances of the process, remembered in the sidecar
+    cache); :attr:`ns` joins it. Should the hash itself fail (an I/O error),
+    :attr:`ns` is None and the connector serves every request as a miss."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        extra = extra_config(vllm_config)
+        mc = vllm_config.model_config
+        self.given_digest = str(extra.get("weights_digest") or "")
+        self.kv_dtype = kv_dtype(vllm_config)
+        self.model_dir = _model_dir(mc)
+        cfg_dir = getattr(mc, "hf_config_path", None) or self.model_dir
+        if cfg_dir is not None:
+            self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)
+        else:
+            get = getattr(getattr(mc, "hf_config", None), "to_diff_dict", None)
+            self.hf_config = dict(get()) if callable(get) else {}
+        self.t0 = time.perf_counter()
+        self.future: Future[str]
+        if self.given_digest:
+            self.future = Future()
+            self.future.set_result(self.given_digest)
+        elif self.model_dir is None or not identity.weight_files(self.model_dir):
+            raise ValueError(f"kvstore connector: cannot identify the weights of {mc.model!r} (no local model "
+                             "directory with weight files); set \"weights_digest\" in kv_connector_extra_config "
+                             "(see docs/vllm.md, cache identity)")
+        else:
+            self.future = identity.weights_digest_async(self.model_dir,
+                                                        cache=extra.get("digest_cache") or None)
+        self.failed = False
+        self.seconds = 0.0
+        self._ns: Namespace | None = None
+
+    def namespace(self, weights: str) -> Namespace:
+        """The namespace for a weights digest (no waiting)."""
+        vc, extra = self.vllm_config, extra_config(self.vllm_config)
+        mc = vc.model_config
+        overrides = _overrides(mc)
+        geometry = _geometry(vc)
+        from_config = identity.config_geometry(self.hf_config, overrides, int(vc.parallel_config.tensor_parallel_size))
+        if from_config != geometry:
+            log.warning("kvstore connector: config.json gives (layers, KV heads, head size) %s but vLLM %s; using "
+                        "vLLM's (a router computing keys from config.json will not match)", from_config, geometry)
+        quant = getattr(mc, "quantization", None)
+        in_config = any(k in self.hf_config for k in ("quantization_config", "compression_config"))
+        return identity.engine_namespace(
+            self.model_dir, hf_config=self.hf_config, weights_digest=weights,
+            block_size=int(vc.cache_config.block_size), kv_dtype=self.kv_dtype,
+            tp_size=int(vc.parallel_config.tensor_parallel_size), tenant=str(extra.get("tenant", "default")),
+            hf_overrides=overrides, layout=KVLayout.OPAQUE, layout_tag=_layout_tag(vc, self.kv_cache_config),
+            compute_dtype=str(mc.dtype), quantization=None if in_config or not quant else str(quant),
+            model_id=str(extra["model_id"]) if extra.get("model_id") else None,
+            geometry=None if from_config == geometry else geometry)
+
+    @property
+    def ns(self) -> Namespace | None:
+        """The namespace (joins the weights hash the first time); None when the weights could not be hashed."""
+        if self._ns is None and not self.failed:
+            try:
+                weights = self.future.result()
+            except Exception as e:  # noqa: BLE001 - reported, and the store is then unused
+                log.error("kvstore connector: hashing the weights of %s failed (%s); the store is unused",
+                          self.model_dir, e)
+                self.failed = True
+                return None
+            self._ns = self.namespace(weights)
+            self.seconds = time.perf_counter() - self.t0
+        return self._ns
+
+
+def connector_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None" = None) -> Namespace:
+    """The base namespace of this vLLM deployment (the request's LoRA and
+    ``cache_salt`` are added per request); hashes the weights if needed."""
+    ns = ConnectorIdentity(vllm_config, kv_cache_config).ns
+    if ns is None:
+        raise ValueError("kvstore connector: the weights could not be hashed")
+    return ns
+
+
+def request_ns(base: Namespace, adapter: str, salt: str) -> Namespace:
+    """``base`` with a request's LoRA name and ``cache_salt``."""
+    if not adapter and not salt:
+        return base
+    return Namespace(**{**base.to_dict(), "adapter_id": adapter, "salt": salt})  # type: ignore[arg-type]
+
+
+def flag(extra: dict[str, Any], name: str) -> bool:
+    """A boolean extra-config entry (default true); accepts JSON booleans and "true"/"false"."""
+    v = extra.get(name, True)
+    if isinstance(v, str):
+        if v.strip().lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"kvstore connector: {name} must be true or false, got {v!r}")
+        return v.strip().lower() in ("true", "1", "yes")
+    return bool(v)
+
+
+def split_keys(keys: bytes) -> list[bytes]:
+    """Packed 16-byte keys as a list."""
+    return [keys[i:i + KEY_LEN] for i in range(0, len(keys), KEY_LEN)]
+
+
+# --------------------------------------------------------------------------
+# Scheduler -> worker plan
+# --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class BlockMove:
+    """Blocks of one request to load or to store: ``keys`` packed (16 bytes
+    each), ``block_ids`` the vLLM blocks they live in, ``parent`` the key of
+    the block before the first (saves; empty at the chain's start)."""
+
+    req_id: str
+    adapter: str
+    salt: str
+    keys: bytes
+    block_ids: list[int]
+    first: int = 0
+    """Index of the first block in the request's chain."""
+    parent: bytes = b""
+    final: bool = False
+    """The tail save of a finished request whose blocks vLLM keeps until
+    the worker reports it done (``get_finished``)."""
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockMove] = field(default_factory=list)
+    saves: list[BlockMove] = field(default_factory=list)
+
+
+@dataclass
+class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: per request, the chain ranges [first, end) now stored."""
+
+    stored: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVStoreWorkerMetadata):
+            for k, v in other.stored.items():
+                self.stored.setdefault(k, []).extend(v)
+        return self
+
+
+# --------------------------------------------------------------------------
+# The daemon link
+# --------------------------------------------------------------------------
+
+
+class DaemonLink:
+    """The daemon client of one connector instance: connects lazily, turns
+    a failed call into a counted, logged fault that closes the client and
+    waits ``retry_interval`` before reconnecting; keeps the stats and the
+    optional JSON-lines record (``stats_path``)."""
+
+    def __init__(self, extra: dict[str, Any], role_name: str) -> None:
+        self.target = extra.get("target") or None
+        self.token = extra.get("token") or None
+        self.token_file = extra.get("token_file") or None
+        self.timeout = float(extra.get("timeout", 5.0))
+        self.retry_interval = float(extra.get("retry_interval", 1.0))
+        self.use_shm = flag(extra, "use_shm")
+        self.stats_path = extra.get("stats_path") or None
+        self.role_name = role_name
+        self.current: Client | None = None
+        self.retry_at = 0.0
+        self.stats: dict[str, int] = {"lookups": 0, "hit_tokens": 0, "loaded_blocks": 0, "failed_blocks": 0,
+                                      "saved_blocks": 0, "existing_blocks": 0, "faults": 0}
+
+    def fault(self, op: str, e: BaseException | str) -> None:
+        FAULTS.labels(op).inc()
+        self.stats["faults"] += 1
+        log.warning("kvstore %s failed (%s); serving it as a miss", op, e)
+        self.record(event="fault", op=op, error=str(e)[:200])
+        if isinstance(e, BaseException) and self.current is not None:
+            try:
+                self.current.close()
+            except Exception:
+                pass
+            self.current = None
+            self.retry_at = time.monotonic() + self.retry_interval
+
+    def client(self) -> Client | None:
+        """The daemon client, connecting if needed; None while the daemon is unusable."""
+        if self.current is None:
+            if time.monotonic() < self.retry_at:
+                return None
+            try:
+                self.current = Client(self.target, token=self.token, token_file=self.token_file,
+                                      timeout=self.timeout, use_shm=self.use_shm, name=f"vllm-{self.role_name}")
+            except FAULT_TYPES as e:
+                self.retry_at = time.monotonic() + self.retry_interval
+                self.fault("connect", e)
+                return None
+        return self.current
+
+    def record(self, **fields: Any) -> None:
+        if self.stats_path:
+            with open(self.stats_path, "a") as f:
+                f.write(json.dumps({"role": self.role_name, "pid": os.getpid(), **fields}) + "\n")
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None

@@ -1,0 +1,283 @@
+"""The scheduler half of the vLLM connector (``engine_adapter.vllm``).
+
+It hashes a request's whole prompt into block keys with one ``block_keys``
+call (block size = vLLM's block size), asks the daemon with one ``Lookup``
+how many leading blocks it holds, and reports the hit beyond vLLM's own
+prefix cache (always leaving the last prompt token to compute). It plans,
+per step, which vLLM blocks to fill from the store (loads) and which newly
+computed full blocks to store (saves: prompt and generated tokens alike,
+keyed over the real token ids, so a chat's next turn hits the previous
+answer; see :meth:`SchedulerSide.request_finished` for the tail of a
+finished request), and sends the plan to the worker as
+:class:`~engine_adapter.vllm_common.KVStoreConnectorMetadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine_adapter.vllm_common import (FAULT_TYPES, BlockMove, ConnectorIdentity, DaemonLink,
+                                        KVStoreConnectorMetadata, KVStoreWorkerMetadata, request_ns, split_keys)
+from kvstore.keys import KEY_LEN, block_keys, block_keys_array
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kvstore.vllm")
+
+
+@dataclass(slots=True)
+class ReqState:
+    """Scheduler-side state of one request."""
+
+    request: Any
+    keys: bytes
+    """Keys of every full prompt block, extended over the generated tokens
+    as their blocks fill (:meth:`SchedulerSide.keys_upto`)."""
+    adapter: str
+    salt: str
+    load: bool = True
+    save: bool = True
+    hit_blocks: int = 0
+    """Leading blocks the daemon held at the last lookup."""
+    local_tokens: int = 0
+    plan: tuple[int, int] | None = None
+    """Blocks [a, b) to load in the next step."""
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0
+    """Leading blocks known stored (or planned)."""
+
+
+class SchedulerSide:
+    """Lookups and the per-step plan of one scheduler-role connector."""
+
+    def __init__(self, ident: ConnectorIdentity, link: DaemonLink, *, block_size: int, do_load: bool,
+                 do_save: bool, emit_events: bool, hash_block_size: int | None) -> None:
+        self.ident = ident
+        self.link = link
+        self.block_size = block_size
+        self.do_load = do_load
+        self.do_save = do_save
+        self.emit_events = emit_events
+        self.hash_block_size = hash_block_size
+        self.reqs: dict[str, ReqState] = {}
+        self.finished: dict[str, ReqState] = {}
+        self.tails: list[BlockMove] = []  # tail saves of finished requests, sent with the next step's plan
+        self.tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
+        self.events: list[Any] = []
+
+    def state(self, request: "Request") -> ReqState | None:
+        st = self.reqs.get(request.request_id)
+        if st is not None:
+            return st
+        toks = request.prompt_token_ids
+        if toks is None or getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            return None  # token ids alone do not name this prompt's KV
+        base = self.ident.ns  # joins the weights hash before the first lookup
+        if base is None:
+            return None  # the weights could not be identified: no store for this deployment
+        lora = getattr(request, "lora_request", None)
+        adapter = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+        salt = str(getattr(request, "cache_salt", None) or "")
+        ns = request_ns(base, adapter, salt)
+        keys = b"".join(block_keys(ns, np.asarray(toks, dtype=np.int64)))
+        params = getattr(request, "kv_transfer_params", None) or {}
+        st = ReqState(request, keys, adapter, salt, load=self.do_load and params.get("kvstore_load") is not False,
+                      save=self.do_save and params.get("kvstore_save") is not False)
+        self.reqs[request.request_id] = st
+        return st
+
+    def keys_upto(self, st: ReqState, n: int) -> int:
+        """Make ``st.keys`` cover the first ``n`` full blocks of the
+        request's real tokens (prompt + generated, never speculative drafts
+        or async-scheduling placeholders) and return how many blocks it
+        covers now (``n`` or fewer when fewer tokens are known). The chain
+        is recomputed over the whole known prefix once per newly filled block
+        (one native hash call, no per-token Python)."""
+        have = len(st.keys) // KEY_LEN
+        if n <= have:
+            return n
+        req = st.request
+        n = min(n, int(req.num_tokens) // self.block_size)
+        if n <= have:
+            return have
+        base = self.ident.ns
+        assert base is not None  # a request has state only once the namespace is known
+        toks = np.asarray(req.all_token_ids[:n * self.block_size], dtype=np.int64)
+        st.keys = block_keys_array(request_ns(base, st.adapter, st.salt), toks).tobytes()
+        return n
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self.state(request) if self.do_load or self.do_save else None
+        if st is None or not st.load:
+            return 0, False
+        st.local_tokens = num_computed_tokens
+        # the last prompt token is always computed (its logits give the first output)
+        loadable = min(len(st.keys) // KEY_LEN, (request.num_tokens - 1) // self.block_size)
+        if loadable * self.block_size <= num_computed_tokens:
+            return 0, False  # vLLM holds every loadable block already: no need to ask
+        t0 = time.perf_counter()
+        c = self.link.client()
+        base = self.ident.ns
+        if c is None or base is None:
+            return 0, False
+        try:
+            hit = int(c.lookup(request_ns(base, st.adapter, st.salt), split_keys(st.keys[:loadable * KEY_LEN]))
+                      .hit_blocks)
+        except FAULT_TYPES as e:
+            self.link.fault("lookup", e)
+            return 0, False
+        self.link.stats["lookups"] += 1
+        st.hit_blocks = hit
+        ext = max(0, min(hit, loadable) * self.block_size - num_computed_tokens)
+        self.link.record(event="lookup", req=request.request_id, prompt_blocks=len(st.keys) // KEY_LEN,
+                         local_tokens=num_computed_tokens, hit_blocks=hit, external_tokens=ext,
+                         ms=round((time.perf_counter() - t0) * 1000, 3))
+        return ext, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens > 0:
+            a = st.local_tokens // self.block_size
+            b = (st.local_tokens + num_external_tokens) // self.block_size
+            st.plan = (a, b)
+            self.link.stats["hit_tokens"] += num_external_tokens
+        # blocks below max(local hit, daemon hit) are stored already (a local
+        # hit was saved when this process first computed or loaded it)
+        st.saved = max(st.hit_blocks, st.local_tokens // self.block_size)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(saves=self.tails)
+        self.tails = []
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            nb = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(nb[0]) if nb is not None else []
+                st.saved = min(st.saved, cached.num_computed_tokens[i] // self.block_size)
+            elif nb is not None:
+                st.block_ids.extend(nb[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, done in computed.items():
+            st = self.reqs[req_id]
+            if st.plan is not None:
+                a, b = st.plan
+                st.plan = None
+                if b <= len(st.block_ids):
+                    meta.loads.append(BlockMove(req_id, st.adapter, st.salt, st.keys[a * KEY_LEN:b * KEY_LEN],
+                                                st.block_ids[a:b]))
+                else:  # cannot happen: vLLM allocates a block for every computed token
+                    log.error("kvstore: request %s has %d blocks, the load needs %d", req_id,
+                              len(st.block_ids), b)
+            if not st.save:
+                continue
+            # blocks whose every token has KV once this step ran; keys only
+            # over tokens the scheduler knows (drafts and placeholders wait)
+            after = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full = self.keys_upto(st, min(after // self.block_size, len(st.block_ids)))
+            if full > st.saved:
+                s = st.saved
+                parent = st.keys[(s - 1) * KEY_LEN:s * KEY_LEN] if s else b""
+                meta.saves.append(BlockMove(req_id, st.adapter, st.salt, st.keys[s * KEY_LEN:full * KEY_LEN],
+                                            st.block_ids[s:full], s, parent))
+                st.saved = full
+        return meta
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if bad:  # blocks that failed to load are recomputed by vLLM: store them again afterwards
+            for st in self.reqs.values():
+                first = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+                if first is not None:
+                    st.saved = min(st.saved, first)
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self.hash_block_size not in (None, self.block_size) or not self.emit_events:
+            wm = None  # events off, or vLLM's block hashes use another granularity than our blocks
+        if isinstance(wm, KVStoreWorkerMetadata):
+            for req_id, ranges in wm.stored.items():
+                owner = self.reqs.get(req_id) or self.finished.get(req_id)
+                if owner is None:
+                    continue
+                for a, b in ranges:
+                    if b > a:
+                        self.events.append(self.stored_event(owner, a, b))
+        self.tail_pending.difference_update(getattr(connector_output, "finished_sending", None) or ())
+        # a finished request's state is kept until its last save is reported
+        self.finished = {k: v for k, v in self.finished.items() if k in self.tail_pending}
+
+    def stored_event(self, st: ReqState, start: int, end: int) -> Any:
+        """vLLM's BlockStored (medium "kvstore") for the request's blocks
+        [start, end) now in kvstore, named by vLLM's own block hashes so a
+        router that follows vLLM's KV events can tell these prefixes are there."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        req = st.request
+        hashes = list(getattr(req, "block_hashes", []) or [])
+        end = min(end, len(hashes))
+        toks = list(req.all_token_ids[start * self.block_size:end * self.block_size])
+        lora = getattr(req, "lora_request", None)
+        return BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in hashes[start:end]],
+                           parent_block_hash=maybe_convert_block_hash(hashes[start - 1]) if start else None,
+                           token_ids=toks, block_size=self.block_size,
+                           lora_id=getattr(lora, "lora_int_id", None) if lora else None,
+                           medium="kvstore", lora_name=st.adapter or None)
+
+    def take_events(self) -> list[Any]:
+        ev, self.events = self.events, []
+        return ev
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are synchronous (in ``wait_for_save`` of the step that
+        computed the block), so vLLM may usually free the blocks at once.
+        A request that finished normally may still hold full blocks not yet
+        saved: those whose last tokens were only known to the scheduler
+        after their step was planned (async scheduling, speculative
+        decoding). Then the tail goes with the next step's plan and the
+        blocks stay allocated (return True) until the worker reports it
+        done through ``get_finished``. Only tokens with KV count: the last
+        sampled token has none."""
+        from vllm.v1.request import RequestStatus
+
+        st = self.reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        if len(self.finished) < 4096:
+            self.finished[request.request_id] = st  # until its last save is reported
+        if not st.save or request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            return False, None  # aborted/errored: its KV may be incomplete or invalid
+        with_kv = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
+        full = self.keys_upto(st, min(with_kv // self.block_size, len(block_ids)))
+        if full <= st.saved:
+            return False, None
+        s = st.saved
+        parent = st.keys[(s - 1) * KEY_LEN:s * KEY_LEN] if s else b""
+        self.tails.append(BlockMove(request.request_id, st.adapter, st.salt, st.keys[s * KEY_LEN:full * KEY_LEN],
+                                    list(block_ids[s:full]), s, parent, final=True))
+        st.saved = full
+        self.tail_pending.add(request.request_id)
+        self.link.record(event="tail", req=request.request_id, first=s, blocks=full - s)
+        return True, None

@@ -1,0 +1,532 @@
+"""What identifies a model's KV: the one namespace an engine and a router derive.
+
+A cached block may be served only to the model that computed it. Two
+engines share blocks exactly when the KV they compute for the same tokens
+is the same, so the namespace names:
+
+- the **weights** (:func:`weights_digest`): the content of the weight
+  files, hashed once and remembered in a small sidecar cache keyed by each
+  file's path, size, inode, device, mtime and ctime; for a Hugging Face
+  cache snapshot, the blobs its weight files link to (named by their
+  content hash, so nothing is read);
+- the **KV-affecting config** (:func:`config_digest`): every field of
+  ``config.json`` in :data:`KV_CONFIG_FIELDS`, after ``hf_overrides``, and
+  every overridden field whatever its name;
+- the **layout** of a block's bytes (:func:`kv_schema`): engine layout tag,
+  layers, KV heads per rank, head size, block size, KV and compute dtypes,
+  quantization;
+- tenant, block size, KV dtype, TP size and PP stage as plain fields.
+
+``model_id`` is derived from these (architecture + digests), not from the
+path or the served name: the same weights and config at another path or
+under another served name share blocks, and a weights update at the same
+path does not. :func:`engine_namespace` is the ONE function that both the
+vLLM connector (``engine_adapter.vllm``) and the router call, so their block
+keys agree. Leaf module: stdlib and xxhash only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final, Iterable, Mapping
+
+import xxhash
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KVDtype, KVLayout, Namespace
+
+__all__ = [
+    "KV_CONFIG_FIELDS",
+    "WEIGHT_SUFFIXES",
+    "DigestCache",
+    "config_digest",
+    "config_geometry",
+    "engine_namespace",
+    "hf_snapshot_digest",
+    "kv_schema",
+    "load_config",
+    "vllm_layout_tag",
+    "weight_files",
+    "weights_digest",
+    "weights_digest_async",
+]
+
+KV_CONFIG_FIELDS: Final[tuple[tuple[str, str], ...]] = (
+    # what the model is
+    ("architectures", "the model class vLLM/transformers instantiates"),
+    ("model_type", "the model family (attention and norm variants)"),
+    # shape of the network (KV of layer n depends on every earlier layer)
+    ("hidden_size", "residual width"),
+    ("intermediate_size", "MLP width"),
+    ("num_hidden_layers", "layers that produce KV"),
+    ("num_attention_heads", "query heads (and head size when head_dim is absent)"),
+    ("num_key_value_heads", "KV heads (GQA/MQA)"),
+    ("multi_query", "MQA flag of older configs"),
+    ("head_dim", "KV head size"),
+    ("vocab_size", "embedding table"),
+    ("tie_word_embeddings", "which tensor embeds the tokens"),
+    ("hidden_act", "MLP activation"),
+    ("rms_norm_eps", "normalisation epsilon"),
+    ("layer_norm_eps", "normalisation epsilon"),
+    ("layer_norm_epsilon", "normalisation epsilon"),
+    ("attention_bias", "q/k/v projection biases"),
+    ("qkv_bias", "q/k/v projection biases"),
+    ("mlp_bias", "MLP biases"),
+    ("pretraining_tp", "sliced projections of some Llama checkpoints"),
+    # positions: same shape, different K values
+    ("rope_theta", "RoPE base frequency"),
+    ("rope_scaling", "RoPE scaling (linear, dynamic, yarn, llama3, longrope)"),
+    ("rope_parameters", "RoPE settings (newer transformers)"),
+    ("partial_rotary_factor", "fraction of the head that is rotated"),
+    ("rotary_dim", "rotated dimensions"),
+    ("rotary_emb_base", "RoPE base of some families"),
+    ("rotary_pct", "fraction of the head that is rotated (GPT-NeoX)"),
+    ("rope_interleaved", "RoPE pairing"),
+    ("position_embedding_type", "rope/alibi/absolute"),
+    ("alibi", "ALiBi positions"),
+    ("max_position_embeddings", "enters dynamic and yarn RoPE scaling"),
+    ("original_max_position_embeddings", "enters yarn/longrope scaling"),
+    # which tokens attend to which
+    ("sliding_window", "attention window"),
+    ("use_sliding_window", "whether the window applies"),
+    ("max_window_layers", "layers using the window"),
+    ("sliding_window_pattern", "interleaved local/global layers"),
+    ("layer_types", "per-layer attention kind"),
+    ("attention_chunk_size", "chunked local attention"),
+    ("no_rope_layers", "layers without RoPE"),
+    ("use_qk_norm", "q/k normalisation"),
+    ("qk_layernorm", "q/k normalisation"),
+    ("attn_logit_softcapping", "attention softcap"),
+    ("final_logit_softcapping", "logit softcap"),
+    ("query_pre_attn_scalar", "attention scale"),
+    ("attention_multiplier", "attention scale (Granite)"),
+    ("embedding_multiplier", "embedding scale (Granite)"),
+    ("residual_multiplier", "residual scale (Granite)"),
+    ("scale_embedding", "embedding scale"),
+    ("logits_scaling", "logit scale"),
+    # MLA and MoE
+    ("kv_lora_rank", "MLA latent KV size"),
+    ("q_lora_rank", "MLA query rank"),
+    ("qk_nope_head_dim", "MLA head split"),
+    ("qk_rope_head_dim", "MLA head split"),
+    ("v_head_dim", "MLA value head size"),
+    ("num_experts", "MoE experts"),
+    ("num_local_experts", "MoE experts"),
+    ("n_routed_experts", "MoE experts"),
+    ("n_shared_experts", "MoE shared experts"),
+    ("num_experts_per_tok", "MoE routing top-k"),
+    ("moe_intermediate_size", "expert width"),
+    ("norm_topk_prob", "MoE routing normalisation"),
+    ("routed_scaling_factor", "MoE output scale"),
+    ("first_k_dense_replace", "dense layers before the MoE ones"),
+    ("n_group", "grouped routing"),
+    ("topk_group", "grouped routing"),
+    ("scoring_func", "routing score"),
+    ("topk_method", "routing method"),
+    ("decoder_sparse_step", "MoE layer spacing"),
+    ("mlp_only_layers", "dense layers of a MoE model"),
+    # numbers
+    ("quantization_config", "quantized weights compute other activations"),
+    ("compression_config", "quantized weights (compressed-tensors)"),
+    ("torch_dtype", "checkpoint dtype (the compute dtype defaults to it)"),
+    ("dtype", "checkpoint dtype (newer transformers)"),
+    # nested configs of multimodal and composite models
+    ("text_config", "the language model of a multimodal model"),
+)
+"""``(field, why)``: the ``config.json`` fields that change the KV a model
+computes for the same tokens, and so enter :func:`config_digest`. A field
+absent from a config is skipped (absent and ``null`` hash the same). Every
+field set through ``hf_overrides`` counts too, listed here or not. Err on the
+side of including a field: a wrong hit costs correctness, a miss only time."""
+
+_FIELD_NAMES: Final = tuple(name for name, _ in KV_CONFIG_FIELDS)
+
+WEIGHT_SUFFIXES: Final[tuple[str, ...]] = (
+    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz", ".pdparams",
+    ".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json",
+)
+"""Files of a model directory that :func:`weights_digest` hashes (top level
+only; vLLM loads from there)."""
+
+CHUNK: Final = 16 << 20
+"""Read size of the content hash."""
+_SNAPSHOT_RE: Final = re.compile(r"^[0-9a-f]{40}$")
+_CACHE_VERSION: Final = 1
+_CACHE_MAX_ENTRIES: Final = 4096
+_INFLIGHT_LOCK: Final = threading.Lock()
+_INFLIGHT: dict[tuple[str, str, str], "Future[str]"] = {}
+
+
+def _canonical(value: Any) -> str:
+    """Canonical JSON (sorted keys, no spaces); non-JSON values as their repr."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr)
+
+
+def _h128(text: str) -> str:
+    return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
+
+
+# --------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------
+
+
+def weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+    """The weight files :func:`weights_digest` covers, sorted by name: the
+    path itself when it is a file (a ``.gguf``), else the top-level files of
+    the directory ending in one of :data:`WEIGHT_SUFFIXES`."""
+    p = Path(model_dir)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise InvalidArgument(f"model directory {str(p)!r} does not exist")
+    return sorted(f for f in p.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file())
+
+
+def hf_snapshot_digest(model_dir: str | os.PathLike[str]) -> str | None:
+    """For a Hugging Face cache snapshot (``.../snapshots/<40-hex commit>/``)
+    whose weight files are all links into the repository's ``blobs/``:
+    ``"hf:"`` + a hash of (file name, blob name) pairs. Blob names are the
+    files' content hashes (SHA-256 for LFS files), checked by the download,
+    so nothing is read; two commits with the same weights share it. None
+    when ``model_dir`` is not such a snapshot or a weight file was replaced
+    by a plain file (then the content is hashed)."""
+    p = Path(model_dir)
+    if not (p.is_dir() and p.parent.name == "snapshots" and _SNAPSHOT_RE.match(p.name)):
+        return None
+    blobs = (p.parent.parent / "blobs").resolve()
+    pairs = []
+    for f in weight_files(p):
+        if not f.is_symlink():
+            return None
+        target = f.resolve()
+        if target.parent != blobs:
+            return None
+        pairs.append((f.name, target.name, target.stat().st_size))
+    if not pairs:
+        return None
+    return "hf:" + _h128(_canonical(pairs))
+
+
+class DigestCache:
+    """The sidecar cache of per-file content digests: a JSON file mapping a
+    weight file's real path to its digest and the ``(size, inode, device,
+    mtime_ns, ctime_ns)`` it had when hashed. An entry whose file changed in
+    any of these is stale. Written atomically (temp file + rename), mode
+    0600; a missing or corrupt cache is treated as empty."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else self.default_path()
+
+    @staticmethod
+    def default_path() -> Path:
+        """``$KVSTORE_DIGEST_CACHE``, else ``$XDG_CACHE_HOME/kvstore/weights-digest.json``
+        (``~/.cache/kvstore/weights-digest.json``)."""
+        env = os.environ.get("KVSTORE_DIGEST_CACHE")
+        if env:
+            return Path(env)
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base) / "kvstore" / "weights-digest.json"
+
+    @staticmethod
+    def stamp(st: os.stat_result) -> list[int]:
+        """What must stay equal for a cached digest to hold."""
+        return [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
+                return {}
+            files = data.get("files")
+            return {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def lookup(self, entries: Mapping[str, Mapping[str, Any]], real: str, st: os.stat_result) -> str | None:
+        e = entries.get(real)
+        if e is None or e.get("stamp") != self.stamp(st) or not isinstance(e.get("digest"), str):
+            return None
+        return str(e["digest"])
+
+    def store(self, new: Mapping[str, Mapping[str, Any]]) -> None:
+        """Merge ``new`` into the file (re-read first, so concurrent writers
+        lose little) and write it atomically; failures are ignored (the
+        cache only saves time)."""
+        if not new:
+            return
+        try:
+            files = self.load()
+            files.update(new)
+            if len(files) > _CACHE_MAX_ENTRIES:
+                files = dict(list(files.items())[-_CACHE_MAX_ENTRIES:])
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd, tmp = tempfile.mkstemp(prefix=".weights-digest.", dir=self.path.parent)
+            try:
+                os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump({"version": _CACHE_VERSION, "files": files}, f, separators=(",", ":"))
+                os.replace(tmp, self.path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+        except OSError:
+            pass
+
+
+def _hash_file(path: str) -> str:
+    """xxh3_128 of a file's bytes, read in :data:`CHUNK` pieces."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _content_digest(files: list[Path], cache: DigestCache | None, threads: int) -> str:
+    entries = cache.load() if cache is not None else {}
+    rows: list[tuple[str, int, str | None, str, os.stat_result]] = []
+    for f in files:
+        real = os.path.realpath(f)
+        st = os.stat(real)
+        rows.append((f.name, st.st_size, cache.lookup(entries, real, st) if cache else None, real, st))
+    todo = [r for r in rows if r[2] is None]
+    done: dict[str, str] = {}
+    if todo:
+        # biggest first, so the pool finishes together
+        todo.sort(key=lambda r: -r[1])
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as pool:
+            for r, d in zip(todo, pool.map(lambda r: _hash_file(r[3]), todo)):
+                done[r[3]] = d
+        if cache is not None:
+            new = {}
+            for _name, _size, _d, real, st_before in todo:
+                st_after = os.stat(real)
+                if DigestCache.stamp(st_after) == DigestCache.stamp(st_before):  # not changed while hashed
+                    new[real] = {"stamp": DigestCache.stamp(st_after), "digest": done[real]}
+            cache.store(new)
+    parts = [(name, size, d if d is not None else done[real]) for name, size, d, real, _st in rows]
+    return "xxh3:" + _h128(_canonical(parts))
+
+
+def weights_digest(model_dir: str | os.PathLike[str], *, cache: DigestCache | str | None = None,
+                   use_cache: bool = True, threads: int | None = None, hf_snapshot: bool = True) -> str:
+    """A digest of the model's weights that changes whenever a weight file's
+    content does: ``hf:...`` for an unmodified Hugging Face cache snapshot
+    (:func:`hf_snapshot_digest`), else ``xxh3:...`` over (file name, size,
+    xxh3_128 of the content) of every file of :func:`weight_files`, hashed
+    in parallel (``threads``, default up to 8) and remembered in the
+    :class:`DigestCache` (``cache``: a path or a cache; default
+    :meth:`DigestCache.default_path`), so a later start with unchanged files
+    reads no weight bytes. Raises InvalidArgument when there are no weight
+    files."""
+    if hf_snapshot:
+        snap = hf_snapshot_digest(model_dir)
+        if snap is not None:
+            return snap
+    files = weight_files(model_dir)
+    if not files:
+        raise InvalidArgument(f"no weight files ({', '.join(WEIGHT_SUFFIXES[:5])}, ...) in {str(model_dir)!r}")
+    dc = None
+    if use_cache:
+        dc = cache if isinstance(cache, DigestCache) else DigestCache(cache)
+    return _content_digest(files, dc, threads or min(8, os.cpu_count() or 1))
+
+
+_digest_weights: Final = weights_digest  # reachable where a parameter shadows the name
+
+
+def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None = None) -> "Future[str]":
+    """:func:`weights_digest` in a background thread, shared by every caller
+    in this process that asks for the same directory while it runs (the
+    vLLM worker starts it, the scheduler joins the same hash)."""
+    key = (os.path.realpath(model_dir), str(cache or ""), "")
+    with _INFLIGHT_LOCK:
+        fut = _INFLIGHT.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            return fut
+        fut = Future()
+        _INFLIGHT[key] = fut
+
+    def run() -> None:
+        try:
+            fut.set_result(weights_digest(model_dir, cache=cache))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="kvstore-weights-digest", daemon=True).start()
+    return fut
+
+
+# --------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------
+
+
+def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """``config.json`` of a model directory as written (no defaults filled
+    in, so every reader gets the same fields); {} when there is none (a
+    GGUF file carries its config inside the weights)."""
+    p = Path(model_dir)
+    path = p / "config.json" if p.is_dir() else p.with_name("config.json")
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{path}: config.json is not a JSON object")
+    return data
+
+
+def _merged(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``hf_config`` with ``overrides`` applied as vLLM's ``hf_overrides``
+    does (a nested mapping updates a nested config; anything else replaces)."""
+    out = dict(hf_config)
+    for k, v in (overrides or {}).items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merged(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _select(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    sel = {}
+    for name in _FIELD_NAMES:
+        v = cfg.get(name)
+        if v is None:
+            continue
+        sel[name] = _select(v) if name == "text_config" and isinstance(v, Mapping) else v
+    return sel
+
+
+def config_digest(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> str:
+    """xxh3_128 hex over the canonical JSON of the :data:`KV_CONFIG_FIELDS`
+    of ``hf_config`` after ``overrides`` (vLLM's ``hf_overrides``), plus
+    every overridden field not in that list."""
+    merged = _merged(hf_config, overrides)
+    extra = {k: merged[k] for k in sorted(overrides or {}) if k not in _FIELD_NAMES}
+    return _h128(_canonical({"fields": _select(merged), "overrides": extra}))
+
+
+def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    tc = cfg.get("text_config")
+    return tc if isinstance(tc, Mapping) and tc.get("num_hidden_layers") else cfg
+
+
+def config_geometry(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None,
+                    tp_size: int = 1) -> tuple[int, int, int]:
+    """(layers, KV heads per TP rank, head size) of a standard decoder, as
+    vLLM derives them from the config; zeros where the config does not say."""
+    t = _text(_merged(hf_config, overrides))
+    try:
+        layers = int(t.get("num_hidden_layers") or t.get("n_layer") or 0)
+        heads = int(t.get("num_attention_heads") or t.get("n_head") or 0)
+        if t.get("multi_query"):
+            kv = 1
+        else:
+            kv = int(t.get("num_key_value_heads") or heads)
+        head = int(t.get("head_dim") or (int(t.get("hidden_size") or 0) // heads if heads else 0))
+    except (TypeError, ValueError):
+        return 0, 0, 0
+    return layers, max(1, kv // tp_size) if kv else 0, head
+
+
+def vllm_layout_tag(device_type: str = "cuda", kv_cache_layout: str = "", tag: str = "") -> str:
+    """The engine part of the layout schema of the vLLM connector: a block
+    is vLLM's per-layer block bytes on ``device_type`` ("cuda", "cpu", ...)
+    with its resolved KV cache layout ("" when vLLM leaves it unset, "NHD",
+    "HND"), plus the connector's ``layout_tag``. A router computes the
+    backend's keys with the backend's values."""
+    return f"vllm-v1|{device_type}|{kv_cache_layout}|{tag}"
+
+
+def kv_schema(hf_config: Mapping[str, Any], *, block_size: int, kv_dtype: KVDtype | str,
+              overrides: Mapping[str, Any] | None = None, tp_size: int = 1,
+              layout_tag: str = vllm_layout_tag(), compute_dtype: str | None = None,
+              quantization: str | None = None,
+              geometry: tuple[int, int, int] | None = None) -> tuple[str, int]:
+    """``(descriptor, schema_version)`` of the bytes of one block: the
+    engine's ``layout_tag``, layers, KV heads per rank, head size (from the
+    config, or ``geometry`` when the engine knows better), block size, KV
+    dtype, and (when given) the compute dtype and an engine-side
+    quantization method. ``schema_version`` is 31 bits of its xxh3_64 (an
+    unsigned 32-bit field on the wire)."""
+    kvd = KVDtype.parse(kv_dtype)
+    layers, kv_heads, head = geometry or config_geometry(hf_config, overrides, tp_size)
+    desc = (f"{layout_tag}|layers={layers}|kv_heads={kv_heads}|head={head}|block={block_size}|{kvd.value}")
+    if compute_dtype and compute_dtype.removeprefix("torch.") != kvd.value:
+        desc += f"|compute={compute_dtype.removeprefix('torch.')}"
+    if quantization:
+        desc += f"|quant={quantization}"
+    return desc, xxhash.xxh3_64_intdigest(desc.encode()) >> 33
+
+
+# --------------------------------------------------------------------------
+# The namespace
+# --------------------------------------------------------------------------
+
+
+def _architecture(cfg: Mapping[str, Any]) -> str:
+    arch = cfg.get("architectures")
+    if isinstance(arch, list) and arch:
+        return str(arch[0])[:96]
+    return str(cfg.get("model_type") or "model")[:96]
+
+
+def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: int, kv_dtype: KVDtype | str,
+                     tp_size: int = 1, pp_stage: int = 0, tenant: str = "default",
+                     hf_overrides: Mapping[str, Any] | None = None, weights_digest: str | None = None,
+                     layout: KVLayout | str = KVLayout.OPAQUE, layout_tag: str = vllm_layout_tag(),
+                     compute_dtype: str | None = None, quantization: str | None = None,
+                     hf_config: Mapping[str, Any] | None = None, model_id: str | None = None,
+                     digest_cache: str | None = None,
+                     geometry: tuple[int, int, int] | None = None) -> Namespace:
+    """The namespace of the KV an engine computes for the model in
+    ``model_dir``: the ONE derivation shared by the vLLM connector and the
+    router (same arguments, same block keys).
+
+    - ``weights_digest``: from the weight files (:func:`weights_digest`)
+      unless given (an operator's override: then the operator vouches that
+      equal strings mean equal weights);
+    - ``model_id``: ``<architecture>/<config digest>``, never the path or
+      served name, unless given;
+    - ``schema_version``: from :func:`kv_schema`;
+    - ``hf_config``: the config to use instead of ``model_dir/config.json``
+      (as written, no defaults filled in).
+    """
+    if hf_config is None:
+        if model_dir is None:
+            raise InvalidArgument("engine_namespace needs model_dir or hf_config")
+        hf_config = load_config(model_dir)
+    if weights_digest is None:
+        if model_dir is None:
+            raise InvalidArgument("engine_namespace needs model_dir or weights_digest")
+        weights_digest = _digest_weights(model_dir, cache=digest_cache)
+    cdig = config_digest(hf_config, hf_overrides)
+    merged = _merged(hf_config, hf_overrides)
+    _desc, schema = kv_schema(hf_config, block_size=block_size, kv_dtype=kv_dtype, overrides=hf_overrides,
+                              tp_size=tp_size, layout_tag=layout_tag, compute_dtype=compute_dtype,
+                              quantization=quantization, geometry=geometry)
+    mid = model_id or f"{_architecture(merged)}/{cdig[:24]}"
+    wd = weights_digest if len(weights_digest.encode()) <= 200 else "sha:" + _h128(weights_digest)
+    return Namespace(tenant=tenant, model_id=mid, weights_digest=wd, kv_dtype=KVDtype.parse(kv_dtype),
+                     layout=KVLayout.parse(layout), block_size=int(block_size), tp_size=int(tp_size),
+                     pp_stage=int(pp_stage), schema_version=schema)
+
