@@ -102,6 +102,18 @@ class ModelSpec:
     """The connector's explicit ``weights_digest`` override, when it has one."""
     max_model_len: int = 0
     """Longest prompt + completion accepted (tokens); 0 = the model config's."""
+    device: str = "cuda"
+    """The backends' vLLM platform device type (``cuda``, ``cpu``, ...): part of the KV layout schema."""
+    kv_cache_layout: str = ""
+    """The KV cache layout vLLM resolves on the backends (``LBHNC`` on the CPU backend; "" when unset)."""
+    layout_tag: str = ""
+    """The connector's ``layout_tag`` extra config, when it has one."""
+    dtype: str = ""
+    """The backends' compute dtype (``--dtype``, e.g. ``float32``); "" = the KV dtype."""
+    model_id: str = ""
+    """The connector's explicit ``model_id`` override, when it has one."""
+    hf_overrides: Mapping[str, Any] | None = None
+    """The backends' ``--hf-overrides`` (they change the config digest)."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:

@@ -50,12 +50,15 @@ class BadRequest(InvalidArgument):
 
 
 def shared_namespace(spec: ModelSpec) -> Namespace:
-    """The connector's namespace for ``spec``: :func:`kvstore.identity.engine_namespace`."""
-    from kvstore.identity import engine_namespace
+    """The connector's namespace for ``spec``: :func:`kvstore.identity.engine_namespace`
+    with the backends' block size, KV dtype, TP size, platform and layout."""
+    from kvstore.identity import engine_namespace, vllm_layout_tag
 
     return engine_namespace(spec.path, block_size=spec.block_size, kv_dtype=KVDtype.parse(spec.kv_dtype),
                             tp_size=spec.tp_size, tenant=spec.namespace_tenant,
-                            weights_digest=spec.weights_digest or None)
+                            weights_digest=spec.weights_digest or None, hf_overrides=spec.hf_overrides,
+                            layout_tag=vllm_layout_tag(spec.device, spec.kv_cache_layout, spec.layout_tag),
+                            compute_dtype=spec.dtype or None, model_id=spec.model_id or None)
 
 
 @dataclass(slots=True)
