@@ -82,5 +82,15 @@ class RouterMetrics:
                                   buckets=_OVERHEAD_BUCKETS, registry=r)
         r.register(_PoolCollector(pool))
 
+    def names(self) -> set[str]:
+        """Every sample name this registry can expose, with suffixes
+        (``kvstore_route_requests_total``, ``..._bucket``...)."""
+        suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
+                    "gauge": ("",)}
+        out: set[str] = set()
+        for fam in self.registry.collect():
+            out.update(fam.name + s for s in suffixes.get(fam.type, ("",)))
+        return out
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
