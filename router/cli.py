@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a served model and its directory (tokenizer, chat template, config)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT[:CLASS]",
                    help="a bearer key, its tenant and service class (none: no authentication)")
+    p.add_argument("--policy", choices=["cost", "prefix", "round_robin"],
+                   help="how backends are ranked (default: cost, the smallest predicted TTFT)")
     p.add_argument("--no-admission", action="store_true", help="never refuse on a predicted SLO miss")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -29,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from router.server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {"admission": False} if args.no_admission else None
+    overrides: dict[str, object] = {"admission": False} if args.no_admission else {}
+    if args.policy:
+        overrides["policy"] = args.policy
     cfg = load_router_config(args.config, listen=args.listen, backends=args.backend, models=args.model,
                              api_keys=args.api_key, overrides=overrides)
     app = build_app(cfg)

@@ -37,14 +37,26 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from enum import StrEnum
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype
 
-__all__ = ["ApiKey", "BackendSpec", "ModelSpec", "PredictorSpec", "RouterConfig", "ServiceClass",
+__all__ = ["ApiKey", "BackendSpec", "ModelSpec", "PredictorSpec", "RouterConfig", "RoutingPolicy", "ServiceClass",
            "TenantQuota", "load_router_config", "parse_backend_flag", "parse_key_flag", "parse_model_flag"]
+
+
+class RoutingPolicy(StrEnum):
+    """How backends are ranked (admission applies to the best prediction either way)."""
+
+    COST = "cost"
+    """Smallest predicted TTFT (queue + load by tier + prefill)."""
+    PREFIX = "prefix"
+    """Longest cached prefix; ties: fewest requests in flight (baseline)."""
+    ROUND_ROBIN = "round_robin"
+    """In turn, ignoring cache and load (baseline)."""
 
 
 def _bad(key: str, value: object, allowed: str) -> InvalidArgument:
@@ -215,6 +227,8 @@ class RouterConfig:
     tenants: tuple[TenantQuota, ...] = ()
     default_tenant_quota: TenantQuota = TenantQuota("*")
     predictor: PredictorSpec = PredictorSpec()
+    policy: RoutingPolicy = RoutingPolicy.COST
+    """How backends are ranked: ``cost``, ``prefix`` or ``round_robin``."""
     admission: bool = True
     """Refuse (429) requests whose best prediction misses their class SLO."""
     headroom: float = 0.0
@@ -237,6 +251,10 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         _addr("listen", self.listen)
+        try:
+            object.__setattr__(self, "policy", RoutingPolicy(self.policy))
+        except ValueError:
+            raise _bad("policy", self.policy, f"allowed: {', '.join(p.value for p in RoutingPolicy)}") from None
         names = [b.name for b in self.backends]
         if len(set(names)) != len(names):
             raise _bad("backend.name", names, "names must be distinct")

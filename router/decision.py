@@ -29,7 +29,7 @@ import numpy as np
 from admission import ClassFairness, Decision, DecisionKind, RateLimit, TenantRateLimiter, TokenBucket
 
 from router.backends import Backend
-from router.config import RouterConfig, TenantQuota
+from router.config import RouterConfig, RoutingPolicy, TenantQuota
 
 __all__ = ["Candidate", "Decider", "Plan", "RejectReason", "Rejection"]
 
@@ -100,6 +100,7 @@ class Decider:
         shares = {c.name: c.min_share for c in cfg.classes if c.min_share > 0}
         self.fairness = ClassFairness(clock, shares, window_s=10.0, min_samples=10) if shares else None
         self._targets = {c.name: c.ttft_slo for c in cfg.classes}
+        self._turn = 0
 
     @staticmethod
     def _rate(q: TenantQuota) -> RateLimit | None:
@@ -129,7 +130,16 @@ class Decider:
             d = b.controller.decide(tenant, n_tokens, None, block_size, block_bytes, target_s, block_tiers=bt,
                                     queue_wait_s=q, dry_run=True)
             out.append(Candidate(b, d, bt))
-        out.sort(key=lambda c: (c.predicted_s, -len(c.block_tiers), c.backend.name))
+        policy = self.cfg.policy
+        if policy is RoutingPolicy.COST:
+            out.sort(key=lambda c: (c.predicted_s, -len(c.block_tiers), c.backend.name))
+        elif policy is RoutingPolicy.PREFIX:
+            out.sort(key=lambda c: (-len(c.block_tiers), len(c.backend.inflight), c.backend.name))
+        else:
+            out.sort(key=lambda c: c.backend.name)
+            self._turn += 1
+            k = self._turn % len(out)
+            out = out[k:] + out[:k]
         return out
 
     def decide(self, tenant: str, klass: str, backends: Sequence[Backend], tiers: Sequence[np.ndarray],
@@ -139,7 +149,7 @@ class Decider:
         if not backends:
             return Rejection(RejectReason.NO_BACKEND, "no backend is available", self.cfg.health_interval)
         cands = self.candidates(backends, tiers, n_tokens, block_size, block_bytes, target, tenant)
-        best = cands[0].predicted_s
+        best = min(c.predicted_s for c in cands) if self.cfg.policy is RoutingPolicy.COST else cands[0].predicted_s
         fair = self.fairness
         limit = target * (1.0 - self.cfg.headroom)
         tightened = False

@@ -21,6 +21,7 @@ whose prefill throughput learns from it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -83,6 +84,8 @@ class RouterService:
         self.pool = Pool(cfg, self.http, follow_events=follow_events)
         self.decider = Decider(cfg)
         self.metrics = RouterMetrics(self.pool)
+        self.overheads: collections.deque[float] = collections.deque(maxlen=100_000)
+        """Recent router work before the upstream call, seconds (the benchmark reads it)."""
 
     async def start(self) -> None:
         await self.pool.start()
@@ -143,7 +146,9 @@ class RouterService:
             status = 503 if plan.reason.value == "no_backend" else 429
             return error_response(status, plan.message, "rate_limit_exceeded" if status == 429 else "service_unavailable",
                                   plan.reason.value, headers={"retry-after": str(retry)})
-        self.metrics.overhead.observe(time.perf_counter() - t0)
+        spent = time.perf_counter() - t0
+        self.metrics.overhead.observe(spent)
+        self.overheads.append(spent)
         return await self._forward(request, endpoint, raw, stream, plan, who, model, prompt)
 
     def _bad(self, status: int, message: str, kind: str = "BadRequestError",
