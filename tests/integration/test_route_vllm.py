@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from kvstore.client import Client
+from kvstore.keys import Namespace, block_keys
 from router.config import ApiKey, BackendSpec, ModelSpec, PredictorSpec, RouterConfig, ServiceClass
 from router.prompts import Endpoint, request_tokens
 from router.server import build_app
@@ -156,10 +157,11 @@ def test_router_keys_are_the_connectors_keys(fleet: Fleet) -> None:
     keys = request_tokens(fleet.svc.models["tiny"], Endpoint.COMPLETIONS, {"prompt": P}).keys
     assert len(keys) == 5
     with Client(fleet.daemons[holder].target) as c:
-        assert c.lookup(fleet.svc.models["tiny"].namespace, keys).hit_blocks == 5  # the connector saved these keys
-    with open(f"{fleet.work}/{holder}.jsonl") as fh:
-        init = [json.loads(line) for line in fh if '"init"' in line]
-    assert any(rec.get("namespace") == fleet.svc.models["tiny"].namespace.to_dict() for rec in init), init
+        # the connector saved exactly the keys the router computed (same tokens, same namespace)
+        assert c.lookup(fleet.svc.models["tiny"].namespace, keys).hit_blocks == 5
+        other = Namespace(**{**fleet.svc.models["tiny"].namespace.to_dict(), "block_size": 64})
+        assert c.lookup(other, block_keys(other, request_tokens(
+            fleet.svc.models["tiny"], Endpoint.COMPLETIONS, {"prompt": P}).tokens[:640])).hit_blocks == 0
     view = fleet.svc.pool.by_name(holder).cache
     wait_until(lambda: len(view.chain_tiers(keys)) == 5, 30, "the router's event view of the holder")
 
