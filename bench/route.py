@@ -52,7 +52,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -61,9 +60,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from benchlib import Report, percentile, wait_serving  # noqa: E402
-
-import httpx  # noqa: E402
+import httpx
+from benchlib import Report, percentile, wait_serving
 
 VLLM_PY = os.environ.get("KVSTORE_VLLM_PY") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 CLASSES = ("A", "B", "C")
@@ -219,7 +217,7 @@ def start_router(fleet: Fleet, policy: str, slos: list[float], tps: float) -> tu
     lines += ["[[model]]", 'name = "tiny"', f'path = "{fleet.model}"', f"block_size = {BLOCK}",
               'kv_dtype = "float32"', 'dtype = "float32"', 'device = "cpu"', 'kv_cache_layout = "LBHNC"']
     for c, s in zip(CLASSES, slos):
-        lines += ["[[class]]", f'name = "{c}"', f"ttft_slo = {s}", f"min_share = {0.2 if admission else 0.0}"]
+        lines += ["[[class]]", f'name = "{c}"', f"ttft_slo = {s}"]
         lines += ["[[api_key]]", f'key = "k{c}"', f'tenant = "t{c}"', f'class = "{c}"']
     path = os.path.join(fleet.work, f"router-{policy}.toml")
     with open(path, "w") as f:
@@ -330,8 +328,9 @@ def summarize(res: list[Result], slos: list[float], duration: float) -> dict[str
 
 def simulated(p: Params, slos: list[float], tps: float) -> dict[str, float]:
     """bench/admission.py's simulator on the same scaled scenario (2 workers)."""
-    import admission as _adm_pkg  # noqa: F401  (the package, before bench/admission.py is loaded by path)
     import importlib.util
+
+    import admission as _adm_pkg  # noqa: F401  (the package, before bench/admission.py is loaded by path)
 
     spec = importlib.util.spec_from_file_location("bench_admission_sim", os.path.join(HERE, "admission.py"))
     assert spec and spec.loader

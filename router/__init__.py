@@ -11,8 +11,16 @@ fleet of vLLM servers, each with its kvstore daemon (``docs/router.md``).
 
 from __future__ import annotations
 
-from router.config import (ApiKey, BackendSpec, ModelSpec, PredictorSpec, RouterConfig, ServiceClass, TenantQuota,
-                           load_router_config)
+from router.config import (
+    ApiKey,
+    BackendSpec,
+    ModelSpec,
+    PredictorSpec,
+    RouterConfig,
+    ServiceClass,
+    TenantQuota,
+    load_router_config,
+)
 
 __all__ = ["ApiKey", "BackendSpec", "ModelSpec", "PredictorSpec", "RouterConfig", "ServiceClass", "TenantQuota",
            "build_app", "load_router_config"]

@@ -25,8 +25,13 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from admission import AdmissionConfig, AdmissionController, PredictorConfig, TierLoad, TTFTPredictor
-
+from admission import (
+    AdmissionConfig,
+    AdmissionController,
+    PredictorConfig,
+    TierLoad,
+    TTFTPredictor,
+)
 from router.cache_view import CacheView
 from router.config import BackendSpec, RouterConfig
 

@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-from enum import StrEnum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from enum import StrEnum
+from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype
@@ -145,14 +146,10 @@ class ServiceClass:
     name: str
     ttft_slo: float = 2.0
     """TTFT target (seconds): a request whose best predicted TTFT misses it is refused (429)."""
-    min_share: float = 0.0
-    """Guaranteed share of admissions while the class asks for them (Preble's fairness), in [0, 1]."""
 
     def __post_init__(self) -> None:
         if not self.ttft_slo > 0:
             raise _bad(f"class[{self.name}].ttft_slo", self.ttft_slo, "must be > 0 seconds")
-        if not 0.0 <= self.min_share <= 1.0:
-            raise _bad(f"class[{self.name}].min_share", self.min_share, "allowed: 0..1")
 
 
 @dataclass(slots=True, frozen=True)
@@ -233,6 +230,10 @@ class RouterConfig:
     """Refuse (429) requests whose best prediction misses their class SLO."""
     headroom: float = 0.0
     """Admit only when predicted <= slo * (1 - headroom)."""
+    hit_class_share: float = 0.1
+    """Fairness between hit classes (Preble, seed 002): each class of requests by
+    cached share of the prompt (none < 5%, low < 50%, medium < 90%, high) is
+    guaranteed this share of the admissions while it asks for them; 0 = off."""
     connect_timeout: float = 5.0
     first_byte_timeout: float = 120.0
     """Seconds until the backend's response headers (the prefill)."""
@@ -266,8 +267,8 @@ class RouterConfig:
             raise _bad("headroom", self.headroom, "allowed: [0, 1)")
         if self.retries < 0 or self.health_failures < 1:
             raise _bad("retries/health_failures", (self.retries, self.health_failures), "retries >= 0, failures >= 1")
-        if sum(c.min_share for c in self.classes) > 1.0 + 1e-9:
-            raise _bad("class.min_share", [c.min_share for c in self.classes], "the shares must sum to <= 1")
+        if not 0.0 <= self.hit_class_share <= 0.25:
+            raise _bad("hit_class_share", self.hit_class_share, "allowed: 0..0.25 (four hit classes)")
 
     @property
     def listen_addr(self) -> tuple[str, int]:

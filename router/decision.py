@@ -12,22 +12,23 @@ retry order. With admission on, a request whose *best* prediction misses its
 class's TTFT target is refused at once (429) before any backend sees it
 (Mooncake's early rejection), as are requests over their tenant's request or
 token rate, and, while another class is below its guaranteed share, requests
-of a class that is not starved get the tighter target (Preble's fairness
-between classes).
+of a hit class that is not starved get the tighter target (Preble's
+fairness between hit classes: requests grouped by the cached share of their
+prompt on the chosen backend).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Sequence
 
 import numpy as np
 
-from admission import ClassFairness, Decision, DecisionKind, RateLimit, TenantRateLimiter, TokenBucket
-
+from admission import (ClassFairness, Decision, DecisionKind, HitClass, RateLimit, TenantRateLimiter, TokenBucket,
+                       hit_class)
 from router.backends import Backend
 from router.config import RouterConfig, RoutingPolicy, TenantQuota
 
@@ -97,8 +98,9 @@ class Decider:
             self._token_quota[t.name] = t
         self.rate = TenantRateLimiter(self._rate(cfg.default_tenant_quota), clock, per_req)
         self._tokens: dict[str, TokenBucket | None] = {}
-        shares = {c.name: c.min_share for c in cfg.classes if c.min_share > 0}
-        self.fairness = ClassFairness(clock, shares, window_s=10.0, min_samples=10) if shares else None
+        share = cfg.hit_class_share
+        self.fairness = (ClassFairness(clock, dict.fromkeys(HitClass, share), window_s=10.0, min_samples=10)
+                         if share > 0 else None)
         self._targets = {c.name: c.ttft_slo for c in cfg.classes}
         self._turn = 0
 
@@ -153,9 +155,10 @@ class Decider:
         fair = self.fairness
         limit = target * (1.0 - self.cfg.headroom)
         tightened = False
+        hc = hit_class(min(len(cands[0].block_tiers) * block_size / n_tokens, 1.0) if n_tokens else 0.0)
         if fair is not None:
-            fair.note_arrival(klass)
-            if not fair.is_starved(klass) and fair.any_starved(exclude=klass):
+            fair.note_arrival(hc)
+            if not fair.is_starved(hc) and fair.any_starved(exclude=hc):
                 limit = target * max(1.0 - self.cfg.headroom - FAIRNESS_HEADROOM, 0.0)
                 tightened = True
         if self.cfg.admission and best > limit:
@@ -178,7 +181,7 @@ class Decider:
                 return Rejection(RejectReason.TOKEN_QUOTA, f"tenant {tenant!r} is over its prompt-token rate",
                                  tw, best)
         if fair is not None:
-            fair.note_grant(klass)
+            fair.note_grant(hc)
         return Plan(tuple(cands), target)
 
     def admitted(self, c: Candidate, tenant: str, n_tokens: int, block_size: int, block_bytes: int,

@@ -19,15 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, Namespace, block_keys
-
 from router.config import ModelSpec
 
 log = logging.getLogger("kvstore.router")

@@ -27,7 +27,8 @@ import json
 import logging
 import math
 import time
-from typing import Any, AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import httpx
 import numpy as np
@@ -35,13 +36,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvstore.errors import InvalidArgument
-from tiers.base import TierKind
-
 from router.backends import Backend, Pool
 from router.config import ApiKey, RouterConfig
 from router.decision import Candidate, Decider, Plan, Rejection
 from router.metrics import RouterMetrics
-from router.prompts import BadRequest, Endpoint, ModelEntry, NamespaceFn, PromptKeys, load_model, request_tokens
+from router.prompts import (
+    BadRequest,
+    Endpoint,
+    ModelEntry,
+    NamespaceFn,
+    PromptKeys,
+    load_model,
+    request_tokens,
+)
+from tiers.base import TierKind
 
 log = logging.getLogger("kvstore.router")
 

@@ -24,19 +24,28 @@ import shutil
 import socket
 import subprocess
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from kvstore.client import Client
 from kvstore.keys import Namespace, block_keys
-from router.config import ApiKey, BackendSpec, ModelSpec, PredictorSpec, RouterConfig, ServiceClass
+from router.config import (
+    ApiKey,
+    BackendSpec,
+    ModelSpec,
+    PredictorSpec,
+    RouterConfig,
+    ServiceClass,
+)
 from router.prompts import Endpoint, request_tokens
 from router.server import build_app
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
 from tests.unit.router.fakes import CHAT_TEMPLATE, ServerThread
-from tests.vllm.conftest import HERE as VLLM_TESTS, VLLM_PY, require_vllm, vllm_env
+from tests.vllm.conftest import HERE as VLLM_TESTS
+from tests.vllm.conftest import VLLM_PY, require_vllm, vllm_env
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -9,8 +9,9 @@ import json
 import os
 import socket
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -58,7 +59,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self.thread.start()
         for _ in range(2000):  # started is set once the socket serves (bounded by the join below)
             if self.server.started:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -14,10 +15,17 @@ import pytest
 from kvstore.keys import Namespace, block_keys
 from proto import kvstore_pb2 as pb
 from router.cache_view import CacheView
-from router.config import ApiKey, BackendSpec, ModelSpec, PredictorSpec, RouterConfig, ServiceClass, TenantQuota
+from router.config import (
+    ApiKey,
+    BackendSpec,
+    ModelSpec,
+    PredictorSpec,
+    RouterConfig,
+    ServiceClass,
+    TenantQuota,
+)
 from router.prompts import Endpoint, load_model, request_tokens
 from router.server import build_app
-
 from tests.unit.router.fakes import FakeVLLM, ServerThread, make_model_dir
 
 BS = 4
@@ -257,3 +265,64 @@ def test_bad_input_gets_clear_4xx_and_the_router_keeps_serving(rig: Rig) -> None
     models = rig.http.get("/v1/models", headers={"authorization": "Bearer ka"}).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert rig.http.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------- policies and config
+def test_baseline_policies(model_dir: str) -> None:
+    rr = Rig(model_dir, policy="round_robin")
+    try:
+        got = [rr.post({"model": "tiny", "prompt": prompt(20)}).headers["x-kvstore-backend"] for _ in range(4)]
+        assert sorted(got) == ["a", "a", "b", "b"] and got[0] != got[1]
+    finally:
+        rr.close()
+    pf = Rig(model_dir, policy="prefix")
+    try:
+        text = prompt(400)
+        hold(pf, "b", text, 90)
+        pf.fakes["b"].running = 40.0  # loaded: cost would leave it, the prefix policy does not
+        pf.wait(lambda: pf.backend("b").engine.running == 40.0, "b's metrics poll")
+        assert pf.post({"model": "tiny", "prompt": text}).headers["x-kvstore-backend"] == "b"
+    finally:
+        pf.close()
+
+
+def test_config_from_toml_and_flags(tmp_path: Any, model_dir: str) -> None:
+    from kvstore.errors import InvalidArgument
+    from router.config import RoutingPolicy, load_router_config
+
+    path = tmp_path / "router.toml"
+    path.write_text(f'''
+listen = "127.0.0.1:8123"
+policy = "prefix"
+[[backend]]
+name = "a"
+url = "http://127.0.0.1:9001"
+daemon = "127.0.0.1:50051"
+[[model]]
+name = "tiny"
+path = "{model_dir}"
+block_size = 16
+kv_dtype = "float32"
+device = "cpu"
+[[class]]
+name = "gold"
+ttft_slo = 0.5
+[[api_key]]
+key = "k1"
+tenant = "t1"
+class = "gold"
+[predictor]
+prefill_tokens_per_s = 1234.0
+''')
+    cfg = load_router_config(str(path), backends=["b=http://127.0.0.1:9002=127.0.0.1:50052"],
+                             api_keys=["k2=t2:silver"])
+    assert cfg.listen_addr == ("127.0.0.1", 8123) and cfg.policy is RoutingPolicy.PREFIX
+    assert [b.name for b in cfg.backends] == ["a", "b"] and cfg.backends[1].daemon == "127.0.0.1:50052"
+    assert cfg.models[0].block_size == 16 and cfg.predictor.prefill_tokens_per_s == 1234.0
+    assert {k.key: (k.tenant, k.klass) for k in cfg.api_keys} == {"k1": ("t1", "gold"), "k2": ("t2", "silver")}
+    assert cfg.klass("silver").ttft_slo > 0  # a class named by a flag only exists with the default target
+    assert RouterConfig().listen_addr[0] == "127.0.0.1"  # loopback unless configured
+    for bad in ('listen = "nowhere"', 'policy = "random"', 'bogus = 1', '[[backend]]\nname = "x"\nurl = "ftp://x"'):
+        path.write_text(bad + "\n")
+        with pytest.raises(InvalidArgument):
+            load_router_config(str(path))
