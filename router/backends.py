@@ -64,6 +64,18 @@ class EngineMetrics:
     running: float = 0.0
     kv_usage: float = 0.0
     polled_at: float = 0.0
+    own_pending: int = 0
+    """The router's requests there before their first byte, when the poll was answered."""
+    own_total: int = 0
+    """The router's requests there in all, when the poll was answered."""
+
+    def foreign(self) -> tuple[float, float]:
+        """(waiting, running) requests the router did not send (or that vLLM
+        still counted after the router saw them end): the poll's counts less
+        the router's own at that moment."""
+        total = max(self.waiting + self.running - self.own_total, 0.0)
+        waiting = min(max(self.waiting - self.own_pending, 0.0), total)
+        return waiting, total - waiting
 
 
 @dataclass(slots=True)
@@ -107,14 +119,14 @@ class Backend:
         """Predicted wait before this backend starts a new request's prefill:
         the remaining prefill work queued ahead (the router's own requests,
         plus the engine's waiting requests the router did not send, at the
-        average work), plus a penalty per running decode."""
+        average work), plus a penalty per running decode (the router's own
+        now, plus the engine's others)."""
         pend = self.pending()
         backlog = sum(max(r.work_s - (now - r.started), 0.0) for r in pend)
         mean = (sum(r.work_s for r in pend) / len(pend)) if pend else self.predictor.prefill_s(512)
-        foreign_waiting = max(self.engine.waiting - len(pend), 0.0)
+        f_waiting, f_running = self.engine.foreign()
         decoding = len(self.inflight) - len(pend)
-        running = max(float(decoding), self.engine.running - len(pend))
-        return backlog + foreign_waiting * mean + running * decode_penalty_s
+        return backlog + f_waiting * mean + (decoding + f_running) * decode_penalty_s
 
     def begin(self, rid: int, prompt_tokens: int, work_s: float, now: float) -> InFlight:
         r = InFlight(rid, prompt_tokens, work_s, now)
@@ -217,7 +229,7 @@ class Pool:
             text = r.text
         except httpx.HTTPError:
             return
-        m = EngineMetrics(polled_at=time.monotonic())
+        m = EngineMetrics(polled_at=time.monotonic(), own_pending=len(b.pending()), own_total=len(b.inflight))
         try:
             for fam in text_string_to_metric_families(text):
                 for s in fam.samples:
