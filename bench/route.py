@@ -291,13 +291,18 @@ async def drive(url: str, trace: list[Req]) -> list[Result]:
 def cold_ttfts(fleet: Fleet, trace: list[Req]) -> list[float]:
     """Cold TTFT of one prompt per class on an idle backend (median of 3, each with a distinct tail)."""
     out = []
+    for n, url in fleet.urls.items():  # warm both engines up (the first requests of a process are slow)
+        for i in range(2):
+            body = {"model": "tiny", "prompt": f"w{990 - i} w{5 + i} " + trace[0].prompt, "max_tokens": 4,
+                    "kv_transfer_params": {"kvstore_load": False, "kvstore_save": False}}
+            httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
     url = fleet.urls["a"]
     for k in range(3):
         r = next(x for x in trace if x.klass == k)
         times = []
-        for i in range(3):
-            body = {"model": "tiny", "prompt": f"w{900 + i} {r.prompt}", "max_tokens": 1, "temperature": 0,
-                    "kv_transfer_params": {"kvstore_load": False, "kvstore_save": False}}
+        for i in range(3):  # a distinct first token per measurement: no prefix cache anywhere
+            body = {"model": "tiny", "prompt": f"w{900 + 3 * k + i} {r.prompt}", "max_tokens": 1,
+                    "temperature": 0, "kv_transfer_params": {"kvstore_load": False, "kvstore_save": False}}
             t = time.perf_counter()
             httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
             times.append(time.perf_counter() - t)

@@ -102,6 +102,9 @@ class Backend:
     engine: EngineMetrics = field(default_factory=EngineMetrics)
     inflight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
+    decode_penalty_s: float = 0.005
+    """Seconds a new prefill waits per request decoding there (seeded from
+    the config, learned from measured TTFTs: :meth:`learn_penalty`)."""
 
     @property
     def name(self) -> str:
@@ -115,18 +118,34 @@ class Backend:
     def pending(self) -> list[InFlight]:
         return [r for r in self.inflight.values() if not r.first_byte]
 
-    def queue_wait_s(self, now: float, decode_penalty_s: float) -> float:
+    def running_now(self) -> float:
+        """Requests decoding there now: the router's own plus the engine's others."""
+        pend = len(self.pending())
+        return float(len(self.inflight) - pend) + self.engine.foreign()[1]
+
+    def queue_wait_s(self, now: float) -> float:
         """Predicted wait before this backend starts a new request's prefill:
         the remaining prefill work queued ahead (the router's own requests,
         plus the engine's waiting requests the router did not send, at the
-        average work), plus a penalty per running decode (the router's own
-        now, plus the engine's others)."""
+        average work), plus :attr:`decode_penalty_s` per running decode (the
+        router's own now, plus the engine's others)."""
         pend = self.pending()
         backlog = sum(max(r.work_s - (now - r.started), 0.0) for r in pend)
         mean = (sum(r.work_s for r in pend) / len(pend)) if pend else self.predictor.prefill_s(512)
-        f_waiting, f_running = self.engine.foreign()
-        decoding = len(self.inflight) - len(pend)
-        return backlog + f_waiting * mean + (decoding + f_running) * decode_penalty_s
+        f_waiting, _ = self.engine.foreign()
+        return backlog + f_waiting * mean + self.running_now() * self.decode_penalty_s
+
+    def learn_penalty(self, running: float, error_s: float, alpha: float = 0.1, ceiling_s: float = 1.0) -> None:
+        """A measured TTFT missed its prediction by ``error_s`` (actual -
+        predicted) with ``running`` decodes counted at the decision: move the
+        per-decode penalty by ``alpha`` of the error per decode (the
+        predictor's throughput learns the rest), within [0, ceiling_s]."""
+        if running < 1.0:
+            return
+        step = alpha * error_s / running
+        cap = max(self.decode_penalty_s, 0.005)
+        step = min(max(step, -0.5 * cap), cap)
+        self.decode_penalty_s = min(max(self.decode_penalty_s + step, 0.0), ceiling_s)
 
     def begin(self, rid: int, prompt_tokens: int, work_s: float, now: float) -> InFlight:
         r = InFlight(rid, prompt_tokens, work_s, now)
@@ -154,7 +173,7 @@ class Pool:
                                  calibrate_max_step=1.0, min_tokens_per_s=10.0)
             ctl = AdmissionController(TTFTPredictor(pc), AdmissionConfig(headroom=cfg.headroom, degrade_tiers=()))
             view = CacheView(spec.name, spec.daemon, spec.daemon_token) if spec.daemon else None
-            self.backends.append(Backend(spec=spec, controller=ctl, cache=view))
+            self.backends.append(Backend(spec=spec, controller=ctl, cache=view, decode_penalty_s=p.decode_penalty_s))
         self._follow = follow_events
         self._task: asyncio.Task[None] | None = None
 

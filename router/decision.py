@@ -57,6 +57,8 @@ class Candidate:
     """The predictor's dry-run decision (its ``predicted`` breakdown)."""
     block_tiers: np.ndarray
     """Tier of each leading block that backend holds."""
+    running: float = 0.0
+    """Requests decoding there when the prediction was made."""
 
     @property
     def predicted_s(self) -> float:
@@ -125,13 +127,12 @@ class Decider:
                    block_size: int, block_bytes: int, target_s: float, tenant: str) -> list[Candidate]:
         """Every backend's prediction, best first."""
         now = self.clock()
-        pen = self.cfg.predictor.decode_penalty_s
         out = []
         for b, bt in zip(backends, tiers):
-            q = b.queue_wait_s(now, pen)
+            q = b.queue_wait_s(now)
             d = b.controller.decide(tenant, n_tokens, None, block_size, block_bytes, target_s, block_tiers=bt,
                                     queue_wait_s=q, dry_run=True)
-            out.append(Candidate(b, d, bt))
+            out.append(Candidate(b, d, bt, b.running_now()))
         policy = self.cfg.policy
         if policy is RoutingPolicy.COST:
             out.sort(key=lambda c: (c.predicted_s, -len(c.block_tiers), c.backend.name))

@@ -159,6 +159,18 @@ def _as_int(body: Mapping[str, Any], name: str, default: int) -> int:
     return v
 
 
+def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tok.encode(text)``; through the Rust tokenizer without offsets when
+    the tokenizer is a fast one (the same ids, about half the time)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is not None:
+        ids: list[int] = fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return ids
+    out: list[int] = tok.encode(text, add_special_tokens=add_special_tokens)
+    return out
+
+
 def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any]) -> PromptKeys:
     """The prompt tokens and loadable block keys of ``body``; raises
     :class:`BadRequest` for a body the router cannot read or a prompt that
@@ -169,7 +181,7 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+            ids = _encode(tok, prompt, bool(body.get("add_special_tokens", True)))
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             ids = prompt

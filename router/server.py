@@ -200,7 +200,9 @@ class RouterService:
                       f"; runner-up {ru.backend.name} {ru.predicted_s * 1e3:.1f} ms" if ru else "")
         return self.decider.admitted(c, who.tenant, prompt.n_tokens, bs, model.block_bytes)
 
-    def _observe_ttft(self, b: Backend, decision_id: int, predicted_s: float, actual_s: float) -> None:
+    def _observe_ttft(self, c: Candidate, decision_id: int, actual_s: float) -> None:
+        b, predicted_s = c.backend, c.predicted_s
+        b.learn_penalty(c.running, actual_s - predicted_s)
         self.metrics.measured.labels(b.name).observe(actual_s)
         self.metrics.error.labels(b.name).observe(actual_s - predicted_s)
         self.metrics.rel_error.labels(b.name).observe(abs(actual_s - predicted_s) / max(actual_s, 1e-9))
@@ -271,7 +273,7 @@ class RouterService:
             status = resp.status_code
             self.metrics.requests.labels(b.name, endpoint.value, str(status)).inc()
             if stream and status == 200:
-                self._observe_ttft(b, did, c.predicted_s, ttft)
+                self._observe_ttft(c, did, ttft)
                 return StreamingResponse(self._relay(b, rid, resp, it, first), status_code=status,
                                          headers=headers, media_type=ctype)
             try:
@@ -286,7 +288,7 @@ class RouterService:
                 await resp.aclose()
                 b.end(rid)
             if status == 200 and prompt.max_tokens <= 1:
-                self._observe_ttft(b, did, c.predicted_s, ttft)
+                self._observe_ttft(c, did, ttft)
             return Response(b"".join(rest), status_code=status, headers=headers, media_type=ctype)
         return error_response(502, f"no backend could serve the request ({last})", "backend_error")
 
@@ -318,7 +320,7 @@ class RouterService:
         for b in self.pool.backends:
             out.append({"name": b.name, "url": b.spec.url, "healthy": b.healthy, "routed": b.routed,
                         "inflight": len(b.inflight), "pending": len(b.pending()),
-                        "queue_wait_s": b.queue_wait_s(now, self.cfg.predictor.decode_penalty_s),
+                        "queue_wait_s": b.queue_wait_s(now), "decode_penalty_s": b.decode_penalty_s,
                         "engine": {"waiting": b.engine.waiting, "running": b.engine.running,
                                    "kv_usage": b.engine.kv_usage},
                         "prefill_tokens_per_s": b.predictor.prefill_tokens_per_s,

@@ -205,7 +205,9 @@ def test_backend_dying_mid_stream_ends_the_stream_with_an_error(rig: Rig) -> Non
     with rig.http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": prompt(40), "stream": True},
                          headers={"authorization": "Bearer ka"}) as r:
         assert r.headers["x-kvstore-backend"] == "a"
+        rig.fakes["a"].healthy = False  # a dead process fails its health checks too
         events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert not rig.backend("a").healthy
     assert json.loads(events[0][6:])["choices"][0]["text"] == "a-answer"
     assert "error" in json.loads(events[-1][6:])
     # new requests go elsewhere
