@@ -161,9 +161,12 @@ class Fleet:
                                                env=env, stdout=log, stderr=subprocess.STDOUT))
         for n, t in self.daemons.items():
             wait_serving(t, 60, self.procs)
-        for n in ("a", "b"):
+        for core, n in enumerate(("a", "b")):
             port = free_port()
             self.urls[n] = f"http://127.0.0.1:{port}"
+            ncpu = os.cpu_count() or 1
+            # one core each (as two machines would be), when there are two
+            benv = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core % ncpu) if ncpu >= 2 else "nobind"}
             ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"target": self.daemons[n]}}
@@ -172,7 +175,7 @@ class Fleet:
                 [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--served-model-name",
                  "tiny", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1",
                  "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
-                env=env, stdout=log, stderr=subprocess.STDOUT))
+                env=benv, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 1200
         for n, url in self.urls.items():
             while True:
