@@ -196,6 +196,10 @@ class Pool:
                 if b.cache is not None:
                     b.cache.start()
         await asyncio.gather(*(self.check(b) for b in self.backends))
+        for b in self.backends:  # a backend that is not up at start joins when its check passes
+            if b.failures:
+                b.healthy = False
+                log.warning("backend %s (%s) is not answering; it joins the pool when it does", b.name, b.spec.url)
         self._task = asyncio.create_task(self._loop(), name="kvstore-route-health")
 
     async def stop(self) -> None:

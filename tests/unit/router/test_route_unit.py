@@ -328,3 +328,25 @@ prefill_tokens_per_s = 1234.0
         path.write_text(bad + "\n")
         with pytest.raises(InvalidArgument):
             load_router_config(str(path))
+
+
+def test_vllm_metrics_count_only_foreign_load_and_the_penalty_learns() -> None:
+    from router.backends import EngineMetrics, Pool
+
+    cfg = RouterConfig(backends=(BackendSpec("a", "http://127.0.0.1:9"),),
+                       predictor=PredictorSpec(decode_penalty_s=0.01))
+    b = Pool(cfg, None, follow_events=False).backends[0]  # type: ignore[arg-type]
+    b.begin(1, 100, 0.0, 0.0)
+    b.inflight[1].first_byte = 1.0  # one of the router's requests, decoding
+    b.engine = EngineMetrics(waiting=0.0, running=3.0, own_pending=0, own_total=1)  # vLLM counted it too
+    assert b.running_now() == 3.0  # 1 own + 2 others, not 4
+    b.end(1)
+    assert b.running_now() == 2.0  # the poll's count of it is stale: still only the 2 others
+    assert b.queue_wait_s(5.0) == pytest.approx(0.02)
+    for _ in range(50):  # measured TTFTs 0.1 s above the prediction with 2 decodes running
+        b.learn_penalty(2.0, 0.1)
+    assert 0.05 < b.decode_penalty_s <= 1.0
+    b.learn_penalty(0.0, 5.0)  # nothing running: nothing to learn here
+    before = b.decode_penalty_s
+    b.learn_penalty(2.0, -10.0)
+    assert before / 2 <= b.decode_penalty_s < before  # bounded step down
