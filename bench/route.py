@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -86,6 +86,10 @@ class Params:
     burst_s: float = 3.0
     burst_period_s: float = 15.0
     slo_factor: tuple[float, float, float] = (1.5, 3.0, 3.0)
+    cold_utilization: float = 1.6
+    """Arrival rates are scaled so that the offered work, were every prompt
+    computed cold, is this multiple of two backends' capacity (saturated
+    unless prefixes are reused)."""
     """Class targets as multiples of the class prompt's cold TTFT on an idle backend."""
     seed: int = 15
 
@@ -372,6 +376,14 @@ def main() -> int:
         fleet.start()
         cold = cold_ttfts(fleet, trace)
         slos = [f * c for f, c in zip(p.slo_factor, cold)]
+        # scale the arrival rates so that, were every prompt computed cold, the
+        # offered prefill work would be `cold_utilization` x what two backends do
+        counts = np.bincount([r.klass for r in trace], minlength=3) / p.duration_s
+        u0 = float(np.dot(counts, cold)) / 2.0
+        scale = p.cold_utilization / max(u0, 1e-9)
+        trace = [Req(r.t / scale, r.klass, r.prompt, r.max_tokens)
+                 for r in make_trace(replace(p, duration_s=p.duration_s * scale)) if r.t / scale < p.duration_s]
+        rep.figures["rate_scale"] = scale
         mean_tokens = (p.system_tokens + p.tool_tokens + 32)
         tps = mean_tokens / max(cold[0] - 0.02, 1e-3)
         for c, s, t in zip(CLASSES, slos, cold):
@@ -394,8 +406,9 @@ def main() -> int:
                 res = asyncio.run(drive(url, trace))
                 f = summarize(res, slos, p.duration_s)
                 if not pol.startswith("vr:"):
-                    st = httpx.get(f"{url}/metrics", timeout=10).text
-                    f.update(router_overhead(st))
+                    st = httpx.get(f"{url}/router/backends", headers={"authorization": "Bearer kA"}, timeout=10)
+                    ov = st.json()["overhead_ms"]
+                    f.update({"overhead_p50_ms": ov["p50"], "overhead_p99_ms": ov["p99"]})
                 results[pol] = f
             finally:
                 proc.terminate()
@@ -423,31 +436,6 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     rep.emit(args.json)
     return 0
-
-
-def router_overhead(metrics_text: str) -> dict[str, float]:
-    """p50/p99 of ``kvstore_route_decision_seconds`` (interpolated in its buckets)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    buckets: list[tuple[float, float]] = []
-    for fam in text_string_to_metric_families(metrics_text):
-        if fam.name == "kvstore_route_decision_seconds":
-            buckets = [(float(s.labels["le"]), s.value) for s in fam.samples if s.name.endswith("_bucket")]
-    if not buckets or buckets[-1][1] == 0:
-        return {"overhead_p50_ms": float("nan"), "overhead_p99_ms": float("nan")}
-    total = buckets[-1][1]
-
-    def q(frac: float) -> float:
-        prev_le, prev_n = 0.0, 0.0
-        for le, n in buckets:
-            if n >= frac * total:
-                if le == float("inf"):
-                    return prev_le
-                return prev_le + (le - prev_le) * (frac * total - prev_n) / max(n - prev_n, 1e-9)
-            prev_le, prev_n = le, n
-        return prev_le
-
-    return {"overhead_p50_ms": q(0.5) * 1e3, "overhead_p99_ms": q(0.99) * 1e3}
 
 
 if __name__ == "__main__":

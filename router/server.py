@@ -326,7 +326,9 @@ class RouterService:
                         "prefill_tokens_per_s": b.predictor.prefill_tokens_per_s,
                         "cached_blocks": b.cache.held_blocks() if b.cache is not None else 0,
                         "events_connected": bool(b.cache and b.cache.connected)})
-        return {"backends": out}
+        ov = np.asarray(self.overheads, dtype=np.float64)
+        q = (np.percentile(ov, [50, 99]) * 1e3).tolist() if ov.size else [float("nan")] * 2
+        return {"backends": out, "overhead_ms": {"p50": q[0], "p99": q[1], "n": int(ov.size)}}
 
 
 def build_app(cfg: RouterConfig, *, namespace_fn: NamespaceFn | None = None, follow_events: bool = True) -> FastAPI:
