@@ -217,7 +217,7 @@ def start_router(fleet: Fleet, policy: str, slos: list[float], tps: float) -> tu
     port = free_port()
     kind, _, admission = policy.partition("+")
     lines = [f'listen = "127.0.0.1:{port}"', f'policy = "{kind}"', f"admission = {str(bool(admission)).lower()}",
-             "health_interval = 0.5", "[predictor]", f"prefill_tokens_per_s = {tps}", "prefill_overhead_s = 0.02",
+             "health_interval = 1.0", "[predictor]", f"prefill_tokens_per_s = {tps}", "prefill_overhead_s = 0.02",
              "decode_penalty_s = 0.02"]
     for n in ("a", "b"):
         lines += ["[[backend]]", f'name = "{n}"', f'url = "{fleet.urls[n]}"', f'daemon = "{fleet.daemons[n]}"']

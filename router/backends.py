@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from admission import (
     AdmissionConfig,
@@ -37,7 +36,7 @@ from router.config import BackendSpec, RouterConfig
 
 log = logging.getLogger("kvstore.router")
 
-__all__ = ["Backend", "EngineMetrics", "InFlight", "Pool", "tier_loads"]
+__all__ = ["Backend", "EngineMetrics", "InFlight", "Pool", "read_engine_metrics", "tier_loads"]
 
 _VLLM_WAITING = "vllm:num_requests_waiting"
 _VLLM_RUNNING = "vllm:num_requests_running"
@@ -254,15 +253,28 @@ class Pool:
             return
         m = EngineMetrics(polled_at=time.monotonic(), own_pending=len(b.pending()), own_total=len(b.inflight))
         try:
-            for fam in text_string_to_metric_families(text):
-                for s in fam.samples:
-                    if s.name == _VLLM_WAITING:
-                        m.waiting += s.value
-                    elif s.name == _VLLM_RUNNING:
-                        m.running += s.value
-                    elif s.name in _VLLM_KV_USAGE:
-                        m.kv_usage = max(m.kv_usage, s.value)
+            read_engine_metrics(text, m)
         except ValueError as e:
             log.debug("backend %s: unreadable /metrics: %s", b.name, e)
             return
         b.engine = m
+
+
+def read_engine_metrics(text: str, m: EngineMetrics) -> None:
+    """Add the waiting/running/KV-usage samples of a vLLM ``/metrics`` text to
+    ``m``. Only those lines are read (string prefixes, no full exposition
+    parse: vLLM's page is large and this runs on the router's event loop)."""
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:
+            name, _, value = line.partition(" ")
+        else:
+            value = rest.rpartition("}")[2]
+        if name == _VLLM_WAITING:
+            m.waiting += float(value.split()[0])
+        elif name == _VLLM_RUNNING:
+            m.running += float(value.split()[0])
+        elif name in _VLLM_KV_USAGE:
+            m.kv_usage = max(m.kv_usage, float(value.split()[0]))
