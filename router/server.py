@@ -327,7 +327,7 @@ class RouterService:
                         "cached_blocks": b.cache.held_blocks() if b.cache is not None else 0,
                         "events_connected": bool(b.cache and b.cache.connected)})
         ov = np.asarray(self.overheads, dtype=np.float64)
-        q = (np.percentile(ov, [50, 99]) * 1e3).tolist() if ov.size else [float("nan")] * 2
+        q: list[float | None] = (np.percentile(ov, [50, 99]) * 1e3).tolist() if ov.size else [None, None]
         return {"backends": out, "overhead_ms": {"p50": q[0], "p99": q[1], "n": int(ov.size)}}
 
 
