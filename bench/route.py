@@ -418,7 +418,8 @@ def main() -> int:
             for k, v in f.items():
                 rep.figures[f"{pol}.{k}"] = v
         try:
-            rep.figures.update(simulated(p, slos, tps))
+            scaled = replace(p, rate_a=p.rate_a * scale, rate_b=p.rate_b * scale, rate_c=p.rate_c * scale)
+            rep.figures.update(simulated(scaled, slos, tps))
         except Exception as e:  # the simulator's interface is its own
             print(f"simulator comparison skipped: {e}")
         ca = results.get("cost+adm", {}).get("goodput_rps", float("nan"))
