@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay a workload trace; hit ratio per policy and Bélády's optimum")
     replay.add_arguments(p)
     p.set_defaults(func=replay.run)
+
+    from kvstore.tools import route_cli
+
+    route_cli.register(sub)
     return ap
 
 

@@ -1,0 +1,172 @@
+"""What each backend's daemon holds, by tier, from its ``WatchEvents`` stream.
+
+One :class:`CacheView` per backend follows the daemon's numbered events on a
+daemon thread (the sync :class:`kvstore.client.Client`; a broken stream is
+reopened from the last sequence seen) and keeps ``key -> tier``. A ``Gap``
+(the view fell behind the daemon's ring buffer, or the daemon restarted)
+forgets everything, which then refills from the replay. :meth:`chain_tiers`
+answers, for a prompt's keys, the tier of each leading block held (a chain
+stops at its first miss), with one dict lookup per block.
+
+Optionally (``cluster = true`` on the backend) :meth:`cluster_tiers` asks the
+daemon a cluster-mode ``Lookup`` for the blocks after the local run that a
+peer could supply; those count in the ``remote`` tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.client import Client
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace
+from tiers.base import TierKind
+
+log = logging.getLogger("kvstore.router")
+
+__all__ = ["CacheView"]
+
+_REMOTE = int(TierKind.REMOTE)
+
+
+def _reason_moved(ev: Any) -> int:
+    """The wire number of ``REMOVE_REASON_MOVED`` (read from the message's own
+    descriptor: the router uses the client's messages, not the proto module)."""
+    enum = ev.removed.DESCRIPTOR.fields_by_name["reason"].enum_type
+    return int(enum.values_by_name["REMOVE_REASON_MOVED"].number)
+
+
+class CacheView:
+    """``key -> tier`` of one daemon, maintained from its events."""
+
+    def __init__(self, name: str, target: str, token: str | None = None) -> None:
+        self.name = name
+        self.target = target
+        self.token = token or None
+        self._tier: dict[bytes, int] = {}
+        self._ns: dict[bytes, bytes] = {}
+        self.seq = 0
+        self.gaps = 0
+        self.events = 0
+        self.connected = False
+        self._moved: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client: Client | None = None
+        self._lookup_client: Client | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ events
+    def apply(self, ev: Any) -> None:
+        """Fold one event into the table."""
+        kind = ev.WhichOneof("kind")
+        self.events += 1
+        if ev.seq:
+            self.seq = ev.seq
+        if kind == "stored":
+            t = max(int(ev.stored.tier) - 1, 0)
+            d = ev.stored.ns_digest
+            for k in ev.stored.keys:
+                self._tier[k] = t
+                self._ns[k] = d
+        elif kind == "removed":
+            if self._moved is None:
+                self._moved = _reason_moved(ev)
+            if ev.removed.reason == self._moved:
+                return  # changed tier: the stored event of the new tier says where
+            for k in ev.removed.keys:
+                self._tier.pop(k, None)
+                self._ns.pop(k, None)
+        elif kind == "cleared":
+            if ev.cleared.all_namespaces:
+                self._tier, self._ns = {}, {}
+            else:
+                d = ev.cleared.ns_digest
+                gone = [k for k, nd in self._ns.items() if nd == d]
+                for k in gone:
+                    self._tier.pop(k, None)
+                    self._ns.pop(k, None)
+        elif kind == "gap":
+            self.gaps += 1
+            self._tier, self._ns = {}, {}
+
+    def poll(self, client: Client, seconds: float) -> int:
+        """Apply the events after the last one seen, waiting up to ``seconds``."""
+        n = 0
+        for ev in client.watch_events(after_seq=self.seq, timeout=seconds):
+            self.apply(ev)
+            self.connected = True
+            n += 1
+        return n
+
+    def start(self) -> None:
+        """Follow the daemon on a daemon thread until :meth:`stop`."""
+        def run() -> None:
+            while not self._stop.is_set():
+                try:
+                    if self._client is None:
+                        self._client = Client(self.target, token=self.token, use_shm=False, session=False)
+                    self.poll(self._client, 1.0)
+                    self.connected = True
+                except KVStoreError as e:
+                    if self.connected:
+                        log.warning("backend %s: event stream from %s broke: %s", self.name, self.target, e)
+                    self.connected = False
+                    self._stop.wait(0.5)
+                except Exception as e:  # a daemon that is not up yet, a channel that closed
+                    self.connected = False
+                    log.debug("backend %s: event stream: %s", self.name, e)
+                    self._stop.wait(0.5)
+
+        self._thread = threading.Thread(target=run, daemon=True, name=f"kvstore-route-events-{self.name}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for c in (self._client, self._lookup_client):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:
+                    pass
+        if self._thread is not None:
+            self._thread.join(timeout=3.0)
+
+    # ------------------------------------------------------------ queries
+    def chain_tiers(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The tier (``TierKind`` value) of each leading held block of ``keys``."""
+        tier = self._tier
+        out: list[int] = []
+        for k in keys:  # one dict lookup per block
+            t = tier.get(k)
+            if t is None:
+                break
+            out.append(t)
+        return np.asarray(out, dtype=np.int64)
+
+    def cluster_tiers(self, ns: Namespace, keys: Sequence[bytes], local: np.ndarray) -> np.ndarray:
+        """``local`` extended by the run a cluster peer could supply after it
+        (a blocking cluster-mode Lookup: call it off the event loop)."""
+        if len(local) >= len(keys):
+            return local
+        with self._lock:
+            if self._lookup_client is None:
+                self._lookup_client = Client(self.target, token=self.token, use_shm=False, session=False)
+            c = self._lookup_client
+        try:
+            r = c.cluster_lookup(ns, keys)
+        except KVStoreError as e:
+            log.debug("backend %s: cluster lookup failed: %s", self.name, e)
+            return local
+        extra = max(int(r.local_blocks) + int(r.remote_blocks) - len(local), 0) if r.decision == "fetch" else 0
+        if not extra:
+            return local
+        return np.concatenate([local, np.full(extra, _REMOTE, dtype=np.int64)])
+
+    def held_blocks(self) -> int:
+        return len(self._tier)
