@@ -8,7 +8,7 @@ payload bytes.
 Layout: one numpy array per field (struct of arrays), indexed by *row*. The
 key -> row map is an open-addressing hash table of int32 rows with linear
 probing, also a numpy array (``kvstore/core/keytable.py``, probed in C when
-``kvstore._hashtab`` is built), so the index costs no Python object per block
+``kvstore.core.ckeytable`` is built), so the index costs no Python object per block
 (a ``dict`` entry alone would cost ~100 bytes). Children are threaded through intrusive sibling lists
 (first_child / next_sib / prev_sib) so removing a block can take its
 descendants with it in O(descendants).

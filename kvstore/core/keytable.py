@@ -5,7 +5,7 @@ An open-addressing hash table of int32 rows with linear probing (-1 empty,
 columns (``k0``, ``k1``, ``ns``), so the table costs 4 bytes a slot, load
 0.35-0.7: about 6-11 bytes per block, and no Python object per block.
 
-Probing runs in the optional C helper ``kvstore._hashtab`` (one pass per
+Probing runs in the optional C helper ``kvstore.core.ckeytable`` (one pass per
 key, ~tens of ns); without it (not built, or ``NO_KVSTORE_NATIVE=1``) the
 same table is probed in vectorised numpy rounds. Both place a key in the
 first free slot from its home position, so either finds what the other put.
@@ -30,14 +30,14 @@ MAX_LOAD = 0.7
 
 
 def load_hashtab() -> ModuleType | None:
-    """``kvstore._hashtab`` if built and not disabled by ``NO_KVSTORE_NATIVE=1``."""
+    """``kvstore.core.ckeytable`` if built and not disabled by ``NO_KVSTORE_NATIVE=1``."""
     if os.environ.get("NO_KVSTORE_NATIVE", "") not in ("", "0"):
         return None
     try:
-        from kvstore import _hashtab
+        from kvstore.core import ckeytable
     except ImportError:
         return None
-    return _hashtab
+    return ckeytable
 
 
 HASHTAB = load_hashtab()

@@ -34,7 +34,7 @@ def _check(idx: BlockIndex, ns_of: dict[int, int]) -> None:
 @pytest.mark.parametrize("native", [True, False], ids=["c-table", "numpy-table"])
 def test_random_forests_keep_links_table_and_map_exact(native: bool):
     if native and HASHTAB is None:
-        pytest.skip("kvstore._hashtab is not built")
+        pytest.skip("kvstore.core.ckeytable is not built")
     rng = np.random.default_rng(7)
     idx = BlockIndex(initial_rows=16, native=native)
     halves = rng.integers(0, 2**63, size=8, dtype=np.int64).astype(np.uint64)  # few: shared first halves

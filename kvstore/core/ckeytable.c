@@ -1,5 +1,5 @@
 /*
- * kvstore._hashtab -- the block index's key table in C (optional).
+ * kvstore.core.ckeytable -- the block index's key table in C (optional).
  *
  * The table is an open-addressing hash table of int32 rows with linear
  * probing (-1 empty, -2 tombstone); a row's key lives in the index's own
@@ -312,13 +312,13 @@ static PyMethodDef ht_methods[] = {
 };
 
 static struct PyModuleDef ht_module = {
-    PyModuleDef_HEAD_INIT, "kvstore._hashtab",
+    PyModuleDef_HEAD_INIT, "kvstore.core.ckeytable",
     "The block index's key table (open addressing, linear probing) in C.", -1, ht_methods,
     NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
-PyInit__hashtab(void)
+PyInit_ckeytable(void)
 {
     return PyModule_Create(&ht_module);
 }
