@@ -82,3 +82,37 @@ def test_chain_insert_matches_the_linked_one():
     assert np.array_equal(ra, rb)
     for col in ("parent", "first_child", "next_sib", "prev_sib", "nchild", "nchild_tier", "depth", "last"):
         assert np.array_equal(getattr(a, col)[ra], getattr(b, col)[rb]), col
+
+
+def test_batch_linking_matches_the_row_loop():
+    """Wide, deep forests inserted in one batch (``_link_batch``) against the
+    same rows linked one at a time, onto existing parents with children."""
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        a, b = BlockIndex(), BlockIndex()
+        base = np.arange(1, 13, dtype=np.uint64).reshape(6, 2) * np.uint64(1000 + trial)
+        pre = np.asarray([-1, -2, -2, -3, -1, -5], dtype=np.int64)  # a small existing forest
+        ra = a.insert(0, base, pre, 1, np.arange(6), np.full(6, 10), BlockState.COMMITTED, 1)
+        b.insert(0, base, pre, 1, np.arange(6), np.full(6, 10), BlockState.COMMITTED, 1)
+        n = int(rng.integers(5, 200))
+        keys = rng.integers(0, 2**63, size=(n, 2), dtype=np.int64).astype(np.uint64)
+        parents = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            pick = rng.random()
+            if pick < 0.15 or i == 0:
+                parents[i] = -1 if rng.random() < 0.5 else int(rng.choice(ra))
+            elif pick < 0.3:
+                parents[i] = int(rng.choice(ra))
+            else:
+                parents[i] = -2 - int(rng.integers(max(0, i - 5) if pick < 0.8 else 0, i))
+        tier = int(rng.integers(0, 3))
+        rows_a = a.insert(0, keys, parents, tier, np.arange(n), np.full(n, 10), BlockState.COMMITTED, 9)
+        rows_b = np.empty(n, dtype=np.int64)
+        for i in range(n):  # one key at a time: the per-row loop
+            p = int(parents[i]) if parents[i] >= -1 else int(rows_b[-2 - parents[i]])
+            rows_b[i] = b.insert(0, keys[i:i + 1], np.asarray([p]), tier, np.asarray([i]), np.asarray([10]),
+                                 BlockState.COMMITTED, 9 + i)[0]
+        assert np.array_equal(rows_a, rows_b)
+        for col in ("parent", "first_child", "next_sib", "prev_sib", "nchild", "nchild_tier", "depth"):
+            assert np.array_equal(getattr(a, col)[: a.live], getattr(b, col)[: b.live]), (trial, col)
+        a.check_invariants()
