@@ -175,7 +175,7 @@ class SsdTier:
         keep[newest_per_name(idn, np.flatnonzero(good))] = True
         if not keep.all():
             self._delete_keys(loc_keys(locs[~keep]), sync=True)
-        locs, vals, sizes, seg_ids = locs[keep], vals[keep], sizes[keep], seg_ids[keep]
+            locs, vals, sizes, seg_ids = locs[keep], vals[keep], sizes[keep], seg_ids[keep]
         top = int(locs.max()) + 1 if locs.size else 0
         self._alloc_arrays(top)
         self._next_id = top
@@ -562,7 +562,7 @@ class SsdTier:
     def recovered(self) -> RecoveredBlocks:
         """``recover()`` in arrays (no Python object per block)."""
         rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
-        return recovery_order(self._ident[rows], rows)
+        return recovery_order(self._ident, rows)
 
     def put_namespace(self, digest: bytes, descriptor: bytes) -> None:
         """Persist a namespace descriptor (atomic rewrite of the namespaces file)."""
