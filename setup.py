@@ -4,7 +4,8 @@ All project metadata lives in ``pyproject.toml``.  The extension is built
 with ``optional=True``: when no compiler or no Python headers are available
 the build prints a warning and the install still succeeds, and
 ``kvstore.keys`` / ``kvstore.checksum`` use their pure-Python fallbacks
-(which compute the same values).
+(which compute the same values). ``kvstore.core.ckeytable`` (the block index's key
+table) is optional the same way (numpy fallback in ``kvstore/core/keytable.py``).
 
 The vendored xxHash (``kvstore/_vendor/xxhash``) is ``#include``d by
 ``_native.c``; on x86 its kernels are compiled for SSE2, AVX2 and AVX-512
@@ -45,7 +46,8 @@ setup(
                 f"{_VENDOR}/xxh_x86dispatch.h",
             ],
             optional=True,
-        )
+        ),
+        Extension(name="kvstore.core.ckeytable", sources=["kvstore/core/ckeytable.c"], optional=True),
     ],
     cmdclass={"build_ext": _BuildExt},
 )

@@ -9,8 +9,10 @@ directory under /tmp):
   of the same bytes. Gets are cold: every file is ``fsync``ed and dropped from
   the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` before reading.
   Plain and SSD runs alternate; each figure is the median of ``--repeats``.
-- Recovery: open + ``recover()`` of a tier holding 100,000 blocks (20,000 with
-  ``--quick``) of 1 KiB in chains of 64 (median of 3 opens).
+- Recovery: a tier holding 1,000,000 blocks (20,000 with ``--quick``) of
+  1 KiB in chains of 64: open + ``recovered()``, and the daemon's store start
+  with the index rebuilt, after a clean close (index snapshot) and after a
+  crash (no snapshot: RocksDB read entry by entry); median of 3 each.
 
 - HBM rows (``bench/hbm.py``): with CUDA, HBM<->DRAM through the tier beside
   raw pinned copies, and IPC device-to-device between two processes beside a
@@ -19,7 +21,7 @@ directory under /tmp):
   device: bookkeeping + checksums against a plain numpy copy) are measured.
 
 Targets: SSD put and get >= 0.7x the plain-file figures for 1 MiB blocks;
-recovery of the block count named in the target < 5 s; with CUDA, tier
+restart with the block count named in the target < 5 s (clean and crash); with CUDA, tier
 HBM<->DRAM >= 0.8x raw pinned and IPC d2d >= 0.8x raw d2d.
 
 Usage: python bench/tiers.py [--quick] [--json PATH] [--dir DIR] [--repeats N]
@@ -51,6 +53,7 @@ from kvstore.core.store import StoreConfig, TieredStore  # noqa: E402
 from kvstore.core.ssd_mover import SsdSpec  # noqa: E402
 from tiers.base import BlockMeta  # noqa: E402
 from tiers.ssd import SsdTier  # noqa: E402
+from tiers.ssd_recover import SNAPSHOT_FILE  # noqa: E402
 
 KIB, MIB = 1 << 10, 1 << 20
 BATCH_BYTES = 16 * MIB
@@ -192,47 +195,69 @@ def bench_throughput(rep: Report, root: str, total: int, repeats: int) -> None:
 
 
 def bench_recovery(rep: Report, root: str, nblocks: int) -> None:
+    """Restart with ``nblocks`` on SSD: the tier's open + ``recovered()``, and
+    what the daemon does at start (``TieredStore`` with the index rebuilt),
+    after a clean close (the index snapshot is read) and after a crash (no
+    snapshot: RocksDB is read entry by entry). Wall seconds, median of 3."""
     tdir = os.path.join(root, "recovery")
     shutil.rmtree(tdir, ignore_errors=True)
     size, chain_len, batch = 1 * KIB, 64, 4096
     rng = np.random.default_rng(4)
     namespace = Namespace(tenant="bench", model_id="recovery", block_size=16)
     ns = namespace.digest
-    keys = [bytes(k) for k in rng.integers(0, 256, size=(nblocks, 16), dtype=np.uint8)]
-    owners = [BlockMeta(ns, k, keys[i - 1] if i % chain_len else b"") for i, k in enumerate(keys)]
-    payload = rng.integers(0, 256, size, dtype=np.uint8)
     t0 = time.perf_counter()
-    with SsdTier(tdir, nblocks * (size + 128) + 64 * MIB, sync=False) as tier:
+    cap = nblocks * (size + 128) + 64 * MIB
+    payload = rng.integers(0, 256, size, dtype=np.uint8)
+    with SsdTier(tdir, cap, sync=False) as tier:
         # the descriptor the store persists for a namespace (kvstore.core.ssd_mover)
         tier.put_namespace(ns, json.dumps({"namespace": namespace.to_dict(), "block_bytes": size},
                                           sort_keys=True).encode())
+        prev = b""
         for b in range(0, nblocks, batch):
-            own = owners[b:b + batch]
+            keys = [bytes(k) for k in rng.integers(0, 256, size=(min(batch, nblocks - b), 16), dtype=np.uint8)]
+            own = []
+            for i, k in enumerate(keys):
+                own.append(BlockMeta(ns, k, prev if (b + i) % chain_len else b""))
+                prev = k
             tier.write(tier.allocate(size, len(own)), [payload] * len(own), own)
     rep.figure(f"recovery_setup_write_{nblocks}_blocks_s", time.perf_counter() - t0, "s")
-    samples = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        with SsdTier(tdir, nblocks * (size + 128) + 64 * MIB) as tier:
-            found = tier.recover()
-            samples.append(time.perf_counter() - t0)
+    snapshot = os.path.join(tdir, SNAPSHOT_FILE)
+
+    # wall seconds, and this process's CPU seconds (what other load on the machine does not inflate)
+    def tier_open() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        with SsdTier(tdir, cap) as tier:
+            found = tier.recovered()
+            took = time.perf_counter() - t0, time.process_time() - c0
         assert len(found) == nblocks
-    # what the daemon does at start: open the tier and rebuild the index from it
-    store_samples = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        with TieredStore(StoreConfig(dram_bytes=64 * MIB, ssd=SsdSpec(
-                path=tdir, capacity_bytes=nblocks * (size + 128) + 64 * MIB))) as st:
-            store_samples.append(time.perf_counter() - t0)
+        return took
+
+    def store_start(crash: bool) -> tuple[float, float]:
+        if crash and os.path.exists(snapshot):
+            os.unlink(snapshot)  # what a SIGKILL leaves: no snapshot
+        t0, c0 = time.perf_counter(), time.process_time()
+        with TieredStore(StoreConfig(dram_bytes=64 * MIB, ssd=SsdSpec(path=tdir, capacity_bytes=cap))) as st:
+            took = time.perf_counter() - t0, time.process_time() - c0
             assert st.recovery is not None and st.recovery.blocks == nblocks, st.recovery
+        return took
+
+    first = tier_open()[0]  # right after the writes (the writer closed cleanly: a snapshot is there)
+    runs = {"tier": [tier_open() for _ in range(3)], "clean": [store_start(crash=False) for _ in range(3)],
+            "crash": [store_start(crash=True) for _ in range(3)]}
     shutil.rmtree(tdir, ignore_errors=True)
-    rep.figure(f"recovery_{nblocks}_blocks_first_open_s", samples[0], "s")
-    rep.figure(f"recovery_{nblocks}_blocks_s", statistics.median(samples), "s")
-    rep.figure(f"store_recovery_{nblocks}_blocks_s", statistics.median(store_samples), "s")
-    rep.target(f"tier open + recover() of {nblocks:,} blocks (s), under",
+    samples, clean, crash = ([w for w, _ in runs[k]] for k in ("tier", "clean", "crash"))
+    rep.figure(f"recovery_{nblocks}_blocks_first_open_s", first, "s")
+    rep.figure(f"recovery_{nblocks}_blocks_s", statistics.median(samples), "s (tier open + recovered())")
+    rep.figure(f"store_recovery_{nblocks}_blocks_s", statistics.median(clean), "s (after a clean close)")
+    rep.figure(f"store_recovery_after_crash_{nblocks}_blocks_s", statistics.median(crash), "s (no snapshot)")
+    for k, label in (("tier", "recovery"), ("clean", "store_recovery"), ("crash", "store_recovery_after_crash")):
+        rep.figure(f"{label}_{nblocks}_blocks_cpu_s", statistics.median(c for _, c in runs[k]), "CPU s")
+    rep.target(f"tier open + recovered() of {nblocks:,} blocks (s), under",
                statistics.median(samples), 5.0, lower_is_better=True)
     rep.target(f"daemon store start with {nblocks:,} blocks on SSD, index rebuilt (s), under",
-               statistics.median(store_samples), 5.0, lower_is_better=True)
+               statistics.median(clean), 5.0, lower_is_better=True)
+    rep.target("the same after a crash (RocksDB read entry by entry) (s), under",
+               statistics.median(crash), 5.0, lower_is_better=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     repeats = a.repeats or (3 if a.quick else 5)
     total = (128 if a.quick else 512) * MIB
-    nblocks = 20_000 if a.quick else 100_000
+    nblocks = 20_000 if a.quick else 1_000_000
     root = tempfile.mkdtemp(prefix="kvstore-bench-tiers-", dir=a.dir or "/tmp")
     rep = Report("tiers (ssd, hbm)")
     try:

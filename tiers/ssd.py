@@ -1,15 +1,10 @@
 """SSD tier: append-only segment files for the bytes, RocksDB for the index.
 
-Layout decision (ext4 on this machine's virtual disk, 1 MiB blocks, one fsync
-per batch, cold reads after ``POSIX_FADV_DONTNEED``), GB/s put / cold get:
-plain file writev+fsync / preadv 0.35-0.61 / 2.0; (a) values in RocksDB with
-blob files 0.19-0.21 / 0.31; (b) segment files + RocksDB index 0.66-0.73 /
-1.3-1.8. (a) writes each value twice (WAL, then the blob file) and returns a
-new ``bytes`` to copy again: 0.2-0.6x of the plain file, under the 0.7x
-target. (b) *is* the plain-file path plus one small RocksDB batch, ``preadv``
-landing in the caller's buffers: kept. ``bench/tiers.py`` measures (b) against
-the plain file each run (1 MiB: put 0.8-0.95x, get >= 1x; docs/ssd.md). Directory
-and file layout: tiers/ssd_dir.py.
+Layout decision (measured against RocksDB values with blob files, which write
+each value twice and return new ``bytes``: docs/ssd.md): segment files + a
+RocksDB index *is* the plain-file path plus one small RocksDB batch, ``preadv``
+landing in the caller's buffers; ``bench/tiers.py`` measures it against the
+plain file each run. Directory and file layout: tiers/ssd_dir.py.
 
 Crash ordering. write: one ``pwritev`` per segment run + ``fdatasync`` (a new
 segment's name is fsynced into the directory first), then the batch's index
@@ -38,7 +33,7 @@ API (not thread-safe: the store serializes calls)::
     read_into(locs, sizes, checksums, outs, owners=None) -> bool mask  # outs writable
     resize(capacity_bytes)                  # below used_bytes: CapacityError
     recover() -> [(loc, BlockMeta, size, checksum)]  # every live block, parents
-        # before children, then by write sequence
+        # before children, then by write sequence; recovered(): the same in arrays
     put_namespace(digest, descriptor); namespaces() -> {digest: descriptor}
     reclaim(max_bytes=None) -> net bytes freed  # segments with garbage >= ratio,
         # emptiest first, <= max_bytes of live data moved (>= 1 segment; None: all);
@@ -48,7 +43,8 @@ API (not thread-safe: the store serializes calls)::
 
 ``fs`` (:class:`FileLayer`) does segment and small-file I/O (tests inject
 ENOSPC or slow disks); RocksDB does its own, and after a RocksDB write error
-the index is reopened and the batch retried once.
+the index is reopened and the batch retried once. A clean close leaves an
+index snapshot that the next open reads instead of RocksDB (tiers/ssd_recover.py).
 """
 
 from __future__ import annotations
@@ -67,11 +63,11 @@ from kvstore.buffers import as_u8
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.ssd_dir import NamespaceFile, SsdDirectory
-from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, INDEX_DIR, IOV_MAX,
-                              LIVE, LOCK_FILE, MAX_FDS, NSKEY, RECORD_MAGIC, RECORD_VERSION, ROW,
-                              SEG_RE, VALUE, FileLayer, OsFileLayer, as_void, ident_bytes, identity_arrays,
-                              io_error, loc_keys, record_checksum, vec_io, write_all, scan_segment, chain_order,
-                              parse_index, Segment)
+from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, INDEX_DIR, IOV_MAX, LIVE,
+                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, ROW, SEG_RE, VALUE, FileLayer,
+                              OsFileLayer, ident_bytes, identity_arrays, io_error, loc_keys, record_checksum,
+                              vec_io, write_all, scan_segment, parse_index, Segment)
+from tiers.ssd_recover import RecoveredBlocks, newest_per_name, recovery_order, take_snapshot, write_snapshot
 
 log = logging.getLogger("kvstore.ssd")
 
@@ -104,6 +100,7 @@ class SsdTier:
         self._alloc_arrays(1024)
         self._gc_buf = np.empty(0, dtype=np.uint8)
         self._closed = False
+        self._db_clean = True  # RocksDB holds exactly the LIVE rows (a failed delete clears it)
         self._wo, self._wo_lazy = rocksdict.WriteOptions(), rocksdict.WriteOptions()
         self._wo.sync = self.sync
         self._dir = SsdDirectory(self.path, self.fs, self.sync)
@@ -134,17 +131,16 @@ class SsdTier:
         self._nsfile.load()
         try:
             self._db = self._dir.open_db()
-            locs, vals = self._read_index()
+            locs, vals = take_snapshot(self.path, self._db) or self._read_index()
         except Exception as exc:  # noqa: BLE001 - any RocksDB failure: rebuild from segments
             log.warning("ssd index at %s unreadable (%s); rebuilding from segment headers", self.path, exc)
             locs, vals = self._rebuild_index()
         self._load(locs, vals)
 
     def _read_index(self) -> tuple[np.ndarray, np.ndarray]:
-        """All block entries of the index as (locs, values)."""
-        ks = cast("list[bytes]", list(self._db.keys()))
-        vs = cast("list[bytes]", list(self._db.values()))
-        locs, vals, bad = parse_index(ks, vs)
+        """All block entries of the index as (locs, values): one pass over RocksDB."""
+        items = cast("list[tuple[bytes, bytes]]", list(self._db.items()))
+        locs, vals, bad = parse_index([k for k, _ in items], [v for _, v in items])
         if bad:
             self.dropped_count += len(bad)
             self._delete_keys(bad, sync=False)
@@ -169,28 +165,24 @@ class SsdTier:
         idn = vals["ident"]
         sizes, seg_ids = idn["size"].astype(np.int64), vals["seg"].astype(np.int64)
         seg_len = np.full(self._next_seg + 1, -1, dtype=np.int64)
-        for sid, seg in self._segs.items():
-            seg_len[sid] = seg.size
+        seg_len[list(self._segs)] = [seg.size for seg in self._segs.values()]
         have = seg_len[np.clip(seg_ids, 0, self._next_seg)]
         good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
                 & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
                 & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < 1 << 40))
         self.dropped_count += int((~good).sum())
-        cand = np.flatnonzero(good)  # one entry per (namespace, key): the newest
-        cand = cand[np.argsort(idn["seq"][cand], kind="stable")[::-1]]
-        _, first = np.unique(as_void(ident_bytes(idn[cand])[:, NSKEY]), return_index=True)
-        keep = np.zeros(locs.size, dtype=bool)
-        keep[cand[first]] = True
+        keep = np.zeros(locs.size, dtype=bool)  # one entry per (namespace, key): the newest
+        keep[newest_per_name(idn, np.flatnonzero(good))] = True
         if not keep.all():
             self._delete_keys(loc_keys(locs[~keep]), sync=True)
-        locs, vals, sizes, seg_ids = locs[keep], vals[keep], sizes[keep], seg_ids[keep]
+            locs, vals, sizes, seg_ids = locs[keep], vals[keep], sizes[keep], seg_ids[keep]
         top = int(locs.max()) + 1 if locs.size else 0
         self._alloc_arrays(top)
         self._next_id = top
         self._state[locs], self._fp[locs], self._seg[locs] = LIVE, HEADER_BYTES + sizes, seg_ids
         self._off[locs], self._ident[locs] = vals["off"].astype(np.int64), vals["ident"]
         self._used = int((HEADER_BYTES + sizes).sum())
-        self._free_ids = np.setdiff1d(np.arange(top, dtype=np.int64), locs)[::-1].tolist()
+        self._free_ids = np.flatnonzero(np.bincount(locs, minlength=top) == 0)[::-1].tolist()
         self._seq = int(vals["ident"]["seq"].max()) + 1 if locs.size else 1
         live = np.bincount(seg_ids, weights=HEADER_BYTES + sizes, minlength=self._next_seg)
         for sid, seg in list(self._segs.items()):
@@ -319,6 +311,7 @@ class SsdTier:
         try:
             self._db_write([(k, None) for k in keys], sync=sync and self.sync)
         except KVStoreError as exc:  # the entry may survive; open drops it if its segment is gone
+            self._db_clean = False
             log.warning("ssd index delete failed: %s", exc)
 
     # ------------------------------------------------------------ segments
@@ -564,8 +557,12 @@ class SsdTier:
     # ------------------------------------------------------------- restart
     def recover(self) -> list[tuple[int, BlockMeta, int, int]]:
         """Every live block as (loc, owner, size, checksum), parents before children."""
+        return self.recovered().as_list()
+
+    def recovered(self) -> RecoveredBlocks:
+        """``recover()`` in arrays (no Python object per block)."""
         rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
-        return chain_order(self._ident[rows], rows)
+        return recovery_order(self._ident, rows)
 
     def put_namespace(self, digest: bytes, descriptor: bytes) -> None:
         """Persist a namespace descriptor (atomic rewrite of the namespaces file)."""
@@ -581,6 +578,9 @@ class SsdTier:
             return
         self._closed = True
         self._seal()
+        if self._db_clean:  # the next open reads this instead of RocksDB
+            rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
+            write_snapshot(self.path, self._db, rows, self._rows[["seg", "off", "ident"]][rows].astype(VALUE), self.sync)
         for fd in self._fds.values():
             self.fs.close(fd)
         self._fds.clear()

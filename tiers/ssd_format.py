@@ -5,7 +5,6 @@ record header and identity layout, checksums, the ``FileLayer`` protocol
 from __future__ import annotations
 
 import errno
-import gc
 import importlib
 import os
 import re
@@ -173,36 +172,6 @@ def scan_segment(fs: FileLayer, path: str, sid: int, end: int, found: dict[bytes
             off = rec_end
     finally:
         fs.close(fd)
-
-
-def chain_order(idn: np.ndarray, rows: np.ndarray) -> list[tuple[int, BlockMeta, int, int]]:
-    """Blocks (identities ``idn`` at locations ``rows``) as (loc, owner, size,
-    checksum), parents before children (by depth, then write sequence)."""
-    n = rows.size
-    ib = ident_bytes(idn)
-    where = dict(zip(as_void(ib[:, NSKEY]).tolist(), range(n)))
-    pnames = as_void(np.concatenate([ib[:, NS], ib[:, PARENT]], axis=1)).tolist()
-    par = np.fromiter((where.get(p, -1) for p in pnames), dtype=np.int64, count=n)
-    par[idn["plen"] == 0] = -1
-    # depth by pointer jumping (depth = hops to anc): O(log chain) rounds, capped for corrupt cycles
-    depth, anc = (par >= 0).astype(np.int64), par.copy()
-    for _ in range(64):
-        m = np.flatnonzero(anc >= 0)
-        if not m.size:
-            break
-        up = anc[m]
-        depth[m], anc[m] = depth[m] + depth[up], anc[up]
-    order = np.lexsort((idn["seq"], depth)).tolist()
-    ns, keys, parents = (as_void(ib[:, part]).tolist() for part in (NS, KEY, PARENT))
-    plen, sizes, csums, locs = idn["plen"].tolist(), idn["size"].tolist(), idn["csum"].tolist(), rows.tolist()
-    paused = gc.isenabled()
-    gc.disable()  # 100k small objects: the cyclic GC would rescan them repeatedly
-    try:
-        return [(locs[i], BlockMeta(ns[i], keys[i], parents[i] if plen[i] else b""), sizes[i], csums[i])
-                for i in order]
-    finally:
-        if paused:
-            gc.enable()
 
 
 @dataclass(slots=True)

@@ -7,10 +7,9 @@ payload bytes.
 
 Layout: one numpy array per field (struct of arrays), indexed by *row*. The
 key -> row map is an open-addressing hash table of int32 rows with linear
-probing, also a numpy array, so a lookup of a whole chain is a handful of
-vectorised probe rounds instead of one dict access per key, and the index
-costs no Python object per block (a ``dict[bytes, int]`` alone costs ~130
-bytes per entry). Children are threaded through intrusive sibling lists
+probing, also a numpy array (``kvstore/core/keytable.py``, probed in C when
+``kvstore.core.ckeytable`` is built), so the index costs no Python object per block
+(a ``dict`` entry alone would cost ~100 bytes). Children are threaded through intrusive sibling lists
 (first_child / next_sib / prev_sib) so removing a block can take its
 descendants with it in O(descendants).
 
@@ -27,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from itertools import repeat
 
 import numpy as np
 
+from kvstore.core.keytable import KeyTable
 from kvstore.errors import InvalidArgument
 
 NO_ROW = -1
@@ -42,10 +41,12 @@ whose row does not exist yet. Any value ``<= IN_BATCH`` is such a reference."""
 NO_LOC = -1
 """``loc``/``ssd_loc`` of a row with no slot there (e.g. no SSD copy)."""
 
-
-_EMPTY = -1
-_TOMB = -2
-_MIX = np.uint64(0x9E3779B97F4A7C15)
+LINK_LOOP_MAX = 4
+"""Non-chain inserts of up to this many keys link row by row; longer ones
+link in one vectorised pass (``_link_batch``, same result)."""
+GROWTH = 1.25
+"""Row capacity grows by this factor (at least): little slack at any size,
+each row still copied only a few times over the index's growth."""
 
 
 class BlockState(IntEnum):
@@ -55,12 +56,6 @@ class BlockState(IntEnum):
     DOOMED = 3
     """Failed its checksum (or an ancestor did) while a reader still pins part
     of its subtree: invisible like a reserved block, freed when unpinned."""
-
-
-_SHARED = -2
-"""In the key-half map: more than one key starts with these 8 bytes."""
-_DICT_LOOKUP_MAX = 2048
-"""Chains up to this many keys are looked up through the key-half dict."""
 
 
 def keys_to_array(keys: object) -> np.ndarray:
@@ -161,179 +156,52 @@ class BlockIndex:
     ssd_loc: np.ndarray
     """SSD id of an intact copy of a block read from DRAM, or -1."""
 
-    def __init__(self, initial_rows: int = 1024) -> None:
+    def __init__(self, initial_rows: int = 1024, *, native: bool = True) -> None:
+        """``native=False`` probes the key table in numpy even when the C
+        helper is built (tests compare the two)."""
         cap = max(16, int(initial_rows))
         for name, dt, fill in self._COLUMNS:
             setattr(self, name, np.full(cap, fill, dtype=dt))
         self._cap = cap
-        # Free rows as a stack; rows [_high, cap) were never used.
-        self._free = np.empty(cap, dtype=np.int32)
+        # Free rows as a stack (grown as rows are freed); rows [_high, cap) were never used.
+        self._free = np.empty(0, dtype=np.int32)
         self._nfree = 0
         self._high = 0
         self.live = 0
-        # Hash table of rows.
-        tsize = 1 << max(5, (cap * 2 - 1).bit_length())
-        self._table = np.full(tsize, _EMPTY, dtype=np.int32)
-        self._tused = 0  # live + tombstones
-        self._tpos = np.full(cap, -1, dtype=np.int32)  # row -> its table position (kept by _place)
-        # namespace -> {first key half: row, or _SHARED when two keys share
-        # it}: for ``lookup``, one dict probe per key (the second half is
-        # checked against the row; _SHARED keys go through the table)
-        self._bykey: dict[int, dict[int, int]] = {}
+        self._keys = KeyTable(0, native=native)
 
     # ------------------------------------------------------------------ sizing
     @property
     def nbytes(self) -> int:
+        """Every byte the index holds: its columns, free-row stack and key table."""
         cols = sum(getattr(self, n).nbytes for n, _, _ in self._COLUMNS)
-        return cols + self._free.nbytes + self._table.nbytes + self._tpos.nbytes
+        return int(cols + self._free.nbytes + self._keys.nbytes)
 
     def _grow_rows(self, need: int) -> None:
-        cap = self._cap
-        while cap < need:
-            cap *= 2
-        if cap == self._cap:
+        if need <= self._cap:
             return
+        cap = max(need, int(self._cap * GROWTH))
         for name, dt, fill in self._COLUMNS:
             old = getattr(self, name)
-            new = np.full(cap, fill, dtype=dt)
+            new = np.empty(cap, dtype=dt)
             new[: self._cap] = old
+            new[self._cap :] = fill
             setattr(self, name, new)
-        free = np.empty(cap, dtype=np.int32)
-        free[: self._nfree] = self._free[: self._nfree]
-        self._free = free
-        tpos = np.full(cap, -1, dtype=np.int32)
-        tpos[: self._cap] = self._tpos
-        self._tpos = tpos
         self._cap = cap
-
-    # ------------------------------------------------------------ hash table
-    def _home(self, k0: np.ndarray, ns: np.ndarray | int) -> np.ndarray:
-        mask = np.uint64(self._table.size - 1)
-        h = (k0 ^ (np.asarray(ns, dtype=np.uint64) * _MIX)) * _MIX
-        return ((h >> np.uint64(29)) & mask).astype(np.int64)
-
-    def _probe(self, k0: np.ndarray, k1: np.ndarray, ns: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows (or -1) and table positions (or -1) of the given keys."""
-        n = k0.shape[0]
-        rows = np.full(n, NO_ROW, dtype=np.int64)
-        where = np.full(n, -1, dtype=np.int64)
-        if n == 0 or self.live == 0:
-            return rows, where
-        table = self._table
-        mask = table.size - 1
-        pos = self._home(k0, ns)
-        active = np.arange(n)
-        for _ in range(table.size):
-            p = pos[active]
-            s = table[p]
-            occupied = s >= 0
-            sr = np.where(occupied, s, 0)
-            match = occupied & (self.k0[sr] == k0[active]) & (self.k1[sr] == k1[active]) & (self.ns[sr] == ns)
-            hit = active[match]
-            rows[hit] = s[match]
-            where[hit] = p[match]
-            keep = ~(match | (s == _EMPTY))
-            active = active[keep]
-            if active.size == 0:
-                break
-            pos[active] = (pos[active] + 1) & mask
-        return rows, where
-
-    def _table_insert(self, rows: np.ndarray) -> None:
-        """Insert rows whose keys are known absent and distinct. The rows must
-        already be marked live (a rehash re-places every live row)."""
-        if rows.size == 0:
-            return
-        if (self._tused + rows.size) * 10 > self._table.size * 7:
-            self._rehash(self.live + rows.size)
-        else:
-            self._tused += self._place(rows)
-
-    def _place(self, rows: np.ndarray) -> int:
-        """Put rows into free table slots by linear probing, vectorised over
-        the batch (one winner per contended slot per round). Returns how many
-        empty (not tombstone) slots were taken."""
-        table = self._table
-        mask = table.size - 1
-        pos = self._home(self.k0[rows], self.ns[rows])
-        active = np.arange(rows.size)
-        taken_empty = 0
-        while active.size:
-            pa = pos[active]
-            fi = np.flatnonzero(table[pa] < 0)
-            if fi.size:
-                upos = pa[fi]
-                if fi.size > 1:  # the first claimant of each slot wins (stable sort)
-                    order = np.argsort(upos, kind="stable")
-                    upos = upos[order]
-                    first = np.empty(upos.size, dtype=bool)
-                    first[0] = True
-                    np.not_equal(upos[1:], upos[:-1], out=first[1:])
-                    fi, upos = fi[order[first]], upos[first]
-                winners = rows[active[fi]]
-                taken_empty += int(np.count_nonzero(table[upos] == _EMPTY))
-                table[upos] = winners
-                self._tpos[winners] = upos
-                keep = np.ones(active.size, dtype=bool)
-                keep[fi] = False
-                active = active[keep]
-            if active.size:
-                pos[active] = (pos[active] + 1) & mask
-        return taken_empty
-
-    def _rehash(self, want_live: int) -> None:
-        size = 1 << max(5, (max(want_live, 1) * 2 - 1).bit_length())
-        live_rows = np.nonzero(self.state[: self._high] != BlockState.FREE)[0]
-        self._table = np.full(size, _EMPTY, dtype=np.int32)
-        self._tused = self._place(live_rows)
 
     # ---------------------------------------------------------------- queries
     def find(self, ns: int, keys: np.ndarray) -> np.ndarray:
         """Rows of ``keys`` (n, 2) in namespace ``ns``, -1 where absent (any state)."""
-        n = keys.shape[0]
-        if n > _DICT_LOOKUP_MAX:  # long batches: vectorised probing amortises better
-            rows, _ = self._probe(keys[:, 0], keys[:, 1], ns)
-            return rows
-        # the key-half map holds every row: one dict probe per key instead of
-        # probe rounds through tombstones; shared halves go through the table
-        m = self._bykey.get(ns)
-        if not m:
-            return np.full(n, NO_ROW, dtype=np.int64)
-        rows = np.fromiter(map(m.get, keys[:, 0].tolist(), repeat(NO_ROW, n)), dtype=np.int64, count=n)
-        shared = rows == _SHARED
-        if shared.any():
-            rows[shared], _ = self._probe(keys[shared, 0], keys[shared, 1], ns)
-        has = np.nonzero(rows >= 0)[0]
-        if has.size:
-            rows[has[self.k1[rows[has]] != keys[has, 1]]] = NO_ROW
-        return rows
+        return self._keys.find(self.k0, self.k1, self.ns, self.state, keys, ns)
 
     def find_committed(self, ns: int, keys: np.ndarray) -> np.ndarray:
-        rows = self.find(ns, keys)
-        ok = rows >= 0
-        ok[ok] = self.state[rows[ok]] == BlockState.COMMITTED
-        return np.where(ok, rows, NO_ROW)
+        return self._keys.find(self.k0, self.k1, self.ns, self.state, keys, ns, int(BlockState.COMMITTED))
 
     def lookup(self, ns: int, keys: np.ndarray) -> Lookup:
         """The leading committed keys of a chain: rows and tiers."""
-        if keys.shape[0] > _DICT_LOOKUP_MAX:  # long chains: vectorised probing amortises better
-            rows = self.find_committed(ns, keys)
-            bad = np.nonzero(rows < 0)[0]
-        else:
-            m = self._bykey.get(ns)
-            got: list[int | None] = list(map(m.get, keys[:, 0].tolist())) if m else []
-            if None in got:
-                got = got[: got.index(None)]
-            rows = np.asarray(got, dtype=np.int64)
-            shared = rows == _SHARED
-            if shared.any():
-                rows[shared] = self.find(ns, keys[: rows.size][shared])
-            ok = rows >= 0
-            ok[ok] = (self.state[rows[ok]] == BlockState.COMMITTED) & (self.k1[rows[ok]] == keys[: rows.size, 1][ok])
-            bad = np.nonzero(~ok)[0]
-        hit = int(bad[0]) if bad.size else int(rows.size)
-        hrows = rows[:hit]
-        return Lookup(hit, hrows, self.tier[hrows])
+        rows = self._keys.find(self.k0, self.k1, self.ns, self.state, keys, ns, int(BlockState.COMMITTED),
+                               stop=True)
+        return Lookup(int(rows.size), rows, self.tier[rows])
 
     def key_of(self, row: int) -> bytes:
         return key_bytes(int(self.k0[row]), int(self.k1[row]))
@@ -374,7 +242,8 @@ class BlockIndex:
         parents = np.asarray(parents, dtype=np.int64).copy()
         chain = n > 1 and bool((parents[1:] == np.arange(IN_BATCH, IN_BATCH + 1 - n, -1)).all())
         inbatch = parents <= IN_BATCH
-        parents[inbatch] = rows[IN_BATCH - parents[inbatch]]
+        bpar = np.where(inbatch, IN_BATCH - parents, -1)  # the parent's position in the batch, or -1
+        parents[inbatch] = rows[bpar[inbatch]]
         self.k0[rows] = keys[:, 0]
         self.k1[rows] = keys[:, 1]
         self.ns[rows] = ns
@@ -402,17 +271,12 @@ class BlockIndex:
             self.first_child[head] = rows[1:]
             self.nchild[head] = 1
             self.nchild_tier[head] = 1  # one tier for the whole batch
-        else:
+        elif n <= LINK_LOOP_MAX:
             self._link_rows(rows, parents)
-        self.live += n
-        self._table_insert(rows)
-        m = self._bykey.setdefault(ns, {})
-        ks = keys[:, 0].tolist()
-        if m.keys().isdisjoint(ks) and len(set(ks)) == n:
-            m.update(zip(ks, rows.tolist()))
         else:
-            for k, r in zip(ks, rows.tolist()):
-                m[k] = _SHARED if k in m else r
+            self._link_batch(rows, parents, bpar)
+        self.live += n
+        self._keys.insert(self.k0, self.ns, rows, self.used_rows)
         return rows
 
     def _link_rows(self, rows: np.ndarray, parents: np.ndarray) -> None:
@@ -422,6 +286,51 @@ class BlockIndex:
                 self._link(p, r)
             else:
                 self.depth[r] = 0
+
+    def _link_batch(self, rows: np.ndarray, parents: np.ndarray, bpar: np.ndarray) -> None:
+        """``_link_rows`` vectorised, with the same result: depths by pointer
+        jumping over the in-batch parents (a parent precedes its children),
+        and each parent's new children prepended in batch order."""
+        ext = (parents >= 0) & (bpar < 0)
+        val = np.where(bpar >= 0, 1, 0).astype(np.int64)
+        val[ext] = self.depth[parents[ext]].astype(np.int64) + 1
+        anc = bpar.copy()
+        for _ in range(64):  # depth sums along the in-batch path: O(log depth) rounds
+            m = np.flatnonzero(anc >= 0)
+            if not m.size:
+                break
+            up = anc[m]
+            val[m], anc[m] = val[m] + val[up], anc[up]
+        else:  # a batch deeper than 2**64 cannot exist; guard against a cycle
+            raise AssertionError("insert: in-batch parents form a cycle")
+        self.depth[rows] = val
+        has = np.flatnonzero(parents >= 0)
+        if not has.size:
+            return
+        order = has[np.argsort(parents[has], kind="stable")]  # grouped by parent, batch order within
+        cs, ps = rows[order], parents[order]
+        start = np.ones(cs.size, dtype=bool)
+        np.not_equal(ps[1:], ps[:-1], out=start[1:])
+        end = np.ones(cs.size, dtype=bool)
+        end[:-1] = start[1:]
+        heads = np.flatnonzero(start)
+        pu = ps[heads]  # each parent once
+        old = self.first_child[pu].astype(np.int64)
+        nxt = np.empty(cs.size, dtype=np.int64)
+        nxt[1:] = cs[:-1]
+        nxt[heads] = old  # the first new child points at the old first child
+        prv = np.full(cs.size, NO_ROW, dtype=np.int64)
+        prv[:-1] = cs[1:]
+        prv[end] = NO_ROW
+        self.next_sib[cs] = nxt
+        self.prev_sib[cs] = prv
+        had = old >= 0
+        self.prev_sib[old[had]] = cs[heads[had]]
+        self.first_child[pu] = cs[end]
+        counts = np.diff(np.append(heads, cs.size))
+        self.nchild[pu] += counts.astype(np.uint32)
+        same = (self.tier[ps] == self.tier[cs]).astype(np.int64)
+        self.nchild_tier[pu] += np.add.reduceat(same, heads).astype(np.uint32)
 
     def _link(self, p: int, r: int) -> None:
         head = int(self.first_child[p])
@@ -490,19 +399,10 @@ class BlockIndex:
         # children must be inside the set (rows are distinct; child counts match the lists)
         if int(self.nchild[rows].sum()) != int(np.count_nonzero(inner)):
             raise AssertionError("delete would orphan a child")
-        where = self._positions(rows)
+        self._keys.remove(self.k0, self.ns, rows)
         for r in rows[~inner & (par >= 0)].tolist():
             self._unlink(r)
         self.parent[rows] = NO_ROW
-        rns = self.ns[rows]
-        groups = [rows] if bool((rns == rns[0]).all()) else [rows[rns == nid] for nid in np.unique(rns).tolist()]
-        for part in groups:
-            m = self._bykey[int(self.ns[part[0]])]
-            for r, k in zip(part.tolist(), self.k0[part].tolist()):
-                if m.get(k) == r:
-                    del m[k]
-        self._table[where] = _TOMB
-        self._tpos[rows] = -1
         self.state[rows] = BlockState.FREE
         self.loc[rows] = NO_LOC
         self.ssd_loc[rows] = NO_LOC
@@ -510,36 +410,13 @@ class BlockIndex:
         self.first_child[rows] = NO_ROW
         self.nchild[rows] = 0
         self.nchild_tier[rows] = 0
+        if self._nfree + rows.size > self._free.size:
+            free = np.empty(max(self._nfree + rows.size, 2 * self._free.size), dtype=np.int32)
+            free[: self._nfree] = self._free[: self._nfree]
+            self._free = free
         self._free[self._nfree : self._nfree + rows.size] = rows
         self._nfree += rows.size
         self.live -= rows.size
-
-    def _positions(self, rows: np.ndarray) -> np.ndarray:
-        """Table positions of live rows (rows are compared by identity)."""
-        where = self._tpos[rows].astype(np.int64)
-        if bool((where >= 0).all()) and bool((self._table[where] == rows).all()):
-            return where
-        return self._probe_positions(rows)
-
-    def _probe_positions(self, rows: np.ndarray) -> np.ndarray:
-        table = self._table
-        mask = table.size - 1
-        pos = self._home(self.k0[rows], self.ns[rows])
-        out = np.full(rows.size, -1, dtype=np.int64)
-        active = np.arange(rows.size)
-        for _ in range(table.size):
-            p = pos[active]
-            s = table[p]
-            match = s == rows[active]
-            out[active[match]] = p[match]
-            keep = ~match
-            if np.any(s[keep] == _EMPTY):
-                raise AssertionError("row missing from table")
-            active = active[keep]
-            if active.size == 0:
-                break
-            pos[active] = (pos[active] + 1) & mask
-        return out
 
     def set_tier(self, rows: np.ndarray, tier: int, locs: np.ndarray) -> None:
         """Move rows to another tier (new locations), keeping child counts right."""
@@ -580,13 +457,12 @@ class BlockIndex:
         assert np.array_equal(same[rows], self.nchild_tier[rows].astype(np.int64)), "nchild_tier"
         found = self.find_any(rows)
         assert np.array_equal(found, rows), "table does not map keys to their rows"
-        for r, k in zip(rows.tolist(), self.k0[rows].tolist()):
-            assert self._bykey[int(self.ns[r])].get(k) in (r, _SHARED), "key map"
+        assert self._keys.used <= self._keys.table.size * 0.7 + 1, "key table over its load"
 
     def find_any(self, rows: np.ndarray) -> np.ndarray:
         out = np.empty(rows.size, dtype=np.int64)
         for ns in np.unique(self.ns[rows]).tolist():
             sel = self.ns[rows] == ns
-            r, _ = self._probe(self.k0[rows[sel]], self.k1[rows[sel]], ns)
-            out[sel] = r
+            # the numpy probe, whichever path placed the keys: the two must agree
+            out[sel] = self._keys.probe(self.k0, self.k1, self.ns, self.k0[rows[sel]], self.k1[rows[sel]], ns)
         return out

@@ -37,12 +37,11 @@ from enum import Enum
 import numpy as np
 
 from kvstore.core.eviction import close_upward, select_victims
-from kvstore.core.index import NO_LOC, NO_ROW, BlockState, keys_to_array
+from kvstore.core.index import NO_LOC, BlockState
 from kvstore.core.placement import Placement
-from kvstore.core.plan import in_batch
 from kvstore.core.ssd_io import GuardedSsdTier, IoGate
+from kvstore.core.ssd_restore import Recovery, restore_index
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
-from kvstore.keys import Namespace
 from kvstore.results import DropReason
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.ssd_admit import SsdAdmission
@@ -94,14 +93,6 @@ class SsdSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "write_mode", WriteMode.parse(self.write_mode))
-
-
-@dataclass(slots=True)
-class Recovery:
-    blocks: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    dropped: int = 0
 
 
 class SsdMover:
@@ -477,82 +468,8 @@ class SsdMover:
 
     # ----------------------------------------------------------- recovery
     def recover(self) -> Recovery:
-        """Rebuild index rows for every block the SSD tier holds."""
-        place = self.placement
-        t0 = time.perf_counter()
-        rec = Recovery()
-        nsids: dict[bytes, int] = {}
-        for digest, desc in self.tier.namespaces().items():
-            try:
-                doc = json.loads(desc)
-                ns = Namespace.from_dict(doc["namespace"])
-                block_bytes = doc.get("block_bytes")
-            except (KVStoreError, ValueError, KeyError, TypeError) as e:
-                log.warning("ssd: unreadable namespace descriptor %s: %s", digest.hex(), e)
-                continue
-            if ns.digest != digest:
-                log.warning("ssd: namespace descriptor %s does not hash to its digest", digest.hex())
-                continue
-            nsids[digest] = place.nsid(ns, persist=False)
-            if isinstance(block_bytes, int) and block_bytes > 0:
-                place.namespaces.set_size(nsids[digest], block_bytes)
-        blocks = self.tier.recover()
-        idx = place.index
-        orphans: list[int] = []
-        i = 0
-        while i < len(blocks):
-            batch = blocks[i : i + 4096]
-            i += len(batch)
-            # group by namespace, keep order (parents first)
-            by_ns: dict[int, list[tuple[int, BlockMeta, int, int]]] = {}
-            for b in batch:
-                nid = nsids.get(b[1].ns_digest)
-                if nid is None:
-                    orphans.append(b[0])
-                else:
-                    by_ns.setdefault(nid, []).append(b)
-            for nid, items in by_ns.items():
-                keys = keys_to_array([m.key for _, m, _, _ in items])
-                present = idx.find(nid, keys)
-                pos = {m.key: j for j, (_, m, _, _) in enumerate(items)}
-                parents_known = idx.find(nid, keys_to_array([m.parent or bytes(16) for _, m, _, _ in items]))
-                keep: list[int] = []
-                prefs: list[int] = []
-                newpos: dict[int, int] = {}
-                for j, (loc, m, size, csum) in enumerate(items):
-                    if present[j] >= 0:
-                        orphans.append(loc)  # a duplicate copy
-                        continue
-                    if not m.parent:
-                        p = NO_ROW
-                    elif parents_known[j] >= 0:
-                        p = int(parents_known[j])
-                    elif m.parent in pos and pos[m.parent] in newpos:
-                        p = in_batch(newpos[pos[m.parent]])
-                    else:
-                        orphans.append(loc)
-                        continue
-                    newpos[j] = len(keep)
-                    keep.append(j)
-                    prefs.append(p)
-                if not keep:
-                    continue
-                sel = [items[j] for j in keep]
-                rows = idx.insert(nid, keys[np.asarray(keep)], np.asarray(prefs, dtype=np.int64),
-                                  int(TierKind.SSD), np.asarray([s[0] for s in sel], dtype=np.int64),
-                                  np.asarray([s[2] for s in sel], dtype=np.int64), BlockState.COMMITTED,
-                                  place.ticks(len(sel)))
-                idx.csum[rows] = np.asarray([s[3] for s in sel], dtype=np.uint64)
-                place.policy.on_insert(idx, rows)
-                if place.namespaces.size_of(nid) is None:
-                    place.namespaces.set_size(nid, int(sel[0][2]))
-                rec.blocks += len(sel)
-                rec.bytes += int(sum(s[2] for s in sel))
-        if orphans:
-            self.tier.free(np.asarray(orphans, dtype=np.int64))
-        rec.dropped = len(orphans)
-        rec.seconds = time.perf_counter() - t0
-        return rec
+        """Rebuild index rows for every block the SSD tier holds (kvstore/core/ssd_restore.py)."""
+        return restore_index(self.placement, self.tier)
 
     def close(self) -> None:
         self.tier.close()

@@ -1,12 +1,15 @@
-"""The index's batch fast paths (chain insert, dict-backed find, table
-positions kept per row, delete without walking the sibling lists) against
-the slow paths they replace, on random forests with shared key halves."""
+"""The index's batch fast paths (chain insert, the key table probed in C,
+delete without walking the sibling lists) against the slow paths they
+replace, on random forests with shared key halves: the C table and the numpy
+one must place and find alike."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvstore.core.index import BlockIndex, BlockState
+from kvstore.core.keytable import HASHTAB
 
 
 def _check(idx: BlockIndex, ns_of: dict[int, int]) -> None:
@@ -16,22 +19,24 @@ def _check(idx: BlockIndex, ns_of: dict[int, int]) -> None:
     for r in rows.tolist():
         kids = sorted(idx.children(r))
         assert kids == sorted(rows[idx.parent[rows] == r].tolist())
-    # the kept table positions are the probed ones
-    assert np.array_equal(idx._tpos[rows], idx._probe_positions(rows))
-    assert np.array_equal(idx._positions(rows), idx._probe_positions(rows))
-    # dict-backed find agrees with the probing table, present and absent keys
+    # find (C or numpy) agrees with the numpy probe, present and absent keys
     for ns in set(ns_of.values()) | {99}:
         keys = np.stack([idx.k0[rows], idx.k1[rows]], axis=1)
         absent = keys.copy()
         absent[:, 1] ^= np.uint64(1)  # same first half, other key
         for q in (keys, absent):
-            want, _ = idx._probe(q[:, 0], q[:, 1], ns)
+            want = np.where(idx.ns[rows] == ns, rows, -1) if q is keys else np.full(rows.size, -1)
             assert np.array_equal(idx.find(ns, q), want)
+            committed = np.where((want >= 0) & (idx.state[np.maximum(want, 0)] == BlockState.COMMITTED), want, -1)
+            assert np.array_equal(idx.find_committed(ns, q), committed)
 
 
-def test_random_forests_keep_links_table_and_map_exact():
+@pytest.mark.parametrize("native", [True, False], ids=["c-table", "numpy-table"])
+def test_random_forests_keep_links_table_and_map_exact(native: bool):
+    if native and HASHTAB is None:
+        pytest.skip("kvstore.core.ckeytable is not built")
     rng = np.random.default_rng(7)
-    idx = BlockIndex(initial_rows=16)
+    idx = BlockIndex(initial_rows=16, native=native)
     halves = rng.integers(0, 2**63, size=8, dtype=np.int64).astype(np.uint64)  # few: shared first halves
     ns_of: dict[int, int] = {}
     tick = 1
@@ -48,9 +53,11 @@ def test_random_forests_keep_links_table_and_map_exact():
         else:  # a fan: every key a child of the head or of an earlier key
             parents = np.asarray([head] + [int(rng.choice([head, -2 - int(rng.integers(0, i))]))
                                            for i in range(1, n)], dtype=np.int64)
-        rows = idx.insert(ns, keys, parents, int(rng.integers(0, 2)), np.arange(n), np.full(n, 10),
-                          BlockState.COMMITTED, tick)
+        state = BlockState.COMMITTED if rng.random() < 0.8 else BlockState.RESERVED
+        rows = idx.insert(ns, keys, parents, int(rng.integers(0, 2)), np.arange(n), np.full(n, 10), state, tick)
         tick += n
+        lk = idx.lookup(ns, keys)  # the leading committed keys
+        assert lk.hit == (n if state is BlockState.COMMITTED else 0) and np.array_equal(lk.rows, rows[: lk.hit])
         for r in rows.tolist():
             ns_of[r] = ns
         assert np.array_equal(idx.find(ns, keys), rows)
@@ -75,3 +82,37 @@ def test_chain_insert_matches_the_linked_one():
     assert np.array_equal(ra, rb)
     for col in ("parent", "first_child", "next_sib", "prev_sib", "nchild", "nchild_tier", "depth", "last"):
         assert np.array_equal(getattr(a, col)[ra], getattr(b, col)[rb]), col
+
+
+def test_batch_linking_matches_the_row_loop():
+    """Wide, deep forests inserted in one batch (``_link_batch``) against the
+    same rows linked one at a time, onto existing parents with children."""
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        a, b = BlockIndex(), BlockIndex()
+        base = np.arange(1, 13, dtype=np.uint64).reshape(6, 2) * np.uint64(1000 + trial)
+        pre = np.asarray([-1, -2, -2, -3, -1, -5], dtype=np.int64)  # a small existing forest
+        ra = a.insert(0, base, pre, 1, np.arange(6), np.full(6, 10), BlockState.COMMITTED, 1)
+        b.insert(0, base, pre, 1, np.arange(6), np.full(6, 10), BlockState.COMMITTED, 1)
+        n = int(rng.integers(5, 200))
+        keys = rng.integers(0, 2**63, size=(n, 2), dtype=np.int64).astype(np.uint64)
+        parents = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            pick = rng.random()
+            if pick < 0.15 or i == 0:
+                parents[i] = -1 if rng.random() < 0.5 else int(rng.choice(ra))
+            elif pick < 0.3:
+                parents[i] = int(rng.choice(ra))
+            else:
+                parents[i] = -2 - int(rng.integers(max(0, i - 5) if pick < 0.8 else 0, i))
+        tier = int(rng.integers(0, 3))
+        rows_a = a.insert(0, keys, parents, tier, np.arange(n), np.full(n, 10), BlockState.COMMITTED, 9)
+        rows_b = np.empty(n, dtype=np.int64)
+        for i in range(n):  # one key at a time: the per-row loop
+            p = int(parents[i]) if parents[i] >= -1 else int(rows_b[-2 - parents[i]])
+            rows_b[i] = b.insert(0, keys[i:i + 1], np.asarray([p]), tier, np.asarray([i]), np.asarray([10]),
+                                 BlockState.COMMITTED, 9 + i)[0]
+        assert np.array_equal(rows_a, rows_b)
+        for col in ("parent", "first_child", "next_sib", "prev_sib", "nchild", "nchild_tier", "depth"):
+            assert np.array_equal(getattr(a, col)[: a.live], getattr(b, col)[: b.live]), (trial, col)
+        a.check_invariants()

@@ -1,0 +1,324 @@
+/*
+ * kvstore.core.ckeytable -- the block index's key table in C (optional).
+ *
+ * The table is an open-addressing hash table of int32 rows with linear
+ * probing (-1 empty, -2 tombstone); a row's key lives in the index's own
+ * columns k0/k1 (uint64) and ns (uint32), so the table costs 4 bytes a slot
+ * and no Python object exists per block. kvstore/core/keytable.py holds the
+ * numpy fallback, which places and finds exactly the same way.
+ *
+ *   find(table, k0, k1, nscol, state, keys, ns, want_state, stop, out) -> int
+ *       Rows of the (n, 2) uint64 ``keys`` in namespace ``ns`` into ``out``
+ *       (int64, -1 when absent, or when ``want_state >= 0`` and the row's
+ *       state differs). With ``stop`` the scan ends at the first -1 and the
+ *       number of leading rows found is returned; else n.
+ *   place(table, k0, nscol, rows) -> int
+ *       Put rows (int64; keys known absent and distinct) into free slots.
+ *       Returns how many empty (not tombstone) slots were taken.
+ *   remove(table, k0, nscol, rows) -> None
+ *       Tombstone the slots holding these rows (found by identity).
+ *
+ * Every array must be C-contiguous with the dtype named; the Python side
+ * (keytable.py) guarantees that. Rows read from the table are bounds-checked
+ * against the columns.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define HT_EMPTY (-1)
+#define HT_TOMB (-2)
+#define HT_MIX 0x9E3779B97F4A7C15ULL
+
+static inline uint64_t
+ht_home(uint64_t k0, uint64_t ns, uint64_t mask)
+{
+    uint64_t h = (k0 ^ (ns * HT_MIX)) * HT_MIX;
+    return (h >> 29) & mask;
+}
+
+static int
+ht_view(PyObject *obj, Py_buffer *v, Py_ssize_t item, int writable, const char *name)
+{
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, v, flags) < 0) {
+        return -1;
+    }
+    if (v->itemsize != item || v->len % item) {
+        PyErr_Format(PyExc_TypeError, "%s: expected items of %zd bytes, got %zd", name, item, v->itemsize);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+ht_find(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer tb, k0b, k1b, nsb, stb, qb, ob;
+    long long ns, want;
+    int stop;
+    Py_ssize_t n, i, done;
+    (void)self;
+
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "find takes 10 arguments");
+        return NULL;
+    }
+    ns = PyLong_AsLongLong(args[6]);
+    want = PyLong_AsLongLong(args[7]);
+    stop = PyObject_IsTrue(args[8]);
+    if (PyErr_Occurred() || stop < 0) {
+        return NULL;
+    }
+    if (ht_view(args[0], &tb, 4, 0, "table") < 0) {
+        return NULL;
+    }
+    if (ht_view(args[1], &k0b, 8, 0, "k0") < 0) {
+        goto f0;
+    }
+    if (ht_view(args[2], &k1b, 8, 0, "k1") < 0) {
+        goto f1;
+    }
+    if (ht_view(args[3], &nsb, 4, 0, "nscol") < 0) {
+        goto f2;
+    }
+    if (ht_view(args[4], &stb, 1, 0, "state") < 0) {
+        goto f3;
+    }
+    if (ht_view(args[5], &qb, 8, 0, "keys") < 0) {
+        goto f4;
+    }
+    if (ht_view(args[9], &ob, 8, 1, "out") < 0) {
+        goto f5;
+    }
+    {
+        const int32_t *table = (const int32_t *)tb.buf;
+        const uint64_t *k0 = (const uint64_t *)k0b.buf, *k1 = (const uint64_t *)k1b.buf;
+        const uint32_t *nscol = (const uint32_t *)nsb.buf;
+        const uint8_t *state = (const uint8_t *)stb.buf;
+        const uint64_t *q = (const uint64_t *)qb.buf;
+        int64_t *out = (int64_t *)ob.buf;
+        Py_ssize_t tsize = tb.len / 4, nrows = k0b.len / 8;
+        uint64_t mask = (uint64_t)tsize - 1;
+        uint32_t ns32 = (uint32_t)ns;
+
+        n = qb.len / 16;
+        done = n;
+        if (ob.len / 8 < n || k1b.len / 8 < nrows || nsb.len / 4 < nrows || stb.len < nrows
+                || (tsize & (tsize - 1)) || tsize == 0) {
+            PyErr_SetString(PyExc_ValueError, "find: array sizes disagree");
+            goto f6;
+        }
+        for (i = 0; i < n; i++) {
+            uint64_t a = q[2 * i], b = q[2 * i + 1];
+            uint64_t pos = ht_home(a, (uint64_t)ns32, mask);
+            int64_t found = -1;
+            Py_ssize_t probes;
+            for (probes = 0; probes < tsize; probes++) {
+                int32_t s = table[pos];
+                if (s == HT_EMPTY) {
+                    break;
+                }
+                if (s >= 0) {
+                    if (s >= nrows) {
+                        PyErr_SetString(PyExc_ValueError, "find: table names a row past the columns");
+                        goto f6;
+                    }
+                    if (k0[s] == a && k1[s] == b && nscol[s] == ns32) {
+                        found = s;
+                        break;
+                    }
+                }
+                pos = (pos + 1) & mask;
+            }
+            if (found >= 0 && want >= 0 && state[found] != (uint8_t)want) {
+                found = -1;
+            }
+            out[i] = found;
+            if (found < 0 && stop) {
+                done = i;
+                break;
+            }
+        }
+    }
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&qb);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&nsb);
+    PyBuffer_Release(&k1b);
+    PyBuffer_Release(&k0b);
+    PyBuffer_Release(&tb);
+    return PyLong_FromSsize_t(done);
+f6:
+    PyBuffer_Release(&ob);
+f5:
+    PyBuffer_Release(&qb);
+f4:
+    PyBuffer_Release(&stb);
+f3:
+    PyBuffer_Release(&nsb);
+f2:
+    PyBuffer_Release(&k1b);
+f1:
+    PyBuffer_Release(&k0b);
+f0:
+    PyBuffer_Release(&tb);
+    return NULL;
+}
+
+/* Shared by place and remove: (table rw, k0, nscol, rows). */
+static int
+ht_rows_args(PyObject *const *args, Py_ssize_t nargs, const char *fn, Py_buffer *tb, Py_buffer *k0b,
+             Py_buffer *nsb, Py_buffer *rb)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "%s takes 4 arguments", fn);
+        return -1;
+    }
+    if (ht_view(args[0], tb, 4, 1, "table") < 0) {
+        return -1;
+    }
+    if (ht_view(args[1], k0b, 8, 0, "k0") < 0) {
+        goto f0;
+    }
+    if (ht_view(args[2], nsb, 4, 0, "nscol") < 0) {
+        goto f1;
+    }
+    if (ht_view(args[3], rb, 8, 0, "rows") < 0) {
+        goto f2;
+    }
+    {
+        Py_ssize_t tsize = tb->len / 4, nrows = k0b->len / 8, i, n = rb->len / 8;
+        const int64_t *rows = (const int64_t *)rb->buf;
+        if (tsize == 0 || (tsize & (tsize - 1)) || nsb->len / 4 < nrows) {
+            PyErr_Format(PyExc_ValueError, "%s: array sizes disagree", fn);
+            goto f3;
+        }
+        for (i = 0; i < n; i++) {
+            if (rows[i] < 0 || rows[i] >= nrows || rows[i] > INT32_MAX) {
+                PyErr_Format(PyExc_ValueError, "%s: row %lld out of range", fn, (long long)rows[i]);
+                goto f3;
+            }
+        }
+    }
+    return 0;
+f3:
+    PyBuffer_Release(rb);
+f2:
+    PyBuffer_Release(nsb);
+f1:
+    PyBuffer_Release(k0b);
+f0:
+    PyBuffer_Release(tb);
+    return -1;
+}
+
+static void
+ht_release4(Py_buffer *a, Py_buffer *b, Py_buffer *c, Py_buffer *d)
+{
+    PyBuffer_Release(d);
+    PyBuffer_Release(c);
+    PyBuffer_Release(b);
+    PyBuffer_Release(a);
+}
+
+static PyObject *
+ht_place(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer tb, k0b, nsb, rb;
+    Py_ssize_t i, n, taken = 0, tsize;
+    (void)self;
+
+    if (ht_rows_args(args, nargs, "place", &tb, &k0b, &nsb, &rb) < 0) {
+        return NULL;
+    }
+    {
+        int32_t *table = (int32_t *)tb.buf;
+        const uint64_t *k0 = (const uint64_t *)k0b.buf;
+        const uint32_t *nscol = (const uint32_t *)nsb.buf;
+        const int64_t *rows = (const int64_t *)rb.buf;
+        uint64_t mask;
+        tsize = tb.len / 4;
+        mask = (uint64_t)tsize - 1;
+        n = rb.len / 8;
+        for (i = 0; i < n; i++) {
+            int64_t r = rows[i];
+            uint64_t pos = ht_home(k0[r], (uint64_t)nscol[r], mask);
+            Py_ssize_t probes = 0;
+            while (table[pos] >= 0) {
+                pos = (pos + 1) & mask;
+                if (++probes >= tsize) {
+                    ht_release4(&tb, &k0b, &nsb, &rb);
+                    PyErr_SetString(PyExc_RuntimeError, "place: the key table is full");
+                    return NULL;
+                }
+            }
+            taken += table[pos] == HT_EMPTY;
+            table[pos] = (int32_t)r;
+        }
+    }
+    ht_release4(&tb, &k0b, &nsb, &rb);
+    return PyLong_FromSsize_t(taken);
+}
+
+static PyObject *
+ht_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer tb, k0b, nsb, rb;
+    Py_ssize_t i, n, tsize;
+    (void)self;
+
+    if (ht_rows_args(args, nargs, "remove", &tb, &k0b, &nsb, &rb) < 0) {
+        return NULL;
+    }
+    {
+        int32_t *table = (int32_t *)tb.buf;
+        const uint64_t *k0 = (const uint64_t *)k0b.buf;
+        const uint32_t *nscol = (const uint32_t *)nsb.buf;
+        const int64_t *rows = (const int64_t *)rb.buf;
+        uint64_t mask;
+        tsize = tb.len / 4;
+        mask = (uint64_t)tsize - 1;
+        n = rb.len / 8;
+        for (i = 0; i < n; i++) {
+            int64_t r = rows[i];
+            uint64_t pos = ht_home(k0[r], (uint64_t)nscol[r], mask);
+            Py_ssize_t probes = 0;
+            while (table[pos] != (int32_t)r) {
+                if (table[pos] == HT_EMPTY || ++probes >= tsize) {
+                    ht_release4(&tb, &k0b, &nsb, &rb);
+                    PyErr_Format(PyExc_AssertionError, "row %lld missing from the key table", (long long)r);
+                    return NULL;
+                }
+                pos = (pos + 1) & mask;
+            }
+            table[pos] = HT_TOMB;
+        }
+    }
+    ht_release4(&tb, &k0b, &nsb, &rb);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ht_methods[] = {
+    {"find", (PyCFunction)(void (*)(void))ht_find, METH_FASTCALL,
+     "find(table, k0, k1, nscol, state, keys, ns, want_state, stop, out) -> int"},
+    {"place", (PyCFunction)(void (*)(void))ht_place, METH_FASTCALL,
+     "place(table, k0, nscol, rows) -> empty slots taken"},
+    {"remove", (PyCFunction)(void (*)(void))ht_remove, METH_FASTCALL,
+     "remove(table, k0, nscol, rows) -> None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef ht_module = {
+    PyModuleDef_HEAD_INIT, "kvstore.core.ckeytable",
+    "The block index's key table (open addressing, linear probing) in C.", -1, ht_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit_ckeytable(void)
+{
+    return PyModule_Create(&ht_module);
+}
