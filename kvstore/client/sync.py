@@ -52,9 +52,16 @@ class Client(ClientBase):
 
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
-                 timeout: float = 30.0, session: bool = True, fast_lookup: bool = True) -> None:
-        """``fast_lookup``: on the daemon's host, send ``lookup`` over its fast
-        Lookup socket (kvstore.client.socket) instead of gRPC."""
+                 timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
+                 pipeline: bool = True) -> None:
+        """``fast_lookup``: on the daemon's host, send ``lookup`` and the
+        shared-memory path's control calls over its same-host socket
+        (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
+        socket): ``put`` sends its ``Commit`` and ``get_into`` its ``Release``
+        without waiting for the answer (kvstore.client.socket); the daemon
+        runs them before this client's next call, so this client always reads
+        its own writes, and another client sees the blocks once the daemon
+        has taken in the ``Commit`` (microseconds later)."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
@@ -62,6 +69,7 @@ class Client(ClientBase):
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self._keepalive: Any = None
+        self.pipeline = pipeline
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -106,7 +114,37 @@ class Client(ClientBase):
             return getattr(pb, name + "Response").FromString(data)
         return self._call(getattr(self.stub, name), request)
 
+    def _send(self, name: str, request: Any) -> None:
+        """A control call whose answer is not needed now: over the same-host
+        socket without waiting (``pipeline``; a failure is logged when its
+        answer is read), else an ordinary call."""
+        fast = self._fast
+        if fast is None or not self.pipeline:
+            self._unary(name, request)
+            return
+        try:
+            fast.send(name, request.SerializeToString())
+        except OSError as e:
+            log.warning("fast socket failed (%s): control calls go over gRPC", e)
+            fast.close()
+            self._fast = None
+            raise Unavailable(f"UNAVAILABLE: {name} over the fast socket failed: {e}") from None
+
+    def flush(self) -> None:
+        """Wait until the daemon has run every call this client sent without
+        waiting (the ``Commit`` of its puts, the ``Release`` of its gets)."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                fast.flush()
+            except OSError as e:
+                log.warning("fast socket failed (%s): control calls go over gRPC", e)
+                fast.close()
+                self._fast = None
+
     def close(self) -> None:
+        if self._fast is not None:
+            self.flush()
         if self._fast is not None:
             self._fast.close()
             self._fast = None
@@ -174,8 +212,11 @@ class Client(ClientBase):
         except BaseException:
             self._unary("Abort", pb.AbortRequest(reservation_id=r.reservation_id))
             raise
-        c = self._unary("Commit", pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
-        return self._merge_commit(statuses, c)
+        commit = pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums)
+        if self.pipeline and self._fast is not None:
+            self._send("Commit", commit)
+            return statuses
+        return self._merge_commit(statuses, self._unary("Commit", commit))
 
     def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                     parent: bytes | None) -> list[KeyStatus]:
@@ -222,7 +263,7 @@ class Client(ClientBase):
             statuses = self._read_slots(r, outs)
         finally:
             if r.lease_id:
-                self._unary("Release", pb.ReleaseRequest(lease_id=r.lease_id))
+                self._send("Release", pb.ReleaseRequest(lease_id=r.lease_id))
         self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
         return statuses
 
