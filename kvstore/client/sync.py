@@ -166,7 +166,7 @@ class Client(ClientBase):
         if fast is not None:
             wire = self._ns_wire.get(ns)
             if wire is None:
-                wire = self._ns_wire[ns] = ns_pb(ns).SerializeToString(deterministic=True)
+                wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
             try:
                 hit, tiers = fast.lookup(wire, pack_keys(keys, check=True))
                 return lookup_from_values(hit, tiers)
@@ -258,7 +258,8 @@ class Client(ClientBase):
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True),
+                                                     promote=True))
         try:
             statuses = self._read_slots(r, outs)
         finally:
@@ -322,7 +323,7 @@ class Client(ClientBase):
         slab, e.g. every TP rank writing its shard), then ``commit``.
         ``tier="hbm"`` asks for device slots: those whose ``tiers`` entry is
         HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
-        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
+        req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
                                 block_bytes=block_bytes, tier=tier_field(tier))
         r = self._unary("Reserve", req)
         sa = r.slots
@@ -356,7 +357,7 @@ class Client(ClientBase):
         want = tier_field(tier)
         if want == TierKind.HBM + 1:
             self.map_hbm()
-        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True,
+        r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), promote=True,
                                                      tier=want, cluster=cluster))
         sa = r.slots
         hit = int(r.hit_blocks)
