@@ -322,8 +322,9 @@ class Mooncake:
 class Ours:
     """This project's daemon and its local client (shared-memory path)."""
 
-    def __init__(self, tmp: str, procs: Procs) -> None:
+    def __init__(self, tmp: str, procs: Procs, unix_socket: bool = False) -> None:
         self.tmp, self.procs = tmp, procs
+        self.unix_socket = unix_socket
         self.client: Any = None
 
     def start(self) -> None:
@@ -335,12 +336,15 @@ class Ours:
 
         # embedded defaults, as `make serve` runs it: gRPC on 127.0.0.1 (a free
         # port), no --unix-socket; the same-host socket is on by default
+        # (--unix-socket: the way older daemons had to run for a same-host socket)
         log = open(os.path.join(self.tmp, "kvstore.log"), "w")
         port = free_port()
-        self.procs.start("kvstore serve", [sys.executable, "-m", "kvstore", "serve", "--port", str(port),
+        where = ["--host", "", "--unix-socket", os.path.join(self.tmp, "kv.sock")] if self.unix_socket else \
+            ["--port", str(port)]
+        self.procs.start("kvstore serve", [sys.executable, "-m", "kvstore", "serve", *where,
                                            "--metrics-port", "0", "--dram", "2GiB", "--log-level", "warning"],
                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        target = f"127.0.0.1:{port}"
+        target = f"unix:{where[3]}" if self.unix_socket else f"127.0.0.1:{port}"
         wait_serving(target, 60)
         self.client = Client(target, use_shm=True)
         if self.client.slab is None:
@@ -427,14 +431,14 @@ def _mc_round(mc: Mooncake | None, cmd: dict[str, Any]) -> dict[str, Any]:
 
 def measure(quick: bool, venv: str, mooncake_note: str, sizes: tuple[int, ...] = SIZES,
             batches: tuple[int, ...] = BATCHES, rounds: int = 0,
-            lookups: bool = True) -> tuple[dict[str, float], dict[str, str], list[str]]:
+            lookups: bool = True, unix_socket: bool = False) -> tuple[dict[str, float], dict[str, str], list[str]]:
     """Run both sides; returns (figures, units, notes)."""
     figures: dict[str, float] = {}
     units: dict[str, str] = {}
     notes: list[str] = []
     tmp = tempfile.mkdtemp(prefix="kvpeer-")
     procs = Procs()
-    ours = Ours(tmp, procs)
+    ours = Ours(tmp, procs, unix_socket)
     mc: Mooncake | None = None
     try:
         ours.start()
@@ -628,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=",".join(str(x) for x in BATCHES), help="batch sizes, comma-separated")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per shape (default 7; 3 with --quick)")
     ap.add_argument("--no-lookup", action="store_true", help="skip the existence checks")
+    ap.add_argument("--unix-socket", action="store_true",
+                    help="run the daemon on a Unix socket (--host '' --unix-socket), as before issue 18")
     ap.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-netns", action="store_true",
                     help="do not create a network namespace (Mooncake is then skipped)")
@@ -652,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         note = "--no-netns: Mooncake runs only inside its own network namespace"
     figures, units, notes = measure(a.quick, a.mooncake_venv, note, tuple(int(x) for x in a.sizes.split(",")),
-                                    tuple(int(x) for x in a.batches.split(",")), a.rounds, not a.no_lookup)
+                                    tuple(int(x) for x in a.batches.split(",")), a.rounds, not a.no_lookup,
+                                    a.unix_socket)
     report(figures, units, notes, a.json)
     return 0
 

@@ -96,7 +96,25 @@ def default_path(unix_socket: str) -> str:
     beside the gRPC Unix socket, else a new name in ``private_dir()``."""
     if unix_socket:
         return unix_socket + ".lookup"
-    return os.path.join(private_dir(), f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
+    base = private_dir()
+    for name in os.listdir(base):  # sockets left by daemons that died without stopping
+        pid = name.split("-")[1] if name.startswith("kv-") and name.endswith(".sock") else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(base, name))
+            except OSError:
+                pass
+    return os.path.join(base, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def drive(coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:

@@ -142,6 +142,10 @@ def test_private_dir_refuses_a_directory_open_to_others(tmp_path, monkeypatch):
     assert stat.S_IMODE(os.stat(run / "kvstore").st_mode) == 0o700
     assert os.path.dirname(default_path("")) == str(run / "kvstore")
     assert default_path("/x/kv.sock") == "/x/kv.sock.lookup"
+    stale = run / "kvstore" / "kv-999999999-abcd.sock"  # a daemon that died without stopping
+    stale.write_bytes(b"")
+    default_path("")
+    assert not stale.exists()
     os.chmod(run / "kvstore", 0o755)
     with pytest.raises(Unavailable, match="private"):
         private_dir()
