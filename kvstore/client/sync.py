@@ -30,7 +30,7 @@ from kvstore.buffers import as_u8, pack_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
 from kvstore.client.socket import LookupSocketClient
-from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, Unavailable
+from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
 from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, PolicyChange, ResizeResult
 from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
@@ -91,6 +91,9 @@ class Client(ClientBase):
             pass
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        fast = self._fast
+        if fast is not None and fast.owed:  # our pipelined calls run before this one (read-your-writes)
+            self.flush()
         try:
             return method(request, metadata=self._md(), timeout=timeout or self.timeout)
         except grpc.RpcError as e:
@@ -107,10 +110,7 @@ class Client(ClientBase):
             except KVStoreError:  # the daemon's answer (some are OSError subclasses)
                 raise
             except OSError as e:
-                log.warning("fast socket failed (%s): control calls go over gRPC", e)
-                fast.close()
-                self._fast = None
-                raise Unavailable(f"UNAVAILABLE: {name} over the fast socket failed: {e}") from None
+                raise self._socket_failed(name, e) from None
             return getattr(pb, name + "Response").FromString(data)
         return self._call(getattr(self.stub, name), request)
 
@@ -125,10 +125,21 @@ class Client(ClientBase):
         try:
             fast.send(name, request.SerializeToString())
         except OSError as e:
-            log.warning("fast socket failed (%s): control calls go over gRPC", e)
-            fast.close()
+            raise self._socket_failed(name, e) from None
+
+    def _socket_failed(self, name: str, e: OSError) -> KVStoreError:
+        """The same-host socket broke (or timed out: its stream is then out of
+        step): close it, use gRPC from now on, and say how ``name`` failed
+        (DeadlineExceeded for a timeout, as over gRPC; else Unavailable: the
+        call may have run)."""
+        log.warning("same-host socket failed (%s): calls go over gRPC", e)
+        if self._fast is not None:
+            self._fast.close()
             self._fast = None
-            raise Unavailable(f"UNAVAILABLE: {name} over the fast socket failed: {e}") from None
+        if isinstance(e, TimeoutError):
+            return DeadlineExceeded(f"DEADLINE_EXCEEDED: {name} over the same-host socket timed out "
+                                    f"after {self.timeout}s")
+        return Unavailable(f"UNAVAILABLE: {name} over the same-host socket failed: {e}")
 
     def flush(self) -> None:
         """Wait until the daemon has run every call this client sent without
@@ -172,6 +183,8 @@ class Client(ClientBase):
                 return lookup_from_values(hit, tiers)
             except KVStoreError:  # the daemon's answer (some are OSError subclasses)
                 raise
+            except TimeoutError as e:
+                raise self._socket_failed("Lookup", e) from None
             except OSError as e:  # the socket broke: gRPC from now on
                 log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
                 fast.close()

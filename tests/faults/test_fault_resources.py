@@ -217,7 +217,10 @@ def test_slow_disk_deadlines_and_abandoned_calls(make_daemon, tmp_path) -> None:
                         c._call(c.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
                     elif isinstance(r, pb.ReserveResponse) and r.reservation_id:
                         c._call(c.stub.Abort, pb.AbortRequest(reservation_id=r.reservation_id))
-                c.lookup(NS, [])  # queued behind it: the daemon has finished the abandoned call
+                # queued behind it on the same gRPC channel: the daemon has finished
+                # the abandoned call (c.lookup would take the same-host socket,
+                # which is not ordered with gRPC calls)
+                c._call(c.stub.Lookup, pb.LookupRequest(ns=ns_pb(NS), keys_packed=b""))
         slow.undo()
         assert abandoned == slow.calls == 2 * len(chains)  # each one reached the store, then was undone
         fs.delay = 0.0
