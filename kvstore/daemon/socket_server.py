@@ -44,7 +44,7 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -247,7 +247,7 @@ class _Connection(asyncio.Protocol):
             except Exception:
                 return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not a valid request message")
             coro = getattr(self.daemon, name)(req, self.calls)
-            wrap = _proto_answer
+            wrap: Callable[[Any], bytes] = _proto_answer
         else:
             coro = fast_lookup(self.daemon, body, self.lookups)
             wrap = _raw_answer
