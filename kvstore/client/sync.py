@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, cast
 
@@ -82,6 +83,8 @@ class Client(ClientBase):
                     self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token)
                 except (OSError, KVStoreError) as e:
                     log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
+                else:  # a process that exits without close() still lands its last pipelined Commit
+                    weakref.finalize(self, _settle_quietly, self._fast)
 
     def _drain_keepalive(self) -> None:
         try:
@@ -420,6 +423,15 @@ class Client(ClientBase):
     def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
         return policy_from_pb(r)
+
+
+def _settle_quietly(fast: LookupSocketClient) -> None:
+    """At exit (or when a Client is collected): wait for the answers of its
+    pipelined calls, so they ran before its session ends."""
+    try:
+        fast.flush()
+    except (OSError, KVStoreError):
+        pass
 
 
 @dataclass(slots=True)

@@ -308,3 +308,24 @@ def test_a_call_that_waits_keeps_the_order_of_the_frames(make_daemon, tmp_path):
         d.call(lambda: d.daemon.qos.release(ticket))
         first, second = c._fast._answer(), c._fast._answer()
         assert first[1:5] == (2).to_bytes(4, "little") and second[1:5] == (1).to_bytes(4, "little")
+
+
+def test_a_process_that_exits_without_close_lands_its_last_put(uds_daemon, repo_root):
+    import subprocess
+    import sys
+
+    child = (
+        "import numpy as np\n"
+        "from kvstore.client import Client\n"
+        "from kvstore.keys import Namespace, block_keys\n"
+        f"c = Client({uds_daemon.target!r})\n"
+        "ns = Namespace(tenant='t', model_id='m', block_size=16)\n"
+        "keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))\n"
+        "assert c._fast is not None\n"
+        "c.put(ns, keys, [np.zeros(4096, np.uint8)] * 3)\n"  # no close(): the Commit is settled at exit
+    )
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    subprocess.run([sys.executable, "-c", child], check=True, env=env, cwd=repo_root, timeout=120)
+    ns = _ns()
+    keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+    assert uds_daemon.call(lambda: uds_daemon.store.lookup(ns, keys).hit_blocks) == 3
