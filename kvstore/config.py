@@ -98,8 +98,11 @@ class ServerConfig(Section):
     unix_socket: str = ""
     """Path of a Unix socket to listen on as well (mode 0600); empty: none."""
     lookup_socket: str = ""
-    """Same-host fast Lookup socket (mode 0600, kvstore/daemon/socket_server.py): empty:
-    ``<unix_socket>.lookup`` when unix_socket is set; "off": none."""
+    """Same-host socket for Lookup and the shared-memory path's control calls
+    (mode 0600, kvstore/daemon/socket_server.py), on by default: empty means
+    ``<unix_socket>.lookup`` when unix_socket is set, else a new socket in a
+    private directory (0700) of the daemon's user (``$XDG_RUNTIME_DIR/kvstore``
+    or ``/tmp/kvstore-<uid>``); clients find it through Handshake. "off": none."""
     max_message_bytes: Annotated[Size, bounds(4 * KiB, 2**31 - 1)] = 64 * MiB
     """Largest gRPC message either way; bounds inline Put/Get payloads."""
     auth_token_file: str = ""

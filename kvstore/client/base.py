@@ -64,6 +64,7 @@ class ClientBase:
         self._fast_path = ""  # the daemon's fast Lookup socket, when same host
         self._fast: Any = None
         self._ns_wire: dict[Namespace, bytes] = {}
+        self._ns_msgs: dict[Namespace, pb.Namespace] = {}
         self.max_message_bytes = 4 << 20
         self.server_tenant = ""
         self.copy_threads = 2
@@ -130,10 +131,19 @@ class ClientBase:
             yield pb.PutRequest(ns=nsm, keys=keys[a:b], parent=par or b"",
                                 payloads=[as_u8(p).tobytes() for p in payloads[a:b]])
 
-    @staticmethod
-    def _reserve_request(ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
+    def _ns_msg(self, ns: Namespace) -> pb.Namespace:
+        """``ns_pb(ns)``, built once per namespace (building it costs more
+        than the rest of a small request)."""
+        msg = self._ns_msgs.get(ns)
+        if msg is None:
+            if len(self._ns_msgs) >= 1024:
+                self._ns_msgs.clear()
+            msg = self._ns_msgs[ns] = ns_pb(ns)
+        return msg
+
+    def _reserve_request(self, ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
                          parent: bytes | None) -> pb.ReserveRequest:
-        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"")
+        req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"")
         sizes = {s.size for s in srcs}
         if len(sizes) == 1:
             req.block_bytes = sizes.pop()

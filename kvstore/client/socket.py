@@ -1,17 +1,29 @@
-"""The client side of the daemon's same-host socket (issue 9): ``Lookup``
+"""The client side of the daemon's same-host socket (issues 9, 18): ``Lookup``
 and the shared-memory path's control calls over a Unix socket, in the
 frames of ``kvstore.wire.frames``. One connected socket, one call at a time
 (a lock). The client falls back to gRPC when the socket is missing or breaks.
+
+Calls whose answer the caller does not need at once (``send``: the
+``Commit`` of a put, the ``Release`` of a get) are sent without waiting;
+their answers are read before the next call's (the daemon runs a
+connection's calls in order, so they have run by then) or by ``flush``.
+A pipelined call that failed is logged and counted in ``late_errors``.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 
-from kvstore.errors import NotFound
+from kvstore.errors import KVStoreError, NotFound
 from kvstore.wire import frames
 from kvstore.wire.status import code_from_value, error_for
+
+log = logging.getLogger("kvstore.client")
+
+_HEADER = frames.HEADER.unpack_from
+_HIT = frames.HIT.unpack_from
 
 
 class LookupSocketClient:
@@ -21,6 +33,11 @@ class LookupSocketClient:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.lock = threading.Lock()
+        self.buf = bytearray()
+        self.owed: list[str] = []
+        """Methods sent with ``send`` whose answers are still unread."""
+        self.late_errors = 0
+        """Pipelined calls the daemon answered with an error."""
         try:
             self.sock.connect(path)
             self.sock.sendall(frames.hello_frame(session, token))
@@ -32,31 +49,50 @@ class LookupSocketClient:
     def close(self) -> None:
         self.sock.close()
 
-    def _recv(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise ConnectionError("lookup socket closed")
-            got += k
-        return buf
+    def _frame(self) -> bytearray:
+        """The next answer frame's body (buffered: one read may bring several)."""
+        buf = self.buf
+        recv = self.sock.recv
+        while len(buf) < 4:
+            data = recv(65536)
+            if not data:
+                raise ConnectionError("same-host socket closed")
+            buf += data
+        end = 4 + _HEADER(buf)[0]
+        while len(buf) < end:
+            data = recv(max(65536, end - len(buf)))
+            if not data:
+                raise ConnectionError("same-host socket closed")
+            buf += data
+        body = buf[4:end]
+        del buf[:end]
+        return body
 
     def _answer(self) -> bytearray:
-        n = frames.HEADER.unpack(self._recv(4))[0]
-        body = self._recv(n)
+        body = self._frame()
         if body[0] != frames.OK:
             raise error_for(code_from_value(body[0]), bytes(body[1:]).decode(errors="replace"))
         return body
+
+    def _settle(self) -> None:
+        """Read the answers owed to pipelined calls (lock held)."""
+        while self.owed:
+            name = self.owed.pop(0)
+            try:
+                self._answer()
+            except KVStoreError as e:
+                self.late_errors += 1
+                log.warning("%s sent without waiting failed: %s", name, e)
 
     def lookup(self, ns_wire: bytes, packed_keys: bytes) -> tuple[int, bytes]:
         """(hit_blocks, one Tier value byte per hit block)."""
         msg = frames.lookup_frame(ns_wire, packed_keys)
         with self.lock:
             self.sock.sendall(msg)
+            if self.owed:
+                self._settle()
             body = self._answer()
-        _, hit = frames.HIT.unpack_from(body)
+        _, hit = _HIT(body)
         tiers = bytes(body[frames.HIT.size:])
         if len(tiers) != hit:
             raise NotFound(f"malformed lookup answer: {hit} hits, {len(tiers)} tiers")
@@ -68,5 +104,20 @@ class LookupSocketClient:
         msg = frames.call_frame(name, request)
         with self.lock:
             self.sock.sendall(msg)
+            if self.owed:
+                self._settle()
             body = self._answer()
         return bytes(body[1:])
+
+    def send(self, name: str, request: bytes) -> None:
+        """One of ``frames.CALLS`` without waiting for its answer (read
+        before the next call's, or by ``flush``)."""
+        msg = frames.call_frame(name, request)
+        with self.lock:
+            self.sock.sendall(msg)
+            self.owed.append(name)
+
+    def flush(self) -> None:
+        """Wait for every pipelined call's answer."""
+        with self.lock:
+            self._settle()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, cast
 
@@ -30,7 +31,7 @@ from kvstore.buffers import as_u8, pack_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
 from kvstore.client.socket import LookupSocketClient
-from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, Unavailable
+from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
 from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, PolicyChange, ResizeResult
 from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
@@ -52,9 +53,16 @@ class Client(ClientBase):
 
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
-                 timeout: float = 30.0, session: bool = True, fast_lookup: bool = True) -> None:
-        """``fast_lookup``: on the daemon's host, send ``lookup`` over its fast
-        Lookup socket (kvstore.client.socket) instead of gRPC."""
+                 timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
+                 pipeline: bool = True) -> None:
+        """``fast_lookup``: on the daemon's host, send ``lookup`` and the
+        shared-memory path's control calls over its same-host socket
+        (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
+        socket): ``put`` sends its ``Commit`` and ``get_into`` its ``Release``
+        without waiting for the answer (kvstore.client.socket); the daemon
+        runs them before this client's next call, so this client always reads
+        its own writes, and another client sees the blocks once the daemon
+        has taken in the ``Commit`` (microseconds later)."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
@@ -62,6 +70,7 @@ class Client(ClientBase):
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self._keepalive: Any = None
+        self.pipeline = pipeline
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -74,6 +83,8 @@ class Client(ClientBase):
                     self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token)
                 except (OSError, KVStoreError) as e:
                     log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
+                else:  # a process that exits without close() still lands its last pipelined Commit
+                    weakref.finalize(self, _settle_quietly, self._fast)
 
     def _drain_keepalive(self) -> None:
         try:
@@ -83,6 +94,9 @@ class Client(ClientBase):
             pass
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        fast = self._fast
+        if fast is not None and fast.owed:  # our pipelined calls run before this one (read-your-writes)
+            self.flush()
         try:
             return method(request, metadata=self._md(), timeout=timeout or self.timeout)
         except grpc.RpcError as e:
@@ -99,14 +113,52 @@ class Client(ClientBase):
             except KVStoreError:  # the daemon's answer (some are OSError subclasses)
                 raise
             except OSError as e:
-                log.warning("fast socket failed (%s): control calls go over gRPC", e)
-                fast.close()
-                self._fast = None
-                raise Unavailable(f"UNAVAILABLE: {name} over the fast socket failed: {e}") from None
+                raise self._socket_failed(name, e) from None
             return getattr(pb, name + "Response").FromString(data)
         return self._call(getattr(self.stub, name), request)
 
+    def _send(self, name: str, request: Any) -> None:
+        """A control call whose answer is not needed now: over the same-host
+        socket without waiting (``pipeline``; a failure is logged when its
+        answer is read), else an ordinary call."""
+        fast = self._fast
+        if fast is None or not self.pipeline:
+            self._unary(name, request)
+            return
+        try:
+            fast.send(name, request.SerializeToString())
+        except OSError as e:
+            raise self._socket_failed(name, e) from None
+
+    def _socket_failed(self, name: str, e: OSError) -> KVStoreError:
+        """The same-host socket broke (or timed out: its stream is then out of
+        step): close it, use gRPC from now on, and say how ``name`` failed
+        (DeadlineExceeded for a timeout, as over gRPC; else Unavailable: the
+        call may have run)."""
+        log.warning("same-host socket failed (%s): calls go over gRPC", e)
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
+        if isinstance(e, TimeoutError):
+            return DeadlineExceeded(f"DEADLINE_EXCEEDED: {name} over the same-host socket timed out "
+                                    f"after {self.timeout}s")
+        return Unavailable(f"UNAVAILABLE: {name} over the same-host socket failed: {e}")
+
+    def flush(self) -> None:
+        """Wait until the daemon has run every call this client sent without
+        waiting (the ``Commit`` of its puts, the ``Release`` of its gets)."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                fast.flush()
+            except OSError as e:
+                log.warning("fast socket failed (%s): control calls go over gRPC", e)
+                fast.close()
+                self._fast = None
+
     def close(self) -> None:
+        if self._fast is not None:
+            self.flush()
         if self._fast is not None:
             self._fast.close()
             self._fast = None
@@ -128,12 +180,14 @@ class Client(ClientBase):
         if fast is not None:
             wire = self._ns_wire.get(ns)
             if wire is None:
-                wire = self._ns_wire[ns] = ns_pb(ns).SerializeToString(deterministic=True)
+                wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
             try:
                 hit, tiers = fast.lookup(wire, pack_keys(keys, check=True))
                 return lookup_from_values(hit, tiers)
             except KVStoreError:  # the daemon's answer (some are OSError subclasses)
                 raise
+            except TimeoutError as e:
+                raise self._socket_failed("Lookup", e) from None
             except OSError as e:  # the socket broke: gRPC from now on
                 log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
                 fast.close()
@@ -174,8 +228,11 @@ class Client(ClientBase):
         except BaseException:
             self._unary("Abort", pb.AbortRequest(reservation_id=r.reservation_id))
             raise
-        c = self._unary("Commit", pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
-        return self._merge_commit(statuses, c)
+        commit = pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums)
+        if self.pipeline and self._fast is not None:
+            self._send("Commit", commit)
+            return statuses
+        return self._merge_commit(statuses, self._unary("Commit", commit))
 
     def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                     parent: bytes | None) -> list[KeyStatus]:
@@ -217,12 +274,13 @@ class Client(ClientBase):
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True),
+                                                     promote=True))
         try:
             statuses = self._read_slots(r, outs)
         finally:
             if r.lease_id:
-                self._unary("Release", pb.ReleaseRequest(lease_id=r.lease_id))
+                self._send("Release", pb.ReleaseRequest(lease_id=r.lease_id))
         self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
         return statuses
 
@@ -281,7 +339,7 @@ class Client(ClientBase):
         slab, e.g. every TP rank writing its shard), then ``commit``.
         ``tier="hbm"`` asks for device slots: those whose ``tiers`` entry is
         HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
-        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
+        req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
                                 block_bytes=block_bytes, tier=tier_field(tier))
         r = self._unary("Reserve", req)
         sa = r.slots
@@ -315,7 +373,7 @@ class Client(ClientBase):
         want = tier_field(tier)
         if want == TierKind.HBM + 1:
             self.map_hbm()
-        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True,
+        r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), promote=True,
                                                      tier=want, cluster=cluster))
         sa = r.slots
         hit = int(r.hit_blocks)
@@ -365,6 +423,15 @@ class Client(ClientBase):
     def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
         return policy_from_pb(r)
+
+
+def _settle_quietly(fast: LookupSocketClient) -> None:
+    """At exit (or when a Client is collected): wait for the answers of its
+    pipelined calls, so they ran before its session ends."""
+    try:
+        fast.flush()
+    except (OSError, KVStoreError):
+        pass
 
 
 @dataclass(slots=True)

@@ -319,11 +319,16 @@ class Metrics:
         self._cluster_metrics(r)
         self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None
+        self._op_children: dict[str, Any] = {}
+        self._tier_children: dict[int, Any] = {}
 
     # ---------------------------------------------------------- direct updates
     def observe(self, op: str, seconds: float) -> None:
         """One ``op`` call took ``seconds``."""
-        self.op_seconds.labels(op=op).observe(max(0.0, float(seconds)))
+        child = self._op_children.get(op)
+        if child is None:
+            child = self._op_children[op] = self.op_seconds.labels(op=op)
+        child.observe(max(0.0, float(seconds)))
 
     @contextlib.contextmanager
     def timed(self, op: str) -> Iterator[None]:
@@ -334,6 +339,14 @@ class Metrics:
             yield
         finally:
             self.observe(op, time.perf_counter() - t0)
+
+    def _tier_child(self, code: int) -> Any:
+        """The ``kvstore_tier_hit_blocks_total`` child of a TierKind value (cached:
+        ``labels()`` costs more than the increment)."""
+        child = self._tier_children.get(code)
+        if child is None:
+            child = self._tier_children[code] = self.tier_hit_blocks.labels(tier=tier_label(TierKind(code)))
+        return child
 
     def rejected(self, method: str, code: object) -> None:
         """A ``method`` call ended with non-OK status ``code`` (a status name
@@ -360,9 +373,15 @@ class Metrics:
         """Count a lookup's hit blocks by tier (``LookupResult.tier_codes``, or
         a sequence of tiers)."""
         if isinstance(tiers, np.ndarray):
+            if tiers.size == 0:
+                return
+            first = int(tiers[0])
+            if tiers.size == 1 or not (tiers != first).any():  # one tier: no bincount
+                self._tier_child(first).inc(tiers.size)
+                return
             for code, n in enumerate(np.bincount(tiers, minlength=0).tolist()):
                 if n:
-                    self.tier_hit_blocks.labels(tier=tier_label(TierKind(code))).inc(n)
+                    self._tier_child(code).inc(n)
             return
         for tier, n in collections.Counter(tier_label(t) for t in tiers).items():
             self.tier_hit_blocks.labels(tier=tier).inc(n)

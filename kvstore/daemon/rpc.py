@@ -92,6 +92,8 @@ def rpc(method: str, *, admin: bool = False) -> Callable[[Handler], Handler]:
     """Wrap a unary handler ``fn(host, request, context, who)``: auth,
     deadline, QoS, metrics, error -> status."""
 
+    cls = QosClass.for_method(method)
+
     def deco(fn: Handler) -> Handler:
         @functools.wraps(fn)
         async def wrapper(self: RpcHost, request: Any, context: Any) -> Any:
@@ -103,13 +105,17 @@ def rpc(method: str, *, admin: bool = False) -> Callable[[Handler], Handler]:
                 remaining = context.time_remaining()
                 if remaining is not None and remaining <= 0:
                     raise errors.DeadlineExceeded(f"{method}: deadline passed before the call started")
-                cls = QosClass.for_method(method)
                 if cls is None:
                     return await fn(self, request, context, who)
-                async with self.qos.slot(cls):
+                # (acquire returns without waiting when a slot is free: the
+                # same-host socket then runs the whole call synchronously)
+                ticket = await self.qos.acquire(cls)
+                try:
                     if gave_up(context):
                         raise errors.DeadlineExceeded(f"{method}: deadline passed while the call was queued")
                     return await fn(self, request, context, who)
+                finally:
+                    self.qos.release(ticket)
             except QosRejected as e:
                 context.set_trailing_metadata(e.rejection.metadata())
                 self.metrics.rejected(method, "RESOURCE_EXHAUSTED")

@@ -34,6 +34,7 @@ from kvstore.daemon.admin_service import AdminService
 from kvstore.daemon.cluster_service import ClusterService
 from kvstore.daemon.decode import DecodeGuard, add_guarded
 from kvstore.daemon.kv_service import KVStoreService
+from kvstore.errors import KVStoreError
 from kvstore.daemon.state import PROTOCOL_VERSION, SESSION_MD, store_config
 from kvstore.wire.convert import ns_from_pb
 from kvstore.wire.status import STATUS_TABLE, status_for
@@ -109,12 +110,8 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
     fast = None
     if s.unix_socket:
         os.chmod(s.unix_socket, 0o600)
-        if s.lookup_socket != "off":
-            from kvstore.daemon.socket_server import LookupSocketServer
-
-            fast = LookupSocketServer(daemon, s.lookup_socket or s.unix_socket + ".lookup")
-            await fast.start()
-            daemon.lookup_socket = fast.path
+    if s.lookup_socket != "off":
+        fast = await start_socket(daemon, s.lookup_socket, s.unix_socket)
     for n in names[:2]:
         hs.set(n, health_pb2.HealthCheckResponse.SERVING)
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -123,6 +120,25 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
     if config.cluster.mode.value != "off":
         await start_cluster(running, config)
     return running
+
+
+async def start_socket(daemon: Daemon, path: str, unix_socket: str) -> Any:
+    """The same-host socket (kvstore.daemon.socket_server), on by default: at
+    ``path``, else beside ``unix_socket``, else in a private directory of the
+    daemon's user. None (logged) when it cannot be opened: the daemon still
+    serves gRPC."""
+    from kvstore.daemon.socket_server import LookupSocketServer, default_path
+
+    try:
+        fast = LookupSocketServer(daemon, path or default_path(unix_socket))
+        await fast.start()
+    except (OSError, KVStoreError) as e:
+        if path:
+            raise
+        log.warning("no same-host socket (%s): same-host clients use gRPC for every call", e)
+        return None
+    daemon.lookup_socket = fast.path
+    return fast
 
 
 async def start_cluster(running: Any, config: Config) -> None:
@@ -210,4 +226,4 @@ async def _serve(config: Config) -> int:
 
 
 __all__ = ["Daemon", "PROTOCOL_VERSION", "Running", "SESSION_MD", "STATUS_TABLE", "ns_from_pb", "serve", "start",
-           "start_cluster", "shutdown_transport", "status_for", "store_config"]
+           "start_cluster", "start_socket", "shutdown_transport", "status_for", "store_config"]

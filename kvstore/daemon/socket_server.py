@@ -1,27 +1,39 @@
 """Same-host fast ``Lookup`` (and the shared-memory data path's control
-calls): a Unix socket next to the gRPC one (issue 9). The daemon's side; the
-frames are in ``kvstore.wire.frames``, the client's side in
+calls): a Unix socket next to the gRPC listener (issues 9, 18). The daemon's
+side; the frames are in ``kvstore.wire.frames``, the client's side in
 ``kvstore.client.socket``.
 
 A ``Lookup`` is the first call of every request an engine serves, and on a
 small machine a gRPC round trip costs more than the lookup itself (an empty
-unary call is ~1 ms on the 2-core box of docs/replay.md, a 1,024-key index
-lookup ~0.1 ms). Same-host clients therefore send ``Lookup`` over a plain
-stream socket with fixed little-endian frames; everything else stays on
-gRPC. The answer is the same as the gRPC ``Lookup``'s: the same store call,
-namespace validation, tenant binding, and the same RPC wrapper
-(``kvstore.daemon.rpc``: QoS gate, metrics, error codes).
+unary call is ~0.7 ms on the 2-core box of docs/performance.md, a 1,024-key
+index lookup ~0.1 ms). Same-host clients therefore send ``Lookup`` over a
+plain stream socket with fixed little-endian frames. The answer is the same
+as the gRPC ``Lookup``'s: the same store call, namespace validation, tenant
+binding, and the same RPC wrapper (``kvstore.daemon.rpc``: QoS gate,
+metrics, error codes).
 
 The control calls of the shared-memory data path (``Reserve``, ``Commit``,
-``Abort``, ``Acquire``, ``Release``: two per put or get, each a ~1 ms gRPC
-round trip here) go over the same socket as their protobuf messages, handled
-by the very same servicer methods through ``rpc.LocalContext``.
+``Abort``, ``Acquire``, ``Release``) go over the same socket as their
+protobuf messages, handled by the very same servicer methods through
+``rpc.LocalContext``.
 
-Who may use it: the socket is created mode 0600 beside ``server.unix_socket``
-(``server.lookup_socket``; default ``<unix_socket>.lookup``, ``off`` to
-disable) and its path is only sent in a same-host ``Handshake`` answer. A
-connection first presents its session id (from that ``Handshake``, which did
-the authentication); the session's tenant is bound to every lookup on the
+Cost per call (issue 18): the connection is an ``asyncio.Protocol``, not a
+stream reader: frames are parsed in ``data_received`` and each handler's
+coroutine is driven to its end on the spot (``drive``), since the store's
+calls never wait; only a call that really waits (a full QoS queue, a peer
+fetch) continues in a task, and the frames behind it wait for it, so a
+connection's calls run and answer in the order they were sent. The answers
+to everything one read brought are written back in one write. A client may
+therefore send a call without waiting for its answer (its ``Commit`` and
+``Release``) and read that answer later: it always runs before the client's
+next call.
+
+Who may use it: the socket is created mode 0600, either beside
+``server.unix_socket`` or in a private directory (mode 0700) of the
+daemon's user (``default_path``); ``server.lookup_socket = "off"`` disables
+it. Its path is only sent in a same-host ``Handshake`` answer. A connection
+first presents its session id (from that ``Handshake``, which did the
+authentication); the session's tenant is bound to every lookup on the
 connection, and the connection is refused or closed once the session ends.
 """
 
@@ -29,6 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import stat
+import tempfile
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -36,7 +52,7 @@ import numpy as np
 
 from kvstore.daemon.auth import Principal
 from kvstore.daemon.rpc import Aborted, LocalContext, rpc
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.wire import frames
 from kvstore.wire.convert import MAX_KEYS
 from kvstore.wire.frames import CALLS, MAX_FRAME
@@ -45,11 +61,89 @@ from proto import kvstore_pb2 as pb
 if TYPE_CHECKING:
     from kvstore.daemon.state import DaemonState
 
-__all__ = ["CALLS", "MAX_FRAME", "LookupSocketServer", "fast_lookup"]
+__all__ = ["CALLS", "MAX_FRAME", "LookupSocketServer", "default_path", "drive", "fast_lookup", "private_dir"]
+
+_REQUESTS = tuple(getattr(pb, name + "Request") for name in CALLS)
+"""Request message class of each of ``CALLS``."""
 
 
 def _error(code: grpc.StatusCode, message: str) -> bytes:
     return frames.error_frame(code.value[0], message)
+
+
+def private_dir() -> str:
+    """A directory only the daemon's user may enter (mode 0700, owned by it):
+    ``$XDG_RUNTIME_DIR/kvstore`` when that variable names such a directory,
+    else ``<tmp>/kvstore-<uid>``. Created when missing; a directory of
+    another owner or open to others is refused (Unavailable), never used."""
+    uid = os.getuid()
+    run = os.environ.get("XDG_RUNTIME_DIR", "")
+    base = os.path.join(run, "kvstore") if run and os.path.isdir(run) else \
+        os.path.join(tempfile.gettempdir(), f"kvstore-{uid}")
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
+        raise Unavailable(f"{base} is not a private directory of uid {uid} (mode 0700): "
+                          "no same-host socket; set server.lookup_socket")
+    return base
+
+
+def default_path(unix_socket: str) -> str:
+    """Where the same-host socket goes when ``server.lookup_socket`` is empty:
+    beside the gRPC Unix socket, else a new name in ``private_dir()``."""
+    if unix_socket:
+        return unix_socket + ".lookup"
+    base = private_dir()
+    for name in os.listdir(base):  # sockets left by daemons that died without stopping
+        pid = name.split("-")[1] if name.startswith("kv-") and name.endswith(".sock") else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(os.path.join(base, name))
+            except OSError:
+                pass
+    return os.path.join(base, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def drive(coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
+    """Run ``coro`` as far as it goes without waiting: ``(True, result)``
+    when it finished (its exception propagates), else ``(False, task)``
+    where the task finishes it on the loop."""
+    try:
+        waiting = coro.send(None)
+    except StopIteration as e:
+        return True, e.value
+    return False, asyncio.get_running_loop().create_task(_resume(coro, waiting))
+
+
+async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
+    """What an asyncio Task does for a coroutine that already ran up to its
+    first wait on ``waiting`` (a future, or None for a bare yield)."""
+    try:
+        while True:
+            if waiting is None:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.wait((waiting,))
+            try:
+                waiting = coro.send(None)
+            except StopIteration as e:
+                return e.value
+    except asyncio.CancelledError:
+        coro.close()
+        raise
 
 
 @rpc("Lookup")
@@ -63,8 +157,131 @@ async def fast_lookup(d: "DaemonState", body: bytes, context: LocalContext, who:
         raise InvalidArgument(f"{len(keys) // 16} keys in one call; at most {MAX_KEYS}")
     ns = d.namespace_from_wire(req.ns_wire, who)
     res = d.store.lookup(ns, keys)
-    d.metrics.lookup_hits(res.tier_codes)
+    if res.hit_blocks:
+        d.metrics.lookup_hits(res.tier_codes)
     return frames.answer_frame(res.hit_blocks, (res.tier_codes.astype(np.uint8) + 1).tobytes())
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: a hello frame, then calls, answered in order."""
+
+    def __init__(self, server: "LookupSocketServer") -> None:
+        self.server = server
+        self.daemon = server.daemon
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.sid = ""
+        self.lookups: LocalContext | None = None
+        self.calls: LocalContext | None = None
+        self.waiting: asyncio.Task[Any] | None = None  # a call that could not finish at once
+        self.closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.conns.discard(self)
+        self.closing = True
+        if self.waiting is not None:
+            self.waiting.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self.pump()
+
+    def close(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def pump(self) -> None:
+        """Answer every complete frame in the buffer, in order, in one write;
+        stop at a call that has to wait (its task pumps again when done)."""
+        out: list[bytes] = []
+        buf = self.buf
+        while self.waiting is None and not self.closing and len(buf) >= 4:
+            n = frames.HEADER.unpack_from(buf)[0]
+            limit = MAX_FRAME if self.lookups is not None else frames.MAX_HELLO
+            if n > limit or (self.lookups is not None and n < 2):
+                out.append(_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "hello too long" if self.lookups is None else f"frame of {n} bytes"))
+                self.closing = True
+                break
+            if len(buf) < 4 + n:
+                break
+            body = bytes(buf[4 : 4 + n])
+            del buf[: 4 + n]
+            answer = self.hello(body) if self.lookups is None else self.frame(body)
+            if answer is not None:
+                out.append(answer)
+        if out and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if self.closing:
+            self.close()
+
+    def hello(self, body: bytes) -> bytes:
+        sid, token = frames.parse_hello(body)
+        d = self.daemon
+        if sid not in d.sessions:
+            self.closing = True
+            return _error(grpc.StatusCode.NOT_FOUND, f"session {sid!r} is unknown")
+        md = [("x-kvstore-session", sid)] + ([("authorization", f"Bearer {token}")] if token else [])
+        self.sid = sid
+        self.lookups = LocalContext(md, f"local:{sid}", Principal(tenant=d.sessions[sid], admin=False))
+        self.calls = LocalContext(md, f"local:{sid}")
+        return frames.frame(bytes([frames.OK]))
+
+    def frame(self, body: bytes) -> bytes | None:
+        """One call frame -> its answer (None: it continues in a task)."""
+        if self.sid not in self.daemon.sessions:  # the session ended (its KeepAlive stream closed)
+            self.closing = True
+            return _error(grpc.StatusCode.NOT_FOUND, f"session {self.sid!r} ended")
+        if frames.is_call(body):
+            op = frames.call_method_id(body) - 1
+            if not 0 <= op < len(CALLS):
+                return _error(grpc.StatusCode.INVALID_ARGUMENT, f"unknown method id {op + 1}")
+            name = CALLS[op]
+            try:
+                req = _REQUESTS[op].FromString(body[3:])
+            except Exception:
+                return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not a valid request message")
+            coro = getattr(self.daemon, name)(req, self.calls)
+            wrap: Callable[[Any], bytes] = _proto_answer
+        else:
+            coro = fast_lookup(self.daemon, body, self.lookups)
+            wrap = _raw_answer
+        try:
+            done, value = drive(coro)
+        except Aborted as e:
+            return _error(e.code, e.details)
+        if done:
+            return wrap(value)
+        self.waiting = value
+        value.add_done_callback(lambda t: self.resumed(t, wrap))
+        return None
+
+    def resumed(self, task: asyncio.Task[Any], wrap: Any) -> None:
+        self.waiting = None
+        if task.cancelled() or self.closing or self.transport is None:
+            return
+        exc = task.exception()
+        if isinstance(exc, Aborted):
+            answer = _error(exc.code, exc.details)
+        elif exc is not None:
+            answer = _error(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        else:
+            answer = wrap(task.result())
+        self.transport.write(answer)
+        self.pump()
+
+
+def _proto_answer(resp: Any) -> bytes:
+    return frames.reply_frame(resp.SerializeToString())
+
+
+def _raw_answer(answer: bytes) -> bytes:
+    return answer
 
 
 class LookupSocketServer:
@@ -74,80 +291,23 @@ class LookupSocketServer:
         self.daemon = daemon
         self.path = path
         self.server: asyncio.AbstractServer | None = None
-        self._conns: set[asyncio.StreamWriter] = set()
+        self.conns: set[_Connection] = set()
 
     async def start(self) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
-        self.server = await asyncio.start_unix_server(self._serve, path=self.path)
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(lambda: _Connection(self), path=self.path)
         os.chmod(self.path, 0o600)
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-            for w in list(self._conns):
-                w.close()
+            for c in list(self.conns):
+                c.close()
             await self.server.wait_closed()
             self.server = None
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._conns.add(writer)
-        try:
-            n = frames.HEADER.unpack(await reader.readexactly(4))[0]
-            if n > frames.MAX_HELLO:
-                writer.write(_error(grpc.StatusCode.INVALID_ARGUMENT, "hello too long"))
-                return
-            sid, token = frames.parse_hello(await reader.readexactly(n))
-            md = [("x-kvstore-session", sid)] + ([("authorization", f"Bearer {token}")] if token else [])
-            d = self.daemon
-            if sid not in d.sessions:
-                writer.write(_error(grpc.StatusCode.NOT_FOUND, f"session {sid!r} is unknown"))
-                return
-            lookups = LocalContext(md, f"local:{sid}", Principal(tenant=d.sessions[sid], admin=False))
-            calls = LocalContext(md, f"local:{sid}")
-            writer.write(frames.frame(bytes([frames.OK])))
-            while True:
-                head = await reader.readexactly(4)
-                n = frames.HEADER.unpack(head)[0]
-                if n > MAX_FRAME or n < 2:
-                    writer.write(_error(grpc.StatusCode.INVALID_ARGUMENT, f"frame of {n} bytes"))
-                    return
-                body = await reader.readexactly(n)
-                if sid not in d.sessions:  # the session ended (its KeepAlive stream closed)
-                    writer.write(_error(grpc.StatusCode.NOT_FOUND, f"session {sid!r} ended"))
-                    return
-                if frames.is_call(body):
-                    writer.write(await self._call(body, calls))
-                else:
-                    writer.write(await self._lookup(body, lookups))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self._conns.discard(writer)
-            writer.close()
-
-    async def _call(self, body: bytes, context: LocalContext) -> bytes:
-        """One of ``CALLS``, through the daemon's own (wrapped) handler."""
-        name = frames.call_method(body)
-        if name is None:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"unknown method id {frames.call_method_id(body)}")
-        try:
-            req = getattr(pb, name + "Request").FromString(body[3:])
-        except Exception:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not a valid request message")
-        try:
-            resp: Any = await getattr(self.daemon, name)(req, context)
-        except Aborted as e:
-            return _error(e.code, e.details)
-        return frames.reply_frame(resp.SerializeToString())
-
-    async def _lookup(self, body: bytes, context: LocalContext) -> bytes:
-        try:
-            answer: bytes = await fast_lookup(self.daemon, body, context)
-        except Aborted as e:
-            return _error(e.code, e.details)
-        return answer

@@ -113,14 +113,42 @@ def test_client_falls_back_to_grpc_when_the_socket_breaks(uds_daemon):
         assert c.lookup(ns, keys).hit_blocks == 4
 
 
-def test_tcp_daemon_offers_no_fast_socket(make_daemon):
+def test_tcp_daemon_opens_its_socket_in_a_private_dir(make_daemon):
+    """Embedded defaults (TCP only, no --unix-socket): the same-host socket is
+    on, in a directory only the daemon's user may enter, and the client finds
+    it through Handshake (issue 18)."""
     d = make_daemon()
-    assert d.running.fast is None
+    path = d.running.fast.path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    parent = os.stat(os.path.dirname(path))
+    assert stat.S_IMODE(parent.st_mode) == 0o700 and parent.st_uid == os.getuid()
     with Client(d.target) as c:
-        assert c._fast is None
+        assert c._fast is not None and c._fast_path == path
         ns = _ns()
         keys = _fill(c, ns, 2)
         assert c.lookup(ns, keys).hit_blocks == 2
+    d.stop()
+    assert not os.path.exists(path)  # removed on stop
+
+
+def test_private_dir_refuses_a_directory_open_to_others(tmp_path, monkeypatch):
+    from kvstore.daemon.socket_server import default_path, private_dir
+    from kvstore.errors import Unavailable
+
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    assert private_dir() == str(run / "kvstore")
+    assert stat.S_IMODE(os.stat(run / "kvstore").st_mode) == 0o700
+    assert os.path.dirname(default_path("")) == str(run / "kvstore")
+    assert default_path("/x/kv.sock") == "/x/kv.sock.lookup"
+    stale = run / "kvstore" / "kv-999999999-abcd.sock"  # a daemon that died without stopping
+    stale.write_bytes(b"")
+    default_path("")
+    assert not stale.exists()
+    os.chmod(run / "kvstore", 0o755)
+    with pytest.raises(Unavailable, match="private"):
+        private_dir()
 
 
 def test_lookup_socket_off(make_daemon, tmp_path):
@@ -209,3 +237,95 @@ def test_a_broken_socket_fails_the_call_then_grpc_takes_over(uds_daemon):
         assert c._fast is None
         assert c.put(ns, keys, [np.zeros(BS, np.uint8)] * 2) == [KeyStatus.OK] * 2
         assert c.get(ns, keys)[1] is not None
+
+
+# ---------------------------------------------- pipelined Commit and Release
+def test_pipelined_commit_and_release_run_before_the_next_call(uds_daemon):
+    """put sends its Commit and get_into its Release without waiting (issue
+    18): the same client reads its writes at once, another client sees them
+    once the daemon took the Commit in, and nothing stays held."""
+    with Client(uds_daemon.target) as a, Client(uds_daemon.target) as b:
+        assert a.pipeline and a._fast is not None
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 4, dtype=np.uint32))
+        data = [np.full(BS, i + 1, np.uint8) for i in range(4)]
+        assert a.put(ns, keys, data) == [KeyStatus.OK] * 4
+        assert a._fast.owed == ["Commit"]
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 4  # read-your-writes on one connection
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+        assert a._fast.owed == ["Release"]
+        a.flush()
+        assert a._fast.owed == [] and a._fast.late_errors == 0
+        assert b.lookup(ns, keys).hit_blocks == 4
+        st = uds_daemon.call(uds_daemon.store.stats)
+        assert (st.leases, st.reservations, st.tiers[0].pinned_bytes) == (0, 0, 0)
+
+
+def test_a_pipelined_call_that_fails_is_counted_not_raised(uds_daemon):
+    from proto import kvstore_pb2 as pb
+
+    with Client(uds_daemon.target) as c:
+        c._fast.send("Release", pb.ReleaseRequest(lease_id="l-nope").SerializeToString())
+        ns = _ns()
+        assert c.lookup(ns, block_keys(ns, np.arange(16, dtype=np.uint32))).hit_blocks == 0  # answers in order
+        assert c._fast.late_errors == 1 and c._fast.owed == []
+
+
+def test_pipeline_off_waits_for_commit(uds_daemon):
+    with Client(uds_daemon.target, pipeline=False) as c:
+        ns = _ns()
+        keys = _fill(c, ns, 3)
+        assert c._fast.owed == []
+        assert uds_daemon.call(lambda: uds_daemon.store.lookup(ns, keys).hit_blocks) == 3
+
+
+def test_close_settles_pipelined_calls(uds_daemon):
+    ns = _ns()
+    keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+    with Client(uds_daemon.target) as c:
+        c.put(ns, keys, [np.zeros(BS, np.uint8)] * 3)
+    # the Commit ran before the session ended (which would have aborted it)
+    assert uds_daemon.call(lambda: uds_daemon.store.lookup(ns, keys).hit_blocks) == 3
+
+
+def test_a_call_that_waits_keeps_the_order_of_the_frames(make_daemon, tmp_path):
+    """A call that cannot finish at once (here: queued behind a full QoS gate)
+    continues in a task; the frames behind it wait, and all answer in order."""
+    d = make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"),
+                    admission__qos_max_concurrency=1)
+    with Client(d.target) as c:
+        ns = _ns()
+        keys = _fill(c, ns, 2)
+        c.flush()  # the put's Commit answered
+        ticket = d.call(lambda: d.daemon.qos.try_enter(0))  # hold the only slot
+        wire = c._ns_wire.get(ns) or ns_pb(ns).SerializeToString(deterministic=True)
+        from kvstore.wire import frames
+
+        c._fast.sock.sendall(frames.lookup_frame(wire, b"".join(keys)) + frames.lookup_frame(wire, keys[0]))
+        wait = d.call(lambda: len(d.running.fast.conns) and next(iter(d.running.fast.conns)).waiting is not None)
+        assert wait
+        d.call(lambda: d.daemon.qos.release(ticket))
+        first, second = c._fast._answer(), c._fast._answer()
+        assert first[1:5] == (2).to_bytes(4, "little") and second[1:5] == (1).to_bytes(4, "little")
+
+
+def test_a_process_that_exits_without_close_lands_its_last_put(uds_daemon, repo_root):
+    import subprocess
+    import sys
+
+    child = (
+        "import numpy as np\n"
+        "from kvstore.client import Client\n"
+        "from kvstore.keys import Namespace, block_keys\n"
+        f"c = Client({uds_daemon.target!r})\n"
+        "ns = Namespace(tenant='t', model_id='m', block_size=16)\n"
+        "keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))\n"
+        "assert c._fast is not None\n"
+        "c.put(ns, keys, [np.zeros(4096, np.uint8)] * 3)\n"  # no close(): the Commit is settled at exit
+    )
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    subprocess.run([sys.executable, "-c", child], check=True, env=env, cwd=repo_root, timeout=120)
+    ns = _ns()
+    keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+    assert uds_daemon.call(lambda: uds_daemon.store.lookup(ns, keys).hit_blocks) == 3
