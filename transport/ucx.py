@@ -84,22 +84,14 @@ SERVER_SLACK_S: Final = 0.5
 """Added to the client's remaining time for the server's own waits."""
 
 PUT_RNDV_TLS: Final = frozenset({"tcp", "self"})
-"""Transports with which rendezvous by put is used (see :func:`_tuning`)."""
 
 
 def _tuning(opts: dict[str, str]) -> dict[str, str]:
-    """UCX options added at init (an explicit ``UCX_*`` variable always wins).
-
-    - Loopback (``NET_DEVICES`` chosen as ``lo`` here, ``UCX_TLS`` unset):
-      ``TLS=tcp,self``.  Between processes nothing else is usable there
-      anyway (peer failure detection leaves out shared memory).
-    - ``RNDV_SCHEME=put_zcopy`` (the sender writes once the receiver has
-      posted) when the transports are tcp/self only: over TCP on loopback,
-      bare ucxx moved 64 x 1 MiB at 1.6-1.8 GB/s with it against 0.5-1.3 GB/s
-      with UCX's default choice (docs/transport.md).  Not with shared memory
-      in the mix: UCX 1.21 crashed (SIGSEGV) on an in-process endpoint with
-      ``tcp,sm,self`` and put rendezvous.
-    """
+    """UCX options added at init; an explicit ``UCX_*`` variable wins.
+    Loopback (``lo`` chosen here, ``UCX_TLS`` unset): ``TLS=tcp,self`` (all
+    that works between processes there). With tcp/self only:
+    ``RNDV_SCHEME=put_zcopy``, 2-3x UCX's default choice over TCP (measured
+    in docs/transport.md); never with shared memory, where UCX 1.21 crashed."""
     out: dict[str, str] = {}
     tls = os.environ.get("UCX_TLS")
     if tls is None and opts.get("NET_DEVICES") == "lo":
