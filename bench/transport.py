@@ -16,18 +16,26 @@ process, the *fetcher*):
     the peer's checksums). Timed: reserve + fetch + verify + commit.
 (c) ``daemons``: the same through two ``kvstore serve`` daemons -- only when
     the daemon has a cluster section (else a note says why it is missing).
-(d) ``mooncake``: Mooncake Store ``batch_put_from``/``batch_get_into`` and
-    ``put_batch``/``get_batch`` of the same batches (its Python client and a
-    local ``mooncake_master``, protocol tcp), reusing ``bench/peer_mooncake.py``'s
-    set-up, inside its own network namespace (``unshare -rn``).
+(d) ``mooncake_te``: Mooncake's transfer engine in remote mode -- a holder
+    process registers a buffer, a client process (its own TransferEngine,
+    protocol tcp, P2P handshake) reads each batch from it with
+    ``batch_transfer_sync_read`` (its zero-copy batch API; the bytes are
+    checked against the holder's). Both inside one network namespace
+    (``unshare -rn``: its listeners bind every interface). Needs
+    ``mooncake.engine`` in this Python or in ``--mooncake-venv``.
+(e) ``iperf3``: one TCP stream over loopback (``iperf3 -c 127.0.0.1 -n``
+    4x the batch's bytes): the wire's limit on this host.
 
-Rounds alternate (a), (b), (c); the first round of each shape is a warm-up;
-each figure is the median of the rest (3 with ``--quick``, 9 otherwise). The
-ratios are medians of per-round ratios (each round's three measurements run
-back to back, so a load swing on this shared machine hits them alike).
+Rounds alternate (a), (b), (c), (d), (e); the first round of each shape is a
+warm-up; each figure is the median of the rest (3 with ``--quick``, 9
+otherwise). The ratios are medians of per-round ratios (each round's
+measurements run back to back, so a load swing on this shared machine hits
+them alike).
 
-Target (issue 6): peer fetch >= 0.7x bare ucxx, per shape (for (b), and for
-(c) when measured).
+Targets: peer fetch >= 0.7x bare ucxx, per shape (issue 6; for (b), and for
+(c) when measured). Issue 18 goal 3: two-daemon fetch (c) >= 1.2x Mooncake's
+transfer engine (d) and >= 0.6x iperf3 (e), per shape; a baseline that could
+not run (Mooncake or iperf3 missing) leaves its target ``met: false``.
 
 Run::
 
@@ -53,7 +61,7 @@ ROOT = os.path.dirname(HERE)
 # this file is named like the ``transport`` package: keep bench/ off the path
 sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+# UCX_TLS: transport.ucx picks tcp,self for loopback (and put rendezvous with it)
 
 
 def _bench_module(name: str) -> Any:
@@ -219,8 +227,11 @@ class Fetcher:
         self.store.close()
 
 
-async def ucx_side(quick: bool, daemons: "Daemons | None") -> tuple[dict[str, float], list[str]]:
-    from transport.ucx import shutdown
+async def ucx_side(quick: bool, daemons: "Daemons | None", others: dict[str, Any]
+                   ) -> tuple[dict[str, float], list[str]]:
+    """Rounds of (a), (b), (c) and every baseline in ``others`` (name -> object
+    with ``round(size, n) -> seconds``: Mooncake, iperf3), back to back."""
+    from transport.ucx import shutdown, ucx_module
 
     figures: dict[str, float] = {}
     notes: list[str] = []
@@ -231,25 +242,34 @@ async def ucx_side(quick: bool, daemons: "Daemons | None") -> tuple[dict[str, fl
         line = peer.stdout.readline()
         if not line:
             raise RuntimeError(f"the peer exited ({peer.wait(10)})")
+        ucx_module("127.0.0.1")  # UCX set up by the transport (its tuning) before bare ucxx uses it
         f = Fetcher(json.loads(line))
         reps = 3 if quick else 9
         for size, n in SHAPES:
             bare, fetch, two = [], [], []
+            base: dict[str, list[float]] = {k: [] for k in others}
             for r in range(reps + 1):
                 tb = await f.bare(size, n)
                 tf, err = await f.fetch(size, n)
                 if err:
                     raise RuntimeError(f"fetch {label(size, n)}: {err}")
                 td = daemons.round(size, n) if daemons is not None else 0.0
+                tos = {k: o.round(size, n) for k, o in others.items()}
                 if r:  # round 0 warms up
                     bare.append(tb)
                     fetch.append(tf)
                     two.append(td)
+                    for k, t in tos.items():
+                        base[k].append(t)
             gb = size * n / 1e9
             lab = label(size, n)
+            for k, ts in base.items():
+                figures[f"{k}_{lab}_GBps"] = gb / statistics.median(ts)
             if daemons is not None:
                 figures[f"daemons_fetch_{lab}_GBps"] = gb / statistics.median(two)
                 figures[f"daemons_fetch_vs_bare_{lab}"] = statistics.median(b / d for b, d in zip(bare, two))
+                for k, ts in base.items():  # paired per round, like the others
+                    figures[f"daemons_fetch_vs_{k}_{lab}"] = statistics.median(o / d for o, d in zip(ts, two))
             # paired: each round's bare and fetch ran back to back, so the
             # median of per-round ratios is steadier than a ratio of medians
             figures[f"peer_fetch_vs_bare_{lab}"] = statistics.median(b / t for b, t in zip(bare, fetch))
@@ -271,61 +291,148 @@ async def ucx_side(quick: bool, daemons: "Daemons | None") -> tuple[dict[str, fl
 
 
 # -------------------------------------------------------------- mooncake
-def mooncake_child(quick: bool, venv: str) -> int:
-    """Inside the network namespace: Mooncake rounds; prints one JSON line."""
-    import shutil
-    import tempfile
+MC_BUF = 64 * MIB  # the largest batch (64 x 1 MiB = 16 x 4 MiB)
 
-    pm = _bench_module("peer_mooncake")
 
-    subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True)
-    out: dict[str, Any] = {"figures": {}, "error": ""}
-    tmp = tempfile.mkdtemp(prefix="kvtransport-mc-")
-    procs = pm.Procs()
-    mc = pm.Mooncake(venv, tmp, procs)
-    try:
-        mc.start()
-        reps = 3 if quick else 9
-        for size, n in SHAPES:
-            for api in ("zero", "copy"):
-                puts, gets = [], []
-                for r in range(reps + 1):
-                    res = mc.call({"op": "round", "size": size, "batch": n, "api": api,
-                                   "tag": f"t{size}-{n}-{api}-{r}", "verify": r == 0})
-                    if res.get("error"):
-                        raise RuntimeError(f"mooncake {api} {label(size, n)}: {res['error']}")
-                    if r:
-                        puts.append(res["put"])
-                        gets.append(res["get"])
-                gb = size * n / 1e9
-                name = "zero_copy" if api == "zero" else "copy"
-                out["figures"][f"mooncake_{name}_get_{label(size, n)}_GBps"] = gb / statistics.median(gets)
-                out["figures"][f"mooncake_{name}_put_{label(size, n)}_GBps"] = gb / statistics.median(puts)
-    except (RuntimeError, OSError, ValueError) as e:
-        out["error"] = str(e)
-    finally:
-        mc.close()
-        procs.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
-    print("MOONCAKE " + json.dumps(out), flush=True)
+def mooncake_python(venv: str) -> str | None:
+    """A Python that imports Mooncake's transfer engine: this one, else the venv's."""
+    for py in (sys.executable, os.path.join(venv, "bin", "python")):
+        if os.path.exists(py) and subprocess.run(
+                [py, "-c", "import mooncake.engine"], capture_output=True).returncode == 0:
+            return py
+    return None
+
+
+def _mc_engine() -> tuple[Any, np.ndarray]:
+    """A Mooncake TransferEngine over TCP on 127.0.0.1 (P2P handshake, no
+    metadata server) with one registered buffer of MC_BUF bytes."""
+    from mooncake.engine import TransferEngine
+
+    eng = TransferEngine()
+    if eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("TransferEngine.initialize failed")
+    buf = np.zeros(MC_BUF, dtype=np.uint8)
+    if eng.register_memory(buf.ctypes.data, MC_BUF) != 0:
+        raise RuntimeError("TransferEngine.register_memory failed")
+    return eng, buf
+
+
+def mcte_holder() -> int:
+    """The Mooncake holder process: registers a buffer of known bytes and
+    waits (until stdin closes) while the client reads from it."""
+    eng, buf = _mc_engine()
+    buf[:] = np.random.default_rng(11).integers(0, 256, MC_BUF, dtype=np.uint8)
+    print(json.dumps({"session": f"127.0.0.1:{eng.get_rpc_port()}", "addr": buf.ctypes.data}), flush=True)
+    sys.stdin.read()
     return 0
 
 
-def mooncake_side(quick: bool, venv: str) -> tuple[dict[str, float], list[str]]:
-    ns = ["unshare", "-rn", "--pid", "--fork", "--kill-child"]
-    argv = [*ns, sys.executable, os.path.abspath(__file__), "--role", "mooncake", "--mooncake-venv", venv]
-    if quick:
-        argv.append("--quick")
+def mcte_client() -> int:
+    """The Mooncake client process (inside the namespace, started by
+    :class:`MooncakeTE`): starts the holder, then answers ``size n`` lines
+    with the seconds of one ``batch_transfer_sync_read`` of n blocks of size
+    bytes from the holder's buffer into its own (its zero-copy batch API)."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True)
+    holder = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "mcte-holder"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {}, [f"Mooncake not measured: {e}"]
-    for line in p.stdout.splitlines():
-        if line.startswith("MOONCAKE "):
-            res = json.loads(line[len("MOONCAKE "):])
-            notes = [f"Mooncake not measured: {res['error']}"] if res["error"] else []
-            return {k: float(v) for k, v in res["figures"].items()}, notes
-    return {}, [f"Mooncake not measured: exit {p.returncode}: {p.stderr.strip()[-300:]}"]
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        if not line:
+            print("ERR the Mooncake holder exited", flush=True)
+            return 1
+        info = json.loads(line)
+        eng, buf = _mc_engine()
+        expect = np.random.default_rng(11).integers(0, 256, MC_BUF, dtype=np.uint8)
+        base = buf.ctypes.data
+        print("READY", flush=True)
+        for cmd in sys.stdin:
+            size, n = (int(x) for x in cmd.split())
+            buf[:] = 0
+            t0 = time.perf_counter()
+            rc = eng.batch_transfer_sync_read(info["session"], [base + i * size for i in range(n)],
+                                              [info["addr"] + i * size for i in range(n)], [size] * n)
+            dt = time.perf_counter() - t0
+            if rc != 0 or not np.array_equal(buf[:size * n], expect[:size * n]):
+                print(f"ERR transfer rc={rc} or bytes differ", flush=True)
+            else:
+                print(f"{dt!r}", flush=True)
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        holder.wait(10)
+    return 0
+
+
+class MooncakeTE:
+    """Mooncake's transfer engine between two processes over TCP: a holder
+    and a client, both inside one new network namespace (``unshare -rn``;
+    its listeners bind every interface), driven round by round from here
+    so that its rounds interleave with ours."""
+
+    def __init__(self, py: str) -> None:
+        self.tmp = open(os.devnull, "w")  # its glog chatter
+        argv = ["unshare", "-rn", "--pid", "--fork", "--kill-child", py, os.path.abspath(__file__),
+                "--role", "mcte"]
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self.tmp, text=True, cwd=ROOT)
+        assert self.p.stdout is not None
+        line = self.p.stdout.readline().strip()
+        if line != "READY":
+            self.close()
+            raise RuntimeError(f"Mooncake transfer engine did not start: {line or self.p.poll()}")
+
+    def round(self, size: int, n: int) -> float:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(f"{size} {n}\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline().strip()
+        if not line or line.startswith("ERR"):
+            raise RuntimeError(f"Mooncake transfer {label(size, n)}: {line or 'client exited'}")
+        return float(line)
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        try:
+            self.p.wait(20)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.tmp.close()
+
+
+# ----------------------------------------------------------------- iperf3
+class Iperf:
+    """``iperf3`` over loopback (one TCP stream, 127.0.0.1): the wire's limit
+    measured beside ours; each round sends 4x a batch's bytes."""
+
+    def __init__(self) -> None:
+        import shutil
+
+        exe = shutil.which("iperf3")
+        if exe is None:
+            raise RuntimeError("iperf3 is not installed (apt-get install -y iperf3)")
+        self.exe, self.port = exe, _free_port()
+        self.p = subprocess.Popen([exe, "-s", "-B", "127.0.0.1", "-p", str(self.port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def round(self, size: int, n: int) -> float:
+        """Seconds for size*n bytes at the rate iperf3 measured."""
+        end = time.monotonic() + 10
+        while True:
+            p = subprocess.run([self.exe, "-c", "127.0.0.1", "-p", str(self.port), "-n", str(4 * size * n), "-J"],
+                               capture_output=True, text=True)
+            try:
+                bps = float(json.loads(p.stdout)["end"]["sum_received"]["bits_per_second"])
+                return size * n * 8 / bps
+            except (ValueError, KeyError, TypeError):
+                if time.monotonic() > end:  # the server may still be starting
+                    raise RuntimeError(f"iperf3 failed: {p.stdout[-200:]} {p.stderr[-200:]}") from None
+
+    def close(self) -> None:
+        self.p.terminate()
+        self.p.wait(10)
 
 
 # --------------------------------------------------------------- daemons
@@ -444,22 +551,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 rounds per shape instead of 9")
     ap.add_argument("--json", metavar="PATH", help="write figures and targets as JSON")
-    ap.add_argument("--mooncake-venv", default=None, help="virtual env with mooncake installed")
+    ap.add_argument("--mooncake-venv", default=None,
+                    help="virtual env with mooncake installed (when this Python lacks it)")
     ap.add_argument("--no-mooncake", action="store_true", help="skip Mooncake")
     ap.add_argument("--no-daemons", action="store_true", help="skip the two-daemon figure")
-    ap.add_argument("--role", choices=("peer", "mooncake"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("peer", "mcte", "mcte-holder"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    pm = _bench_module("peer_mooncake")
-
-    venv = a.mooncake_venv or pm.default_venv()
     if a.role == "peer":
         return asyncio.run(peer_main())
-    if a.role == "mooncake":
-        return mooncake_child(a.quick, venv)
+    if a.role == "mcte":
+        return mcte_client()
+    if a.role == "mcte-holder":
+        return mcte_holder()
     rep = Report("transport")
     notes: list[str] = []
     missing = "--no-daemons" if a.no_daemons else daemons_missing()
     daemons: Daemons | None = None
+    others: dict[str, Any] = {}
     if missing:
         notes.append(f"(c) two daemons not measured: {missing}")
     else:
@@ -471,23 +579,42 @@ def main(argv: list[str] | None = None) -> int:
             daemons.close()
             daemons = None
     try:
-        figures, more = asyncio.run(ucx_side(a.quick, daemons))
+        if not a.no_mooncake:
+            venv = a.mooncake_venv or _bench_module("peer_mooncake").default_venv()
+            py = mooncake_python(venv)
+            if py is None:
+                notes.append("Mooncake not measured: mooncake.engine not importable "
+                             "(pip install mooncake-transfer-engine-non-cuda)")
+            else:
+                try:
+                    others["mooncake_te"] = MooncakeTE(py)
+                except (RuntimeError, OSError) as e:
+                    notes.append(f"Mooncake not measured: {e}")
+        try:
+            others["iperf3"] = Iperf()
+        except (RuntimeError, OSError) as e:
+            notes.append(f"iperf3 not measured: {e}")
+        figures, more = asyncio.run(ucx_side(a.quick, daemons, others))
     finally:
         if daemons is not None:
             daemons.close()
+        for o in others.values():
+            o.close()
     notes += more
-    if not a.no_mooncake:
-        mf, mn = mooncake_side(a.quick, venv)
-        figures.update(mf)
-        notes += mn
     for k, v in figures.items():
         unit = "GB/s" if k.endswith("GBps") else ("ms" if k.endswith("_ms") else ("x" if "_vs_" in k else ""))
         rep.figure(k, v, unit)
+    nan = float("nan")  # a baseline or figure not measured: the target shows met: false
     for size, n in SHAPES:
         lab = label(size, n)
         rep.target(f"peer fetch {lab} / bare ucxx", figures[f"peer_fetch_vs_bare_{lab}"], 0.7)
         if f"daemons_fetch_vs_bare_{lab}" in figures:
             rep.target(f"two-daemon fetch {lab} / bare ucxx", figures[f"daemons_fetch_vs_bare_{lab}"], 0.7)
+        # issue 18 goal 3: against Mooncake's transfer engine and iperf3, same run
+        rep.target(f"two-daemon fetch {lab} / Mooncake TE over TCP",
+                   figures.get(f"daemons_fetch_vs_mooncake_te_{lab}", nan), 1.2)
+        rep.target(f"two-daemon fetch {lab} / iperf3 loopback",
+                   figures.get(f"daemons_fetch_vs_iperf3_{lab}", nan), 0.6)
     rep.emit(a.json)
     for note in notes:
         print(f"note: {note}")

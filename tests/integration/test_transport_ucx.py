@@ -26,8 +26,8 @@ from transport.ucx_peer import block, pattern  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLAB = 16 << 20
 KIB = 1 << 10
-ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", UCX_TLS="tcp,sm,self")
-os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", UCX_TLS="tcp,self")
+os.environ.setdefault("UCX_TLS", "tcp,self")
 
 
 class PeerProc:

@@ -114,10 +114,22 @@ asyncio.run(main())
 def test_in_process_round_trip_over_real_ucxx():
     pytest.importorskip("ucxx")
     p = subprocess.run([sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,sm,self"})
+                       env={**__import__("os").environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,self"})
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["ok"] == [True, True, True] and out["same"]
     assert out["lengths"] == [5000, 5001, 5002]
     assert "refused: nope" in out["err2"]
     assert out["connects"] == 1 and out["released"] == 1
+
+
+def test_tuning_puts_rendezvous_only_without_shared_memory(monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_RNDV_SCHEME", raising=False)
+    assert ucx._tuning({"NET_DEVICES": "lo"}) == {"TLS": "tcp,self", "RNDV_SCHEME": "put_zcopy"}
+    assert ucx._tuning({}) == {}  # not loopback, transports left to UCX
+    monkeypatch.setenv("UCX_TLS", "tcp,sm,self")
+    assert ucx._tuning({"NET_DEVICES": "lo"}) == {}
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_RNDV_SCHEME", "auto")
+    assert ucx._tuning({"NET_DEVICES": "lo"}) == {}
