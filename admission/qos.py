@@ -22,6 +22,7 @@ import collections
 import contextlib
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import AsyncIterator, Callable
@@ -197,8 +198,6 @@ class QosGate:
     def __init__(self, config: QosConfig | None = None, clock: Clock | None = None) -> None:
         self.config = config or QosConfig()
         if clock is None:
-            import time
-
             clock = time.monotonic
         self.clock: Clock = clock
         n = len(QosClass)

@@ -37,8 +37,8 @@ if os.path.dirname(HERE) not in sys.path:
 
 from benchlib import Report, median_time  # noqa: E402
 
-from kvstore import checksum as cks# noqa: E402
-from kvstore import keys as K# noqa: E402
+from kvstore import checksum as cks  # noqa: E402
+from kvstore import keys as K  # noqa: E402
 from kvstore.keys import Namespace, block_keys, block_keys_array  # noqa: E402
 
 MIB = 1 << 20

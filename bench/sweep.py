@@ -67,7 +67,7 @@ sys.path.insert(0, ROOT)
 
 from benchlib import Report  # noqa: E402
 
-from kvstore.tools import replay as R# noqa: E402
+from kvstore.tools import replay as R  # noqa: E402
 from kvstore.core.eviction import PolicyName  # noqa: E402
 from kvstore.core.index import BlockIndex  # noqa: E402
 

@@ -108,7 +108,7 @@ def make_store(nbytes: int) -> Any:
 async def peer_main() -> int:
     import ucxx
 
-    from transport.ucx import BlockServer, Served, _ucx, shutdown
+    from transport.ucx import BlockServer, Served, shutdown, ucx_module
 
     store = make_store(512 * MIB)
     rng = np.random.default_rng(3)
@@ -135,7 +135,7 @@ async def peer_main() -> int:
 
     server = BlockServer(provide)
     block_addr = await server.start()
-    _ucx("127.0.0.1", None)
+    ucx_module("127.0.0.1", None)
 
     async def bare(ep: Any) -> None:
         req = np.zeros(2, dtype=np.int64)

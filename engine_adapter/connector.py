@@ -28,14 +28,14 @@ Bad input (layout mismatch, page table too short, block size != page size,
 namespace TP size != group size) raises InvalidArgument before any data moves.
 
 Tensor parallelism: see :mod:`engine_adapter.tp` (mirrored shards, one plan
-broadcast as an int32 tensor, MIN all-reduce agreement).
+broadcast as an int32 tensor, MIN all-reduce agreement). The result types
+live in :mod:`engine_adapter.results` (re-exported here).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -45,6 +45,7 @@ import xxhash
 from prometheus_client import Counter
 
 from engine_adapter.layout import KVTensors, PagedKVLayout, StagingPool
+from engine_adapter.results import ConnectorStats, LoadResult, LookupInfo, SaveResult
 from engine_adapter.tp import PLAN_FAULT, PLAN_OK, LocalGroup, Plan, TPGroup
 from kvstore.checksum import checksum, copy_checksum, copy_verify
 from kvstore.client import Client, Lease, Reservation
@@ -67,85 +68,6 @@ _C_OK, _C_MISS, _C_CORRUPT, _C_INVALID = 1, 0, -1, -2
 _ABORTED = "a rank could not write its shards; the reservation was aborted"
 _CODE_STATUS = {_C_OK: KeyStatus.OK, _C_MISS: KeyStatus.MISS, _C_CORRUPT: KeyStatus.CORRUPT,
                 _C_INVALID: KeyStatus.INVALID}
-
-
-@dataclass(slots=True)
-class ConnectorStats:
-    """Counters of one connector (one rank)."""
-
-    lookups: int = 0
-    loads: int = 0
-    hit_blocks: int = 0
-    """Leading blocks the daemon reported present, over all loads."""
-    loaded_blocks: int = 0
-    """Blocks written into the engine's pages."""
-    failed_blocks: int = 0
-    """Hit blocks that did not load (checksum, a rank's shard, or an earlier failure)."""
-    saves: int = 0
-    saved_blocks: int = 0
-    existing_blocks: int = 0
-    faults: int = 0
-    """Calls degraded to a miss because the daemon was unusable."""
-    last_fault: str = ""
-
-
-@dataclass(slots=True, frozen=True)
-class LookupInfo:
-    hit_blocks: int
-    block_size: int
-    tiers: tuple[str, ...] = ()
-    """Tier of each hit block (rank 0 only; empty on other ranks)."""
-    fault: str | None = None
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.hit_blocks * self.block_size
-
-
-@dataclass(slots=True, frozen=True)
-class LoadResult:
-    """What a load did. Blocks ``[0, loaded_blocks)`` are in the pages;
-    every other requested block must be recomputed."""
-
-    requested_blocks: int
-    hit_blocks: int
-    """Leading blocks the daemon had (pinned for the copy)."""
-    loaded_blocks: int
-    block_size: int
-    statuses: tuple[KeyStatus, ...]
-    """Per requested block: OK (loaded), MISS (not cached, or a rank could not
-    read its shard), CORRUPT (checksum), INVALID (wrong size),
-    PARENT_MISSING (present, but an earlier block failed, so unusable)."""
-    fault: str | None = None
-    """Why the store could not be used at all (None when it could)."""
-
-    @property
-    def loaded_tokens(self) -> int:
-        return self.loaded_blocks * self.block_size
-
-    @property
-    def failed_blocks(self) -> tuple[int, ...]:
-        """Requested blocks that did not load (the engine recomputes them)."""
-        return tuple(range(self.loaded_blocks, self.requested_blocks))
-
-
-@dataclass(slots=True, frozen=True)
-class SaveResult:
-    """Per block of ``[start_block, start_block + len(statuses))``: OK (stored
-    now), EXISTS (already stored), CAPACITY, BUSY, PARENT_MISSING, INVALID,
-    or MISS (not stored: the daemon or a rank failed)."""
-
-    start_block: int
-    statuses: tuple[KeyStatus, ...]
-    fault: str | None = None
-
-    @property
-    def stored_blocks(self) -> int:
-        return sum(1 for s in self.statuses if s is KeyStatus.OK)
-
-    @property
-    def existing_blocks(self) -> int:
-        return sum(1 for s in self.statuses if s is KeyStatus.EXISTS)
 
 
 def _slab_identity(client: Client | None) -> int:
@@ -310,7 +232,7 @@ class KVConnector:
                 try:
                     r = c.lookup(self.ns, keys)
                     plan = Plan(PLAN_OK, int(r.hit_blocks), 0, plan.offsets, plan.write)
-                    tiers = tuple(r.tiers[: r.hit_blocks])
+                    tiers = tuple(t.label for t in r.tiers[: r.hit_blocks])
                 except _FAULTS as e:
                     fault = self._fault("lookup", e)
         plan = plan.share(self.group, 0)

@@ -36,6 +36,7 @@ from engine_adapter.layout import PagedKVLayout, kv_dtype_of
 from engine_adapter.tp import LocalGroup, TorchDistGroup, TPGroup, shard_heads
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument
+from kvstore.identity import engine_namespace
 from kvstore.keys import KVLayout, Namespace
 
 __all__ = ["Generation", "HFPrefixCache", "build_model", "check_tp", "greedy_generate", "llama_config",
@@ -106,18 +107,29 @@ def check_tp(model_or_config: Any, tp_size: int) -> None:
                               f"{tp_size} tensor-parallel ranks")
 
 
+HF_LAYOUT_TAG = "hf-dynamic-cache|layer_kv_page"
+"""The engine part of the HF adapter's layout schema (:func:`kvstore.identity.kv_schema`)."""
+
+
 def model_namespace(model: Any, *, tenant: str = "default", block_size: int = 16, tp_size: int = 1,
                     model_id: str | None = None, digest: str | None = None,
                     dtype: torch.dtype | None = None) -> Namespace:
-    """The namespace of ``model``'s KV: model id, weights digest (computed
-    when not given: do it before sharding), KV dtype, layout, block size, TP size."""
-    cfg = _text_config(model)
-    mid = model_id or getattr(cfg, "_name_or_path", "") or f"{getattr(cfg, 'model_type', 'model')}-random"
+    """The namespace of ``model``'s KV, from the same function the vLLM
+    connector and the router use (:func:`kvstore.identity.engine_namespace`):
+    weights digest (computed from the parameters when not given: do it
+    before sharding), the KV-affecting config fields
+    (:data:`kvstore.identity.KV_CONFIG_FIELDS`, read from ``model.config``),
+    model id derived from them (unless given), KV dtype, layout, block
+    size, TP size, and the schema version of the layout."""
+    cfg = getattr(model, "config", model)
+    to_dict = getattr(cfg, "to_dict", None)
+    hf_config = dict(to_dict()) if callable(to_dict) else {}
     if dtype is None:
         dtype = next(model.parameters()).dtype
-    return Namespace(tenant=tenant, model_id=mid, weights_digest=digest or weights_digest(model),
-                     kv_dtype=kv_dtype_of(dtype), layout=KVLayout.LAYER_KV_PAGE, block_size=block_size,
-                     tp_size=tp_size)
+    return engine_namespace(None, hf_config=hf_config, weights_digest=digest or weights_digest(model),
+                            block_size=block_size, kv_dtype=kv_dtype_of(dtype), tp_size=tp_size, tenant=tenant,
+                            layout=KVLayout.LAYER_KV_PAGE, layout_tag=HF_LAYOUT_TAG, compute_dtype=str(dtype),
+                            model_id=model_id)
 
 
 def _decoder_layers(model: Any) -> Any:

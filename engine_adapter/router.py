@@ -23,7 +23,7 @@ from typing import Iterable
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, TokenInput, block_keys
-from proto import kvstore_pb2 as pb
+from kvstore.results import Event, EventKind, DropReason
 
 __all__ = ["EndpointHit", "PrefixRouter"]
 
@@ -46,25 +46,25 @@ class PrefixRouter:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ events
-    def apply(self, endpoint: str, ev: pb.Event) -> None:
+    def apply(self, endpoint: str, ev: Event) -> None:
         """Fold one event from ``endpoint``'s daemon into the table."""
-        kind = ev.WhichOneof("kind")
+        kind = ev.kind
         with self._lock:
             if ev.seq:
                 self.seq[endpoint] = ev.seq
             mine = self._keys.setdefault(endpoint, {})
-            if kind == "stored":
-                for k in ev.stored.keys:
-                    mine[k] = ev.stored.ns_digest
+            if kind is EventKind.STORED:
+                for k in ev.keys:
+                    mine[k] = ev.ns_digest
                     self._where.setdefault(k, set()).add(endpoint)
-            elif kind == "removed":
-                if ev.removed.reason == pb.REMOVE_REASON_MOVED:
+            elif kind is EventKind.REMOVED:
+                if ev.reason is DropReason.MOVED:
                     return  # changed tier, still held (its new tier arrives as a stored event)
-                self._drop(endpoint, ev.removed.keys)
-            elif kind == "cleared":
-                d = ev.cleared.ns_digest
-                self._drop(endpoint, [k for k, nd in mine.items() if ev.cleared.all_namespaces or nd == d])
-            elif kind == "gap":
+                self._drop(endpoint, ev.keys)
+            elif kind is EventKind.CLEARED:
+                d = ev.ns_digest
+                self._drop(endpoint, [k for k, nd in mine.items() if ev.all_namespaces or nd == d])
+            elif kind is EventKind.GAP:
                 self.gaps[endpoint] = self.gaps.get(endpoint, 0) + 1
                 self._drop(endpoint, list(mine))
 

@@ -28,6 +28,7 @@ The protocol (``engine_adapter.connector`` runs it):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch
 
 from kvstore.errors import InvalidArgument
 
-__all__ = ["LocalGroup", "Plan", "TPGroup", "TorchDistGroup", "head_slice", "shard_heads"]
+__all__ = ["Collective", "LocalGroup", "Plan", "TPGroup", "TorchDistGroup", "head_slice", "shard_heads"]
 
 
 @runtime_checkable
@@ -58,6 +59,15 @@ class TPGroup(Protocol):
         ...
 
     def barrier(self) -> None: ...
+
+
+class Collective(Enum):
+    """The two collectives of the plan protocol."""
+
+    BROADCAST = "broadcast"
+    """The plan, from group rank 0 to every rank."""
+    ALL_REDUCE_MIN = "all_reduce_min"
+    """Element-wise MIN of the per-block codes over the ranks (worst wins)."""
 
 
 class LocalGroup:
@@ -105,9 +115,9 @@ class TorchDistGroup:
     def size(self) -> int:
         return self._size
 
-    def _run(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _run(self, t: torch.Tensor, op: Collective) -> torch.Tensor:
         x = t if t.device == self.device else t.to(self.device)
-        if op == "bcast":
+        if op is Collective.BROADCAST:
             self.dist.broadcast(x, src=self._src0, group=self.group)
         else:
             self.dist.all_reduce(x, op=self.dist.ReduceOp.MIN, group=self.group)
@@ -118,10 +128,10 @@ class TorchDistGroup:
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         if src != 0:
             raise InvalidArgument("the plan is always broadcast from group rank 0")
-        return self._run(t, "bcast")
+        return self._run(t, Collective.BROADCAST)
 
     def all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
-        return self._run(t, "min")
+        return self._run(t, Collective.ALL_REDUCE_MIN)
 
     def barrier(self) -> None:
         self.dist.barrier(group=self.group)

@@ -31,6 +31,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from engine_adapter.hf import HFPrefixCache, build_model, llama_config, model_namespace, shard_model
+from engine_adapter.tp import TorchDistGroup
 
 
 def _prompts(seed: int, vocab: int, prefix: int, suffix: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,11 +52,6 @@ def _write(out: str, name: str, record: dict[str, Any], logits: torch.Tensor) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from engine_adapter.hf import HFPrefixCache, build_model, llama_config, model_namespace, shard_model
-    from engine_adapter.tp import TorchDistGroup
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.init_file}", rank=args.rank,
                             world_size=args.world)

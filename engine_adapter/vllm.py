@@ -64,16 +64,27 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from engine_adapter.vllm_common import (ConnectorIdentity, DaemonLink, KVStoreConnectorMetadata,
-                                        KVStoreWorkerMetadata, connector_namespace, extra_config, flag,
-                                        layout_descriptor)
+from engine_adapter.vllm_common import (
+    ConnectorIdentity,
+    DaemonLink,
+    KVStoreConnectorMetadata,
+    KVStoreWorkerMetadata,
+    connector_namespace,
+    extra_config,
+    flag,
+    layout_descriptor,
+)
 from engine_adapter.vllm_scheduler import SchedulerSide
 from engine_adapter.vllm_worker import WorkerSide
 from kvstore.keys import Namespace
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, KVConnectorWorkerMetadata)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,8 +121,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         pc = vllm_config.parallel_config
         if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
@@ -145,10 +156,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         ns = self.identity.ns
         if not self.announced:
             self.announced = True
-            log.info("kvstore connector (%s): namespace %s (identity took %.3f s)", self.role.name,
-                     ns.to_dict() if ns else None, self.identity.seconds)
+            log.info("kvstore connector (%s): namespace %s, layout %s (waited %.3f s for the weights digest)",
+                     self.role.name, ns.to_dict() if ns else None, self.identity.descriptor, self.identity.waited_s)
             self.link.record(event="identity", namespace=ns.to_dict() if ns else None,
-                             seconds=round(self.identity.seconds, 6),
+                             layout_tag=self.identity.layout_tag, schema=self.identity.descriptor,
+                             waited_s=round(self.identity.waited_s, 6),
                              weights_digest_given=bool(self.identity.given_digest))
         return ns
 
@@ -169,31 +181,31 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.link.close()
 
     # ================================================= scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.resolve()
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
 
     def take_events(self) -> list[Any]:
         return self.scheduler.take_events()
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
     # ==================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if isinstance(self._connector_metadata, KVStoreConnectorMetadata) and self._connector_metadata.loads:
             self.resolve()
         self.worker.start_load_kv(self._connector_metadata)
@@ -201,7 +213,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete inside start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         return  # a stored block holds every layer: saved at once in wait_for_save
 

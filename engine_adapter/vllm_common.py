@@ -24,20 +24,38 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from kvstore import identity
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.keys import KEY_LEN, KVDtype, KVLayout, Namespace
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["BlockMove", "ConnectorIdentity", "DaemonLink", "FAULTS", "FAULT_TYPES", "KVStoreConnectorMetadata",
-           "KVStoreWorkerMetadata", "TORCH_KV", "connector_namespace", "extra_config", "flag", "kv_dtype",
-           "layout_descriptor", "request_ns", "split_keys"]
+__all__ = [
+    "DUMMY_WEIGHTS",
+    "FAULTS",
+    "FAULT_TYPES",
+    "TORCH_KV",
+    "BlockMove",
+    "ConnectorIdentity",
+    "DaemonLink",
+    "KVStoreConnectorMetadata",
+    "KVStoreWorkerMetadata",
+    "connector_namespace",
+    "extra_config",
+    "flag",
+    "kv_dtype",
+    "layout_descriptor",
+    "request_ns",
+    "split_keys",
+]
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -64,13 +82,13 @@ TORCH_KV = {torch.float16: KVDtype.FLOAT16, torch.bfloat16: KVDtype.BFLOAT16, to
 # --------------------------------------------------------------------------
 
 
-def extra_config(vllm_config: "VllmConfig") -> dict[str, Any]:
+def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     """The connector's ``kv_connector_extra_config`` (a copy; {} when unset)."""
     ktc = vllm_config.kv_transfer_config
     return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
 
 
-def kv_dtype(vllm_config: "VllmConfig") -> KVDtype:
+def kv_dtype(vllm_config: VllmConfig) -> KVDtype:
     """The element type of vLLM's KV cache."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto":
@@ -82,7 +100,7 @@ def kv_dtype(vllm_config: "VllmConfig") -> KVDtype:
     return TORCH_KV[vllm_config.model_config.dtype]
 
 
-def _layout_tag(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> str:
+def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
     from vllm.platforms import current_platform
 
     resolved = getattr(kv_cache_config, "kv_cache_layout", None) or ""
@@ -90,12 +108,12 @@ def _layout_tag(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | Non
                                     str(extra_config(vllm_config).get("layout_tag", "")))
 
 
-def _geometry(vllm_config: "VllmConfig") -> tuple[int, int, int]:
+def _geometry(vllm_config: VllmConfig) -> tuple[int, int, int]:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     return int(mc.get_num_layers(pc)), int(mc.get_num_kv_heads(pc)), int(mc.get_head_size())
 
 
-def layout_descriptor(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> str:
+def layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
     """The vLLM KV layout a stored block's bytes follow (both roles compute
     the same string from the config alone; the worker checks its tensors
     against it)."""
@@ -106,7 +124,12 @@ def layout_descriptor(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     return desc
 
 
-def _model_dir(mc: Any) -> str | None:
+DUMMY_WEIGHTS = "vllm-dummy-weights"
+"""The weights digest of ``load_format="dummy"`` (vLLM's seeded random
+weights: the same for the same config, which ``model_id`` names)."""
+
+
+def _model_dir(mc: Any, download_dir: str | None) -> str | None:
     """The local directory (or GGUF file) vLLM loads the model from: the
     path itself, or the Hugging Face cache snapshot of a repository id;
     None when neither is on this host."""
@@ -116,7 +139,8 @@ def _model_dir(mc: Any) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return str(snapshot_download(model, revision=getattr(mc, "revision", None), local_files_only=True))
+        return str(snapshot_download(model, revision=getattr(mc, "revision", None), cache_dir=download_dir,
+                                     local_files_only=True))
     except Exception:  # noqa: BLE001 - not a cached repository (or no hub library): unknown
         return None
 
@@ -143,21 +167,24 @@ class ConnectorIdentity:
     cache); :attr:`ns` joins it. Should the hash itself fail (an I/O error),
     :attr:`ns` is None and the connector serves every request as a miss."""
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         extra = extra_config(vllm_config)
         mc = vllm_config.model_config
         self.given_digest = str(extra.get("weights_digest") or "")
         self.kv_dtype = kv_dtype(vllm_config)
-        self.model_dir = _model_dir(mc)
-        cfg_dir = getattr(mc, "hf_config_path", None) or self.model_dir
+        load = getattr(vllm_config, "load_config", None)
+        self.model_dir = _model_dir(mc, getattr(load, "download_dir", None))
+        if not self.given_digest and str(getattr(load, "load_format", "")) == "dummy":
+            self.given_digest = DUMMY_WEIGHTS
+        cfg_path = getattr(mc, "hf_config_path", None)
+        cfg_dir = cfg_path if cfg_path and os.path.isdir(str(cfg_path)) else self.model_dir
         if cfg_dir is not None:
             self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)
         else:
             get = getattr(getattr(mc, "hf_config", None), "to_diff_dict", None)
             self.hf_config = dict(get()) if callable(get) else {}
-        self.t0 = time.perf_counter()
         self.future: Future[str]
         if self.given_digest:
             self.future = Future()
@@ -170,7 +197,10 @@ class ConnectorIdentity:
             self.future = identity.weights_digest_async(self.model_dir,
                                                         cache=extra.get("digest_cache") or None)
         self.failed = False
-        self.seconds = 0.0
+        self.waited_s = 0.0
+        """Seconds the first use of the namespace waited for the weights hash."""
+        self.layout_tag = ""
+        self.descriptor = ""
         self._ns: Namespace | None = None
 
     def namespace(self, weights: str) -> Namespace:
@@ -185,19 +215,23 @@ class ConnectorIdentity:
                         "vLLM's (a router computing keys from config.json will not match)", from_config, geometry)
         quant = getattr(mc, "quantization", None)
         in_config = any(k in self.hf_config for k in ("quantization_config", "compression_config"))
+        self.layout_tag = _layout_tag(vc, self.kv_cache_config)
+        schema: dict[str, Any] = {"block_size": int(vc.cache_config.block_size), "kv_dtype": self.kv_dtype,
+                                  "tp_size": int(vc.parallel_config.tensor_parallel_size),
+                                  "layout_tag": self.layout_tag, "compute_dtype": str(mc.dtype),
+                                  "quantization": None if in_config or not quant else str(quant),
+                                  "geometry": None if from_config == geometry else geometry}
+        self.descriptor = identity.kv_schema(self.hf_config, overrides=overrides, **schema)[0]
         return identity.engine_namespace(
-            self.model_dir, hf_config=self.hf_config, weights_digest=weights,
-            block_size=int(vc.cache_config.block_size), kv_dtype=self.kv_dtype,
-            tp_size=int(vc.parallel_config.tensor_parallel_size), tenant=str(extra.get("tenant", "default")),
-            hf_overrides=overrides, layout=KVLayout.OPAQUE, layout_tag=_layout_tag(vc, self.kv_cache_config),
-            compute_dtype=str(mc.dtype), quantization=None if in_config or not quant else str(quant),
-            model_id=str(extra["model_id"]) if extra.get("model_id") else None,
-            geometry=None if from_config == geometry else geometry)
+            self.model_dir, hf_config=self.hf_config, weights_digest=weights, tenant=str(extra.get("tenant", "default")),
+            hf_overrides=overrides, layout=KVLayout.OPAQUE,
+            model_id=str(extra["model_id"]) if extra.get("model_id") else None, **schema)
 
     @property
     def ns(self) -> Namespace | None:
         """The namespace (joins the weights hash the first time); None when the weights could not be hashed."""
         if self._ns is None and not self.failed:
+            t0 = time.perf_counter()
             try:
                 weights = self.future.result()
             except Exception as e:  # noqa: BLE001 - reported, and the store is then unused
@@ -206,11 +240,11 @@ class ConnectorIdentity:
                 self.failed = True
                 return None
             self._ns = self.namespace(weights)
-            self.seconds = time.perf_counter() - self.t0
+            self.waited_s = time.perf_counter() - t0
         return self._ns
 
 
-def connector_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None" = None) -> Namespace:
+def connector_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> Namespace:
     """The base namespace of this vLLM deployment (the request's LoRA and
     ``cache_salt`` are added per request); hashes the weights if needed."""
     ns = ConnectorIdentity(vllm_config, kv_cache_config).ns
@@ -317,7 +351,7 @@ class DaemonLink:
         if isinstance(e, BaseException) and self.current is not None:
             try:
                 self.current.close()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - closing a client that already failed
                 pass
             self.current = None
             self.retry_at = time.monotonic() + self.retry_interval

@@ -15,14 +15,24 @@ finished request), and sends the plan to the worker as
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine_adapter.vllm_common import (FAULT_TYPES, BlockMove, ConnectorIdentity, DaemonLink,
-                                        KVStoreConnectorMetadata, KVStoreWorkerMetadata, request_ns, split_keys)
+from engine_adapter.vllm_common import (
+    FAULT_TYPES,
+    BlockMove,
+    ConnectorIdentity,
+    DaemonLink,
+    KVStoreConnectorMetadata,
+    KVStoreWorkerMetadata,
+    request_ns,
+    split_keys,
+)
+from kvstore import identity
 from kvstore.keys import KEY_LEN, block_keys, block_keys_array
 
 if TYPE_CHECKING:
@@ -45,7 +55,10 @@ class ReqState:
     """Keys of every full prompt block, extended over the generated tokens
     as their blocks fill (:meth:`SchedulerSide.keys_upto`)."""
     adapter: str
+    """The namespace's ``adapter_id`` (:meth:`SchedulerSide.adapter_id`)."""
     salt: str
+    lora_name: str = ""
+    """vLLM's name of the request's LoRA (for KV events)."""
     load: bool = True
     save: bool = True
     hit_blocks: int = 0
@@ -75,8 +88,9 @@ class SchedulerSide:
         self.tails: list[BlockMove] = []  # tail saves of finished requests, sent with the next step's plan
         self.tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self.events: list[Any] = []
+        self.adapters: dict[tuple[int, str, str], str] = {}
 
-    def state(self, request: "Request") -> ReqState | None:
+    def state(self, request: Request) -> ReqState | None:
         st = self.reqs.get(request.request_id)
         if st is not None:
             return st
@@ -87,15 +101,39 @@ class SchedulerSide:
         if base is None:
             return None  # the weights could not be identified: no store for this deployment
         lora = getattr(request, "lora_request", None)
-        adapter = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+        lora_name = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+        adapter = self.adapter_id(lora) if lora is not None else ""
         salt = str(getattr(request, "cache_salt", None) or "")
         ns = request_ns(base, adapter, salt)
         keys = b"".join(block_keys(ns, np.asarray(toks, dtype=np.int64)))
         params = getattr(request, "kv_transfer_params", None) or {}
-        st = ReqState(request, keys, adapter, salt, load=self.do_load and params.get("kvstore_load") is not False,
+        st = ReqState(request, keys, adapter, salt, lora_name,
+                      load=self.do_load and params.get("kvstore_load") is not False,
                       save=self.do_save and params.get("kvstore_save") is not False)
         self.reqs[request.request_id] = st
         return st
+
+    def adapter_id(self, lora: Any) -> str:
+        """The namespace ``adapter_id`` of a LoRA: the digest of its files
+        (:func:`kvstore.identity.adapter_digest`, so an adapter updated
+        under the same name is a new namespace, and the same adapter under
+        another name shares blocks), or ``"name:<lora name>"`` when its files
+        are not on this host. Remembered per (id, name, path) for the
+        process (vLLM gives an updated adapter a new id)."""
+        name = str(getattr(lora, "lora_name", "") or "")
+        path = str(getattr(lora, "lora_path", None) or getattr(lora, "lora_local_path", None) or "")
+        memo_key = (int(getattr(lora, "lora_int_id", 0) or 0), name, path)
+        got = self.adapters.get(memo_key)
+        if got is None:
+            got = f"name:{name}"[:200]
+            if path and os.path.isdir(path):
+                try:
+                    got = identity.adapter_digest(path)
+                except (OSError, ValueError) as e:  # no weight files, unreadable: fall back to the name
+                    log.warning("kvstore connector: cannot hash LoRA %s at %s (%s); naming it by its name",
+                                name, path, e)
+            self.adapters[memo_key] = got
+        return got
 
     def keys_upto(self, st: ReqState, n: int) -> int:
         """Make ``st.keys`` cover the first ``n`` full blocks of the
@@ -117,7 +155,7 @@ class SchedulerSide:
         st.keys = block_keys_array(request_ns(base, st.adapter, st.salt), toks).tobytes()
         return n
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self.state(request) if self.do_load or self.do_save else None
         if st is None or not st.load:
             return 0, False
@@ -145,7 +183,7 @@ class SchedulerSide:
                          ms=round((time.perf_counter() - t0) * 1000, 3))
         return ext, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
         if st is None:
@@ -159,7 +197,7 @@ class SchedulerSide:
         # hit was saved when this process first computed or loaded it)
         st.saved = max(st.hit_blocks, st.local_tokens // self.block_size)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVStoreConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(saves=self.tails)
         self.tails = []
         computed: dict[str, int] = {}
@@ -206,7 +244,7 @@ class SchedulerSide:
                 st.saved = full
         return meta
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         bad = getattr(connector_output, "invalid_block_ids", None)
         if bad:  # blocks that failed to load are recomputed by vLLM: store them again afterwards
             for st in self.reqs.values():
@@ -244,13 +282,13 @@ class SchedulerSide:
                            parent_block_hash=maybe_convert_block_hash(hashes[start - 1]) if start else None,
                            token_ids=toks, block_size=self.block_size,
                            lora_id=getattr(lora, "lora_int_id", None) if lora else None,
-                           medium="kvstore", lora_name=st.adapter or None)
+                           medium="kvstore", lora_name=st.lora_name or None)
 
     def take_events(self) -> list[Any]:
         ev, self.events = self.events, []
         return ev
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous (in ``wait_for_save`` of the step that
         computed the block), so vLLM may usually free the blocks at once.
         A request that finished normally may still hold full blocks not yet

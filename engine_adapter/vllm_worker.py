@@ -21,13 +21,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine_adapter.vllm_common import (FAULT_TYPES, TORCH_KV, BlockMove, ConnectorIdentity, DaemonLink,
-                                        KVStoreConnectorMetadata, KVStoreWorkerMetadata, layout_descriptor,
-                                        request_ns, split_keys)
+from engine_adapter.vllm_common import (
+    FAULT_TYPES,
+    TORCH_KV,
+    BlockMove,
+    ConnectorIdentity,
+    DaemonLink,
+    KVStoreConnectorMetadata,
+    KVStoreWorkerMetadata,
+    layout_descriptor,
+    request_ns,
+    split_keys,
+)
+from kvstore.checksum import copy_many, verify_many
 from kvstore.client import Client
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
-from kvstore.checksum import copy_many, verify_many
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,8 +50,8 @@ log = logging.getLogger("kvstore.vllm")
 class WorkerSide:
     """Loads and saves of one worker-role connector."""
 
-    def __init__(self, ident: ConnectorIdentity, link: DaemonLink, vllm_config: "VllmConfig",
-                 kv_cache_config: "KVCacheConfig | None") -> None:
+    def __init__(self, ident: ConnectorIdentity, link: DaemonLink, vllm_config: VllmConfig,
+                 kv_cache_config: KVCacheConfig | None) -> None:
         self.ident = ident
         self.link = link
         self.vllm_config = vllm_config

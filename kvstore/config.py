@@ -12,56 +12,79 @@ lists are comma-separated, booleans true/false/1/0/yes/no. Unknown keys and
 bad values raise :class:`ConfigError` (an ``InvalidArgument``) naming the
 dotted key, the value and what is allowed.
 
-A new section is a ``@dataclass(slots=True, frozen=True)`` subclass of
-``_Section`` with ``SECTION = "<name>"`` and a docstring per field, plus a
-field of that type on :class:`Config`; loading, env names, validation,
-``to_dict`` and ``to_toml`` follow from the annotations.
+The fields are validated by pydantic (kvstore/config_fields.py); the layers
+are pydantic-settings sources (a TOML source, an env source with nested
+names, the overrides as init arguments), behind an allow-list of
+``KVSTORE_*`` names. A new section is a ``@dataclass(slots=True,
+frozen=True)`` subclass of ``Section`` with ``SECTION = "<name>"`` and a
+docstring per field, plus a field of that type on :class:`Config`; loading,
+env names, validation, ``to_dict`` and ``to_toml`` follow from the annotations.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
 import inspect
 import json
 import logging
 import os
 import re
-import sys
-import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Mapping, NoReturn, get_type_hints
+from typing import Annotated, Any, ClassVar, get_type_hints
 
-from kvstore.config_fields import (GiB, KiB, MiB, TiB, ConfigError, Duration, Port, Size, SizeList, _Kind, _Range,
-                                   _Section, _plain, _specs, _toml_value, format_duration, format_size,
-                                   parse_duration, parse_size)
+from pydantic import BaseModel
+
+from kvstore.config_fields import (
+    ConfigError,
+    Duration,
+    GiB,
+    KiB,
+    MiB,
+    Port,
+    Section,
+    Size,
+    SizeList,
+    TiB,
+    bounds,
+    field_docs,
+    field_kind,
+    field_names,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_size,
+    plain,
+    toml_value,
+)
+from kvstore.config_sources import (
+    ENV_ALLOWLIST,
+    ENV_PREFIX,
+    Origin,
+    SettingsBase,
+    load_layers,
+    settings_class,
+    split_key,
+    unknown_section,
+    validate_tree,
+)
 
 __all__ = [
     "ClusterConfig", "ClusterMode", "Config", "ConfigError", "DramConfig", "ENV_ALLOWLIST", "ENV_PREFIX", "EvictionConfig",
-    "EvictionPolicyName", "HbmConfig", "LogConfig", "LogLevel", "MetricsConfig", "ServerConfig",
+    "EvictionPolicyName", "HbmConfig", "LogConfig", "LogLevel", "MetricsConfig", "Section", "ServerConfig",
     "SsdConfig", "describe", "format_duration", "format_size", "load_config", "parse_duration",
     "parse_size", "KiB", "MiB", "GiB", "TiB",
 ]
-
-ENV_PREFIX = "KVSTORE_"
-ENV_ALLOWLIST = frozenset({
-    "KVSTORE_CONFIG",   # path of the config file (when load_config gets none)
-    "KVSTORE_ADDRESS",  # daemon address, read by the client and CLI
-    "KVSTORE_TOKEN",    # bearer token, read by the client and CLI
-})
-"""``KVSTORE_*`` variables that are not config keys and are never an error.
-The variable named by ``server.auth_token_env`` is skipped as well."""
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SHM_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
 @dataclass(slots=True, frozen=True)
-class ServerConfig(_Section):
+class ServerConfig(Section):
     """The gRPC listener, authentication, and request lifetimes."""
 
     SECTION: ClassVar[str] = "server"
@@ -75,9 +98,9 @@ class ServerConfig(_Section):
     unix_socket: str = ""
     """Path of a Unix socket to listen on as well (mode 0600); empty: none."""
     lookup_socket: str = ""
-    """Same-host fast Lookup socket (mode 0600, kvstore/fastlookup.py): empty:
+    """Same-host fast Lookup socket (mode 0600, kvstore/daemon/socket_server.py): empty:
     ``<unix_socket>.lookup`` when unix_socket is set; "off": none."""
-    max_message_bytes: Annotated[int, _Kind.SIZE, _Range(4 * KiB, 2**31 - 1)] = 64 * MiB
+    max_message_bytes: Annotated[Size, bounds(4 * KiB, 2**31 - 1)] = 64 * MiB
     """Largest gRPC message either way; bounds inline Put/Get payloads."""
     auth_token_file: str = ""
     """File holding accepted bearer tokens, one per line; empty: no token file."""
@@ -95,11 +118,11 @@ class ServerConfig(_Section):
     """An uncommitted Reserve is aborted after this long."""
     lease_check_interval: Duration = 1.0
     """How often reservations, leases and sessions are checked for expiry."""
-    event_buffer: Annotated[int, _Range(0, None)] = 65536
+    event_buffer: Annotated[int, bounds(0, None)] = 65536
     """Events kept for WatchEvents replay; a watcher further behind gets a Gap."""
     tenants_file: str = ""
     """TOML file mapping bearer tokens to tenants; empty: one tenant for all."""
-    workers: Annotated[int, _Range(1, 1024)] = 2
+    workers: Annotated[int, bounds(1, 1024)] = 2
     """Threads for data copies (promotion, inline Put/Get)."""
 
     def _validate(self) -> None:
@@ -118,7 +141,7 @@ class ServerConfig(_Section):
 
 
 @dataclass(slots=True, frozen=True)
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     """The Prometheus endpoint."""
 
     SECTION: ClassVar[str] = "metrics"
@@ -130,12 +153,12 @@ class MetricsConfig(_Section):
 
 
 @dataclass(slots=True, frozen=True)
-class DramConfig(_Section):
+class DramConfig(Section):
     """The DRAM tier: a shared-memory slab that same-host clients map."""
 
     SECTION: ClassVar[str] = "dram"
 
-    capacity: Annotated[int, _Kind.SIZE, _Range(1, None)] = 1 * GiB
+    capacity: Annotated[Size, bounds(1, None)] = 1 * GiB
     """Size of the shared-memory slab."""
     shm_name: str = ""
     """POSIX shared-memory name of the slab; empty: "kvstore-<uid>-<pid>"."""
@@ -144,7 +167,7 @@ class DramConfig(_Section):
     the smallest class that holds it. "auto" (the empty list): each payload
     size, rounded up to 4 KiB, is its own class (no waste for the uniform
     blocks of a namespace)."""
-    page_size: Annotated[int, _Kind.SIZE, _Range(4 * KiB, None)] = 16 * MiB
+    page_size: Annotated[Size, bounds(4 * KiB, None)] = 16 * MiB
     """Slab page: the unit of memory that moves between size classes and that
     a resize adds or retires. Capped at the capacity; the largest block must
     fit in one page."""
@@ -173,20 +196,20 @@ class HbmAdmit(StrEnum):
 
 
 @dataclass(slots=True, frozen=True)
-class HbmConfig(_Section):
+class HbmConfig(Section):
     """The HBM tier: GPU memory shared with engines through CUDA IPC."""
 
     SECTION: ClassVar[str] = "hbm"
 
     capacity: Size = 0
     """Bytes of GPU memory for the tier; 0: no HBM tier (always so without CUDA)."""
-    device: Annotated[int, _Range(0, None)] = 0
+    device: Annotated[int, bounds(0, None)] = 0
     """CUDA device ordinal."""
     admit: HbmAdmit = HbmAdmit.RESERVE
     """Which new blocks land in HBM: "reserve" (only Reserve calls that ask
     for tier hbm; every other put goes to DRAM) or "all" (every put, while
     HBM has room after demoting its coldest blocks to DRAM)."""
-    page_size: Annotated[int, _Kind.SIZE, _Range(4 * KiB, None)] = 16 * MiB
+    page_size: Annotated[Size, bounds(4 * KiB, None)] = 16 * MiB
     """Slab page of the HBM tier (as dram.page_size)."""
     on_cpu: bool = False
     """Run the tier on a host tensor instead of a GPU (tests and development:
@@ -201,7 +224,7 @@ class SsdWriteMode(StrEnum):
 
 
 @dataclass(slots=True, frozen=True)
-class SsdConfig(_Section):
+class SsdConfig(Section):
     """The SSD tier: blocks demoted from DRAM, promoted back on use."""
 
     SECTION: ClassVar[str] = "ssd"
@@ -211,10 +234,10 @@ class SsdConfig(_Section):
     path: str = ""
     """Directory for the tier's files; empty: $XDG_DATA_HOME/kvstore, or
     ~/.local/share/kvstore."""
-    admit_min_hits: Annotated[int, _Range(0, None)] = 2
+    admit_min_hits: Annotated[int, bounds(0, None)] = 2
     """A block evicted from DRAM is written to SSD only if it was hit at least
     this many times; 0 admits every evicted block."""
-    write_budget_mbps: Annotated[int, _Range(0, None)] = 0
+    write_budget_mbps: Annotated[int, bounds(0, None)] = 0
     """Cap on the average SSD write rate, in megabytes (10^6 bytes) per
     second; 0: unlimited."""
     write_mode: SsdWriteMode = SsdWriteMode.BACK
@@ -222,7 +245,7 @@ class SsdConfig(_Section):
     free above low_watermark in the background); "through": copy admitted
     blocks to SSD in the background soon after they are stored, so eviction
     only drops the DRAM copy."""
-    low_watermark: Annotated[float, _Range(0, 0.5)] = 0.05
+    low_watermark: Annotated[float, bounds(0, 0.5)] = 0.05
     """Share of DRAM that write-back demotion keeps free in the background."""
     sync: bool = True
     """fsync data and index on every write batch (crash-safe). false is for
@@ -240,23 +263,23 @@ class SsdConfig(_Section):
 
 
 @dataclass(slots=True, frozen=True)
-class AdmissionSection(_Section):
+class AdmissionSection(Section):
     """SLO-aware admission (Admit/Report) and QoS of the daemon's calls."""
 
     SECTION: ClassVar[str] = "admission"
 
-    prefill_tokens_per_s: Annotated[float, _Range(1, None)] = 20000.0
+    prefill_tokens_per_s: Annotated[float, bounds(1, None)] = 20000.0
     """Initial prefill speed of one engine; recalibrated from reported TTFTs."""
-    attention_s_per_token2: Annotated[float, _Range(0, None)] = 0.0
+    attention_s_per_token2: Annotated[float, bounds(0, None)] = 0.0
     """Attention term of the prefill model: seconds per (new x context) token pair."""
-    qos_max_concurrency: Annotated[int, _Range(1, 1_000_000)] = 64
+    qos_max_concurrency: Annotated[int, bounds(1, 1_000_000)] = 64
     """Calls in progress at once before calls queue by priority class
     (foreground > write > prefetch > background); full queues fail fast with
     RESOURCE_EXHAUSTED and a retry-after-ms trailer."""
-    qos_queue_limit: Annotated[int, _Range(1, 1_000_000)] = 1024
+    qos_queue_limit: Annotated[int, bounds(1, 1_000_000)] = 1024
     """Queued calls allowed for the foreground class (write: half, prefetch: a
     quarter, background: an eighth)."""
-    default_tenant_share: Annotated[float, _Range(0, 1)] = 1.0
+    default_tenant_share: Annotated[float, bounds(0, 1)] = 1.0
     """Share of each tier a tenant without its own `share` in
     server.tenants_file may hold before its blocks are evicted first."""
 
@@ -270,7 +293,7 @@ class EvictionPolicyName(StrEnum):
 
 
 @dataclass(slots=True, frozen=True)
-class EvictionConfig(_Section):
+class EvictionConfig(Section):
     """Which blocks leave a full tier first."""
 
     SECTION: ClassVar[str] = "eviction"
@@ -293,7 +316,7 @@ class ClusterMode(StrEnum):
 
 
 @dataclass(slots=True, frozen=True)
-class ClusterConfig(_Section):
+class ClusterConfig(Section):
     """Other daemons: membership, block directory, peer fetch and its cost
     model (docs/cluster.md)."""
 
@@ -325,17 +348,17 @@ class ClusterConfig(_Section):
     """Stored/removed events are batched this long before they go to the owners."""
     peer_latency: Duration = 50e-6
     """Seed of a peer link's latency in the cost model (a probe replaces it)."""
-    peer_bandwidth_gbps: Annotated[float, _Range(1e-6, None)] = 100.0
+    peer_bandwidth_gbps: Annotated[float, bounds(1e-6, None)] = 100.0
     """Seed of a peer link's bandwidth, Gb/s (measured transfers update it)."""
     probe_links: bool = True
     """Measure each new peer's round trip with an empty fetch."""
-    h2d_bandwidth_gbytes: Annotated[float, _Range(1e-6, None)] = 25.0
+    h2d_bandwidth_gbytes: Annotated[float, bounds(1e-6, None)] = 25.0
     """Host-to-device copy bandwidth, GB/s (targets in HBM)."""
-    prefill_tokens_per_s: Annotated[float, _Range(0, None)] = 0.0
+    prefill_tokens_per_s: Annotated[float, bounds(0, None)] = 0.0
     """Recompute speed for models without shape or table; 0: admission.prefill_tokens_per_s."""
-    prefill_tflops: Annotated[float, _Range(0, None)] = 0.0
+    prefill_tflops: Annotated[float, bounds(0, None)] = 0.0
     """Useful TFLOP/s of one rank's prefill for models with a shape in models_file; 0: use tokens/s."""
-    fetch_margin: Annotated[float, _Range(0, None)] = 0.1
+    fetch_margin: Annotated[float, bounds(0, None)] = 0.1
     """Fetch only when transfer * (1 + margin) <= recompute."""
     models_file: str = ""
     """TOML with [model."<model_id>"] shapes and/or prefill tables (docs/cluster.md)."""
@@ -374,7 +397,7 @@ class LogLevel(StrEnum):
 
 
 @dataclass(slots=True, frozen=True)
-class LogConfig(_Section):
+class LogConfig(Section):
     """Logging."""
 
     SECTION: ClassVar[str] = "log"
@@ -422,7 +445,7 @@ class Config:
     @staticmethod
     def keys() -> list[str]:
         """Every dotted key, in tree order."""
-        return [f"{name}.{f}" for name, cls in _sections().items() for f in _specs(cls)]
+        return [f"{name}.{f}" for name, cls in _sections().items() for f in field_names(cls)]
 
     def get(self, key: str) -> Any:
         """The value at a dotted key ("dram.capacity")."""
@@ -435,7 +458,7 @@ class Config:
         out: dict[str, dict[str, Any]] = {}
         for name, cls in _sections().items():
             section = getattr(self, name)
-            out[name] = {f: _plain(getattr(section, f)) for f in _specs(cls)}
+            out[name] = {f: plain(getattr(section, f)) for f in field_names(cls)}
         return out
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -455,10 +478,10 @@ class Config:
                 lines.append(f"# {inspect.cleandoc(cls.__doc__).splitlines()[0]}")
             lines.append(f"[{name}]")
             section = getattr(self, name)
-            for f, spec in _specs(cls).items():
+            for f in field_names(cls):
                 for doc_line in docs.get(f"{name}.{f}", "").splitlines():
                     lines.append(f"# {doc_line}".rstrip())
-                lines.append(f"{f} = {_toml_value(spec, getattr(section, f))}")
+                lines.append(f"{f} = {toml_value(field_kind(cls, f), getattr(section, f))}")
         return "\n".join(lines) + "\n"
 
     def replace(self, **changes: Any) -> Config:
@@ -473,8 +496,8 @@ class Config:
                 section, name = _split_key(key, "")
                 values[section][name] = value
             elif key not in values:
-                _unknown_section(key, "")
-            elif isinstance(value, _Section):
+                unknown_section(key, "", _sections())
+            elif isinstance(value, Section):
                 values[key] = _raw(value)
             elif isinstance(value, Mapping):
                 values[key].update(value)
@@ -485,123 +508,52 @@ class Config:
 
 
 @cache
-def _sections() -> dict[str, type[_Section]]:
+def _sections() -> dict[str, type[Section]]:
     hints = get_type_hints(Config)
-    found: dict[str, type[_Section]] = {}
+    found: dict[str, type[Section]] = {}
     for f in dataclasses.fields(Config):
         cls = hints[f.name]
-        if not (isinstance(cls, type) and issubclass(cls, _Section)) or cls.SECTION != f.name:
-            raise TypeError(f"Config.{f.name}: expected a _Section with SECTION = {f.name!r}")
+        if not (isinstance(cls, type) and issubclass(cls, Section)) or cls.SECTION != f.name:
+            raise TypeError(f"Config.{f.name}: expected a Section with SECTION = {f.name!r}")
         found[f.name] = cls
     return found
 
 
-def _raw(section: _Section) -> dict[str, Any]:
-    return {f: getattr(section, f) for f in _specs(type(section))}
+def _raw(section: Section) -> dict[str, Any]:
+    return {f: getattr(section, f) for f in field_names(type(section))}
 
 
-def _suggest(word: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _unknown_section(key: str, where: str) -> NoReturn:
-    allowed = list(_sections())
-    raise ConfigError(
-        f"unknown config section {key!r}{where}{_suggest(key, allowed)}; "
-        f"allowed sections: {', '.join(allowed)}", key=key)
-
-
-def _unknown_key(section: str, name: str, where: str) -> NoReturn:
-    allowed = list(_specs(_sections()[section]))
-    key = f"{section}.{name}"
-    raise ConfigError(
-        f"unknown config key {key!r}{where}{_suggest(name, allowed)}; "
-        f"allowed keys in [{section}]: {', '.join(allowed)}", key=key)
+@cache
+def _settings_class() -> type[SettingsBase]:
+    return settings_class(_sections())
 
 
 def _split_key(key: str, where: str) -> tuple[str, str]:
-    section, dot, name = key.partition(".")
-    if not dot or not name or "." in name:
-        raise ConfigError(f"config key {key!r}{where}: expected 'section.field', e.g. "
-                          "'dram.capacity'", key=key)
-    if section not in _sections():
-        _unknown_section(section, where)
-    if name not in _specs(_sections()[section]):
-        _unknown_key(section, name, where)
-    return section, name
+    return split_key(key, where, _sections())
 
 
-def _build(values: Mapping[str, Mapping[str, Any]], origin: Mapping[str, str]) -> Config:
-    """Sections from raw values, then the tree; errors name where a value came from."""
+def _to_config(tree: BaseModel, origin: Origin) -> Config:
+    """The dataclass tree from validated settings; cross-field errors name
+    where a value came from."""
     try:
-        built: dict[str, Any] = {}
-        for name, cls in _sections().items():
-            for key in values.get(name, {}):
-                if key not in _specs(cls):
-                    _unknown_key(name, key, "")
-            built[name] = cls(**values.get(name, {}))
+        built: dict[str, Any] = {name: cls(**dict(getattr(tree, name))) for name, cls in _sections().items()}
         return Config(**built)
     except ConfigError as exc:
         if exc.key in origin:
-            raise ConfigError(f"{exc} (set by {origin[exc.key]})", key=exc.key) from None
+            raise ConfigError(f"{exc} (set by {origin[exc.key][0]})", key=exc.key) from None
         raise
+
+
+def _build(values: Mapping[str, Mapping[str, Any]], origin: Origin) -> Config:
+    """Sections from raw values, validated like a load."""
+    return _to_config(validate_tree(_settings_class(), values, origin), origin)
 
 
 @cache
 def describe() -> dict[str, str]:
     """{dotted key: its docstring}, for help texts and the commented TOML.
     Empty strings where the source is unavailable."""
-    docs = {key: "" for key in Config.keys()}
-    try:
-        tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    except (OSError, TypeError):  # pragma: no cover - frozen/zipped installs
-        return docs
-    by_class = {cls.__name__: name for name, cls in _sections().items()}
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef) or node.name not in by_class:
-            continue
-        body = node.body
-        for stmt, nxt in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                key = f"{by_class[node.name]}.{stmt.target.id}"
-                if key in docs:
-                    docs[key] = inspect.cleandoc(nxt.value.value)
-    return docs
-
-
-def _read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {os.fspath(path)!r} not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} cannot be read: {exc}") from None
-
-
-def _env_key(var: str) -> tuple[str, str] | ConfigError:
-    """(section, field) for a KVSTORE_* variable, or the error to raise."""
-    rest = var[len(ENV_PREFIX):]
-    for section in sorted(_sections(), key=len, reverse=True):
-        prefix = section.upper() + "_"
-        if rest.startswith(prefix):
-            name = rest[len(prefix):].lower()
-            fields_ = list(_specs(_sections()[section]))
-            if name in fields_:
-                return section, name
-            allowed = ", ".join(f"{ENV_PREFIX}{section.upper()}_{f.upper()}" for f in fields_)
-            return ConfigError(
-                f"unknown environment variable {var}: {section}.{name} is not a config key"
-                f"{_suggest(name, fields_)}; allowed in [{section}]: {allowed}", key=var)
-    sections = ", ".join(s.upper() for s in _sections())
-    return ConfigError(
-        f"unknown environment variable {var}: expected {ENV_PREFIX}<SECTION>_<FIELD> with "
-        f"SECTION one of {sections}, or one of {', '.join(sorted(ENV_ALLOWLIST))}", key=var)
+    return {f"{name}.{f}": doc for name, cls in _sections().items() for f, doc in field_docs(cls).items()}
 
 
 def load_config(path: str | os.PathLike[str] | None = None,
@@ -618,45 +570,5 @@ def load_config(path: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] = os.environ if env is None else env
     if path is None and environ.get("KVSTORE_CONFIG"):
         path = environ["KVSTORE_CONFIG"]
-    values: dict[str, dict[str, Any]] = {name: {} for name in _sections()}
-    origin: dict[str, str] = {}
-
-    if path is not None:
-        where = f" in {os.fspath(path)}"
-        for section, table in _read_file(path).items():
-            if section not in values:
-                _unknown_section(section, where)
-            if not isinstance(table, dict):
-                raise ConfigError(f"config key {section!r}{where}: expected a table "
-                                  f"[{section}], got {table!r}", key=section)
-            for name, value in table.items():
-                if name not in _specs(_sections()[section]):
-                    _unknown_key(section, name, where)
-                values[section][name] = value
-                origin[f"{section}.{name}"] = f"config file {os.fspath(path)}"
-
-    unmapped: list[ConfigError] = []
-    for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX) or var in ENV_ALLOWLIST:
-            continue
-        found = _env_key(var)
-        if isinstance(found, ConfigError):
-            unmapped.append(found)
-            continue
-        section, name = found
-        values[section][name] = environ[var]
-        origin[f"{section}.{name}"] = f"environment variable {var}"
-
-    for key, value in (overrides or {}).items():
-        if value is None:
-            continue
-        section, name = _split_key(key, " in overrides")
-        values[section][name] = value
-        origin[key] = f"override {key}"
-
-    token_env = values["server"].get("auth_token_env", "")
-    for error in unmapped:
-        if error.key != token_env:  # the token variable is not a config key
-            raise error
-
-    return _build(values, origin)
+    tree, origin = load_layers(_settings_class(), _sections(), path, environ, overrides or {})
+    return _to_config(tree, origin)

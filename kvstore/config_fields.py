@@ -1,18 +1,44 @@
-"""The field machinery of the config tree (kvstore/config.py): size and
-duration parsing and formatting, per-field coercion and validation from type
-annotations, TOML rendering, and the ``_Section`` base every section
-derives from. Split out of config.py so that module holds only the sections
-and the loading layers."""
+"""The field machinery of the config tree (kvstore/config.py), on pydantic:
+size and duration parsing and formatting, the annotated field types
+(``Size``, ``Duration``, ``SizeList``, ``Port``), the ``Section`` base whose
+fields pydantic validates, the translation of pydantic's errors into
+:class:`ConfigError` messages that name the dotted key, the value and what
+is allowed, and TOML rendering."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import inspect
+import itertools
 import math
 import re
-from dataclasses import dataclass
+import textwrap
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from enum import Enum
-from typing import Annotated, Any, Callable, ClassVar, NoReturn, get_args, get_origin, get_type_hints
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    NoReturn,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+from annotated_types import Ge, Interval, Le
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_settings import NoDecode
 
 from kvstore.errors import InvalidArgument
 
@@ -116,32 +142,6 @@ def format_duration(seconds: float) -> str:
     return f"{format(exact, 'f')}s"  # pragma: no cover - the last candidate is exact
 
 
-class _Kind(Enum):
-    STR, INT, FLOAT, BOOL, SIZE, DURATION, SIZE_LIST, ENUM = range(8)
-
-
-@dataclass(slots=True, frozen=True)
-class _Range:
-    """Annotated metadata: inclusive bounds for an int/size/float field."""
-
-    lo: float | None = None
-    hi: float | None = None
-
-    def describe(self) -> str:
-        if self.lo is not None and self.hi is not None:
-            return f"in {self.lo:g}..{self.hi:g}"
-        return f">= {self.lo:g}" if self.lo is not None else f"<= {self.hi:g}"
-
-
-Size = Annotated[int, _Kind.SIZE]
-"""A byte count; config files and env may spell it "1GiB"."""
-Duration = Annotated[float, _Kind.DURATION]
-"""Seconds; config files and env may spell it "500ms", "30s", "2m"."""
-SizeList = Annotated[tuple[int, ...], _Kind.SIZE_LIST]
-"""Byte counts, ascending; the empty tuple is spelled "auto"."""
-Port = Annotated[int, _Range(0, 65535)]
-
-
 class ConfigError(InvalidArgument):
     """A config key is unknown or its value is not allowed. ``key`` is the
     dotted key ("dram.capacity"), or the env var / file it came from."""
@@ -151,108 +151,28 @@ class ConfigError(InvalidArgument):
         self.key = key
 
 
-@dataclass(slots=True, frozen=True)
-class _FieldSpec:
-    name: str
-    kind: _Kind
-    enum: type[Enum] | None = None
-    bounds: _Range | None = None
+class FieldKind(Enum):
+    """Annotated marker of the fields TOML spells for people."""
+
+    SIZE = "size"
+    DURATION = "duration"
+    SIZE_LIST = "size_list"
 
 
-def _spec_of(name: str, hint: Any) -> _FieldSpec:
-    kind: _Kind | None = None
-    bounds: _Range | None = None
-    base = hint
-    if get_origin(hint) is Annotated:
-        base, *meta = get_args(hint)
-        for item in meta:
-            if isinstance(item, _Kind):
-                kind = item
-            elif isinstance(item, _Range):
-                bounds = item
-    if kind is None:
-        if isinstance(base, type) and issubclass(base, Enum):
-            return _FieldSpec(name, _Kind.ENUM, enum=base)
-        simple = {str: _Kind.STR, bool: _Kind.BOOL, int: _Kind.INT, float: _Kind.FLOAT}
-        if base not in simple:
-            raise TypeError(f"config field {name!r}: unsupported type {hint!r}")
-        kind = simple[base]
-    return _FieldSpec(name, kind, bounds=bounds)
+def _as_pydantic(parse: Callable[[Any], Any]) -> BeforeValidator:
+    """A pydantic validator from one of our parsers: its InvalidArgument
+    becomes a pydantic error that keeps our message."""
+
+    def check(value: Any) -> Any:
+        try:
+            return parse(value)
+        except InvalidArgument as exc:
+            raise PydanticCustomError("config_value", "{reason}", {"reason": str(exc)}) from None
+
+    return BeforeValidator(check)
 
 
-_SPECS: dict[type, dict[str, _FieldSpec]] = {}
-
-
-def _specs(cls: type) -> dict[str, _FieldSpec]:
-    specs = _SPECS.get(cls)
-    if specs is None:
-        hints = get_type_hints(cls, include_extras=True)
-        specs = {f.name: _spec_of(f.name, hints[f.name]) for f in dataclasses.fields(cls)}
-        _SPECS[cls] = specs
-    return specs
-
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-_INT_RE = re.compile(r"^\s*[+-]?\d[\d_]*\s*$")
-
-
-def _bad(key: str, value: Any, expected: str) -> NoReturn:
-    raise ConfigError(f"{key}: invalid value {value!r}: {expected}", key=key)
-
-
-def _as_str(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    raise ValueError("expected a string")
-
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower() if isinstance(value, (str, int)) else ""
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ValueError("expected true/false (or 1/0, yes/no)")
-
-
-def _as_int(value: Any) -> int:
-    if isinstance(value, str) and _INT_RE.match(value):
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ValueError("expected an integer")
-
-
-def _as_float(value: Any) -> float:
-    try:
-        if not isinstance(value, bool) and isinstance(value, (int, float, str)) \
-                and math.isfinite(number := float(value)):
-            return number
-    except ValueError:
-        pass
-    raise ValueError("expected a finite number")
-
-
-def _coerce(spec: _FieldSpec, value: Any, key: str) -> Any:
-    """The typed value of ``value`` for field ``spec``; raises ConfigError."""
-    try:
-        if spec.enum is not None:
-            result: Any = _coerce_enum(spec.enum, value)
-        else:
-            result = _PARSERS[spec.kind](value)
-    except InvalidArgument as exc:  # parse_size & co. name the value already
-        raise ConfigError(f"{key}: {exc}", key=key) from None
-    except ValueError as exc:
-        _bad(key, value, str(exc))
-    bounds = spec.bounds
-    if bounds is not None and not ((bounds.lo is None or result >= bounds.lo)
-                                   and (bounds.hi is None or result <= bounds.hi)):
-        _bad(key, value, f"expected a value {bounds.describe()}")
-    return result
-
-
-def _coerce_size_list(value: Any) -> tuple[int, ...]:
+def _size_list(value: Any) -> tuple[int, ...]:
     if isinstance(value, str):
         if value.strip().lower() == "auto":
             return ()
@@ -272,65 +192,113 @@ def _coerce_size_list(value: Any) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _coerce_enum(enum: type[Enum], value: Any) -> Enum:
-    if isinstance(value, enum):
-        return value
-    if isinstance(value, str):
-        for member in enum:
-            if str(member.value).lower() == value.strip().lower():
-                return member
-    raise ValueError("expected one of: " + ", ".join(str(m.value) for m in enum))
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic's lax int/float would take True as 1
+        raise PydanticCustomError("bool_not_number", "a boolean is not a number")
+    return value
 
 
-_PARSERS: dict[_Kind, Callable[[Any], Any]] = {
-    _Kind.STR: _as_str, _Kind.BOOL: _as_bool, _Kind.INT: _as_int, _Kind.FLOAT: _as_float,
-    _Kind.SIZE: parse_size, _Kind.DURATION: parse_duration, _Kind.SIZE_LIST: _coerce_size_list,
-}
+def _enum_text(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
 
 
-def _plain(value: Any) -> Any:
-    """JSON-ready form: enums as their value, tuples as lists."""
-    return value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) \
-        else value
+Size = Annotated[int, _as_pydantic(parse_size), FieldKind.SIZE]
+"""A byte count; config files and env may spell it "1GiB"."""
+Duration = Annotated[float, _as_pydantic(parse_duration), FieldKind.DURATION]
+"""Seconds; config files and env may spell it "500ms", "30s", "2m"."""
+SizeList = Annotated[tuple[int, ...], _as_pydantic(_size_list), FieldKind.SIZE_LIST, NoDecode]
+"""Byte counts, ascending; the empty tuple is spelled "auto"."""
+Port = Annotated[int, Interval(ge=0, le=65535)]
 
 
-def _toml_value(spec: _FieldSpec, value: Any) -> str:
-    if spec.kind is _Kind.SIZE:
-        text = format_size(value)
-        return text if text.isdigit() else _toml_str(text)
-    if spec.kind is _Kind.SIZE_LIST:
-        if not value:
-            return _toml_str("auto")
-        return "[" + ", ".join(_toml_value(_FieldSpec("", _Kind.SIZE), v) for v in value) + "]"
-    if spec.kind is _Kind.DURATION:
-        return _toml_str(format_duration(value))
-    if spec.kind is _Kind.BOOL:
-        return "true" if value else "false"
-    if spec.kind in (_Kind.INT, _Kind.FLOAT):
-        return repr(value)
-    return _toml_str(str(_plain(value)))
+def bounds(lo: float | None = None, hi: float | None = None) -> Interval:
+    """Annotated metadata: inclusive bounds of an int/size/float field."""
+    return Interval(ge=lo, le=hi)
 
 
-_TOML_ESCAPES = {i: f"\\u{i:04x}" for i in [*range(0x20), 0x7F]} | {
-    ord('"'): '\\"', ord("\\"): "\\\\", ord("\t"): "\\t", ord("\n"): "\\n", ord("\r"): "\\r"}
+SECTION_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def _toml_str(text: str) -> str:
-    return '"' + text.translate(_TOML_ESCAPES) + '"'
+def _field_type(hint: Any) -> Any:
+    """``hint`` with the validators every config field of its base type gets."""
+    base = get_args(hint)[0] if get_origin(hint) is Annotated else hint
+    if isinstance(base, type) and issubclass(base, Enum):
+        return Annotated[hint, BeforeValidator(_enum_text)]
+    if base in (int, float) and FieldKind.SIZE not in getattr(hint, "__metadata__", ()):
+        return Annotated[hint, BeforeValidator(_no_bool)]
+    return hint
 
 
-class _Section:
-    """Base of every section: coerces and validates fields from annotations."""
+_MODELS: dict[type, type[BaseModel]] = {}
+
+
+def section_model(cls: type) -> type[BaseModel]:
+    """The pydantic model that validates the fields of section dataclass ``cls``."""
+    cached = _MODELS.get(cls)
+    if cached is not None:
+        return cached
+    hints = get_type_hints(cls, include_extras=True)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            default: Any = Field(default_factory=f.default_factory)
+        else:
+            default = f.default
+        fields[f.name] = (_field_type(hints[f.name]), default)
+    model: type[BaseModel] = create_model(f"{cls.__name__}Fields", __config__=SECTION_MODEL_CONFIG,
+                                          **fields)
+    _MODELS[cls] = model
+    return model
+
+
+def field_names(cls: type) -> list[str]:
+    """The config keys of a section class, in order."""
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring (the string after it)} of section class ``cls``;
+    empty strings where the source is unavailable."""
+    docs = dict.fromkeys(field_names(cls), "")
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    except (OSError, TypeError, IndexError):  # pragma: no cover - frozen/zipped installs
+        return docs
+    body = node.body if isinstance(node, ast.ClassDef) else []
+    for stmt, nxt in itertools.pairwise(body):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and stmt.target.id in docs and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+def field_kind(cls: type, name: str) -> FieldKind | None:
+    """The FieldKind marker of field ``name`` of section ``cls``, if any."""
+    for item in section_model(cls).model_fields[name].metadata:
+        if isinstance(item, FieldKind):
+            return item
+    return None
+
+
+class Section:
+    """Base of every section (a ``@dataclass(slots=True, frozen=True)``):
+    pydantic coerces and validates the fields from their annotations, then
+    ``_validate`` checks what spans fields."""
 
     __slots__ = ()
     SECTION: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        for spec in _specs(type(self)).values():
-            raw = getattr(self, spec.name)
-            value = _coerce(spec, raw, f"{self.SECTION}.{spec.name}")
-            if value is not raw:
-                object.__setattr__(self, spec.name, value)
+        model = section_model(type(self))
+        raw = {name: getattr(self, name) for name in model.model_fields}
+        try:
+            checked = model.model_validate(raw)
+        except ValidationError as exc:
+            raise config_error(exc, model, (self.SECTION,)) from None
+        for name, value in checked:
+            if value is not raw[name]:
+                object.__setattr__(self, name, value)
         self._validate()
 
     def _validate(self) -> None:
@@ -339,3 +307,121 @@ class _Section:
     def _fail(self, name: str, message: str) -> NoReturn:
         key = f"{self.SECTION}.{name}"
         raise ConfigError(f"{key}: {message}", key=key)
+
+
+def suggest(word: str, choices: list[str]) -> str:
+    """" (did you mean 'x'?)" for the closest choice, or ""."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_EXPECTED = {
+    "int_parsing": "expected an integer", "int_type": "expected an integer",
+    "int_from_float": "expected an integer", "bool_not_number": "expected a number, not a boolean",
+    "bool_parsing": "expected true/false (or 1/0, yes/no)", "bool_type": "expected true/false (or 1/0, yes/no)",
+    "float_parsing": "expected a finite number", "float_type": "expected a finite number",
+    "finite_number": "expected a finite number", "string_type": "expected a string",
+}
+_BOUND_ERRORS = {"greater_than_equal", "less_than_equal", "greater_than", "less_than"}
+
+
+def _describe_bounds(metadata: list[Any]) -> str:
+    lo = hi = None
+    for item in metadata:
+        if isinstance(item, (Interval, Ge)) and item.ge is not None:
+            lo = item.ge
+        if isinstance(item, (Interval, Le)) and item.le is not None:
+            hi = item.le
+    if lo is not None and hi is not None:
+        return f"in {lo:g}..{hi:g}"
+    return f">= {lo:g}" if lo is not None else f"<= {hi:g}"
+
+
+def _nested(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def describe_error(error: ErrorDetails, root: type[BaseModel], prefix: tuple[str, ...] = (),
+                   where: str = "") -> tuple[str, str]:
+    """(message, dotted key) for one pydantic error below model ``root``,
+    in the words of the hand-written loader: the key, the value, what is
+    allowed. ``where`` (" in FILE") follows an unknown key's name."""
+    model: type[BaseModel] | None = root
+    parents: list[str] = list(prefix)
+    loc = [str(part) for part in error["loc"]]
+    for part in loc[:-1]:  # descend to the model that holds the last part
+        field = model.model_fields.get(part) if model is not None else None
+        model = _nested(field.annotation) if field is not None else None
+        parents.append(part)
+    name = loc[-1] if loc else ""
+    key = ".".join([*parents, name]) if name else ".".join(parents)
+    kind, value = error["type"], error.get("input")
+    allowed = list(model.model_fields) if model is not None else []
+    if kind == "extra_forbidden":
+        if not parents:
+            return (f"unknown config section {name!r}{where}{suggest(name, allowed)}; "
+                    f"allowed sections: {', '.join(allowed)}"), name
+        return (f"unknown config key {key!r}{where}{suggest(name, allowed)}; "
+                f"allowed keys in [{parents[-1]}]: {', '.join(allowed)}"), key
+    field = model.model_fields.get(name) if model is not None else None
+    if field is not None and _nested(field.annotation) is not None:
+        return f"config key {key!r}{where}: expected a table [{key}], got {value!r}", key
+    if kind == "config_value":
+        return f"{key}: {error['msg']}", key
+    if kind in _BOUND_ERRORS and field is not None:
+        expected = f"expected a value {_describe_bounds(field.metadata)}"
+    elif kind == "enum" and field is not None and isinstance(field.annotation, type) \
+            and issubclass(field.annotation, Enum):
+        expected = "expected one of: " + ", ".join(str(m.value) for m in field.annotation)
+    else:
+        expected = _EXPECTED.get(kind, error["msg"])
+    return f"{key}: invalid value {value!r}: {expected}", key
+
+
+def config_error(exc: ValidationError, root: type[BaseModel], prefix: tuple[str, ...] = (),
+                 origin: Mapping[str, tuple[str, str]] | None = None) -> ConfigError:
+    """The ConfigError for the first of pydantic's errors; ``origin`` maps a
+    dotted key to (who set it, " in FILE") for the message."""
+    first = exc.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    set_by, where = (origin or {}).get(loc, ("", ""))
+    message, key = describe_error(first, root, prefix, where)
+    if set_by and not (where and where in message):  # " in FILE" said it already
+        message += f" (set by {set_by})"
+    more = exc.error_count() - 1
+    if more:
+        message += f" [and {more} more error{'s' if more > 1 else ''}]"
+    return ConfigError(message, key=key)
+
+
+def plain(value: Any) -> Any:
+    """JSON-ready form: enums as their value, tuples as lists."""
+    return value.value if isinstance(value, Enum) else list(value) if isinstance(value, tuple) \
+        else value
+
+
+def toml_value(kind: FieldKind | None, value: Any) -> str:
+    """``value`` spelled in TOML; sizes and durations for people ("1GiB", "30s")."""
+    if kind is FieldKind.SIZE:
+        text = format_size(value)
+        return text if text.isdigit() else toml_str(text)
+    if kind is FieldKind.SIZE_LIST:
+        if not value:
+            return toml_str("auto")
+        return "[" + ", ".join(toml_value(FieldKind.SIZE, v) for v in value) + "]"
+    if kind is FieldKind.DURATION:
+        return toml_str(format_duration(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)) and not isinstance(value, Enum):
+        return repr(value)
+    return toml_str(str(plain(value)))
+
+
+_TOML_ESCAPES = {i: f"\\u{i:04x}" for i in [*range(0x20), 0x7F]} | {
+    ord('"'): '\\"', ord("\\"): "\\\\", ord("\t"): "\\t", ord("\n"): "\\n", ord("\r"): "\\r"}
+
+
+def toml_str(text: str) -> str:
+    """A TOML basic string."""
+    return '"' + text.translate(_TOML_ESCAPES) + '"'

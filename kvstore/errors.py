@@ -3,7 +3,8 @@
 Whole-call failures raise a subclass of :class:`KVStoreError`; batch calls
 return one :class:`KeyStatus` per key instead of raising for a single bad key.
 The gRPC layer maps each class to a status code in one table
-(``kvstore.wire.convert.STATUS_TABLE``); nothing below the server layer (server, wire) imports grpc.
+(``kvstore.wire.status.STATUS_TABLE``, both directions); nothing below the
+wire and daemon layers imports grpc.
 """
 
 from __future__ import annotations

@@ -28,14 +28,17 @@ keys agree. Leaf module: stdlib and xxhash only.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import stat
 import tempfile
 import threading
+import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Final, Iterable, Mapping
+from typing import Any, Final
 
 import xxhash
 
@@ -46,6 +49,7 @@ __all__ = [
     "KV_CONFIG_FIELDS",
     "WEIGHT_SUFFIXES",
     "DigestCache",
+    "adapter_digest",
     "config_digest",
     "config_geometry",
     "engine_namespace",
@@ -63,80 +67,58 @@ KV_CONFIG_FIELDS: Final[tuple[tuple[str, str], ...]] = (
     ("architectures", "the model class vLLM/transformers instantiates"),
     ("model_type", "the model family (attention and norm variants)"),
     # shape of the network (KV of layer n depends on every earlier layer)
-    ("hidden_size", "residual width"),
-    ("intermediate_size", "MLP width"),
+    ("hidden_size", "residual width"), ("intermediate_size", "MLP width"),
     ("num_hidden_layers", "layers that produce KV"),
     ("num_attention_heads", "query heads (and head size when head_dim is absent)"),
-    ("num_key_value_heads", "KV heads (GQA/MQA)"),
-    ("multi_query", "MQA flag of older configs"),
-    ("head_dim", "KV head size"),
-    ("vocab_size", "embedding table"),
-    ("tie_word_embeddings", "which tensor embeds the tokens"),
-    ("hidden_act", "MLP activation"),
-    ("rms_norm_eps", "normalisation epsilon"),
-    ("layer_norm_eps", "normalisation epsilon"),
-    ("layer_norm_epsilon", "normalisation epsilon"),
-    ("attention_bias", "q/k/v projection biases"),
-    ("qkv_bias", "q/k/v projection biases"),
-    ("mlp_bias", "MLP biases"),
+    ("num_key_value_heads", "KV heads (GQA/MQA)"), ("multi_query", "MQA flag of older configs"),
+    ("head_dim", "KV head size"), ("vocab_size", "embedding table"),
+    ("tie_word_embeddings", "which tensor embeds the tokens"), ("hidden_act", "MLP activation"),
+    ("rms_norm_eps", "normalisation epsilon"), ("layer_norm_eps", "normalisation epsilon"),
+    ("layer_norm_epsilon", "normalisation epsilon"), ("attention_bias", "q/k/v projection biases"),
+    ("qkv_bias", "q/k/v projection biases"), ("mlp_bias", "MLP biases"),
     ("pretraining_tp", "sliced projections of some Llama checkpoints"),
     # positions: same shape, different K values
-    ("rope_theta", "RoPE base frequency"),
-    ("rope_scaling", "RoPE scaling (linear, dynamic, yarn, llama3, longrope)"),
+    ("rope_theta", "RoPE base frequency"), ("rope_scaling", "RoPE scaling (linear, dynamic, yarn, llama3, longrope)"),
     ("rope_parameters", "RoPE settings (newer transformers)"),
-    ("partial_rotary_factor", "fraction of the head that is rotated"),
-    ("rotary_dim", "rotated dimensions"),
+    ("partial_rotary_factor", "fraction of the head that is rotated"), ("rotary_dim", "rotated dimensions"),
     ("rotary_emb_base", "RoPE base of some families"),
-    ("rotary_pct", "fraction of the head that is rotated (GPT-NeoX)"),
-    ("rope_interleaved", "RoPE pairing"),
-    ("position_embedding_type", "rope/alibi/absolute"),
-    ("alibi", "ALiBi positions"),
+    ("rotary_pct", "fraction of the head that is rotated (GPT-NeoX)"), ("rope_interleaved", "RoPE pairing"),
+    ("position_embedding_type", "rope/alibi/absolute"), ("alibi", "ALiBi positions"),
     ("max_position_embeddings", "enters dynamic and yarn RoPE scaling"),
     ("original_max_position_embeddings", "enters yarn/longrope scaling"),
     # which tokens attend to which
-    ("sliding_window", "attention window"),
-    ("use_sliding_window", "whether the window applies"),
-    ("max_window_layers", "layers using the window"),
-    ("sliding_window_pattern", "interleaved local/global layers"),
-    ("layer_types", "per-layer attention kind"),
-    ("attention_chunk_size", "chunked local attention"),
-    ("no_rope_layers", "layers without RoPE"),
-    ("use_qk_norm", "q/k normalisation"),
-    ("qk_layernorm", "q/k normalisation"),
-    ("attn_logit_softcapping", "attention softcap"),
-    ("final_logit_softcapping", "logit softcap"),
-    ("query_pre_attn_scalar", "attention scale"),
-    ("attention_multiplier", "attention scale (Granite)"),
-    ("embedding_multiplier", "embedding scale (Granite)"),
-    ("residual_multiplier", "residual scale (Granite)"),
-    ("scale_embedding", "embedding scale"),
+    ("sliding_window", "attention window"), ("use_sliding_window", "whether the window applies"),
+    ("max_window_layers", "layers using the window"), ("sliding_window_pattern", "interleaved local/global layers"),
+    ("layer_types", "per-layer attention kind"), ("attention_chunk_size", "chunked local attention"),
+    ("no_rope_layers", "layers without RoPE"), ("use_qk_norm", "q/k normalisation"),
+    ("qk_layernorm", "q/k normalisation"), ("attn_logit_softcapping", "attention softcap"),
+    ("final_logit_softcapping", "logit softcap"), ("query_pre_attn_scalar", "attention scale"),
+    ("attention_multiplier", "attention scale (Granite)"), ("embedding_multiplier", "embedding scale (Granite)"),
+    ("residual_multiplier", "residual scale (Granite)"), ("scale_embedding", "embedding scale"),
     ("logits_scaling", "logit scale"),
     # MLA and MoE
-    ("kv_lora_rank", "MLA latent KV size"),
-    ("q_lora_rank", "MLA query rank"),
-    ("qk_nope_head_dim", "MLA head split"),
-    ("qk_rope_head_dim", "MLA head split"),
-    ("v_head_dim", "MLA value head size"),
-    ("num_experts", "MoE experts"),
-    ("num_local_experts", "MoE experts"),
-    ("n_routed_experts", "MoE experts"),
-    ("n_shared_experts", "MoE shared experts"),
-    ("num_experts_per_tok", "MoE routing top-k"),
-    ("moe_intermediate_size", "expert width"),
-    ("norm_topk_prob", "MoE routing normalisation"),
-    ("routed_scaling_factor", "MoE output scale"),
-    ("first_k_dense_replace", "dense layers before the MoE ones"),
-    ("n_group", "grouped routing"),
-    ("topk_group", "grouped routing"),
-    ("scoring_func", "routing score"),
-    ("topk_method", "routing method"),
-    ("decoder_sparse_step", "MoE layer spacing"),
+    ("kv_lora_rank", "MLA latent KV size"), ("q_lora_rank", "MLA query rank"), ("qk_nope_head_dim", "MLA head split"),
+    ("qk_rope_head_dim", "MLA head split"), ("v_head_dim", "MLA value head size"), ("num_experts", "MoE experts"),
+    ("num_local_experts", "MoE experts"), ("n_routed_experts", "MoE experts"),
+    ("n_shared_experts", "MoE shared experts"), ("num_experts_per_tok", "MoE routing top-k"),
+    ("moe_intermediate_size", "expert width"), ("norm_topk_prob", "MoE routing normalisation"),
+    ("routed_scaling_factor", "MoE output scale"), ("first_k_dense_replace", "dense layers before the MoE ones"),
+    ("n_group", "grouped routing"), ("topk_group", "grouped routing"), ("scoring_func", "routing score"),
+    ("topk_method", "routing method"), ("decoder_sparse_step", "MoE layer spacing"),
     ("mlp_only_layers", "dense layers of a MoE model"),
     # numbers
     ("quantization_config", "quantized weights compute other activations"),
     ("compression_config", "quantized weights (compressed-tensors)"),
     ("torch_dtype", "checkpoint dtype (the compute dtype defaults to it)"),
     ("dtype", "checkpoint dtype (newer transformers)"),
+    # other families' names for the same things
+    ("n_embd", "residual width (GPT-2 style)"), ("n_layer", "layers (GPT-2 style)"), ("n_head", "heads"),
+    ("num_layers", "layers"), ("d_model", "residual width"), ("kv_channels", "KV head size (ChatGLM)"),
+    ("multi_query_group_num", "KV heads (ChatGLM)"), ("ffn_hidden_size", "MLP width"),
+    ("rotary_emb_fraction", "fraction of the head that is rotated"),
+    ("parallel_attn", "attention and MLP in parallel (Falcon)"), ("use_parallel_residual", "parallel residual"),
+    ("new_decoder_architecture", "Falcon decoder variant"), ("layers_block_type", "hybrid layer kinds"),
+    ("attn_layer_indices", "hybrid attention layers"), ("residual_in_fp32", "residual precision"),
     # nested configs of multimodal and composite models
     ("text_config", "the language model of a multimodal model"),
 )
@@ -149,19 +131,21 @@ side of including a field: a wrong hit costs correctness, a miss only time."""
 _FIELD_NAMES: Final = tuple(name for name, _ in KV_CONFIG_FIELDS)
 
 WEIGHT_SUFFIXES: Final[tuple[str, ...]] = (
-    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz", ".pdparams",
+    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz", ".pdparams", ".tensors",
     ".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json",
 )
 """Files of a model directory that :func:`weights_digest` hashes (top level
 only; vLLM loads from there)."""
 
-CHUNK: Final = 16 << 20
-"""Read size of the content hash."""
+CHUNK: Final = 64 << 20
+"""Bytes hashed per call of the content hash."""
+RACY_WINDOW_NS: Final = 2_000_000_000
+"""Files changed this recently (ns) before being hashed are not cached."""
 _SNAPSHOT_RE: Final = re.compile(r"^[0-9a-f]{40}$")
 _CACHE_VERSION: Final = 1
 _CACHE_MAX_ENTRIES: Final = 4096
 _INFLIGHT_LOCK: Final = threading.Lock()
-_INFLIGHT: dict[tuple[str, str, str], "Future[str]"] = {}
+_INFLIGHT: dict[tuple[str, str, str], Future[str]] = {}
 
 
 def _canonical(value: Any) -> str:
@@ -220,10 +204,17 @@ class DigestCache:
     weight file's real path to its digest and the ``(size, inode, device,
     mtime_ns, ctime_ns)`` it had when hashed. An entry whose file changed in
     any of these is stale. Written atomically (temp file + rename), mode
-    0600; a missing or corrupt cache is treated as empty."""
+    0600; a missing or corrupt cache is treated as empty.
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    A file changed less than ``racy_window_ns`` before it was hashed is not
+    remembered (hashed again next time): file times tick coarsely, so a
+    write in the same tick as the hash could leave every stamp field equal
+    (git's "racily clean" entries)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+                 racy_window_ns: int = RACY_WINDOW_NS) -> None:
         self.path = Path(path) if path is not None else self.default_path()
+        self.racy_window_ns = racy_window_ns
 
     @staticmethod
     def default_path() -> Path:
@@ -265,7 +256,7 @@ class DigestCache:
             return
         try:
             files = self.load()
-            files.update(new)
+            files.update({k: dict(v) for k, v in new.items()})
             if len(files) > _CACHE_MAX_ENTRIES:
                 files = dict(list(files.items())[-_CACHE_MAX_ENTRIES:])
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -286,16 +277,33 @@ class DigestCache:
 
 
 def _hash_file(path: str) -> str:
-    """xxh3_128 of a file's bytes, read in :data:`CHUNK` pieces."""
+    """xxh3_128 of a file's bytes: mapped and hashed in :data:`CHUNK`
+    pieces (no copy out of the page cache, where vLLM has just read the
+    weights); read in pieces where mapping fails."""
     h = xxhash.xxh3_128()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        try:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (ValueError, OSError):  # empty, or a file that cannot be mapped
+            m = None
+        if m is not None:
+            with m:
+                if hasattr(m, "madvise"):
+                    m.madvise(mmap.MADV_SEQUENTIAL)
+                view = memoryview(m)
+                try:
+                    for i in range(0, len(m), CHUNK):
+                        h.update(view[i:i + CHUNK])
+                finally:
+                    view.release()
+            return h.hexdigest()
+        buf = bytearray(CHUNK)
+        chunk = memoryview(buf)
         while True:
             n = f.readinto(buf)
             if not n:
                 break
-            h.update(view[:n])
+            h.update(chunk[:n])
     return h.hexdigest()
 
 
@@ -316,9 +324,12 @@ def _content_digest(files: list[Path], cache: DigestCache | None, threads: int) 
                 done[r[3]] = d
         if cache is not None:
             new = {}
+            now = time.time_ns()
             for _name, _size, _d, real, st_before in todo:
                 st_after = os.stat(real)
-                if DigestCache.stamp(st_after) == DigestCache.stamp(st_before):  # not changed while hashed
+                changed = max(st_after.st_mtime_ns, st_after.st_ctime_ns)
+                if DigestCache.stamp(st_after) == DigestCache.stamp(st_before) and \
+                        now - changed >= cache.racy_window_ns:  # not changed while (or just before) hashed
                     new[real] = {"stamp": DigestCache.stamp(st_after), "digest": done[real]}
             cache.store(new)
     parts = [(name, size, d if d is not None else done[real]) for name, size, d, real, _st in rows]
@@ -352,26 +363,54 @@ def weights_digest(model_dir: str | os.PathLike[str], *, cache: DigestCache | st
 _digest_weights: Final = weights_digest  # reachable where a parameter shadows the name
 
 
-def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None = None) -> "Future[str]":
+def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None = None) -> Future[str]:
     """:func:`weights_digest` in a background thread, shared by every caller
-    in this process that asks for the same directory while it runs (the
-    vLLM worker starts it, the scheduler joins the same hash)."""
+    in this process that asks for the same directory while it runs (two
+    connector instances of one process hash once)."""
     key = (os.path.realpath(model_dir), str(cache or ""), "")
     with _INFLIGHT_LOCK:
         fut = _INFLIGHT.get(key)
-        if fut is not None and not (fut.done() and fut.exception() is not None):
+        if fut is not None:
             return fut
         fut = Future()
         _INFLIGHT[key] = fut
 
     def run() -> None:
         try:
-            fut.set_result(weights_digest(model_dir, cache=cache))
+            digest: str | None = weights_digest(model_dir, cache=cache)
+            error: BaseException | None = None
         except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-            fut.set_exception(e)
+            digest, error = None, e
+        with _INFLIGHT_LOCK:  # shared only while it runs: a later call sees later files
+            _INFLIGHT.pop(key, None)
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(str(digest))
 
     threading.Thread(target=run, name="kvstore-weights-digest", daemon=True).start()
     return fut
+
+
+_ADAPTER_CONFIG_SKIP: Final = frozenset({"base_model_name_or_path", "revision", "inference_mode"})
+
+
+def adapter_digest(adapter_dir: str | os.PathLike[str], *, cache: DigestCache | str | None = None) -> str:
+    """The namespace ``adapter_id`` of a LoRA (PEFT) adapter directory:
+    ``"lora:"`` + XXH3-128 over its ``adapter_config.json`` (every field but
+    the base model's path and revision, which the namespace names already)
+    and the :func:`weights_digest` of its weight files. Like the model's,
+    it changes when the adapter's files do, and not with its name or path."""
+    p = Path(adapter_dir)
+    cfg: dict[str, Any] = {}
+    cfg_path = p / "adapter_config.json"
+    if cfg_path.is_file():
+        with open(cfg_path, encoding="utf-8") as f:
+            data = json.load(f)
+        if isinstance(data, dict):
+            cfg = {k: v for k, v in data.items() if k not in _ADAPTER_CONFIG_SKIP}
+    weights = weights_digest(p, cache=cache)
+    return "lora:" + _h128(_canonical({"config": cfg, "weights": weights}))
 
 
 # --------------------------------------------------------------------------
@@ -381,17 +420,22 @@ def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None
 
 def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """``config.json`` of a model directory as written (no defaults filled
-    in, so every reader gets the same fields); {} when there is none (a
-    GGUF file carries its config inside the weights)."""
-    p = Path(model_dir)
-    path = p / "config.json" if p.is_dir() else p.with_name("config.json")
-    if not path.is_file():
+    in, so every reader gets the same fields), else ``params.json`` (the
+    Mistral format); {} when there is neither, or when ``model_dir`` is a
+    file (a GGUF file carries its config inside the weights, which the
+    weights digest covers)."""
+    base = Path(model_dir)
+    if not base.is_dir():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise InvalidArgument(f"{path}: config.json is not a JSON object")
-    return data
+    for name in ("config.json", "params.json"):
+        path = base / name
+        if path.is_file():
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise InvalidArgument(f"{path}: {name} is not a JSON object")
+            return data
+    return {}
 
 
 def _merged(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -5,16 +5,72 @@ calls (reserve, acquire) carry parallel arrays of locations (``SlotResult``:
 no object per block). ``Event`` is what ``WatchEvents`` and the tier movement
 publish; ``StoreStats`` is the snapshot behind ``Stats`` and the Prometheus
 collector.
+
+The client answers with the same types (``LookupResult``, ``Event``) and with
+``DaemonStats``, ``ClusterLookup``, ``ResizeResult``, ``PolicyChange``: typed
+results at the boundary, never a ``dict`` or a protobuf message.
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
 
 import numpy as np
 
 from kvstore.errors import KeyStatus
 from tiers.base import TierKind
+
+
+class EventKind(str, Enum):
+    """What an ``Event`` reports. A ``str`` enum: equal to (and formatted
+    as) its value, so code and tests comparing with "stored" keep working."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+    GAP = "gap"
+    """WatchEvents only: events before ``first_available_seq`` were lost."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class DropReason(str, Enum):
+    """Why blocks left a tier: the ``reason`` of a "removed" ``Event`` and
+    the second half of a ``Counters.evictions`` key. A ``str`` enum with the
+    wire's strings as values."""
+
+    NONE = ""
+    """Not a removal (events of other kinds)."""
+    EVICTED = "evicted"
+    """Made room for other blocks (and had nowhere lower to go)."""
+    REMOVED = "removed"
+    """An explicit Remove."""
+    CLEARED = "cleared"
+    """An explicit Clear."""
+    CORRUPT = "corrupt"
+    """Failed its checksum (or an ancestor did)."""
+    ABORTED = "aborted"
+    """A reservation ended without commit (abort, expiry, a failed copy)."""
+    RESIZED = "resized"
+    """Did not fit when its tier shrank."""
+    MOVED = "moved"
+    """Left one tier for another (a "stored" event names the new one)."""
+    DEMOTED = "demoted"
+    """Counted in ``Counters.evictions``: moved down a tier on eviction."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 @dataclass(slots=True)
 class BatchResult:
@@ -56,7 +112,7 @@ class SlotResult(BatchResult):
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
 
     @classmethod
-    def empty(cls, n: int, status: KeyStatus) -> "SlotResult":
+    def empty(cls, n: int, status: KeyStatus) -> SlotResult:
         return cls([status] * n, tier_codes=np.zeros(n, np.uint8), offsets=np.full(n, -1, np.int64),
                    lengths=np.zeros(n, np.int64), checksums=np.zeros(n, np.uint64))
 
@@ -68,6 +124,9 @@ class SlotResult(BatchResult):
 
 @dataclass(slots=True, frozen=True)
 class LookupResult:
+    """The leading present blocks of a chain and the tier of each (the store's
+    and the client's answer alike)."""
+
     hit_blocks: int
     tier_codes: np.ndarray
     """TierKind value of each hit block (uint8), ``hit_blocks`` long."""
@@ -76,17 +135,40 @@ class LookupResult:
     def tiers(self) -> list[TierKind]:
         return [TierKind(t) for t in self.tier_codes.tolist()]
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LookupResult):
+            return NotImplemented
+        return self.hit_blocks == other.hit_blocks and bool(np.array_equal(self.tier_codes, other.tier_codes))
+
+    __hash__ = None  # type: ignore[assignment]
+
 
 @dataclass(slots=True, frozen=True)
 class Event:
-    """A change other components may follow (WatchEvents, the cluster directory)."""
+    """A change other components may follow (WatchEvents, the cluster directory).
 
-    kind: str  # "stored" | "removed" | "cleared"
+    ``kind`` and ``reason`` are normalised to their enums (a plain string of
+    the same value is accepted and converted)."""
+
+    kind: EventKind
     ns_digest: bytes
     keys: list[bytes]
     tier: TierKind | None = None
-    reason: str = ""
+    reason: DropReason = DropReason.NONE
     parent: bytes | None = None
+    seq: int = 0
+    """WatchEvents: the daemon's sequence number (0 on a GAP)."""
+    time_unix_ns: int = 0
+    first_available_seq: int = 0
+    """GAP only: the oldest event still buffered."""
+    all_namespaces: bool = False
+    """CLEARED only: every namespace the caller may see was cleared."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, EventKind):
+            object.__setattr__(self, "kind", EventKind(self.kind))
+        if not isinstance(self.reason, DropReason):
+            object.__setattr__(self, "reason", DropReason(self.reason or ""))
 
 
 @dataclass(slots=True)
@@ -123,7 +205,7 @@ class Counters:
     capacity_rejects: int = 0
     reservations_expired: int = 0
     leases_expired: int = 0
-    evictions: dict[tuple[TierKind, str], int] = field(default_factory=dict)
+    evictions: dict[tuple[TierKind, DropReason], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,3 +227,148 @@ class StoreStats:
     policy: str
     reservations: int
     leases: int
+
+
+# ------------------------------------------------------------ client side
+_TIER_WIRE: dict[TierKind | None, str] = {None: "TIER_UNSPECIFIED", **{t: f"TIER_{t.name}" for t in TierKind}}
+_U64_FIELDS = ("lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets",
+               "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures",
+               "active_reservations", "active_leases", "sessions", "admitted", "admitted_degraded", "rejected")
+_TIER_U64 = ("capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions",
+             "hits")
+
+
+@dataclass(slots=True)
+class DaemonStats:
+    """What ``Client.stats()`` answers: the daemon's counters, its tiers and
+    (when asked) its namespaces. ``NamespaceStats.tenant`` is "" here (the
+    wire carries the label, which names the tenant)."""
+
+    tiers: list[TierStats] = field(default_factory=list)
+    namespaces: list[NamespaceStats] = field(default_factory=list)
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    puts: int = 0
+    gets: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    bytes_promoted: int = 0
+    bytes_demoted: int = 0
+    checksum_failures: int = 0
+    active_reservations: int = 0
+    active_leases: int = 0
+    sessions: int = 0
+    uptime_seconds: float = 0.0
+    admitted: int = 0
+    admitted_degraded: int = 0
+    rejected: int = 0
+    prefill_tokens_per_s: float = 0.0
+    ttft_error_ewma_s: float = 0.0
+    cluster_members: int = 0
+    cluster_status: str = ""
+
+    def tier(self, kind: TierKind) -> TierStats | None:
+        """The stats of one tier (None when it is not configured)."""
+        return next((t for t in self.tiers if t.tier is kind), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of the wire message (proto field names; uint64 as
+        strings, tiers as "TIER_DRAM", digests base64), e.g. for ``--json``."""
+        out: dict[str, Any] = {k: str(getattr(self, k)) for k in _U64_FIELDS}
+        out["uptime_seconds"] = float(self.uptime_seconds)
+        out["prefill_tokens_per_s"] = float(self.prefill_tokens_per_s)
+        out["ttft_error_ewma_s"] = float(self.ttft_error_ewma_s)
+        out["cluster_members"] = int(self.cluster_members)
+        out["cluster_status"] = self.cluster_status
+        out["tiers"] = [{"tier": _TIER_WIRE[t.tier], **{k: str(getattr(t, k)) for k in _TIER_U64}}
+                        for t in self.tiers]
+        out["namespaces"] = [{"namespace_label": n.label, "ns_digest": base64.b64encode(n.digest).decode(),
+                              "lookups": str(n.lookups), "hit_blocks": str(n.hit_blocks),
+                              "queried_blocks": str(n.queried_blocks), "blocks": str(n.blocks)}
+                             for n in self.namespaces]
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DaemonStats":
+        """``to_dict`` undone (absent fields are 0)."""
+        names = {n: TierKind[n[5:]] for n in _TIER_WIRE.values() if n != "TIER_UNSPECIFIED"}
+        tiers = [TierStats(tier=names[str(t.get("tier"))], **{k: int(t.get(k, 0) or 0) for k in _TIER_U64 if k != "hits"},
+                           hits=int(t.get("hits", 0) or 0)) for t in d.get("tiers", []) or []]
+        nss = [NamespaceStats(label=str(n.get("namespace_label", "")), tenant="",
+                              digest=base64.b64decode(n.get("ns_digest", "") or ""),
+                              lookups=int(n.get("lookups", 0) or 0), queried_blocks=int(n.get("queried_blocks", 0) or 0),
+                              hit_blocks=int(n.get("hit_blocks", 0) or 0), blocks=int(n.get("blocks", 0) or 0))
+               for n in d.get("namespaces", []) or []]
+        return cls(tiers=tiers, namespaces=nss, **{k: int(d.get(k, 0) or 0) for k in _U64_FIELDS},
+                   uptime_seconds=float(d.get("uptime_seconds", 0) or 0),
+                   prefill_tokens_per_s=float(d.get("prefill_tokens_per_s", 0) or 0),
+                   ttft_error_ewma_s=float(d.get("ttft_error_ewma_s", 0) or 0),
+                   cluster_members=int(d.get("cluster_members", 0) or 0),
+                   cluster_status=str(d.get("cluster_status", "") or ""))
+
+
+@dataclass(slots=True, frozen=True)
+class HbmRegion:
+    """The daemon's HBM tier as a same-host client may map it
+    (``Client.hbm_regions``): raw CUDA IPC handle bytes, never a pickled
+    object."""
+
+    device: int
+    ipc_handle: bytes
+    size_bytes: int
+    base_offset: int
+    ipc: bool
+    """False: the tier runs on the host (hbm.on_cpu) and cannot be mapped."""
+    slab_id: str
+    device_name: str
+
+
+class ChainDecisionKind(str, Enum):
+    """What to do with the blocks of a chain that peers hold."""
+
+    LOCAL = "local"
+    FETCH = "fetch"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(slots=True, frozen=True)
+class BlockLocation:
+    """Where one block of a cluster lookup is: a local tier, or REMOTE at ``peer``."""
+
+    tier: TierKind | None
+    peer: str
+    load_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterLookup:
+    """``Client.cluster_lookup``: the local prefix, the run peers hold after
+    it, and the decision for that run with both estimates (seconds)."""
+
+    local_blocks: int
+    remote_blocks: int
+    decision: ChainDecisionKind
+    fetch_s: float
+    recompute_s: float
+    locations: list[BlockLocation]
+    status: str
+
+
+@dataclass(slots=True, frozen=True)
+class ResizeResult:
+    """``Client.admin_resize``."""
+
+    old_capacity_bytes: int
+    new_capacity_bytes: int
+    evicted_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class PolicyChange:
+    """``Client.admin_set_policy``."""
+
+    old_policy: str
+    new_policy: str

@@ -1,8 +1,19 @@
+"""Session-wide test setup: the repository root on sys.path, shared
+fixtures, and the markers that sort the suite (``make test-fast`` runs
+``-m "not slow"``; see tests/README.md):
+
+- every test under ``integration/``, ``faults/`` and ``vllm/`` is ``slow``;
+- unit tests that start a process are ``subprocess`` and ``slow``: those
+  marked ``@pytest.mark.subprocess`` in their file, and those listed in
+  ``SUBPROCESS_TESTS`` here (files other packages own);
+- ``gpu`` tests skip without CUDA.
+"""
+
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,22 +23,19 @@ if ROOT not in sys.path:
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
+from tests.support.keys import chain, payload_for  # noqa: E402  (after the sys.path line)
 
-def chain(seed: bytes, n: int, parent: bytes = b"") -> list[bytes]:
-    """n chained 16-byte test keys (not the product hash: tests of the store
-    only need distinct, chain-shaped keys)."""
-    out = []
-    prev = parent or hashlib.blake2b(seed, digest_size=16).digest()
-    for i in range(n):
-        prev = hashlib.blake2b(prev + i.to_bytes(4, "little"), digest_size=16).digest()
-        out.append(prev)
-    return out
+__all__ = ["chain", "payload_for"]  # their home is tests.support.keys; old imports keep working
 
-
-def payload_for(ns_tag: bytes, key: bytes, size: int) -> bytes:
-    """Deterministic, distinct bytes for (namespace, key)."""
-    block = hashlib.blake2b(ns_tag + key, digest_size=64).digest()
-    return (block * (size // 64 + 1))[:size]
+TESTS = Path(__file__).resolve().parent
+SLOW_DIRS = frozenset({"integration", "faults", "vllm"})
+"""Top-level test directories whose every test is slow (real daemons, processes, models)."""
+SUBPROCESS_TESTS = frozenset({
+    ("unit/kvstore/test_keys.py", "test_keys_identical_in_fresh_process"),
+    ("unit/tiers/test_ssd.py", "test_sigkill_during_writes_leaves_whole_blocks"),
+    ("unit/transport/test_ucx.py", "test_in_process_round_trip_over_real_ucxx"),
+})
+"""Unit tests (file under tests/, function) that start a process."""
 
 
 @pytest.fixture
@@ -53,8 +61,19 @@ def _cuda_available() -> bool:
         return False
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip cleanly on a machine without CUDA."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark slow tests by directory and by process start (module docstring);
+    tests marked ``gpu`` skip cleanly on a machine without CUDA."""
+    for it in items:
+        try:
+            rel = it.path.resolve().relative_to(TESTS)
+        except ValueError:
+            continue
+        starts_process = (rel.as_posix(), getattr(it, "originalname", it.name)) in SUBPROCESS_TESTS
+        if starts_process:
+            it.add_marker(pytest.mark.subprocess)
+        if rel.parts[0] in SLOW_DIRS or starts_process or it.get_closest_marker("subprocess") is not None:
+            it.add_marker(pytest.mark.slow)
     gpu = [it for it in items if it.get_closest_marker("gpu") is not None]
     if gpu and not _cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")

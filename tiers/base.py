@@ -8,11 +8,14 @@ the store decides what moves. All calls take arrays of locations: batch first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from kvstore.errors import InvalidArgument
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -43,13 +46,11 @@ class TierKind(IntEnum):
         return self.name.lower()
 
     @classmethod
-    def parse(cls, name: str) -> "TierKind":
+    def parse(cls, name: str) -> TierKind:
         try:
             return cls[name.strip().upper()]
         except KeyError:
             allowed = ", ".join(t.label for t in cls)
-            from kvstore.errors import InvalidArgument
-
             raise InvalidArgument(f"unknown tier {name!r}; allowed: {allowed}") from None
 
 

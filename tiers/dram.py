@@ -22,21 +22,16 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore.buffers import as_u8
 from kvstore.checksum import copy_many, verify_many
 from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.slots import _ALIGN, PagedSlots
+from tiers.slots import SLOT_ALIGN, PagedSlots
 
 SHM_DIR = "/dev/shm"
-
-
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
 
 
 def default_shm_name() -> str:
@@ -50,7 +45,7 @@ class DramTier(PagedSlots):
     label = "dram"
 
     def __init__(self, capacity_bytes: int, *, name: str | None = None,
-                 page_bytes: int = 16 << 20, slot_align: int = _ALIGN,
+                 page_bytes: int = 16 << 20, slot_align: int = SLOT_ALIGN,
                  slot_sizes: Sequence[int] = (), copy_threads: int = 2) -> None:
         self._init_slots(capacity_bytes, page_bytes, slot_align, slot_sizes)
         self.copy_threads = max(1, int(copy_threads))
@@ -77,7 +72,7 @@ class DramTier(PagedSlots):
     def write(self, locs: np.ndarray, payloads: Sequence[Buffer],
               owners: Sequence[BlockMeta] | None = None) -> np.ndarray:
         buf = self.buf
-        srcs = [_as_u8(p) for p in payloads]
+        srcs = [as_u8(p) for p in payloads]
         dsts = [buf[off : off + src.size] for off, src in zip(np.asarray(locs).tolist(), srcs)]
         return copy_many(dsts, srcs, self.copy_threads)
 
@@ -85,7 +80,7 @@ class DramTier(PagedSlots):
                   outs: Sequence[Buffer], owners: Sequence[BlockMeta] | None = None) -> np.ndarray:
         buf = self.buf
         srcs = [buf[off : off + n] for off, n in zip(np.asarray(locs).tolist(), np.asarray(sizes).tolist())]
-        return verify_many([_as_u8(d) for d in outs], srcs, np.asarray(checksums).tolist(), self.copy_threads)
+        return verify_many([as_u8(d) for d in outs], srcs, np.asarray(checksums).tolist(), self.copy_threads)
 
     # ---------------------------------------------------------------- resize
     def resize(self, capacity_bytes: int) -> None:

@@ -49,15 +49,17 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from kvstore.buffers import as_u8
 from kvstore.checksum import checksum_many
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.slots import _ALIGN, PagedSlots
+from tiers.slots import SLOT_ALIGN, PagedSlots
 
 log = logging.getLogger("kvstore.tiers.hbm")
 
@@ -69,12 +71,6 @@ MemInfo = Callable[[Any], tuple[int, int]]
 
 def _fmt(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB ({n} bytes)"
-
-
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
 
 
 def default_copy(dst: Any, src: Any, stream: Any) -> None:
@@ -176,7 +172,7 @@ class HbmTier(PagedSlots):
     label = "hbm"
 
     def __init__(self, capacity_bytes: int, *, device: Any = "cpu", page_bytes: int = 16 << 20,
-                 slot_align: int = _ALIGN, slot_sizes: Sequence[int] = (),
+                 slot_align: int = SLOT_ALIGN, slot_sizes: Sequence[int] = (),
                  mem_get_info: MemInfo | None = None, copy_fn: CopyFn | None = None,
                  hash_threads: int = 0) -> None:
         import torch
@@ -295,7 +291,7 @@ class HbmTier(PagedSlots):
         source, ok mask); the copies are complete when this returns."""
         import torch
 
-        srcs = [_as_u8(p) for p in payloads]
+        srcs = [as_u8(p) for p in payloads]
         csums = np.zeros(len(srcs), dtype=np.uint64)
 
         def hash_sources() -> None:  # while the DMA reads the same (pinned) bytes
@@ -323,7 +319,7 @@ class HbmTier(PagedSlots):
         import torch
 
         locs = np.asarray(locs, dtype=np.int64)
-        dsts = [_as_u8(o) for o in outs]
+        dsts = [as_u8(o) for o in outs]
         pairs = [(torch.from_numpy(d), self.view(off, n)) for off, n, d in
                  zip(locs.tolist(), np.asarray(sizes).tolist(), dsts)]
         ok, _ = self._copy_batch(pairs, "store", locs, "device->host")

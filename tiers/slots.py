@@ -15,13 +15,13 @@ tensor).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore.errors import CapacityError, InvalidArgument
 
-_ALIGN = 4096
+SLOT_ALIGN = 4096
 
 
 class _Page:
@@ -110,6 +110,15 @@ class PagedSlots:
         per_page = self.page_bytes // self._class_size[cid]
         partial = sum(len(self._pages[p].free) for p in self._partial[cid])
         return partial + len(self._free_pages) * per_page
+
+    def pages(self) -> list[tuple[int, int, int]]:
+        """(size class or -1 when unassigned, used slots, free slots) of each page."""
+        return [(p.cls, p.used, len(p.free)) for p in self._pages]
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no size class owns (retired ones excluded)."""
+        return len(self._free_pages)
 
     # ----------------------------------------------------------- allocation
     def allocate(self, nbytes: int, count: int) -> np.ndarray:

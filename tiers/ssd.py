@@ -8,15 +8,8 @@ blob files 0.19-0.21 / 0.31; (b) segment files + RocksDB index 0.66-0.73 /
 new ``bytes`` to copy again: 0.2-0.6x of the plain file, under the 0.7x
 target. (b) *is* the plain-file path plus one small RocksDB batch, ``preadv``
 landing in the caller's buffers: kept. ``bench/tiers.py`` measures (b) against
-the plain file each run (1 MiB: put 0.8-0.95x, get >= 1x; docs/ssd.md).
-
-Directory 0700, files 0600: ``SCHEMA`` (any other schema is refused, never
-reinterpreted), ``LOCK`` (flock), ``namespaces`` (atomic rewrite, xxh3
-trailer), ``index/`` (RocksDB, raw mode: ``b"b"`` + loc (8 B big-endian) ->
-segment, offset, identity) and ``seg-NNNNNNNNNNNN.kvs``: records of an 88-byte
-header (magic, version, parent length, size, write sequence, xxh3_64,
-namespace digest, key, parent key, header xxh3) + payload, so a lost index is
-rebuilt from the segments.
+the plain file each run (1 MiB: put 0.8-0.95x, get >= 1x; docs/ssd.md). Directory
+and file layout: tiers/ssd_dir.py.
 
 Crash ordering. write: one ``pwritev`` per segment run + ``fdatasync`` (a new
 segment's name is fsynced into the directory first), then the batch's index
@@ -61,37 +54,26 @@ the index is reopened and the batch retried once.
 from __future__ import annotations
 
 import fcntl
-import gc
 import logging
 import os
-import re
-import shutil
-import struct
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Sequence, cast
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import rocksdict
 
+from kvstore.buffers import as_u8
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind
-from tiers.ssd_format import (FileLayer, HEADER_BYTES, INDEX_DIR, LOCK_FILE, NAMESPACES_FILE, OsFileLayer,
-                               RECORD_MAGIC, RECORD_VERSION, SCHEMA_FILE, SCHEMA_MAGIC, SCHEMA_VERSION, _ALLOC,
-                               _CLOEXEC, _FREE, _HEADER, _IDENT_BYTES, _IOV_MAX, _KEY, _LIVE, _MAX_FDS, _NS,
-                               _NSKEY, _NS_MAGIC, _PARENT, _ROW, _SEG_RE, _VALUE, _as_u8, _checksum, _ident_bytes,
-                               _identity_arrays, _io_error, _loc_keys, _vec_io, _void, _write_all)
+from tiers.ssd_dir import NamespaceFile, SsdDirectory
+from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, INDEX_DIR, IOV_MAX,
+                              LIVE, LOCK_FILE, MAX_FDS, NSKEY, RECORD_MAGIC, RECORD_VERSION, ROW,
+                              SEG_RE, VALUE, FileLayer, OsFileLayer, as_void, ident_bytes, identity_arrays,
+                              io_error, loc_keys, record_checksum, vec_io, write_all, scan_segment, chain_order,
+                              parse_index, Segment)
 
 log = logging.getLogger("kvstore.ssd")
-
-
-
-
-@dataclass(slots=True)
-class _Segment:
-    id: int
-    size: int
-    live: int = 0
 
 
 class SsdTier:
@@ -113,20 +95,21 @@ class SsdTier:
         self.gc_garbage_ratio = float(gc_garbage_ratio)
         self._capacity, self._used = int(capacity_bytes), 0
         self.corrupt_count = self.dropped_count = self.index_rebuilds = 0
-        self._segs: dict[int, _Segment] = {}
-        self._active: _Segment | None = None
+        self._segs: dict[int, Segment] = {}
+        self._active: Segment | None = None
         self._active_fd = -1
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._next_seg, self._seq, self._next_id = 1, 1, 0
         self._free_ids: list[int] = []
         self._alloc_arrays(1024)
-        self._ns: dict[bytes, bytes] = {}
         self._gc_buf = np.empty(0, dtype=np.uint8)
         self._closed = False
         self._wo, self._wo_lazy = rocksdict.WriteOptions(), rocksdict.WriteOptions()
         self._wo.sync = self.sync
-        self._prepare_dir()
-        self._lock_fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT | _CLOEXEC, 0o600)
+        self._dir = SsdDirectory(self.path, self.fs, self.sync)
+        self._nsfile = NamespaceFile(self._dir)
+        self._dir.prepare()
+        self._lock_fd = os.open(os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT | CLOEXEC, 0o600)
         try:
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -139,76 +122,18 @@ class SsdTier:
             raise
 
     # ------------------------------------------------------------ open path
-    def _prepare_dir(self) -> None:
-        """Create the directory (0700) with its schema marker, or check the marker."""
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        os.chmod(self.path, 0o700)
-        marker = os.path.join(self.path, SCHEMA_FILE)
-        try:
-            with open(marker, "rb") as f:
-                lines = f.read(4096).decode("utf-8", "replace").splitlines()
-        except FileNotFoundError:
-            stray = sorted(n for n in os.listdir(self.path) if not n.endswith(".tmp") and n != LOCK_FILE)
-            if stray:
-                raise InvalidArgument(f"{self.path} is not empty and has no {SCHEMA_FILE} marker: not a kvstore "
-                                      f"SSD directory (found {stray[:3]}); refusing to use it") from None
-            self._write_small(marker, f"{SCHEMA_MAGIC}\nschema {SCHEMA_VERSION}\n".encode())
-            return
-        m = re.fullmatch(r"schema (\d+)", lines[1].strip()) if len(lines) >= 2 else None
-        if lines[0].strip() != SCHEMA_MAGIC or m is None:
-            raise InvalidArgument(f"{marker} is not a kvstore SSD schema marker; refusing to open {self.path}")
-        if int(m.group(1)) != SCHEMA_VERSION:
-            raise InvalidArgument(
-                f"SSD directory {self.path} has schema {m.group(1)}, this kvstore reads only schema "
-                f"{SCHEMA_VERSION}; refusing to reinterpret it (use a matching kvstore or another directory)")
-
-    def _write_small(self, path: str, data: bytes) -> None:
-        """Atomically replace a small file: tmp, fdatasync, rename, fsync dir."""
-        fd = self.fs.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o600)
-        try:
-            _write_all(self.fs, fd, [np.frombuffer(data, np.uint8)], 0)
-            self.fs.fdatasync(fd)
-        finally:
-            self.fs.close(fd)
-        self.fs.rename(path + ".tmp", path)
-        self._sync_dir()
-
-    def _sync_dir(self) -> None:
-        if self.sync:
-            fd = self.fs.open(self.path, os.O_RDONLY | _CLOEXEC)
-            try:
-                self.fs.fsync(fd)
-            finally:
-                self.fs.close(fd)
-
-    def _open_db(self) -> rocksdict.Rdict:
-        o = rocksdict.Options(raw_mode=True)
-        o.create_if_missing(True)
-        o.set_keep_log_file_num(2)
-        o.set_write_buffer_size(16 << 20)
-        db = rocksdict.Rdict(os.path.join(self.path, INDEX_DIR), o)
-        self._private_index()
-        return db
-
-    def _private_index(self) -> None:
-        path = os.path.join(self.path, INDEX_DIR)
-        os.chmod(path, 0o700)
-        for e in os.scandir(path):
-            if e.is_file(follow_symlinks=False):
-                os.chmod(e.path, 0o600)
-
     def _open(self) -> None:
         for name in os.listdir(self.path):
-            m = _SEG_RE.match(name)
+            m = SEG_RE.match(name)
             if m:
                 sid = int(m.group(1))
-                self._segs[sid] = _Segment(sid, os.stat(self._seg_path(sid)).st_size)
+                self._segs[sid] = Segment(sid, os.stat(self._seg_path(sid)).st_size)
                 self._next_seg = max(self._next_seg, sid + 1)
             elif name.endswith(".tmp"):
                 os.unlink(os.path.join(self.path, name))
-        self._load_namespaces()
+        self._nsfile.load()
         try:
-            self._db = self._open_db()
+            self._db = self._dir.open_db()
             locs, vals = self._read_index()
         except Exception as exc:  # noqa: BLE001 - any RocksDB failure: rebuild from segments
             log.warning("ssd index at %s unreadable (%s); rebuilding from segment headers", self.path, exc)
@@ -219,50 +144,20 @@ class SsdTier:
         """All block entries of the index as (locs, values)."""
         ks = cast("list[bytes]", list(self._db.keys()))
         vs = cast("list[bytes]", list(self._db.values()))
-        bad = [k for k, v in zip(ks, vs) if len(k) != 9 or k[:1] != b"b" or len(v) != _VALUE.itemsize]
+        locs, vals, bad = parse_index(ks, vs)
         if bad:
             self.dropped_count += len(bad)
             self._delete_keys(bad, sync=False)
-            drop = set(bad)
-            pairs = [(k, v) for k, v in zip(ks, vs) if k not in drop]
-            ks, vs = [k for k, _ in pairs], [v for _, v in pairs]
-        locs = np.ascontiguousarray(np.frombuffer(b"".join(ks), dtype=np.uint8).reshape(-1, 9)[:, 1:])
-        return locs.view(">u8").ravel().astype(np.int64), np.frombuffer(b"".join(vs), dtype=_VALUE).copy()
+        return locs, vals
 
     def _rebuild_index(self) -> tuple[np.ndarray, np.ndarray]:
         """Scan segment headers into a fresh index (the old one goes to index.corrupt)."""
         self.index_rebuilds += 1
-        try:
-            self._db.close()
-        except Exception:  # noqa: BLE001 - absent or broken
-            pass
-        old, aside = os.path.join(self.path, INDEX_DIR), os.path.join(self.path, INDEX_DIR + ".corrupt")
-        shutil.rmtree(aside, ignore_errors=True)
-        if os.path.exists(old):
-            os.rename(old, aside)
-        self._db = self._open_db()
+        self._db = self._dir.fresh_index(getattr(self, "_db", None))
         found: dict[bytes, np.ndarray] = {}
-        hdr = np.empty(1, dtype=_HEADER)
-        hb, h = hdr.view(np.uint8), hdr[0]
         for sid in sorted(self._segs):
-            fd = self.fs.open(self._seg_path(sid), os.O_RDONLY | _CLOEXEC)
-            try:
-                off, end = 0, self._segs[sid].size
-                while off + HEADER_BYTES <= end and _vec_io(self.fs.preadv, fd, [hb], off) == HEADER_BYTES:
-                    idn = h["ident"]
-                    rec_end = off + HEADER_BYTES + int(idn["size"])
-                    if (idn["magic"] != RECORD_MAGIC or int(idn["version"]) != RECORD_VERSION
-                            or _checksum(hb[:_IDENT_BYTES]) != int(h["hcrc"]) or rec_end > end):
-                        break
-                    v = np.zeros(1, dtype=_VALUE)
-                    v["seg"], v["off"], v["ident"] = sid, off, idn
-                    name = bytes(hb[_NSKEY])
-                    if name not in found or int(found[name]["ident"]["seq"][0]) < int(idn["seq"]):
-                        found[name] = v
-                    off = rec_end
-            finally:
-                self.fs.close(fd)
-        vals = np.concatenate(list(found.values())) if found else np.zeros(0, dtype=_VALUE)
+            scan_segment(self.fs, self._seg_path(sid), sid, self._segs[sid].size, found)
+        vals = np.concatenate(list(found.values())) if found else np.zeros(0, dtype=VALUE)
         vals = vals[np.argsort(vals["ident"]["seq"], kind="stable")]
         locs = np.arange(vals.size, dtype=np.int64)
         self._put_values(locs, vals)
@@ -283,16 +178,16 @@ class SsdTier:
         self.dropped_count += int((~good).sum())
         cand = np.flatnonzero(good)  # one entry per (namespace, key): the newest
         cand = cand[np.argsort(idn["seq"][cand], kind="stable")[::-1]]
-        _, first = np.unique(_void(_ident_bytes(idn[cand])[:, _NSKEY]), return_index=True)
+        _, first = np.unique(as_void(ident_bytes(idn[cand])[:, NSKEY]), return_index=True)
         keep = np.zeros(locs.size, dtype=bool)
         keep[cand[first]] = True
         if not keep.all():
-            self._delete_keys(_loc_keys(locs[~keep]), sync=True)
+            self._delete_keys(loc_keys(locs[~keep]), sync=True)
         locs, vals, sizes, seg_ids = locs[keep], vals[keep], sizes[keep], seg_ids[keep]
         top = int(locs.max()) + 1 if locs.size else 0
         self._alloc_arrays(top)
         self._next_id = top
-        self._state[locs], self._fp[locs], self._seg[locs] = _LIVE, HEADER_BYTES + sizes, seg_ids
+        self._state[locs], self._fp[locs], self._seg[locs] = LIVE, HEADER_BYTES + sizes, seg_ids
         self._off[locs], self._ident[locs] = vals["off"].astype(np.int64), vals["ident"]
         self._used = int((HEADER_BYTES + sizes).sum())
         self._free_ids = np.setdiff1d(np.arange(top, dtype=np.int64), locs)[::-1].tolist()
@@ -305,9 +200,9 @@ class SsdTier:
 
     def _alloc_arrays(self, cap: int) -> None:
         """Grow the per-location table to ``cap`` rows (at least doubling), keeping contents."""
-        old = getattr(self, "_rows", np.zeros(0, dtype=_ROW))
+        old = getattr(self, "_rows", np.zeros(0, dtype=ROW))
         if cap > old.size:
-            rows = np.zeros(max(cap, 2 * old.size), dtype=_ROW)
+            rows = np.zeros(max(cap, 2 * old.size), dtype=ROW)
             rows[:old.size] = old
             self._rows = rows
             self._state, self._fp, self._seg, self._off, self._ident = (
@@ -335,7 +230,7 @@ class SsdTier:
             root = os.path.join(self.path, sub)
             if os.path.isdir(root):
                 total += sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(root)
-                             if e.is_file(follow_symlinks=False) and not _SEG_RE.match(e.name))
+                             if e.is_file(follow_symlinks=False) and not SEG_RE.match(e.name))
         return total
 
     def footprint(self, nbytes: int) -> int:
@@ -364,17 +259,17 @@ class SsdTier:
         ids = np.array(reuse[::-1] + list(range(self._next_id, self._next_id + fresh)), dtype=np.int64)
         self._next_id += fresh
         self._alloc_arrays(self._next_id)
-        self._state[ids], self._fp[ids] = _ALLOC, fp
+        self._state[ids], self._fp[ids] = ALLOC, fp
         self._used += fp * count
         return ids
 
     def free(self, locs: np.ndarray) -> None:
         locs = np.unique(np.asarray(locs, dtype=np.int64).reshape(-1))
         locs = locs[(locs >= 0) & (locs < self._next_id)]
-        locs = locs[self._state[locs] != _FREE]
+        locs = locs[self._state[locs] != FREE]
         if locs.size:
-            self._forget(locs[self._state[locs] == _LIVE], sync=True)
-            self._state[locs] = _FREE
+            self._forget(locs[self._state[locs] == LIVE], sync=True)
+            self._state[locs] = FREE
             self._used -= int(self._fp[locs].sum())
             self._free_ids.extend(locs[::-1].tolist())
 
@@ -382,9 +277,9 @@ class SsdTier:
         """Delete index entries (first), then count their records as garbage.
         The ids stay allocated."""
         if rows.size:
-            self._delete_keys(_loc_keys(rows), sync=sync)
+            self._delete_keys(loc_keys(rows), sync=sync)
             self._count_live(self._seg[rows], -(HEADER_BYTES + self._ident["size"][rows].astype(np.int64)))
-            self._state[rows] = _ALLOC
+            self._state[rows] = ALLOC
 
     def _count_live(self, seg_ids: np.ndarray, delta: np.ndarray) -> None:
         for sid, d in zip(seg_ids.tolist(), delta.tolist()):
@@ -406,19 +301,19 @@ class SsdTier:
             try:
                 self._db.write(wb, self._wo if sync else self._wo_lazy)
                 return
-            except Exception as exc:  # noqa: BLE001 - rocksdict raises plain Exception
+            except Exception as exc:
                 if attempt:
-                    raise _io_error(exc, "writing the index") from exc
+                    raise io_error(exc, "writing the index") from exc
                 log.warning("ssd index write failed (%s); reopening the index", exc)
                 try:
                     self._db.close()
-                    self._db = self._open_db()
-                except Exception as exc2:  # noqa: BLE001
-                    raise _io_error(exc2, "reopening the index") from exc2
+                    self._db = self._dir.open_db()
+                except Exception as exc2:
+                    raise io_error(exc2, "reopening the index") from exc2
 
     def _put_values(self, locs: np.ndarray, vals: np.ndarray) -> None:
-        raw, w = vals.tobytes(), _VALUE.itemsize
-        self._db_write([(k, raw[i * w:(i + 1) * w]) for i, k in enumerate(_loc_keys(locs))], sync=True)
+        raw, w = vals.tobytes(), VALUE.itemsize
+        self._db_write([(k, raw[i * w:(i + 1) * w]) for i, k in enumerate(loc_keys(locs))], sync=True)
 
     def _delete_keys(self, keys: list[bytes], *, sync: bool) -> None:
         try:
@@ -435,8 +330,8 @@ class SsdTier:
             return self._active_fd
         fd = self._fds.get(sid)
         if fd is None:
-            fd = self._fds[sid] = self.fs.open(self._seg_path(sid), os.O_RDONLY | _CLOEXEC)
-            if len(self._fds) > _MAX_FDS:
+            fd = self._fds[sid] = self.fs.open(self._seg_path(sid), os.O_RDONLY | CLOEXEC)
+            if len(self._fds) > MAX_FDS:
                 self.fs.close(self._fds.popitem(last=False)[1])
         else:
             self._fds.move_to_end(sid)
@@ -448,7 +343,7 @@ class SsdTier:
             self.fs.close(self._active_fd)
             self._active_fd = -1
 
-    def _ensure_active(self, need: int) -> _Segment:
+    def _ensure_active(self, need: int) -> Segment:
         """The segment to append ``need`` bytes to: the active one while it has
         room (or is empty), else a new one (the full one is synced and sealed)."""
         act = self._active
@@ -458,11 +353,11 @@ class SsdTier:
             self.fs.fdatasync(self._active_fd)
         self._seal()
         sid = self._next_seg
-        fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o600)
+        fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | CLOEXEC, 0o600)
         self._next_seg += 1
-        seg = self._segs[sid] = _Segment(sid, 0)
+        seg = self._segs[sid] = Segment(sid, 0)
         self._active, self._active_fd = seg, fd
-        self._sync_dir()  # the name is durable before anything points at it
+        self._dir.sync_dir()  # the name is durable before anything points at it
         return seg
 
     def _drop_segment(self, sid: int) -> int:
@@ -495,7 +390,7 @@ class SsdTier:
                     j += 1
                 fd = self._active_fd
                 try:
-                    _write_all(self.fs, fd, [b for r in records[i:j] for b in r], start)
+                    write_all(self.fs, fd, [b for r in records[i:j] for b in r], start)
                 except OSError:
                     try:
                         self.fs.ftruncate(fd, start)  # give the partial bytes back
@@ -511,7 +406,7 @@ class SsdTier:
                     self._seal()  # after a failed fsync the page cache cannot be trusted
                     raise
         except OSError as exc:
-            raise _io_error(exc, "appending to a segment") from exc
+            raise io_error(exc, "appending to a segment") from exc
         return segs, offs
 
     # ------------------------------------------------------------ data path
@@ -525,29 +420,29 @@ class SsdTier:
         if n == 0:
             return np.zeros(0, dtype=np.uint64)
         if (np.unique(locs).size != n or locs.min() < 0 or locs.max() >= self._next_id
-                or np.any(self._state[locs] == _FREE)):
+                or np.any(self._state[locs] == FREE)):
             raise InvalidArgument("ssd write to locations that are not allocated (or repeated)")
-        srcs = [_as_u8(p) for p in payloads]
+        srcs = [as_u8(p) for p in payloads]
         sizes = np.fromiter((s.size for s in srcs), dtype=np.int64, count=n)
         if np.any(sizes <= 0) or np.any(HEADER_BYTES + sizes > self._fp[locs]):
             raise InvalidArgument("ssd write: a payload is empty or larger than its allocation")
-        csums = np.fromiter((_checksum(s) for s in srcs), dtype=np.uint64, count=n)
-        hdr = np.zeros(n, dtype=_HEADER)
+        csums = np.fromiter((record_checksum(s) for s in srcs), dtype=np.uint64, count=n)
+        hdr = np.zeros(n, dtype=HEADER)
         idn = hdr["ident"]
         idn["magic"], idn["version"], idn["size"], idn["csum"] = RECORD_MAGIC, RECORD_VERSION, sizes, csums
         idn["seq"] = np.arange(self._seq, self._seq + n, dtype=np.uint64)
         self._seq += n
-        idn["ns"], idn["key"], idn["parent"], idn["plen"] = _identity_arrays(owners)
+        idn["ns"], idn["key"], idn["parent"], idn["plen"] = identity_arrays(owners)
         hb = hdr.view(np.uint8).reshape(n, HEADER_BYTES)
-        hdr["hcrc"] = np.fromiter((_checksum(hb[i, :_IDENT_BYTES]) for i in range(n)), dtype=np.uint64, count=n)
+        hdr["hcrc"] = np.fromiter((record_checksum(hb[i, :IDENT_BYTES]) for i in range(n)), dtype=np.uint64, count=n)
         lens = HEADER_BYTES + sizes
         segs, offs = self._append([[hb[i], srcs[i]] for i in range(n)], lens)
-        vals = np.zeros(n, dtype=_VALUE)
+        vals = np.zeros(n, dtype=VALUE)
         vals["seg"], vals["off"], vals["ident"] = segs, offs, idn
         self._put_values(locs, vals)  # raises with nothing visible on failure
-        old = locs[self._state[locs] == _LIVE]  # overwritten: the old records become garbage
+        old = locs[self._state[locs] == LIVE]  # overwritten: the old records become garbage
         self._count_live(self._seg[old], -(HEADER_BYTES + self._ident["size"][old].astype(np.int64)))
-        self._state[locs], self._seg[locs], self._off[locs], self._ident[locs] = _LIVE, segs, offs, idn
+        self._state[locs], self._seg[locs], self._off[locs], self._ident[locs] = LIVE, segs, offs, idn
         self._count_live(segs, lens)
         if self.auto_reclaim and self.garbage_bytes > max(self.segment_bytes, self._capacity // 10):
             try:
@@ -568,12 +463,12 @@ class SsdTier:
         inrange = (locs >= 0) & (locs < self._next_id)
         rows = np.where(inrange, locs, 0)
         idn = self._ident[rows]
-        dsts = [_as_u8(o) for o in outs]
+        dsts = [as_u8(o) for o in outs]
         # a buffer too small is the caller's miss, not the block's fault
-        live = inrange & (self._state[rows] == _LIVE) & (np.fromiter((d.size for d in dsts), np.int64, n) >= sizes)
+        live = inrange & (self._state[rows] == LIVE) & (np.fromiter((d.size for d in dsts), np.int64, n) >= sizes)
         match = (idn["size"].astype(np.int64) == sizes) & (idn["csum"] == checksums)
         if owners is not None:
-            ons, okey, _, _ = _identity_arrays(owners)
+            ons, okey, _, _ = identity_arrays(owners)
             match &= np.all(idn["ns"] == ons, axis=1) & np.all(idn["key"] == okey, axis=1)
         hbuf = np.empty((n, HEADER_BYTES), dtype=np.uint8)
         todo = np.flatnonzero(live & match).tolist()
@@ -583,12 +478,12 @@ class SsdTier:
         while g < len(todo):  # one preadv per run of records lying back to back in a segment
             first, h = todo[g], g + 1
             end = offs[first] + HEADER_BYTES + szs[first]
-            while h < len(todo) and h - g < _IOV_MAX // 2 and segs[todo[h]] == segs[first] and offs[todo[h]] == end:
+            while h < len(todo) and h - g < IOV_MAX // 2 and segs[todo[h]] == segs[first] and offs[todo[h]] == end:
                 end += HEADER_BYTES + szs[todo[h]]
                 h += 1
             run = todo[g:h]
             try:
-                nread = _vec_io(self.fs.preadv, self._fd(segs[first]),
+                nread = vec_io(self.fs.preadv, self._fd(segs[first]),
                                 [b for i in run for b in (hbuf[i], dsts[i][:szs[i]])], offs[first])
             except OSError as exc:
                 log.warning("ssd read of segment %d failed: %s", segs[first], exc)
@@ -596,9 +491,9 @@ class SsdTier:
             for i in run:
                 got[i] = offs[i] + HEADER_BYTES + szs[i] - offs[first] <= nread
             g = h
-        same = np.all(hbuf[:, :_IDENT_BYTES] == _ident_bytes(idn), axis=1)
+        same = np.all(hbuf[:, :IDENT_BYTES] == ident_bytes(idn), axis=1)
         for i in np.flatnonzero(got & same).tolist():
-            ok[i] = _checksum(dsts[i][:szs[i]]) == int(checksums[i])
+            ok[i] = record_checksum(dsts[i][:szs[i]]) == int(checksums[i])
         bad = np.unique(locs[live & ~ok])
         if bad.size:
             self.corrupt_count += int(bad.size)
@@ -630,25 +525,25 @@ class SsdTier:
                 return freed
             freed += self._drop_segment(seg.id)
 
-    def _evacuate(self, seg: _Segment) -> int:
+    def _evacuate(self, seg: Segment) -> int:
         """Copy a segment's live records (checked on the way) to the active
         segment and re-point the index at them (synced); returns bytes appended."""
         top = self._next_id
-        rows = np.flatnonzero((self._state[:top] == _LIVE) & (self._seg[:top] == seg.id))
+        rows = np.flatnonzero((self._state[:top] == LIVE) & (self._seg[:top] == seg.id))
         rows = rows[np.argsort(self._off[rows], kind="stable")]
         lens = HEADER_BYTES + self._ident["size"][rows].astype(np.int64)
         if self._gc_buf.size < int(lens.sum()):
             self._gc_buf = np.empty(int(lens.sum()), dtype=np.uint8)
         starts = (np.cumsum(lens) - lens).tolist()
         recs = [self._gc_buf[a:a + ln] for a, ln in zip(starts, lens.tolist())]
-        expect, csums = _ident_bytes(self._ident[rows]), self._ident["csum"][rows].tolist()
+        expect, csums = ident_bytes(self._ident[rows]), self._ident["csum"][rows].tolist()
         good = np.zeros(rows.size, dtype=bool)
         fd = self._fd(seg.id)
         for k, (rec, off) in enumerate(zip(recs, self._off[rows].tolist())):
             try:
-                good[k] = (_vec_io(self.fs.preadv, fd, [rec], off) == rec.size
-                           and np.array_equal(rec[:_IDENT_BYTES], expect[k])
-                           and _checksum(rec[HEADER_BYTES:]) == csums[k])
+                good[k] = (vec_io(self.fs.preadv, fd, [rec], off) == rec.size
+                           and np.array_equal(rec[:IDENT_BYTES], expect[k])
+                           and record_checksum(rec[HEADER_BYTES:]) == csums[k])
             except OSError:
                 pass
         if not good.all():
@@ -658,7 +553,7 @@ class SsdTier:
         if not rows.size:
             return 0
         new_segs, new_offs = self._append([[r] for r, g in zip(recs, good) if g], lens)
-        vals = np.zeros(rows.size, dtype=_VALUE)
+        vals = np.zeros(rows.size, dtype=VALUE)
         vals["seg"], vals["off"], vals["ident"] = new_segs, new_offs, self._ident[rows]
         self._put_values(rows, vals)
         self._seg[rows], self._off[rows] = new_segs, new_offs
@@ -668,75 +563,17 @@ class SsdTier:
 
     # ------------------------------------------------------------- restart
     def recover(self) -> list[tuple[int, BlockMeta, int, int]]:
-        rows = np.flatnonzero(self._state[:self._next_id] == _LIVE)
-        n = rows.size
-        idn = self._ident[rows]
-        ib = _ident_bytes(idn)
-        where = dict(zip(_void(ib[:, _NSKEY]).tolist(), range(n)))
-        pnames = _void(np.concatenate([ib[:, _NS], ib[:, _PARENT]], axis=1)).tolist()
-        par = np.fromiter((where.get(p, -1) for p in pnames), dtype=np.int64, count=n)
-        par[idn["plen"] == 0] = -1
-        # depth by pointer jumping (depth = hops to anc): O(log chain) rounds, capped for corrupt cycles
-        depth, anc = (par >= 0).astype(np.int64), par.copy()
-        for _ in range(64):
-            m = np.flatnonzero(anc >= 0)
-            if not m.size:
-                break
-            up = anc[m]
-            depth[m], anc[m] = depth[m] + depth[up], anc[up]
-        order = np.lexsort((idn["seq"], depth)).tolist()
-        ns, keys, parents = (_void(ib[:, part]).tolist() for part in (_NS, _KEY, _PARENT))
-        plen, sizes, csums, locs = idn["plen"].tolist(), idn["size"].tolist(), idn["csum"].tolist(), rows.tolist()
-        paused = gc.isenabled()
-        gc.disable()  # 100k small objects: the cyclic GC would rescan them repeatedly
-        try:
-            return [(locs[i], BlockMeta(ns[i], keys[i], parents[i] if plen[i] else b""), sizes[i], csums[i])
-                    for i in order]
-        finally:
-            if paused:
-                gc.enable()
+        """Every live block as (loc, owner, size, checksum), parents before children."""
+        rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
+        return chain_order(self._ident[rows], rows)
 
     def put_namespace(self, digest: bytes, descriptor: bytes) -> None:
         """Persist a namespace descriptor (atomic rewrite of the namespaces file)."""
-        digest, descriptor = bytes(digest), bytes(descriptor)
-        if not 0 < len(digest) <= 0xFFFF:
-            raise InvalidArgument(f"namespace digest must be 1..65535 bytes, got {len(digest)}")
-        if self._ns.get(digest) == descriptor:
-            return
-        ns = {**self._ns, digest: descriptor}
-        body = bytearray(_NS_MAGIC + struct.pack("<II", 1, len(ns)))
-        for d, desc in ns.items():
-            body += struct.pack("<HI", len(d), len(desc)) + d + desc
-        body += struct.pack("<Q", _checksum(bytes(body)))
-        try:
-            self._write_small(os.path.join(self.path, NAMESPACES_FILE), bytes(body))
-        except OSError as exc:
-            raise _io_error(exc, "writing namespace descriptors") from exc
-        self._ns = ns
+        self._nsfile.put(digest, descriptor)
 
     def namespaces(self) -> dict[bytes, bytes]:
         """Namespace digest -> descriptor bytes, as persisted."""
-        return dict(self._ns)
-
-    def _load_namespaces(self) -> None:
-        try:
-            with open(os.path.join(self.path, NAMESPACES_FILE), "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return
-        try:
-            if len(data) < 20 or data[:4] != _NS_MAGIC or struct.unpack_from("<I", data, 4)[0] != 1:
-                raise ValueError("bad magic or version")
-            if struct.unpack_from("<Q", data, len(data) - 8)[0] != _checksum(data[:-8]):
-                raise ValueError("checksum mismatch")
-            pos, out = 12, {}
-            for _ in range(struct.unpack_from("<I", data, 8)[0]):
-                dl, nl = struct.unpack_from("<HI", data, pos)
-                out[data[pos + 6:pos + 6 + dl]] = data[pos + 6 + dl:pos + 6 + dl + nl]
-                pos += 6 + dl + nl
-            self._ns = out
-        except (ValueError, struct.error) as exc:
-            log.warning("ssd namespaces file unreadable (%s); namespaces start empty", exc)
+        return self._nsfile.all()
 
     # --------------------------------------------------------------- close
     def close(self) -> None:
@@ -749,7 +586,7 @@ class SsdTier:
         self._fds.clear()
         try:
             self._db.close()
-            self._private_index()
+            self._dir.private_index()
         finally:
             os.close(self._lock_fd)
 

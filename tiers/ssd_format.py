@@ -5,10 +5,13 @@ record header and identity layout, checksums, the ``FileLayer`` protocol
 from __future__ import annotations
 
 import errno
+import gc
 import importlib
 import os
 import re
-from typing import Any, Callable, Protocol, Sequence, cast
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import numpy as np
 import xxhash
@@ -21,22 +24,22 @@ SCHEMA_FILE, SCHEMA_MAGIC = "SCHEMA", "kvstore-ssd-tier"
 LOCK_FILE, INDEX_DIR, NAMESPACES_FILE = "LOCK", "index", "namespaces"
 RECORD_MAGIC, RECORD_VERSION = b"KVB1", 1
 HEADER_BYTES = 88
-_IDENT_BYTES = 80
-_SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
-_IOV_MAX = 512  # buffers per pwritev/preadv call (Linux allows 1024)
-_MAX_FDS = 256
-_NS_MAGIC = b"KVNS"
-_FREE, _ALLOC, _LIVE = 0, 1, 2
-_CLOEXEC = os.O_CLOEXEC
+IDENT_BYTES = 80
+SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
+IOV_MAX = 512  # buffers per pwritev/preadv call (Linux allows 1024)
+MAX_FDS = 256
+NS_MAGIC = b"KVNS"
+FREE, ALLOC, LIVE = 0, 1, 2
+CLOEXEC = os.O_CLOEXEC
 
 _IDENT = np.dtype([("magic", "S4"), ("version", "<u2"), ("plen", "<u2"), ("size", "<u8"),
                    ("seq", "<u8"), ("csum", "<u8"), ("ns", "u1", (16,)), ("key", "u1", (16,)),
                    ("parent", "u1", (16,))])
-_HEADER = np.dtype([("ident", _IDENT), ("hcrc", "<u8")])
-_VALUE = np.dtype([("seg", "<u8"), ("off", "<u8"), ("ident", _IDENT)])
-_ROW = np.dtype([("state", "i1"), ("fp", "<i8"), ("seg", "<i8"), ("off", "<i8"), ("ident", _IDENT)])
-_NS, _KEY, _PARENT, _NSKEY = slice(32, 48), slice(48, 64), slice(64, 80), slice(32, 64)  # identity bytes
-assert _IDENT.itemsize == _IDENT_BYTES and _HEADER.itemsize == HEADER_BYTES
+HEADER = np.dtype([("ident", _IDENT), ("hcrc", "<u8")])
+VALUE = np.dtype([("seg", "<u8"), ("off", "<u8"), ("ident", _IDENT)])
+ROW = np.dtype([("state", "i1"), ("fp", "<i8"), ("seg", "<i8"), ("off", "<i8"), ("ident", _IDENT)])
+NS, KEY, PARENT, NSKEY = slice(32, 48), slice(48, 64), slice(64, 80), slice(32, 64)  # identity bytes
+assert _IDENT.itemsize == IDENT_BYTES and HEADER.itemsize == HEADER_BYTES
 assert _IDENT.fields is not None and _IDENT.fields["ns"][1] == 32 and _IDENT.fields["parent"][1] == 64
 
 
@@ -51,17 +54,11 @@ def _load_xxh3() -> Callable[[Buffer], int]:
 _xxh3 = _load_xxh3()
 
 
-def _checksum(buf: Buffer) -> int:
+def record_checksum(buf: Buffer) -> int:
     return int(_xxh3(buf))
 
 
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
-
-
-def _io_error(exc: BaseException, what: str) -> KVStoreError:
+def io_error(exc: BaseException, what: str) -> KVStoreError:
     """ENOSPC/EDQUOT -> CapacityError; any other I/O failure -> Unavailable."""
     if (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or "no space" in str(exc).lower():
         return CapacityError(f"ssd tier: disk full while {what}")
@@ -96,12 +93,12 @@ class OsFileLayer:
     rename = staticmethod(os.rename)
 
 
-def _vec_io(op: Callable[[int, Sequence[Any], int], int], fd: int, bufs: list[np.ndarray], offset: int) -> int:
+def vec_io(op: Callable[[int, Sequence[Any], int], int], fd: int, bufs: list[np.ndarray], offset: int) -> int:
     """``op`` (preadv/pwritev) over all of ``bufs`` in IOV_MAX chunks, resuming
     after short transfers; stops at end of file. Returns bytes moved."""
     total = i = 0
     while i < len(bufs):
-        chunk = bufs[i:i + _IOV_MAX]
+        chunk = bufs[i:i + IOV_MAX]
         got = op(fd, chunk, offset + total)
         total += got
         if got >= sum(b.size for b in chunk):
@@ -118,29 +115,29 @@ def _vec_io(op: Callable[[int, Sequence[Any], int], int], fd: int, bufs: list[np
     return total
 
 
-def _write_all(fs: FileLayer, fd: int, bufs: list[np.ndarray], offset: int) -> None:
+def write_all(fs: FileLayer, fd: int, bufs: list[np.ndarray], offset: int) -> None:
     want = sum(b.size for b in bufs)
-    if _vec_io(fs.pwritev, fd, bufs, offset) < want:
+    if vec_io(fs.pwritev, fd, bufs, offset) < want:
         raise OSError(errno.EIO, "pwritev made no progress")
 
 
-def _ident_bytes(idn: np.ndarray) -> np.ndarray:
+def ident_bytes(idn: np.ndarray) -> np.ndarray:
     """Identities as an (n, 80) uint8 array."""
-    return np.ascontiguousarray(idn).view(np.uint8).reshape(-1, _IDENT_BYTES)
+    return np.ascontiguousarray(idn).view(np.uint8).reshape(-1, IDENT_BYTES)
 
 
-def _void(a: np.ndarray) -> np.ndarray:
+def as_void(a: np.ndarray) -> np.ndarray:
     """Rows of a 2-D uint8 array as one opaque value each (sortable; tolist() gives bytes)."""
     a = np.ascontiguousarray(a)
     return a.view(f"V{a.shape[1]}").ravel()
 
 
-def _loc_keys(locs: np.ndarray) -> list[bytes]:
+def loc_keys(locs: np.ndarray) -> list[bytes]:
     raw = np.asarray(locs, dtype=">u8").tobytes()
     return [b"b" + raw[i * 8:(i + 1) * 8] for i in range(len(locs))]
 
 
-def _identity_arrays(owners: Sequence[BlockMeta]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def identity_arrays(owners: Sequence[BlockMeta]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(ns, key, parent) as (n, 16) uint8 arrays, and parent lengths; checks lengths."""
     n = len(owners)
     if any(len(o.ns_digest) != 16 or len(o.key) != 16 or len(o.parent) not in (0, 16) for o in owners):
@@ -152,3 +149,78 @@ def _identity_arrays(owners: Sequence[BlockMeta]) -> tuple[np.ndarray, np.ndarra
     return (join([o.ns_digest for o in owners]), join([o.key for o in owners]),
             join([o.parent or bytes(16) for o in owners]),
             np.fromiter((len(o.parent) for o in owners), dtype=np.uint16, count=n))
+
+
+def scan_segment(fs: FileLayer, path: str, sid: int, end: int, found: dict[bytes, np.ndarray]) -> None:
+    """Read a segment's record headers into ``found`` ((namespace, key) ->
+    VALUE; the newest record of a key wins), up to the first bad header."""
+    hdr = np.empty(1, dtype=HEADER)
+    hb, h = hdr.view(np.uint8), hdr[0]
+    fd = fs.open(path, os.O_RDONLY | CLOEXEC)
+    try:
+        off = 0
+        while off + HEADER_BYTES <= end and vec_io(fs.preadv, fd, [hb], off) == HEADER_BYTES:
+            idn = h["ident"]
+            rec_end = off + HEADER_BYTES + int(idn["size"])
+            if (idn["magic"] != RECORD_MAGIC or int(idn["version"]) != RECORD_VERSION
+                    or record_checksum(hb[:IDENT_BYTES]) != int(h["hcrc"]) or rec_end > end):
+                break
+            v = np.zeros(1, dtype=VALUE)
+            v["seg"], v["off"], v["ident"] = sid, off, idn
+            name = bytes(hb[NSKEY])
+            if name not in found or int(found[name]["ident"]["seq"][0]) < int(idn["seq"]):
+                found[name] = v
+            off = rec_end
+    finally:
+        fs.close(fd)
+
+
+def chain_order(idn: np.ndarray, rows: np.ndarray) -> list[tuple[int, BlockMeta, int, int]]:
+    """Blocks (identities ``idn`` at locations ``rows``) as (loc, owner, size,
+    checksum), parents before children (by depth, then write sequence)."""
+    n = rows.size
+    ib = ident_bytes(idn)
+    where = dict(zip(as_void(ib[:, NSKEY]).tolist(), range(n)))
+    pnames = as_void(np.concatenate([ib[:, NS], ib[:, PARENT]], axis=1)).tolist()
+    par = np.fromiter((where.get(p, -1) for p in pnames), dtype=np.int64, count=n)
+    par[idn["plen"] == 0] = -1
+    # depth by pointer jumping (depth = hops to anc): O(log chain) rounds, capped for corrupt cycles
+    depth, anc = (par >= 0).astype(np.int64), par.copy()
+    for _ in range(64):
+        m = np.flatnonzero(anc >= 0)
+        if not m.size:
+            break
+        up = anc[m]
+        depth[m], anc[m] = depth[m] + depth[up], anc[up]
+    order = np.lexsort((idn["seq"], depth)).tolist()
+    ns, keys, parents = (as_void(ib[:, part]).tolist() for part in (NS, KEY, PARENT))
+    plen, sizes, csums, locs = idn["plen"].tolist(), idn["size"].tolist(), idn["csum"].tolist(), rows.tolist()
+    paused = gc.isenabled()
+    gc.disable()  # 100k small objects: the cyclic GC would rescan them repeatedly
+    try:
+        return [(locs[i], BlockMeta(ns[i], keys[i], parents[i] if plen[i] else b""), sizes[i], csums[i])
+                for i in order]
+    finally:
+        if paused:
+            gc.enable()
+
+
+@dataclass(slots=True)
+class Segment:
+    """One segment file: its id, its size, and the bytes of live records in it."""
+
+    id: int
+    size: int
+    live: int = 0
+
+
+def parse_index(ks: list[bytes], vs: list[bytes]) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    """The index's block entries as (locs, VALUE records), and the keys of
+    malformed entries (left out)."""
+    bad = [k for k, v in zip(ks, vs) if len(k) != 9 or k[:1] != b"b" or len(v) != VALUE.itemsize]
+    if bad:
+        drop = set(bad)
+        pairs = [(k, v) for k, v in zip(ks, vs) if k not in drop]
+        ks, vs = [k for k, _ in pairs], [v for _, v in pairs]
+    locs = np.ascontiguousarray(np.frombuffer(b"".join(ks), dtype=np.uint8).reshape(-1, 9)[:, 1:])
+    return locs.view(">u8").ravel().astype(np.int64), np.frombuffer(b"".join(vs), dtype=VALUE).copy(), bad

@@ -33,6 +33,8 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 import numpy as np
 import xxhash
 
+from kvstore.errors import InvalidArgument
+
 log = logging.getLogger("kvstore.cluster")
 
 
@@ -55,7 +57,7 @@ class Member:
     def from_json(cls, raw: bytes) -> "Member":
         d = json.loads(raw)
         if not isinstance(d, dict) or not isinstance(d.get("node_id"), str) or not d["node_id"]:
-            raise ValueError("member record without node_id")
+            raise InvalidArgument("member record without node_id")
         caps = d.get("capacities") or {}
         return cls(node_id=d["node_id"], grpc_address=str(d.get("grpc_address", "")),
                    block_address=str(d.get("block_address", "")),
@@ -269,7 +271,7 @@ class EtcdMembership(Membership):
         super().__init__(me)
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint {endpoint!r}: expected host:port")
+            raise InvalidArgument(f"etcd endpoint {endpoint!r}: expected host:port")
         self.host, self.port = host, int(port)
         self.prefix = prefix.rstrip("/") + "/members/"
         self.ttl_s = max(1, int(ttl_s))

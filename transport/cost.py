@@ -36,8 +36,10 @@ from __future__ import annotations
 import bisect
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
+
+from kvstore.errors import InvalidArgument
 
 Clock = Callable[[], float]
 
@@ -75,7 +77,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "tp_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"model shape: {name} must be > 0, got {getattr(self, name)}")
+                raise InvalidArgument(f"model shape: {name} must be > 0, got {getattr(self, name)}")
 
     @property
     def params(self) -> float:
@@ -107,11 +109,11 @@ class PrefillTable:
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.seconds):
-            raise ValueError("prefill table: give as many token counts as seconds, at least one")
+            raise InvalidArgument("prefill table: give as many token counts as seconds, at least one")
         if list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] <= 0:
-            raise ValueError("prefill table: token counts must be > 0, distinct and ascending")
+            raise InvalidArgument("prefill table: token counts must be > 0, distinct and ascending")
         if any(s <= 0 for s in self.seconds):
-            raise ValueError("prefill table: seconds must be > 0")
+            raise InvalidArgument("prefill table: seconds must be > 0")
 
     @classmethod
     def of(cls, rows: Mapping[int, float]) -> "PrefillTable":
@@ -157,14 +159,14 @@ class CostConfig:
 
     def __post_init__(self) -> None:
         if self.bandwidth_Bps <= 0 or self.h2d_bandwidth_Bps <= 0:
-            raise ValueError("bandwidths must be > 0")
+            raise InvalidArgument("bandwidths must be > 0")
         if self.prefill_tokens_per_s <= 0:
-            raise ValueError("prefill_tokens_per_s must be > 0")
+            raise InvalidArgument("prefill_tokens_per_s must be > 0")
         if min(self.latency_s, self.h2d_latency_s, self.prefill_overhead_s, self.margin,
                self.prefill_flops_per_s) < 0:
-            raise ValueError("latencies, overhead, margin and flops must be >= 0")
+            raise InvalidArgument("latencies, overhead, margin and flops must be >= 0")
         if not 0 < self.alpha <= 1:
-            raise ValueError("alpha must be in (0, 1]")
+            raise InvalidArgument("alpha must be in (0, 1]")
 
 
 @dataclass(slots=True)
@@ -267,8 +269,6 @@ class CostModel:
         prefill in ``seconds`` (a measured step); returns the FLOP/s."""
         shape = self.shapes[model_id]
         fps = shape.flops(tokens) / max(seconds - self.config.prefill_overhead_s, 1e-9)
-        from dataclasses import replace
-
         self.config = replace(self.config, prefill_flops_per_s=fps)
         return fps
 
@@ -315,21 +315,21 @@ def shapes_from_toml(doc: Mapping[str, object]) -> tuple[dict[str, ModelShape], 
     tables: dict[str, PrefillTable] = {}
     models = doc.get("model", {})
     if not isinstance(models, Mapping):
-        raise ValueError("models file: [model.<id>] tables expected")
+        raise InvalidArgument("models file: [model.<id>] tables expected")
     for mid, spec in models.items():
         if not isinstance(spec, Mapping):
-            raise ValueError(f"models file: model {mid!r} must be a table")
+            raise InvalidArgument(f"models file: model {mid!r} must be a table")
         spec = dict(spec)
         pre = spec.pop("prefill", None)
         if pre is not None:
             if not isinstance(pre, Mapping):
-                raise ValueError(f"models file: model {mid!r}: prefill must be a table tokens -> seconds")
+                raise InvalidArgument(f"models file: model {mid!r}: prefill must be a table tokens -> seconds")
             tables[str(mid)] = PrefillTable.of({int(k): float(v) for k, v in pre.items()})
         if spec:
             try:
                 shapes[str(mid)] = ModelShape(**spec)
             except TypeError as e:
-                raise ValueError(f"models file: model {mid!r}: {e}") from None
+                raise InvalidArgument(f"models file: model {mid!r}: {e}") from None
     return shapes, tables
 
 

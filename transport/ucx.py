@@ -66,9 +66,10 @@ from typing import Any, Awaitable, Callable, Final, Sequence
 import numpy as np
 
 from kvstore.checksum import checksum
+from kvstore.errors import InvalidArgument
 
 __all__ = ["Alloc", "BlockClient", "BlockServer", "FetchResult", "Provider", "Served",
-           "MAX_BLOCKS", "MAX_HEADER", "shutdown"]
+           "MAX_BLOCKS", "MAX_HEADER", "shutdown", "ucx_module"]
 
 log = logging.getLogger("kvstore.transport.ucx")
 
@@ -164,31 +165,51 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _ucx(host: str, net_devices: str | None) -> Any:
-    """The ``ucxx`` module, its context initialised for the running loop."""
+def ucx_module(host: str = "127.0.0.1", net_devices: str | None = None) -> Any:
+    """The ``ucxx`` module, its context initialised for the running loop
+    (``host``: the first address used, to pick ``lo`` for loopback; the
+    block server and client call it; a caller may call it first to pay
+    UCX's one-time set-up outside a deadline)."""
     global _bound_loop
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
-    from ucxx import core
 
     loop = asyncio.get_running_loop()
-    if core._ctx is None:
+    if _bound_loop is loop:
+        return ucxx
+    if _bound_loop is None:
         opts: dict[str, str] = {}
         if net_devices is None and "UCX_NET_DEVICES" not in os.environ and _is_loopback(host):
             net_devices = "lo"
         if net_devices and net_devices != "all":
             opts["NET_DEVICES"] = net_devices
-        # thread progress + Python futures: the only mode that does not poll while idle
-        ucxx.init(options=opts, progress_mode="thread", enable_python_future=True)
+        try:
+            # thread progress + Python futures: the only mode that does not poll while idle
+            ucxx.init(options=opts, progress_mode="thread", enable_python_future=True)
+        except RuntimeError as e:
+            if "already initiated" not in str(e):
+                raise
+            # someone else (bare ucxx in a benchmark) initialised UCX first: bind it to this loop
+            _rebind(ucxx, loop)
         _bound_loop = loop
-    elif _bound_loop is not loop:
-        ctx = core._get_ctx()
-        if ctx.notifier_thread is not None:  # its futures belong to the old loop
-            ctx.stop_notifier_thread()
-            ctx.start_notifier_thread()
-        ctx.continuous_ucx_progress(loop)
-        _bound_loop = loop
+        return ucxx
+    _rebind(ucxx, loop)  # a new event loop (tests): move the notifier thread and progress to it
+    _bound_loop = loop
     return ucxx
+
+
+def _rebind(ucxx: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Bind the initialised UCX context to ``loop``: restart the notifier
+    thread (its futures belong to the loop it started on) and attach progress.
+
+    ucxx publishes no accessor for its application context, whose notifier
+    thread must be restarted here; ``core._get_ctx()`` is the one place this
+    module reaches into ucxx's private names."""
+    ctx = ucxx.core._get_ctx()
+    if ctx.notifier_thread is not None:  # its futures belong to the old loop
+        ctx.stop_notifier_thread()
+        ctx.start_notifier_thread()
+    ucxx.core.continuous_ucx_progress(loop)
 
 
 def shutdown() -> None:
@@ -196,12 +217,10 @@ def shutdown() -> None:
     the process from exiting) and release the context.  Call once at process
     exit, after every BlockServer/BlockClient is stopped/closed."""
     global _bound_loop
-    if "ucxx" not in sys.modules:
+    if "ucxx" not in sys.modules or _bound_loop is None:
         return
     from ucxx import core
 
-    if core._ctx is None:
-        return
     core.stop_notifier_thread()
     try:
         core.reset()
@@ -213,7 +232,7 @@ def shutdown() -> None:
 def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"peer address must be 'host:port', got {address!r}")
+        raise InvalidArgument(f"peer address must be 'host:port', got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -247,7 +266,7 @@ class BlockServer:
         return len(self._eps)
 
     async def start(self) -> str:
-        ucxx = _ucx(self._host, self._net_devices)
+        ucxx = ucx_module(self._host, self._net_devices)
         self._listener = ucxx.create_listener(self._serve, port=self._port)
         return f"{self._host}:{self._listener.port}"
 
@@ -419,7 +438,7 @@ class BlockClient:
 
     async def _connect(self, address: str) -> _Conn:
         host, port = _split_address(address)
-        ucxx = _ucx(host, self._net_devices)
+        ucxx = ucx_module(host, self._net_devices)
         ep = await asyncio.wait_for(
             ucxx.create_endpoint(host, port, connect_timeout=self._connect_timeout),
             self._connect_timeout + 0.5)
@@ -445,9 +464,9 @@ class BlockClient:
         into the views ``alloc`` returns; never raises for peer or transport
         faults (they come back as ``error``)."""
         if not 0 <= count <= MAX_BLOCKS:
-            raise ValueError(f"count must be in [0, {MAX_BLOCKS}], got {count}")
+            raise InvalidArgument(f"count must be in [0, {MAX_BLOCKS}], got {count}")
         if len(header) > MAX_HEADER:
-            raise ValueError(f"header of {len(header)} bytes exceeds the limit of {MAX_HEADER}")
+            raise InvalidArgument(f"header of {len(header)} bytes exceeds the limit of {MAX_HEADER}")
         t0 = time.monotonic()
         end = t0 + max(0.0, float(deadline_s))
         ok = np.zeros(count, dtype=bool)
@@ -490,7 +509,7 @@ class BlockClient:
             try:
                 dests = alloc(lengths.copy())
                 if len(dests) != count:
-                    raise ValueError(f"alloc returned {len(dests)} destinations for {count} blocks")
+                    raise InvalidArgument(f"alloc returned {len(dests)} destinations for {count} blocks")
             except Exception as e:  # noqa: BLE001 - tell the peer to send nothing
                 await _bounded(ep.send(np.zeros(count, np.uint8), tag=_tag_go(seq)), end)
                 return failed(f"alloc failed: {type(e).__name__}: {e}")

@@ -1,5 +1,8 @@
-"""The kvstore client: sync and asyncio clients with the same methods."""
+"""The kvstore client: sync and asyncio clients with the same methods and
+typed results (``kvstore.results``)."""
 
-from kvstore.client.sync import AsyncClient, Client, Lease, Reservation, ns_pb
+from kvstore.client.aio import AsyncClient
+from kvstore.client.sync import Client, Lease, Reservation
+from kvstore.wire.convert import ns_pb
 
 __all__ = ["AsyncClient", "Client", "Lease", "Reservation", "ns_pb"]

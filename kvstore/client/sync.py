@@ -1,4 +1,5 @@
-"""Python clients for the kvstore daemon: ``Client`` (sync) and ``AsyncClient``.
+"""The synchronous client for the kvstore daemon: ``Client``, and the
+``Reservation``/``Lease`` of its two-phase zero-copy calls.
 
 On the same host the client maps the daemon's shared-memory slab and moves
 the bytes itself: a put is ``Reserve`` -> copy into the slots (fused with the
@@ -9,12 +10,13 @@ call takes a whole batch of keys: one RPC per request, not one per block.
 
 A session (``Handshake`` + a ``KeepAlive`` stream held open in the
 background) ties the client's leases and reservations to its life: if the
-process dies, the daemon reclaims them.
+process dies, the daemon reclaims them. Answers are typed
+(``kvstore.results``); failures raise the exception tree
+(``kvstore.wire.status``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -23,268 +25,36 @@ from typing import Any, Iterator, Sequence, cast
 
 import grpc
 import numpy as np
-from google.protobuf.json_format import MessageToDict
 
-from kvstore.checksum import copy_many, verify_many
-from kvstore.errors import (CapacityError, DataLoss, DeadlineExceeded, InvalidArgument, KeyStatus,
-                            KVStoreError, NotFound, PermissionDenied, Unauthenticated, Unavailable)
+from kvstore.buffers import as_u8, pack_keys
+from kvstore.checksum import verify_many
+from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
+from kvstore.client.socket import LookupSocketClient
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
-from kvstore.wire.shm import SlabMapping, host_identity
+from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, PolicyChange, ResizeResult
+from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
+                                  policy_from_pb, resize_from_pb, stats_from_pb)
+from kvstore.wire.convert import ns_pb
+from kvstore.wire.shm import host_identity
+from kvstore.wire.status import error_from_rpc
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import Buffer, TierKind
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 log = logging.getLogger("kvstore.client")
 
-_CODE_TO_ERROR: dict[grpc.StatusCode, type[KVStoreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.DATA_LOSS: DataLoss,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-}
+__all__ = ["DEFAULT_TARGET", "Client", "Lease", "Reservation", "error_from_rpc"]
 
 
-def error_from_rpc(e: grpc.RpcError) -> KVStoreError:
-    """The exception-tree class for a failed call (the inverse of the server's table)."""
-    code = e.code() if hasattr(e, "code") else None
-    cls = _CODE_TO_ERROR.get(code, Unavailable)  # type: ignore[arg-type]
-    detail = e.details() if hasattr(e, "details") else str(e)
-    return cls(f"{code.name if code else 'ERROR'}: {detail}")
-
-
-@dataclass(slots=True, frozen=True)
-class LookupResult:
-    hit_blocks: int
-    tiers: list[str]
-
-
-def _as_u8(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(buf, dtype=np.uint8)
-
-
-def _as_u8_writable(buf: Buffer) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-
-
-def _pack(keys: Sequence[bytes]) -> bytes:
-    """Keys back to back (``keys_packed``), after checking each is 16 bytes."""
-    if keys and set(map(len, keys)) != {16}:
-        bad = next(i for i, k in enumerate(keys) if len(k) != 16)
-        raise InvalidArgument(f"key {bad} must be 16 bytes, got {len(keys[bad])}")
-    return b"".join(keys)
-
-
-def _tier_field(tier: str | None) -> Any:
-    """A request's tier field from "hbm"/"dram"/None."""
-    if tier is None:
-        return 0
-    t = TierKind.parse(tier)
-    if t not in (TierKind.HBM, TierKind.DRAM):
-        raise InvalidArgument(f"tier {tier!r} cannot be asked for; allowed: hbm, dram")
-    return int(t) + 1
-
-
-def ns_pb(ns: Namespace) -> pb.Namespace:
-    d: dict[str, Any] = dict(ns.to_dict())
-    fields = pb.Namespace.DESCRIPTOR.fields_by_name
-    return pb.Namespace(**{k: v for k, v in d.items() if k in fields})
-
-
-def _tier_name(t: int) -> str:
-    return TierKind(t - 1).label if t else "unspecified"
-
-
-_TIER_NAMES = [_tier_name(t) for t in range(len(TierKind) + 1)]
-
-
-@dataclass(slots=True, frozen=True)
-class ClusterLookup:
-    """``Client.cluster_lookup``: the local prefix, the run peers hold after
-    it, and the decision for that run with both estimates (seconds)."""
-
-    local_blocks: int
-    remote_blocks: int
-    decision: str  # "local" | "fetch" | "recompute"
-    fetch_s: float
-    recompute_s: float
-    locations: list[tuple[str, str, float]]  # (tier, peer or "", load seconds) per block
-    status: str
-
-
-_DECISIONS = {1: "local", 2: "fetch", 3: "recompute"}
-
-
-def _lookup_result(r: pb.LookupResponse) -> "LookupResult":
-    codes = r.tiers_packed if r.tiers_packed else r.tiers
-    return LookupResult(r.hit_blocks, [_TIER_NAMES[t] for t in codes])
-
-
-def _read_token(token: str | None, token_file: str | None) -> str | None:
-    if token:
-        return token
-    if token_file:
-        with open(token_file) as f:
-            return f.read().strip()
-    return os.environ.get("KVSTORE_TOKEN") or None
-
-
-class _Base:
-    def __init__(self, target: str | None, token: str | None, token_file: str | None,
-                 tls_ca_file: str | None, name: str, use_shm: bool, timeout: float) -> None:
-        self.target = target or os.environ.get("KVSTORE_ADDRESS") or DEFAULT_TARGET
-        self.token = _read_token(token, token_file)
-        self.tls_ca = open(tls_ca_file, "rb").read() if tls_ca_file else None
-        self.name = name
-        self.use_shm = use_shm
-        self.timeout = timeout
-        self.session = ""
-        self.slab: SlabMapping | None = None
-        self._fast_path = ""  # the daemon's fast Lookup socket, when same host
-        self._fast: Any = None
-        self._ns_wire: dict[Namespace, bytes] = {}
-        self.max_message_bytes = 4 << 20
-        self.server_tenant = ""
-        self.copy_threads = 2
-        """Threads that copy one large batch in and out of the slab."""
-        self.hbm_regions: list[pb.DeviceMemInfo] = []
-        """The daemon's HBM tier regions (same host only); map with map_hbm()."""
-        self.hbm: Any = None
-        """The mapped HBM region (kvstore.wire.hbm_ipc.HbmMapping), once map_hbm() ran."""
-
-    def _creds(self) -> grpc.ChannelCredentials | None:
-        return grpc.ssl_channel_credentials(self.tls_ca) if self.tls_ca is not None else None
-
-    def _options(self) -> list[tuple[str, Any]]:
-        return [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-
-    def _md(self) -> list[tuple[str, str]]:
-        md = []
-        if self.token:
-            md.append(("authorization", f"Bearer {self.token}"))
-        if self.session:
-            md.append(("x-kvstore-session", self.session))
-        return md
-
-    def _after_handshake(self, resp: pb.HandshakeResponse) -> None:
-        self.session = resp.session_id
-        self.max_message_bytes = resp.max_message_bytes or self.max_message_bytes
-        self.server_tenant = resp.tenant
-        if self.use_shm and resp.same_host and resp.HasField("shm"):
-            try:
-                self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
-            except OSError:
-                self.slab = None  # e.g. another container: fall back to inline bytes
-        self.hbm_regions = list(resp.hbm) if resp.same_host else []
-        self._fast_path = resp.lookup_socket if resp.same_host else ""
-
-    def _view(self, offset: int, length: int) -> np.ndarray:
-        assert self.slab is not None
-        if not self.slab.covers(offset, length):
-            # the daemon grew its slab: map again
-            path, sid = self.slab.path, self.slab.slab_id
-            self.slab.close()
-            self.slab = SlabMapping(path, 0, sid)
-        return self.slab.view(offset, length)
-
-    # Request building and response handling shared by Client and AsyncClient:
-    # the two differ only in how they call.
-    def _put_requests(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
-                      parent: bytes | None) -> Iterator[pb.PutRequest]:
-        """Inline puts, split into messages under the size limit."""
-        limit = max(1, self.max_message_bytes - 64 * 1024)
-        nsm = ns_pb(ns)
-        start, size = 0, 0
-        bounds = []
-        for i, p in enumerate(payloads):
-            n = _as_u8(p).size + 64
-            if i > start and size + n > limit:
-                bounds.append((start, i))
-                start, size = i, 0
-            size += n
-        if start < len(keys):
-            bounds.append((start, len(keys)))
-        for a, b in bounds:
-            par = parent if a == 0 else keys[a - 1]
-            yield pb.PutRequest(ns=nsm, keys=keys[a:b], parent=par or b"",
-                                payloads=[_as_u8(p).tobytes() for p in payloads[a:b]])
-
-    @staticmethod
-    def _reserve_request(ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
-                         parent: bytes | None) -> pb.ReserveRequest:
-        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=_pack(keys), parent=parent or b"")
-        sizes = {s.size for s in srcs}
-        if len(sizes) == 1:
-            req.block_bytes = sizes.pop()
-        else:
-            req.sizes.extend(s.size for s in srcs)
-        return req
-
-    def _fill_slots(self, r: pb.ReserveResponse, srcs: list[np.ndarray]) -> tuple[list[KeyStatus], list[int]]:
-        """Write each reserved slot (copy fused with its checksum)."""
-        sa = r.slots
-        statuses = [KeyStatus(x) for x in sa.status]
-        ok = [i for i, st in enumerate(sa.status) if st == 0]
-        dsts = [self._view(sa.offset[i], sa.length[i]) for i in ok]
-        csums = copy_many(dsts, [srcs[i] for i in ok], self.copy_threads).tolist()
-        return statuses, csums
-
-    @staticmethod
-    def _merge_commit(statuses: list[KeyStatus], c: pb.CommitResponse) -> list[KeyStatus]:
-        committed = iter(KeyStatus(int(x.status)) for x in c.results)
-        return [next(committed) if s is KeyStatus.OK else s for s in statuses]
-
-    def _read_slots(self, r: pb.AcquireResponse, outs: Sequence[Buffer]) -> list[KeyStatus]:
-        """Copy acquired blocks out of the slab, verifying checksums."""
-        sa = r.slots
-        statuses = [KeyStatus(x) for x in sa.status]
-        todo = []
-        for i in range(int(r.hit_blocks)):
-            if _as_u8_writable(outs[i]).size != sa.length[i]:
-                statuses[i] = KeyStatus.INVALID
-            else:
-                todo.append(i)
-        ok = verify_many([_as_u8_writable(outs[i]) for i in todo],
-                         [self._view(sa.offset[i], sa.length[i]) for i in todo],
-                         [sa.checksum[i] for i in todo], self.copy_threads)
-        for i, good in zip(todo, ok.tolist()):
-            if not good:
-                statuses[i] = KeyStatus.CORRUPT
-        return statuses
-
-    @staticmethod
-    def _apply_chunk(chunk: pb.GetChunk, outs: Sequence[Buffer], statuses: list[KeyStatus]) -> None:
-        i = chunk.index
-        statuses[i] = KeyStatus(int(chunk.status))
-        if chunk.status != pb.STATUS_OK:
-            return
-        dst = _as_u8_writable(outs[i])
-        if dst.size != chunk.total:
-            statuses[i] = KeyStatus.INVALID
-            return
-        dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
-
-    @staticmethod
-    def _statuses(results: Any) -> list[KeyStatus]:
-        return [KeyStatus(int(r.status)) for r in results]
-
-
-class Client(_Base):
+class Client(ClientBase):
     """Synchronous client. Use as a context manager or call ``close()``."""
 
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` over its fast
-        Lookup socket (kvstore/fastlookup.py) instead of gRPC."""
+        Lookup socket (kvstore.client.socket) instead of gRPC."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
@@ -300,8 +70,6 @@ class Client(_Base):
                                                   metadata=self._md())
             threading.Thread(target=self._drain_keepalive, daemon=True, name="kvstore-keepalive").start()
             if fast_lookup and self._fast_path:
-                from kvstore.daemon.socket_server import LookupSocketClient
-
                 try:
                     self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token)
                 except (OSError, KVStoreError) as e:
@@ -322,7 +90,7 @@ class Client(_Base):
 
     def _unary(self, name: str, request: Any) -> Any:
         """A control call of the shared-memory path: over the fast socket when
-        there is one (kvstore/fastlookup.py), else gRPC. A socket that breaks
+        there is one (kvstore.client.socket), else gRPC. A socket that breaks
         mid-call fails the call (it may have run) and gRPC is used from then on."""
         fast = self._fast
         if fast is not None:
@@ -362,30 +130,27 @@ class Client(_Base):
             if wire is None:
                 wire = self._ns_wire[ns] = ns_pb(ns).SerializeToString(deterministic=True)
             try:
-                hit, tiers = fast.lookup(wire, _pack(keys))
-                return LookupResult(hit, [_TIER_NAMES[t] for t in tiers])
+                hit, tiers = fast.lookup(wire, pack_keys(keys, check=True))
+                return lookup_from_values(hit, tiers)
             except KVStoreError:  # the daemon's answer (some are OSError subclasses)
                 raise
             except OSError as e:  # the socket broke: gRPC from now on
                 log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
                 fast.close()
                 self._fast = None
-        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
-        return _lookup_result(r)
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True)))
+        return lookup_from_pb(r)
 
     def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
         """Lookup in cluster mode (docs/cluster.md): where each block is and
         whether to fetch or recompute what peers hold."""
-        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys), cluster=True,
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), cluster=True,
                                                           to_hbm=to_hbm))
-        return ClusterLookup(int(r.local_blocks), int(r.remote_blocks), _DECISIONS.get(int(r.decision), "local"),
-                             float(r.fetch_s), float(r.recompute_s),
-                             [(_TIER_NAMES[x.tier], x.peer, float(x.load_s)) for x in r.locations],
-                             r.cluster_status)
+        return cluster_lookup_from_pb(r)
 
-    def stats(self, include_namespaces: bool = True) -> dict[str, Any]:
+    def stats(self, include_namespaces: bool = True) -> DaemonStats:
         r = self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))
-        return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        return stats_from_pb(r)
 
     # --------------------------------------------------------------- put
     def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
@@ -400,7 +165,7 @@ class Client(_Base):
 
     def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                  parent: bytes | None) -> list[KeyStatus]:
-        srcs = [_as_u8(p) for p in payloads]
+        srcs = [as_u8(p) for p in payloads]
         r = self._unary("Reserve", self._reserve_request(ns, keys, srcs, parent))
         if not r.reservation_id:
             return [KeyStatus(x) for x in r.slots.status]
@@ -452,7 +217,7 @@ class Client(_Base):
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True))
         try:
             statuses = self._read_slots(r, outs)
         finally:
@@ -516,8 +281,8 @@ class Client(_Base):
         slab, e.g. every TP rank writing its shard), then ``commit``.
         ``tier="hbm"`` asks for device slots: those whose ``tiers`` entry is
         HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
-        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=_pack(keys), parent=parent or b"",
-                                block_bytes=block_bytes, tier=_tier_field(tier))
+        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
+                                block_bytes=block_bytes, tier=tier_field(tier))
         r = self._unary("Reserve", req)
         sa = r.slots
         return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length),
@@ -529,6 +294,10 @@ class Client(_Base):
         c = self._unary("Commit", pb.CommitRequest(reservation_id=reservation.reservation_id,
                                                           checksums=list(checksums or [])))
         return self._merge_commit(reservation.statuses, c)
+
+    def release_lease(self, lease_id: str) -> None:
+        """Unpin a lease's blocks (``Lease.release`` calls this)."""
+        self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
 
     def abort(self, reservation: "Reservation") -> int:
         return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
@@ -543,10 +312,10 @@ class Client(_Base):
         peers hold first when that beats recomputing it (docs/cluster.md)."""
         if self.slab is None:
             raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
-        want = _tier_field(tier)
+        want = tier_field(tier)
         if want == TierKind.HBM + 1:
             self.map_hbm()
-        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys), promote=True,
+        r = self._unary("Acquire", pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), promote=True,
                                                      tier=want, cluster=cluster))
         sa = r.slots
         hit = int(r.hit_blocks)
@@ -571,12 +340,15 @@ class Client(_Base):
         return int(self._call(self.stub.Clear, req).removed)
 
     def watch_events(self, after_seq: int = 0, ns: Namespace | None = None,
-                     timeout: float | None = None) -> Iterator[pb.Event]:
+                     timeout: float | None = None) -> Iterator[Event]:
+        """The daemon's events after ``after_seq`` (a GAP event first when some
+        were lost), until ``timeout`` seconds pass (None: for ever)."""
         req = pb.WatchRequest(after_seq=after_seq)
         if ns is not None:
             req.ns.CopyFrom(ns_pb(ns))
         try:
-            yield from self.stub.WatchEvents(req, metadata=self._md(), timeout=timeout)
+            for ev in self.stub.WatchEvents(req, metadata=self._md(), timeout=timeout):
+                yield event_from_pb(ev)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return
@@ -585,14 +357,14 @@ class Client(_Base):
     def admin_get_config(self) -> str:
         return str(self._call(self.admin.GetConfig, pb.GetConfigRequest()).toml)
 
-    def admin_resize(self, tier: str, capacity_bytes: int) -> dict[str, Any]:
+    def admin_resize(self, tier: str, capacity_bytes: int) -> ResizeResult:
         r = self._call(self.admin.ResizeTier, pb.ResizeTierRequest(
             tier=cast(Any, int(TierKind.parse(tier)) + 1), capacity_bytes=capacity_bytes))
-        return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        return resize_from_pb(r)
 
-    def admin_set_policy(self, name: str) -> dict[str, Any]:
+    def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
-        return MessageToDict(r, preserving_proto_field_name=True)
+        return policy_from_pb(r)
 
 
 @dataclass(slots=True)
@@ -630,123 +402,10 @@ class Lease:
         if not self._released:
             self._released = True
             self.views = [None] * len(self.views)
-            self.client._unary("Release", pb.ReleaseRequest(lease_id=self.lease_id))
+            self.client.release_lease(self.lease_id)
 
     def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-class AsyncClient(_Base):
-    """asyncio client with the same calls as ``Client`` (awaitable)."""
-
-    def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
-                 tls_ca_file: str | None = None, name: str = "kvstore-aio-client", use_shm: bool = True,
-                 timeout: float = 30.0) -> None:
-        super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
-        creds = self._creds()
-        self.channel = (grpc.aio.secure_channel(self.target, creds, self._options()) if creds
-                        else grpc.aio.insecure_channel(self.target, self._options()))
-        self.stub = pb_grpc.KVStoreStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
-        self._ka_task: asyncio.Task[None] | None = None
-
-    async def connect(self, session: bool = True) -> "AsyncClient":
-        if session:
-            resp = await self._call(self.stub.Handshake, pb.HandshakeRequest(
-                client_name=self.name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
-            self._after_handshake(resp)
-            call = self.stub.KeepAlive(pb.KeepAliveRequest(session_id=self.session), metadata=self._md())
-            self._ka_task = asyncio.get_running_loop().create_task(self._drain(call))
-        return self
-
-    @staticmethod
-    async def _drain(call: Any) -> None:
-        try:
-            async for _ in call:
-                pass
-        except (grpc.RpcError, asyncio.CancelledError):
-            pass
-
-    async def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return await method(request, metadata=self._md(), timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-
-    async def close(self) -> None:
-        if self._ka_task is not None:
-            self._ka_task.cancel()
-        if self.slab is not None:
-            self.slab.close()
-        await self.channel.close()
-
-    async def __aenter__(self) -> "AsyncClient":
-        return await self.connect()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        r = await self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=_pack(keys)))
-        return _lookup_result(r)
-
-    async def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
-                  parent: bytes | None = None) -> list[KeyStatus]:
-        keys = list(keys)
-        if len(keys) != len(payloads):
-            raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
-        if self.slab is None:
-            out: list[KeyStatus] = []
-            for req in self._put_requests(ns, keys, payloads, parent):
-                out += self._statuses((await self._call(self.stub.Put, req)).results)
-            return out
-        srcs = [_as_u8(p) for p in payloads]
-        r = await self._call(self.stub.Reserve, self._reserve_request(ns, keys, srcs, parent))
-        if not r.reservation_id:
-            return [KeyStatus(x) for x in r.slots.status]
-        try:
-            statuses, csums = self._fill_slots(r, srcs)
-        except BaseException:
-            await self._call(self.stub.Abort, pb.AbortRequest(reservation_id=r.reservation_id))
-            raise
-        c = await self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
-        return self._merge_commit(statuses, c)
-
-    async def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        keys = list(keys)
-        if len(outs) != len(keys):
-            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
-        if self.slab is None:
-            statuses = [KeyStatus.MISS] * len(keys)
-            try:
-                async for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=keys), metadata=self._md(),
-                                                 timeout=self.timeout):
-                    self._apply_chunk(chunk, outs, statuses)
-            except grpc.RpcError as e:
-                raise error_from_rpc(e) from None
-            return statuses
-        r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=_pack(keys),
-                                                                   promote=True))
-        try:
-            statuses = self._read_slots(r, outs)
-        finally:
-            if r.lease_id:
-                await self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
-        bad = [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT]
-        if bad:  # the daemon drops them (best effort: they are misses here already)
-            try:
-                await self._call(self.stub.ReportCorrupt, pb.ReportCorruptRequest(ns=ns_pb(ns), keys=bad))
-            except KVStoreError:
-                pass
-        return statuses
-
-    async def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
-        r = await self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys)))
-        return self._statuses(r.results)
-
-    async def stats(self) -> dict[str, Any]:
-        r = await self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=True))
-        return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)

@@ -26,8 +26,8 @@ from typing import Protocol
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument
 from kvstore.core.index import BlockIndex
+from kvstore.errors import InvalidArgument
 
 _MIB = float(1 << 20)
 
@@ -38,7 +38,7 @@ class PolicyName(str, Enum):
     COST = "cost"
 
     @classmethod
-    def parse(cls, name: str | "PolicyName") -> "PolicyName":
+    def parse(cls, name: str | PolicyName) -> PolicyName:
         if isinstance(name, PolicyName):
             return name
         try:

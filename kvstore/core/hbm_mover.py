@@ -30,24 +30,44 @@ HBM because an HBM reader pins it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import Any
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument, KeyStatus
+from kvstore.config import Config
+from kvstore.core.eviction import select_victims
 from kvstore.core.index import BlockState
-from kvstore.results import BatchResult
-from tiers.base import TierKind
+from kvstore.core.placement import Placement
+from kvstore.errors import CapacityError, InvalidArgument, KeyStatus
+from kvstore.results import BatchResult, DropReason
+from tiers.base import Buffer, TierKind
 from tiers.hbm import CopyFn, HbmTier, MemInfo
-
-if TYPE_CHECKING:
-    from kvstore.config import Config
-    from kvstore.core.store import TieredStore
 
 log = logging.getLogger("kvstore.hbm")
 
-ADMIT_MODES = ("reserve", "all")
+
+class AdmitMode(str, Enum):
+    """Which puts land in HBM (module docstring)."""
+
+    RESERVE = "reserve"
+    """Only puts that ask for tier HBM."""
+    ALL = "all"
+    """Every put that does not name a tier, while HBM can make room."""
+
+    @classmethod
+    def parse(cls, value: str | AdmitMode) -> AdmitMode:
+        if isinstance(value, AdmitMode):
+            return value
+        try:
+            return cls(str(value))
+        except ValueError:
+            raise InvalidArgument(f"hbm.admit {value!r}; allowed: {', '.join(m.value for m in cls)}") from None
+
+
+ADMIT_MODES = tuple(m.value for m in AdmitMode)
 HBM, DRAM = TierKind.HBM, TierKind.DRAM
 
 
@@ -56,7 +76,9 @@ class HbmSpec:
     capacity_bytes: int
     device: str = "cpu"
     """torch device: "cuda:N", or "cpu" to run the tier logic on the host."""
-    admit: str = "reserve"
+    admit: AdmitMode = AdmitMode.RESERVE
+    """Which puts land in HBM; a str ("reserve", "all") is accepted and
+    checked when the tier starts."""
     page_bytes: int = 16 << 20
     slot_sizes: tuple[int, ...] = ()
     mem_get_info: MemInfo | None = field(default=None, compare=False)
@@ -65,24 +87,24 @@ class HbmSpec:
     """Copy function (dst, src, stream); tests inject failures."""
 
 
-def spec_from_config(config: "Config") -> HbmSpec | None:
+def spec_from_config(config: Config) -> HbmSpec | None:
     """The HBM tier's spec, or None when it is off. With ``hbm.capacity`` set
     but no CUDA device (and not ``hbm.on_cpu``) it logs once that the tier is
     off and the daemon serves without it."""
     h = config.hbm
     if not h.capacity:
         return None
-    common = dict(admit=h.admit.value, page_bytes=h.page_size, slot_sizes=tuple(config.dram.slot_sizes))
+    admit, slots = AdmitMode(h.admit.value), tuple(config.dram.slot_sizes)
     if h.on_cpu:
         log.info("hbm tier on the host (hbm.on_cpu): %d bytes, no CUDA IPC", h.capacity)
-        return HbmSpec(h.capacity, "cpu", **common)  # type: ignore[arg-type]
+        return HbmSpec(h.capacity, "cpu", admit=admit, page_bytes=h.page_size, slot_sizes=slots)
     count = cuda_device_count()
     if h.device >= count:
         what = "no CUDA device is present" if count == 0 else f"only {count} CUDA devices are present"
         log.warning("hbm tier off: hbm.capacity is %d bytes on device %d, but %s; serving without it",
                     h.capacity, h.device, what)
         return None
-    return HbmSpec(h.capacity, f"cuda:{h.device}", **common)  # type: ignore[arg-type]
+    return HbmSpec(h.capacity, f"cuda:{h.device}", admit=admit, page_bytes=h.page_size, slot_sizes=slots)
 
 
 def cuda_device_count() -> int:
@@ -97,16 +119,15 @@ def cuda_device_count() -> int:
 class HbmMover:
     """Owns the HBM tier and moves blocks between it and DRAM."""
 
-    def __init__(self, store: "TieredStore", spec: HbmSpec) -> None:
-        if spec.admit not in ADMIT_MODES:
-            raise InvalidArgument(f"hbm.admit {spec.admit!r}; allowed: {', '.join(ADMIT_MODES)}")
-        self.store = store
+    def __init__(self, place: Placement, spec: HbmSpec) -> None:
+        self.admit = AdmitMode.parse(spec.admit)
+        self.placement = place
         self.spec = spec
         self.tier = HbmTier(spec.capacity_bytes, device=spec.device, page_bytes=spec.page_bytes,
                             slot_sizes=spec.slot_sizes, mem_get_info=spec.mem_get_info, copy_fn=spec.copy_fn)
-        self.pinned_dram = self.tier.register_host(store.dram.buf)
+        self.pinned_dram = self.tier.register_host(place.dram.buf)
         log.info("hbm tier on %s: %d bytes, admit=%s, dram slab pinned: %s", self.tier.device,
-                 self.tier.capacity_bytes, spec.admit, self.pinned_dram)
+                 self.tier.capacity_bytes, self.admit.value, self.pinned_dram)
         self.promoted = 0
         self.demoted = 0
         self.dropped = 0
@@ -114,7 +135,7 @@ class HbmMover:
     # ------------------------------------------------------------ placing
     def target(self, tier: TierKind | None) -> TierKind:
         """The tier new blocks go to, given what the caller asked for."""
-        if tier is HBM or (tier is None and self.spec.admit == "all"):
+        if tier is HBM or (tier is None and self.admit is AdmitMode.ALL):
             return HBM
         return DRAM
 
@@ -150,11 +171,9 @@ class HbmMover:
 
     def _victims(self, cls: int, k: int, protect: np.ndarray, for_ns: int | None, incoming: int,
                  same_class: bool) -> np.ndarray:
-        st = self.store
+        st = self.placement
         if not same_class:  # one leaf of another size class, to free its page
-            from kvstore.core.eviction import select_victims
-
-            cand = st._evictable(HBM)
+            cand = st.evictable(HBM)
             if cand.size and protect.size:
                 cand = cand[~np.isin(cand, protect)]
             if cand.size:
@@ -168,14 +187,14 @@ class HbmMover:
             blocked |= np.isin(rows, protect)
         if rows.size:
             blocked |= self.tier.classes_of_locs(idx.loc[rows]) != cls
-        return st._select(HBM, rows, blocked, k, for_ns, incoming)
+        return st.select(HBM, rows, blocked, k, for_ns, incoming)
 
     # ----------------------------------------------------------- movement
     def demote(self, rows: np.ndarray, drop_unplaced: bool) -> np.ndarray:
         """Copy HBM blocks into new DRAM slots and move them there. Returns the
         mask of rows now in DRAM. Rows DRAM has no room for are dropped with
         their subtrees when ``drop_unplaced`` (eviction), else left in HBM."""
-        st = self.store
+        st = self.placement
         idx = st.index
         moved = np.zeros(rows.size, dtype=bool)
         if rows.size == 0:
@@ -185,7 +204,7 @@ class HbmMover:
             sel = rows[where]
             idx.pins[sel] += 1  # the copies read them: not evicted, not dropped meanwhile
             try:
-                locs = st._make_room(DRAM, int(size), sel.size, np.zeros(0, np.int64), for_ns=int(idx.ns[sel[0]]))
+                locs = st.make_room(DRAM, int(size), sel.size, np.zeros(0, np.int64), for_ns=int(idx.ns[sel[0]]))
             finally:
                 idx.pins[sel] -= 1
             k = locs.size
@@ -210,22 +229,21 @@ class HbmMover:
                     self.tier.free(hbm_locs)
                     moved[where[ok]] = True
                     self.demoted += int(good.size)
-                    key = (HBM, "demoted")
-                    st.counters.evictions[key] = st.counters.evictions.get(key, 0) + int(good.size)
-                    st._emit_moved(good, HBM, DRAM)
+                    st.count_eviction(HBM, DropReason.DEMOTED, int(good.size))
+                    st.emit_moved(good, HBM, DRAM)
                 if not ok.all():
-                    st._corrupt(use[~ok])
+                    st.corrupt(use[~ok])
             rest = sel[k:]
             rest = rest[(idx.state[rest] == BlockState.COMMITTED) & (idx.tier[rest] == HBM)]
             if drop_unplaced and rest.size:
                 self.dropped += int(rest.size)
-                st._drop(idx.subtree(rest), reason="evicted")
+                st.drop(idx.subtree(rest), DropReason.EVICTED)
         return moved
 
     def promote(self, rows: np.ndarray) -> int:
         """Move the unpinned DRAM blocks of ``rows`` (a chain prefix) into HBM
         where room can be made. Returns blocks promoted."""
-        st = self.store
+        st = self.placement
         idx = st.index
         cand = rows[(idx.tier[rows] == DRAM) & (idx.pins[rows] == 0) & (idx.state[rows] == BlockState.COMMITTED)]
         done = 0
@@ -252,23 +270,23 @@ class HbmMover:
                     st.dram.free(old)
                     self.promoted += int(good.size)
                     done += int(good.size)
-                    st._emit_moved(good, DRAM, HBM)
+                    st.emit_moved(good, DRAM, HBM)
                 if bad_bytes.any():
                     idx.pins[rows] -= 1
                     try:
-                        st._corrupt(use[bad_bytes])  # the DRAM copy went bad: a miss
+                        st.corrupt(use[bad_bytes])  # the DRAM copy went bad: a miss
                     finally:
                         idx.pins[rows] += 1
         finally:
             idx.pins[rows] -= 1
-            st._sweep_doomed()
+            st.sweep_doomed()
         return done
 
     def for_reader(self, rows: np.ndarray, want: TierKind | None) -> np.ndarray:
         """Make a lease's prefix readable by the caller: promote into HBM for
         a reader that maps it, demote out of HBM for one that does not.
         Returns the leading rows it can read."""
-        idx = self.store.index
+        idx = self.placement.index
         if want is HBM:
             self.promote(rows)
         else:
@@ -282,7 +300,7 @@ class HbmMover:
                     idx.pins[movable] += 1
                 finally:
                     idx.pins[rows] -= 1
-                    self.store._sweep_doomed()
+                    self.placement.sweep_doomed()
         ok = idx.state[rows] == BlockState.COMMITTED
         if want is not HBM:
             ok &= idx.tier[rows] == DRAM
@@ -292,9 +310,9 @@ class HbmMover:
         return rows[: int(stop[0])] if stop.size else rows
 
     # ---------------------------------------------------------------- misc
-    def read(self, rows: np.ndarray, outs: list[Any]) -> np.ndarray:
+    def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
         """Inline reads of HBM blocks into host buffers (verified)."""
-        idx = self.store.index
+        idx = self.placement.index
         return self.tier.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs)
 
     def commit_checksums(self, rows: np.ndarray, all_rows: np.ndarray, res: BatchResult) -> np.ndarray:
@@ -302,13 +320,13 @@ class HbmMover:
         wrote through IPC), copied to the host to hash them. A block whose
         copy fails is dropped with its subtree (MISS in ``res``). Returns the
         rows still reserved."""
-        st = self.store
+        st = self.placement
         idx = st.index
         on = rows[idx.tier[rows] == HBM]
         csums, copied = self.tier.checksums(idx.loc[on], idx.size[on])
         idx.csum[on] = csums
         if not copied.all():
-            st._drop(idx.subtree(on[~copied]), reason="aborted")
+            st.drop(idx.subtree(on[~copied]), DropReason.ABORTED)
             for i in np.nonzero(idx.state[all_rows] != BlockState.RESERVED)[0].tolist():
                 res.statuses[i] = KeyStatus.MISS
             rows = rows[idx.state[rows] == BlockState.RESERVED]
@@ -318,7 +336,7 @@ class HbmMover:
         """Shrink or grow (within the start allocation). Blocks in retired
         pages move to free HBM slots below the new size, else demote to DRAM.
         Returns blocks that left HBM."""
-        st = self.store
+        st = self.placement
         idx = st.index
         t = self.tier
         if capacity_bytes > t.size:
@@ -330,8 +348,6 @@ class HbmMover:
             rows = rows[idx.tier[rows] == HBM]
             inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
             if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != BlockState.COMMITTED):
-                from kvstore.errors import CapacityError
-
                 raise CapacityError("hbm blocks in the region being retired are pinned or being written; "
                                     "retry after they are released")
             t.retire_pages(pages)
@@ -354,24 +370,22 @@ class HbmMover:
         t.resize(capacity_bytes)
         return left
 
+    def write_put(self, todo: list[int], rows: np.ndarray, locs: np.ndarray,
+                  srcs: Sequence[Any], res: BatchResult) -> tuple[list[int], np.ndarray]:
+        """Copy a put's payloads into its HBM slots. A block whose copy fails is
+        dropped with the rest of the chain after it (CAPACITY, with the reason);
+        returns the (batch indices, rows) stored."""
+        idx = self.placement.index
+        csums, ok = self.tier.write_masked(locs, [srcs[i] for i in todo])
+        idx.csum[rows] = csums
+        if ok.all():
+            return todo, rows
+        first = int(np.argmin(ok))  # a chain stops at its first failed block
+        self.placement.drop(idx.subtree(rows[first:]), DropReason.ABORTED)
+        for j in todo[first:]:
+            res.statuses[j] = KeyStatus.CAPACITY
+            res.messages[j] = f"copy into {self.tier.device} failed (logged); not stored"
+        return todo[:first], rows[:first]
+
     def close(self) -> None:
         self.tier.close()
-
-
-def write_put(store: "TieredStore", todo: list[int], rows: np.ndarray, locs: np.ndarray,
-              srcs: list[Any], res: BatchResult) -> tuple[list[int], np.ndarray]:
-    """Copy a put's payloads into its HBM slots. A block whose copy fails is
-    dropped with the rest of the chain after it (CAPACITY, with the reason);
-    returns the (batch indices, rows) stored."""
-    assert store.hbm is not None
-    idx = store.index
-    csums, ok = store.hbm.tier.write_masked(locs, [srcs[i] for i in todo])
-    idx.csum[rows] = csums
-    if ok.all():
-        return todo, rows
-    first = int(np.argmin(ok))  # a chain stops at its first failed block
-    store._drop(idx.subtree(rows[first:]), reason="aborted")
-    for j in todo[first:]:
-        res.statuses[j] = KeyStatus.CAPACITY
-        res.messages[j] = f"copy into {store.hbm.tier.device} failed (logged); not stored"
-    return todo[:first], rows[:first]

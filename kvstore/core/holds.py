@@ -3,34 +3,35 @@ the returned slots -> ``commit``/``abort``) and leases (``acquire`` -> the
 client reads the slots -> ``release``), with their expiry (``reap``,
 ``release_owner``) and explicit ``pin``/``unpin``.
 
-A mixin of ``TieredStore`` (kvstore/store.py), split out to keep that module
-readable: it holds no state of its own beyond the two hold tables, and runs
+A component of ``TieredStore`` (kvstore/core/store.py): it owns the two hold
+tables and works on the blocks through ``Placement`` and the movers; it runs
 on the store's single thread like everything else there.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from kvstore.checksum import checksum
+from kvstore.core.hbm_mover import HbmMover
+from kvstore.core.index import BlockState, keys_to_array
+from kvstore.core.placement import Placement
+from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied
-from kvstore.core.index import BlockIndex, BlockState, keys_to_array
 from kvstore.keys import Namespace
-from kvstore.results import BatchResult, Counters, SlotResult
+from kvstore.results import BatchResult, DropReason, SlotResult
 from tiers.base import TierKind
 
-if TYPE_CHECKING:
-    from kvstore.core.hbm_mover import HbmMover
-    from kvstore.core.store import KeysLike, StoreConfig
-    from kvstore.core.ssd_mover import SsdMover
-    from tiers.dram import DramTier
+KeysLike = Sequence[bytes] | bytes | np.ndarray
+"""Keys of a batch: 16-byte keys, their concatenation, or an (n, 2) uint64 array."""
 
 
 @dataclass(slots=True)
-class _Hold:
+class Hold:
     """A reservation (rows RESERVED) or a lease (rows pinned) of one owner."""
 
     owner: str
@@ -39,31 +40,22 @@ class _Hold:
     deadline: float
 
 
-
 class Holds:
-    """Reservations and leases of ``TieredStore`` (which sets the tables)."""
+    """Reservations and leases; see the module docstring."""
 
-    if TYPE_CHECKING:  # provided by TieredStore
-        config: StoreConfig
-        clock: Callable[[], float]
-        index: BlockIndex
-        counters: Counters
-        dram: DramTier
-        ssd: SsdMover | None
-        hbm: HbmMover | None
-        tier_hits: np.ndarray
-        _reservations: dict[str, _Hold]
-        _leases: dict[str, _Hold]
-
-        def _nsid(self, ns: Namespace, persist: bool = True, create: bool = True) -> int: ...
-        def _touch(self, rows: np.ndarray) -> None: ...
-        def _drop(self, rows: np.ndarray, reason: str) -> None: ...
-        def _store_rows(self, nid: int, karr: np.ndarray, sizes: Sequence[int], parent: bytes | None,
-                        state: BlockState, res: BatchResult,
-                        tier: TierKind | None = None) -> tuple[list[int], np.ndarray, np.ndarray]: ...
-        def _committed(self, nid: int, rows: np.ndarray) -> None: ...
-        def _corrupt(self, rows: np.ndarray) -> None: ...
-        def _sweep_doomed(self) -> None: ...
+    def __init__(self, place: Placement, *, clock: Callable[[], float], reservation_timeout: float,
+                 ssd: SsdMover | None = None, hbm: HbmMover | None = None) -> None:
+        self.placement = place
+        self.index = place.index
+        self.counters = place.counters
+        self.clock = clock
+        self.reservation_timeout = reservation_timeout
+        self.ssd = ssd
+        self.hbm = hbm
+        self.reservations: dict[str, Hold] = {}
+        """Open reservations by handle."""
+        self.leases: dict[str, Hold] = {}
+        """Open leases by handle."""
 
     # ------------------------------------------------------ two-phase put
     def reserve(self, ns: Namespace, keys: KeysLike, sizes: Sequence[int] | int,
@@ -71,7 +63,7 @@ class Holds:
         """Allocate slots for new blocks; they stay invisible until ``commit``.
         ``tier`` HBM asks for device slots (DRAM when there is no HBM tier or
         no room in it: ``tier_codes`` say where)."""
-        nid = self._nsid(ns)
+        nid = self.placement.nsid(ns)
         karr = keys_to_array(keys)
         n = karr.shape[0]
         if isinstance(sizes, int):
@@ -79,11 +71,11 @@ class Holds:
         if len(sizes) != n:
             raise InvalidArgument(f"{n} keys but {len(sizes)} sizes")
         res = SlotResult.empty(n, KeyStatus.OK)
-        todo, rows, locs = self._store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res, tier)
+        todo, rows, locs = self.placement.store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res, tier)
         if todo:
             handle = "r-" + secrets.token_hex(8)
-            self._reservations[handle] = _Hold(owner, nid, rows,
-                                               self.clock() + self.config.reservation_timeout)
+            self.reservations[handle] = Hold(owner, nid, rows,
+                                               self.clock() + self.reservation_timeout)
             res.handle = handle
             sel = np.asarray(todo, dtype=np.int64)
             res.tier_codes[sel] = self.index.tier[rows]
@@ -91,7 +83,7 @@ class Holds:
             res.lengths[sel] = self.index.size[rows]
         return res
 
-    def _hold(self, table: dict[str, _Hold], handle: str, owner: str, what: str) -> _Hold:
+    def _hold(self, table: dict[str, Hold], handle: str, owner: str, what: str) -> Hold:
         h = table.get(handle)
         if h is None:
             raise NotFound(f"{what} {handle!r} is not held (never granted, expired or ended already)")
@@ -102,8 +94,8 @@ class Holds:
     def commit(self, handle: str, owner: str, checksums: Sequence[int] | None = None) -> BatchResult:
         """Make a reservation's blocks visible. Without ``checksums`` (xxh3_64
         per block, as the writer computed them) the store computes them."""
-        h = self._hold(self._reservations, handle, owner, "reservation")
-        del self._reservations[handle]
+        h = self._hold(self.reservations, handle, owner, "reservation")
+        del self.reservations[handle]
         idx = self.index
         rows = h.rows
         live = (idx.state[rows] == BlockState.RESERVED) & (idx.ns[rows] == h.ns)
@@ -115,37 +107,36 @@ class Holds:
             return res
         if checksums is not None:
             if len(checksums) != h.rows.size:
-                self._drop(idx.subtree(rows), reason="aborted")
+                self.placement.drop(idx.subtree(rows), DropReason.ABORTED)
                 raise InvalidArgument(f"{len(checksums)} checksums for {h.rows.size} reserved blocks")
             idx.csum[rows] = np.asarray(checksums, dtype=np.uint64)[live]
         else:
-            from kvstore.checksum import checksum
-
             on_hbm = idx.tier[rows] == TierKind.HBM
             for r in rows[~on_hbm].tolist():
-                idx.csum[r] = checksum(self.dram.view(int(idx.loc[r]), int(idx.size[r])))
+                idx.csum[r] = checksum(self.placement.dram.view(int(idx.loc[r]), int(idx.size[r])))
             if self.hbm is not None and on_hbm.any():
                 rows = self.hbm.commit_checksums(rows, h.rows, res)
                 if rows.size == 0:
                     return res
-        self._committed(h.ns, rows)
+        self.placement.committed(h.ns, rows)
         self.counters.puts += 1
         self.counters.put_blocks += int(rows.size)
         self.counters.put_bytes += int(idx.size[rows].sum())
         return res
 
     def abort(self, handle: str, owner: str) -> int:
-        h = self._hold(self._reservations, handle, owner, "reservation")
-        del self._reservations[handle]
-        return self._abort_rows(h)
+        h = self._hold(self.reservations, handle, owner, "reservation")
+        del self.reservations[handle]
+        return self.abort_rows(h)
 
-    def _abort_rows(self, h: _Hold) -> int:
+    def abort_rows(self, h: Hold) -> int:
+        """Drop the still-reserved rows of ``h`` (with their descendants)."""
         idx = self.index
         rows = h.rows[(idx.state[h.rows] == BlockState.RESERVED) & (idx.ns[h.rows] == h.ns)]
         if rows.size == 0:
             return 0
         sub = idx.subtree(rows)
-        self._drop(sub, reason="aborted")
+        self.placement.drop(sub, DropReason.ABORTED)
         return int(rows.size)
 
     # ---------------------------------------------------------- acquire
@@ -159,7 +150,7 @@ class Holds:
         whose death the caller cannot observe). ``tier`` HBM: the caller maps
         the HBM slab (blocks are promoted into it); else every slot is in
         DRAM (HBM blocks are demoted first, see kvstore.core.hbm_mover)."""
-        nid = self._nsid(ns, create=False)
+        nid = self.placement.nsid(ns, create=False)
         karr = keys_to_array(keys)
         n = karr.shape[0]
         look = self.index.lookup(nid, karr)
@@ -177,7 +168,7 @@ class Holds:
         idx.pins[rows] += 1
         handle = "l-" + secrets.token_hex(8)
         deadline = float("inf") if ttl is None else self.clock() + ttl
-        self._leases[handle] = _Hold(owner, nid, rows.copy(), deadline)
+        self.leases[handle] = Hold(owner, nid, rows.copy(), deadline)
         res.handle = handle
         hit = rows.size
         res.statuses[:hit] = [KeyStatus.OK] * hit
@@ -185,8 +176,7 @@ class Holds:
         res.offsets[:hit] = idx.loc[rows]
         res.lengths[:hit] = idx.size[rows]
         res.checksums[:hit] = idx.csum[rows]
-        self._touch(rows)
-        self.tier_hits += np.bincount(idx.tier[rows], minlength=len(TierKind))
+        self.placement.served(rows)
         c = self.counters
         c.gets += 1
         c.get_blocks += n
@@ -215,7 +205,7 @@ class Holds:
                     break
         finally:
             idx.pins[rows] -= 1
-            self._sweep_doomed()
+            self.placement.sweep_doomed()
         live = (idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] != TierKind.SSD)
         stop = np.nonzero(~live)[0]
         return rows[: int(stop[0])] if stop.size else rows
@@ -223,7 +213,7 @@ class Holds:
     def prefetch(self, ns: Namespace, keys: KeysLike) -> tuple[int, int, int]:
         """Queue the SSD blocks of a chain's hit prefix for promotion.
         Returns (hit blocks, of which in DRAM, queued now)."""
-        nid = self._nsid(ns, create=False)
+        nid = self.placement.nsid(ns, create=False)
         look = self.index.lookup(nid, keys_to_array(keys))
         rows = look.rows
         on_ssd = rows[self.index.tier[rows] == TierKind.SSD]
@@ -231,28 +221,28 @@ class Holds:
         return look.hit, int(rows.size - on_ssd.size), queued
 
     def release(self, handle: str, owner: str) -> int:
-        h = self._hold(self._leases, handle, owner, "lease")
-        del self._leases[handle]
+        h = self._hold(self.leases, handle, owner, "lease")
+        del self.leases[handle]
         self.index.pins[h.rows] -= 1
-        self._sweep_doomed()
+        self.placement.sweep_doomed()
         return int(h.rows.size)
 
     def report_corrupt(self, ns: Namespace, keys: KeysLike) -> int:
         """A reader found bytes that fail their checksum: drop those blocks."""
-        nid = self._nsid(ns, create=False)
+        nid = self.placement.nsid(ns, create=False)
         rows = self.index.find_committed(nid, keys_to_array(keys))
         rows = rows[rows >= 0]
         if rows.size:
-            self._corrupt(rows)
+            self.placement.corrupt(rows)
         return int(rows.size)
 
     def release_owner(self, owner: str) -> tuple[int, int]:
         """Release every lease and abort every reservation of ``owner`` (its
         connection is gone). Returns (leases, reservations) ended."""
-        leases = [k for k, h in self._leases.items() if h.owner == owner]
+        leases = [k for k, h in self.leases.items() if h.owner == owner]
         for k in leases:
             self.release(k, owner)
-        resv = [k for k, h in self._reservations.items() if h.owner == owner]
+        resv = [k for k, h in self.reservations.items() if h.owner == owner]
         for k in resv:
             self.abort(k, owner)
         return len(leases), len(resv)
@@ -261,20 +251,20 @@ class Holds:
         """Abort reservations and release leases past their deadline.
         Returns how many."""
         now = self.clock() if now is None else now
-        expired = [k for k, h in self._reservations.items() if h.deadline <= now]
+        expired = [k for k, h in self.reservations.items() if h.deadline <= now]
         for k in expired:
-            self._abort_rows(self._reservations.pop(k))
+            self.abort_rows(self.reservations.pop(k))
         self.counters.reservations_expired += len(expired)
-        stale = [k for k, h in self._leases.items() if h.deadline <= now]
+        stale = [k for k, h in self.leases.items() if h.deadline <= now]
         for k in stale:
-            self.index.pins[self._leases.pop(k).rows] -= 1
-        self._sweep_doomed()
+            self.index.pins[self.leases.pop(k).rows] -= 1
+        self.placement.sweep_doomed()
         self.counters.leases_expired += len(stale)
         return len(expired) + len(stale)
 
     # ---------------------------------------------------------- pin/unpin
     def pin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
-        nid = self._nsid(ns, create=False)
+        nid = self.placement.nsid(ns, create=False)
         rows = self.index.find_committed(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.OK if r >= 0 else KeyStatus.MISS for r in rows.tolist()])
         hit = rows[rows >= 0]
@@ -282,7 +272,7 @@ class Holds:
         return res
 
     def unpin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
-        nid = self._nsid(ns, create=False)
+        nid = self.placement.nsid(ns, create=False)
         idx = self.index
         rows = idx.find(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.MISS] * rows.size)
@@ -295,5 +285,30 @@ class Holds:
             else:
                 res.statuses[i] = KeyStatus.INVALID
                 res.messages[i] = "block is not pinned"
-        self._sweep_doomed()
+        self.placement.sweep_doomed()
         return res
+
+    # ------------------------------------------------- reservation surgery
+    def reserved_blocks(self, handle: str) -> int | None:
+        """How many blocks a reservation was granted (None: not held)."""
+        h = self.reservations.get(handle)
+        return None if h is None else int(h.rows.size)
+
+    def truncate(self, handle: str, owner: str, keep: int) -> int:
+        """Drop the blocks of a reservation after its first ``keep`` (with
+        their descendants); the reservation stays open for the rest, and its
+        ``commit`` answers MISS for the dropped ones. Returns blocks dropped."""
+        h = self._hold(self.reservations, handle, owner, "reservation")
+        if keep >= h.rows.size:
+            return 0
+        return self.abort_rows(Hold(h.owner, h.ns, h.rows[keep:], h.deadline))
+
+    def quarantine(self, handle: str) -> bool:
+        """Forget a reservation without freeing its slots: they stay reserved
+        for good (a transport could not confirm that no late bytes will land
+        in them). True when it was held."""
+        return self.reservations.pop(handle, None) is not None
+
+    def counts(self) -> tuple[int, int]:
+        """(open leases, open reservations)."""
+        return len(self.leases), len(self.reservations)

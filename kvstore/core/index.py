@@ -34,6 +34,15 @@ import numpy as np
 from kvstore.errors import InvalidArgument
 
 NO_ROW = -1
+"""No row: a missing key, or the parent of a chain's first block."""
+IN_BATCH = -2
+"""Parent references given to ``BlockIndex.insert``: ``IN_BATCH - i`` (that
+is ``-2 - i``) names "the row of keys[i]", an earlier key of the same batch,
+whose row does not exist yet. Any value ``<= IN_BATCH`` is such a reference."""
+NO_LOC = -1
+"""``loc``/``ssd_loc`` of a row with no slot there (e.g. no SSD copy)."""
+
+
 _EMPTY = -1
 _TOMB = -2
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -113,7 +122,7 @@ class BlockIndex:
         ("ns", "u4", 0),
         ("state", "u1", 0),
         ("tier", "u1", 0),
-        ("loc", "i8", -1),
+        ("loc", "i8", NO_LOC),
         ("size", "u4", 0),
         ("csum", "u8", 0),
         ("parent", "i4", NO_ROW),
@@ -127,7 +136,7 @@ class BlockIndex:
         ("last", "u8", 0),
         ("depth", "u4", 0),
         ("prio", "f8", 0.0),
-        ("ssd_loc", "i8", -1),
+        ("ssd_loc", "i8", NO_LOC),
     )
 
     k0: np.ndarray
@@ -344,8 +353,9 @@ class BlockIndex:
                locs: np.ndarray, sizes: np.ndarray, state: BlockState, tick: int) -> np.ndarray:
         """Add absent, distinct keys; ``parents`` are rows (or -1).
 
-        A parent may be one of the rows being inserted (given as ``-2 - i``,
-        meaning "the row of keys[i]" with i earlier in this batch).
+        A parent may be one of the rows being inserted (given as
+        ``plan.in_batch(i)``, that is ``IN_BATCH - i``, meaning "the row of
+        keys[i]" with i earlier in this batch).
         Returns the new rows.
         """
         n = keys.shape[0]
@@ -362,9 +372,9 @@ class BlockIndex:
             rows[take:] = np.arange(self._high, self._high + rest)
             self._high += rest
         parents = np.asarray(parents, dtype=np.int64).copy()
-        chain = n > 1 and bool((parents[1:] == np.arange(-2, -1 - n, -1)).all())
-        inbatch = parents <= -2
-        parents[inbatch] = rows[-2 - parents[inbatch]]
+        chain = n > 1 and bool((parents[1:] == np.arange(IN_BATCH, IN_BATCH + 1 - n, -1)).all())
+        inbatch = parents <= IN_BATCH
+        parents[inbatch] = rows[IN_BATCH - parents[inbatch]]
         self.k0[rows] = keys[:, 0]
         self.k1[rows] = keys[:, 1]
         self.ns[rows] = ns
@@ -383,7 +393,7 @@ class BlockIndex:
         self.hits[rows] = 0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint64)
         self.prio[rows] = 0.0
-        self.ssd_loc[rows] = -1
+        self.ssd_loc[rows] = NO_LOC
         # depth and child links, in order (a parent may precede in the batch)
         if chain:  # each key the only child of the one before: link the head, thread the rest
             self._link_rows(rows[:1], parents[:1])
@@ -494,8 +504,8 @@ class BlockIndex:
         self._table[where] = _TOMB
         self._tpos[rows] = -1
         self.state[rows] = BlockState.FREE
-        self.loc[rows] = -1
-        self.ssd_loc[rows] = -1
+        self.loc[rows] = NO_LOC
+        self.ssd_loc[rows] = NO_LOC
         self.pins[rows] = 0
         self.first_child[rows] = NO_ROW
         self.nchild[rows] = 0

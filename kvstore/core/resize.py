@@ -1,42 +1,36 @@
 """Run-time changes to a ``TieredStore`` (the Admin service): switching the
 eviction policy and resizing a tier without a restart and without losing
-blocks that still fit. A mixin of ``TieredStore`` (kvstore/store.py), split
-out to keep that module readable; it runs on the store's single thread."""
+blocks that still fit. A component of ``TieredStore`` (kvstore/core/store.py)
+working through ``Placement`` and the movers; it runs on the store's single
+thread."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from kvstore.core.eviction import PolicyName, make_policy, select_victims
+from kvstore.core.hbm_mover import HbmMover
+from kvstore.core.index import NO_LOC, BlockState
+from kvstore.core.placement import Placement
+from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import CapacityError, NotFound
-from kvstore.core.eviction import Policy, make_policy, select_victims
-from kvstore.core.index import BlockIndex, BlockState
+from kvstore.results import DropReason
 from tiers.base import TierKind
 
-if TYPE_CHECKING:
-    from kvstore.core.hbm_mover import HbmMover
-    from kvstore.core.ssd_mover import SsdMover
-    from tiers.dram import DramTier
 
+class Resizer:
+    """``set_policy`` and ``resize``."""
 
-class Resizing:
-    """``set_policy`` and ``resize`` of ``TieredStore``."""
+    def __init__(self, place: Placement, ssd: SsdMover | None = None, hbm: HbmMover | None = None) -> None:
+        self.placement = place
+        self.ssd = ssd
+        self.hbm = hbm
 
-    if TYPE_CHECKING:  # provided by TieredStore
-        index: BlockIndex
-        policy: Policy
-        dram: DramTier
-        ssd: SsdMover | None
-        hbm: HbmMover | None
-
-        def _victims(self, tier: TierKind, cls: int | None, k: int, for_ns: int | None = None,
-                     incoming: int = 0) -> np.ndarray: ...
-        def _drop(self, rows: np.ndarray, reason: str) -> None: ...
-
-    def set_policy(self, name: str) -> str:
-        old = self.policy.name.value
-        self.policy = make_policy(name, self.index)
+    def set_policy(self, name: str | PolicyName) -> str:
+        """Switch the eviction policy, keeping every block. Returns the old name."""
+        place = self.placement
+        old = place.policy.name.value
+        place.policy = make_policy(name, place.index)
         return old
 
     def resize(self, tier: TierKind, capacity_bytes: int) -> int:
@@ -49,10 +43,11 @@ class Resizing:
             return self.hbm.resize(capacity_bytes)
         if tier is not TierKind.DRAM:
             raise NotFound(f"tier {tier.label} is not configured")
-        t = self.dram
+        place = self.placement
+        t = place.dram
         pages = t.pages_above(capacity_bytes)
         evicted = 0
-        idx = self.index
+        idx = place.index
         if len(pages):
             rows = idx.used_rows()
             rows = rows[idx.tier[rows] == TierKind.DRAM]
@@ -68,19 +63,19 @@ class Resizing:
                 n = int(idx.size[r])
                 dst = t.allocate(n, 1)
                 if dst.size == 0:
-                    victims = self._victims(TierKind.DRAM, t.class_of(n), 1)
+                    victims = place.victims(TierKind.DRAM, t.class_of(n), 1)
                     victims = victims[~t.locs_in_pages(idx.loc[victims], pages)]
                     if victims.size:
-                        self._drop(victims, reason="resized")
+                        place.drop(victims, DropReason.RESIZED)
                         evicted += 1
                         dst = t.allocate(n, 1)
                 if dst.size == 0:
                     if idx.nchild[r] == 0:
-                        self._drop(np.asarray([r]), reason="resized")
+                        place.drop(np.asarray([r]), DropReason.RESIZED)
                         evicted += 1
                         continue
                     sub = idx.subtree(np.asarray([r]))
-                    self._drop(sub, reason="resized")
+                    place.drop(sub, DropReason.RESIZED)
                     evicted += int(sub.size)
                     continue
                 src = int(idx.loc[r])
@@ -93,21 +88,22 @@ class Resizing:
     def _resize_ssd(self, capacity_bytes: int) -> int:
         assert self.ssd is not None
         t = self.ssd.tier
-        idx = self.index
+        place = self.placement
+        idx = place.index
         evicted = 0
         while t.used_bytes > capacity_bytes:
             rows = idx.used_rows()
             cand = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.SSD)
                         & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
-            victims = select_victims(idx, self.policy, cand, 64)
+            victims = select_victims(idx, place.policy, cand, 64)
             if victims.size == 0:
                 copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
                 if copies.size == 0:
                     raise CapacityError("ssd blocks are pinned; retry after they are released")
                 t.free(idx.ssd_loc[copies[:64]])
-                idx.ssd_loc[copies[:64]] = -1
+                idx.ssd_loc[copies[:64]] = NO_LOC
                 continue
-            self._drop(victims, reason="resized")
+            place.drop(victims, DropReason.RESIZED)
             evicted += int(victims.size)
         t.resize(capacity_bytes)
         return evicted

@@ -30,24 +30,45 @@ import collections
 import json
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from enum import Enum
 
 import numpy as np
 
-from kvstore.errors import CapacityError, KVStoreError
 from kvstore.core.eviction import close_upward, select_victims
-from kvstore.core.index import NO_ROW, BlockState
-from tiers.base import BlockMeta, TierKind
+from kvstore.core.index import NO_LOC, NO_ROW, BlockState, keys_to_array
+from kvstore.core.placement import Placement
+from kvstore.core.plan import in_batch
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
+from kvstore.keys import Namespace
+from kvstore.results import DropReason
+from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.ssd import SsdTier
 from tiers.ssd_admit import SsdAdmission
 
-if TYPE_CHECKING:
-    from kvstore.core.store import TieredStore
-
 log = logging.getLogger("kvstore.core.ssd_mover")
 
-WRITE_MODES = ("back", "through")
+
+class WriteMode(str, Enum):
+    """When DRAM blocks are written to the SSD tier."""
+
+    BACK = "back"
+    """Demote on eviction (and in the background below the low watermark)."""
+    THROUGH = "through"
+    """Copy to SSD in the background soon after a put, so eviction only drops the DRAM copy."""
+
+    @classmethod
+    def parse(cls, value: str | WriteMode) -> WriteMode:
+        if isinstance(value, WriteMode):
+            return value
+        try:
+            return cls(str(value))
+        except ValueError:
+            raise InvalidArgument(f"ssd.write_mode {value!r}; allowed: {', '.join(m.value for m in cls)}") from None
+
+
+WRITE_MODES = tuple(m.value for m in WriteMode)
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,9 +77,10 @@ class SsdSpec:
     capacity_bytes: int
     admit_min_hits: int = 2
     write_budget_mbps: float = 0.0
-    write_mode: str = "back"
-    """"back": demote on eviction; "through": copy to SSD in the background
-    soon after a put, so eviction only drops the DRAM copy."""
+    write_mode: WriteMode = WriteMode.BACK
+    """``WriteMode.BACK``: demote on eviction; ``THROUGH``: copy to SSD in the
+    background soon after a put, so eviction only drops the DRAM copy. A str
+    ("back", "through") is accepted and converted."""
     low_watermark: float = 0.05
     """Write-back keeps at least this share of DRAM free in the background."""
     sync: bool = True
@@ -67,6 +89,9 @@ class SsdSpec:
     """Most bytes one background step moves."""
     prefetch_queue: int = 65536
     """Bounded prefetch queue (blocks); beyond it Prefetch queues nothing more."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "write_mode", WriteMode.parse(self.write_mode))
 
 
 @dataclass(slots=True)
@@ -80,16 +105,12 @@ class Recovery:
 class SsdMover:
     """Owns the SSD tier, its write admission and the movement queues."""
 
-    def __init__(self, store: "TieredStore", spec: SsdSpec) -> None:
-        from kvstore.errors import InvalidArgument
-
-        if spec.write_mode not in WRITE_MODES:
-            raise InvalidArgument(f"ssd.write_mode {spec.write_mode!r}; allowed: {', '.join(WRITE_MODES)}")
-        self.store = store
+    def __init__(self, place: Placement, spec: SsdSpec, clock: Callable[[], float]) -> None:
+        self.placement = place
         self.spec = spec
         self.tier = SsdTier(spec.path, spec.capacity_bytes, sync=spec.sync, segment_bytes=spec.segment_bytes)
         self.admission = SsdAdmission(min_hits=spec.admit_min_hits, write_budget_mbps=spec.write_budget_mbps,
-                                      clock=store.clock)
+                                      clock=clock)
         self.prefetch_q: collections.deque[tuple[int, int, int]] = collections.deque()
         self.copy_q: collections.deque[tuple[int, int, int]] = collections.deque()
         self.demoted = 0
@@ -104,15 +125,37 @@ class SsdMover:
         """Namespaces whose descriptor could not be written yet (digest -> its registration)."""
 
     # ------------------------------------------------------------ helpers
-    def _meta(self, rows: np.ndarray) -> list[BlockMeta]:
-        st = self.store
-        idx = st.index
+    def meta(self, rows: np.ndarray) -> list[BlockMeta]:
+        """What the SSD tier records beside each block (namespace, key, parent)."""
+        place = self.placement
+        idx = place.index
         keys = idx.keys_of(rows)
         out = []
         for r, k in zip(rows.tolist(), keys):
             p = int(idx.parent[r])
-            out.append(BlockMeta(st._ns[int(idx.ns[r])].digest, k, idx.key_of(p) if p >= 0 else b""))
+            out.append(BlockMeta(place.namespaces.digest(int(idx.ns[r])), k, idx.key_of(p) if p >= 0 else b""))
         return out
+
+    def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
+        """Verified reads of SSD blocks into host buffers."""
+        idx = self.placement.index
+        return self.tier.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs, self.meta(rows))
+
+    def free_copies(self, rows: np.ndarray) -> None:
+        """Free the SSD copies of ``rows`` (blocks being dropped)."""
+        idx = self.placement.index
+        copies = rows[idx.ssd_loc[rows] >= 0]
+        if copies.size:
+            self.tier.free(idx.ssd_loc[copies])
+
+    def on_stored(self, rows: np.ndarray) -> None:
+        """New blocks were committed: count them for admission, queue write-through copies."""
+        self.admission.seen(self.placement.index.keys_of(rows))
+        self.queue_copy(rows)
+
+    def on_read(self, rows: np.ndarray) -> None:
+        """Blocks were read: count them for admission."""
+        self.admission.seen(self.placement.index.keys_of(rows))
 
     def register_namespace(self, digest: bytes, ns_dict: Mapping[str, object], block_bytes: int | None) -> None:
         """Persist a namespace (and its payload size once known) for restarts.
@@ -148,7 +191,7 @@ class SsdMover:
 
     def _ssd_room(self, nbytes: int, count: int, protect: np.ndarray) -> np.ndarray:
         """Up to ``count`` SSD ids, evicting SSD blocks (no cached children)."""
-        st = self.store
+        st = self.placement
         idx = st.index
         got = [self.tier.allocate(nbytes, count)]
         n = got[0].size
@@ -160,16 +203,16 @@ class SsdMover:
                        | (idx.nchild[ssd] != idx.nchild_tier[ssd]))
             if protect.size:
                 blocked |= np.isin(ssd, protect)
-            victims = st._select(TierKind.SSD, ssd, blocked, count - n)
+            victims = st.select(TierKind.SSD, ssd, blocked, count - n)
             if victims.size:
-                st._drop(victims, reason="evicted")
+                st.drop(victims, DropReason.EVICTED)
             else:
                 copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
                 if copies.size == 0:
                     break
                 victims = select_victims(idx, st.policy, copies, count - n)
                 self.tier.free(idx.ssd_loc[victims])
-                idx.ssd_loc[victims] = -1
+                idx.ssd_loc[victims] = NO_LOC
             more = self.tier.allocate(nbytes, count - n)
             got.append(more)
             n += more.size
@@ -178,16 +221,16 @@ class SsdMover:
     def _write(self, rows: np.ndarray) -> np.ndarray:
         """Write DRAM blocks ``rows`` (one size) to SSD; returns the SSD ids
         (-1 where there was no room or the write failed)."""
-        st = self.store
+        st = self.placement
         idx = st.index
-        out = np.full(rows.size, -1, dtype=np.int64)
+        out = np.full(rows.size, NO_LOC, dtype=np.int64)
         if rows.size == 0:
             return out
         for digest, (ns_dict, block_bytes) in list(self.pending.items()):
             self.register_namespace(digest, ns_dict, block_bytes)
         if self.refused or self.pending:
             blocked = self.refused | {json.dumps(d, sort_keys=True) for d, _ in self.pending.values()}
-            names = {int(n): json.dumps(st._ns[int(n)].to_dict(), sort_keys=True) for n in np.unique(idx.ns[rows])}
+            names = {int(n): json.dumps(st.namespaces.get(int(n)).to_dict(), sort_keys=True) for n in np.unique(idx.ns[rows])}
             keep = np.fromiter((names[int(n)] not in blocked for n in idx.ns[rows]), bool, rows.size)
             if not keep.all():
                 out[keep] = self._write(rows[keep])
@@ -201,7 +244,7 @@ class SsdMover:
                 return out
             views = [st.dram.view(int(idx.loc[r]), int(idx.size[r])) for r in rows[:k].tolist()]
             try:
-                csums = self.tier.write(locs, views, self._meta(rows[:k]))
+                csums = self.tier.write(locs, views, self.meta(rows[:k]))
             except KVStoreError as e:
                 self.write_errors += 1
                 self.tier.free(locs)
@@ -210,7 +253,7 @@ class SsdMover:
             ok = csums == idx.csum[rows[:k]]
             if not np.all(ok):  # the DRAM copy no longer matches its checksum
                 self.tier.free(locs[~ok])
-            out[:k] = np.where(ok, locs, -1)
+            out[:k] = np.where(ok, locs, NO_LOC)
             self.bytes_demoted += int(nbytes * int(ok.sum()))
             return out
         finally:
@@ -221,7 +264,7 @@ class SsdMover:
         """Make DRAM room from ``victims`` (DRAM blocks, unpinned, closed under
         their DRAM descendants). ``keep``
         rows must stay stored: they are demoted even when not admitted."""
-        st = self.store
+        st = self.placement
         idx = st.index
         st.policy.on_evict(idx, victims)
         copied = idx.ssd_loc[victims] >= 0
@@ -252,29 +295,28 @@ class SsdMover:
                 cold = np.concatenate([cold, failed])
             if cold.size:
                 self.dropped_cold += int(cold.size)
-                st._drop(idx.subtree(cold), reason="evicted")
+                st.drop(idx.subtree(cold), DropReason.EVICTED)
                 has_copy = has_copy[idx.state[has_copy] == BlockState.COMMITTED]  # not dropped with a parent
         if has_copy.size:
             self._move_to_ssd(has_copy)
 
     def _move_to_ssd(self, rows: np.ndarray) -> None:
-        st = self.store
+        st = self.placement
         idx = st.index
         dram_locs = idx.loc[rows].copy()
         idx.set_tier(rows, int(TierKind.SSD), idx.ssd_loc[rows].copy())
-        idx.ssd_loc[rows] = -1
+        idx.ssd_loc[rows] = NO_LOC
         st.dram.free(dram_locs)
         self.demoted += int(rows.size)
-        key = (TierKind.DRAM, "demoted")
-        st.counters.evictions[key] = st.counters.evictions.get(key, 0) + int(rows.size)
-        st._emit_moved(rows, TierKind.DRAM, TierKind.SSD)
+        st.count_eviction(TierKind.DRAM, DropReason.DEMOTED, int(rows.size))
+        st.emit_moved(rows, TierKind.DRAM, TierKind.SSD)
 
     # ---------------------------------------------------------- promotion
     def promote(self, rows: np.ndarray) -> np.ndarray:
         """Bring SSD blocks (a chain prefix, parents first) into DRAM.
         Returns a mask of rows now readable from DRAM; rows failing
         verification are dropped with their subtrees."""
-        st = self.store
+        st = self.placement
         idx = st.index
         ok = np.zeros(rows.size, dtype=bool)
         if rows.size == 0:
@@ -282,7 +324,7 @@ class SsdMover:
         nbytes = int(idx.size[rows[0]])
         idx.pins[rows] += 1
         try:
-            locs = st._make_room(TierKind.DRAM, nbytes, rows.size, np.zeros(0, np.int64),
+            locs = st.make_room(TierKind.DRAM, nbytes, rows.size, np.zeros(0, np.int64),
                                  for_ns=int(idx.ns[rows[0]]))
         finally:
             idx.pins[rows] -= 1
@@ -291,11 +333,11 @@ class SsdMover:
             return ok
         sel = rows[:k]
         outs = [st.dram.view(int(o), nbytes) for o in locs.tolist()]
-        good = self.tier.read_into(idx.loc[sel], idx.size[sel], idx.csum[sel], outs, self._meta(sel))
+        good = self.tier.read_into(idx.loc[sel], idx.size[sel], idx.csum[sel], outs, self.meta(sel))
         if not np.all(good):
             first_bad = int(np.argmin(good))  # a chain stops at its first bad block
             st.dram.free(locs[first_bad:])
-            st._corrupt(sel[first_bad:first_bad + 1])
+            st.corrupt(sel[first_bad:first_bad + 1])
             sel, locs = sel[:first_bad], locs[:first_bad]
         if sel.size:
             ssd_locs = idx.loc[sel].copy()
@@ -303,12 +345,12 @@ class SsdMover:
             idx.ssd_loc[sel] = ssd_locs  # keep the SSD copy: a later eviction is free
             self.promoted += int(sel.size)
             self.bytes_promoted += nbytes * int(sel.size)
-            st._emit_moved(sel, TierKind.SSD, TierKind.DRAM)
+            st.emit_moved(sel, TierKind.SSD, TierKind.DRAM)
         ok[: sel.size] = True
         return ok
 
     def queue_prefetch(self, rows: np.ndarray) -> int:
-        idx = self.store.index
+        idx = self.placement.index
         n = 0
         for r in rows.tolist():
             if len(self.prefetch_q) >= self.spec.prefetch_queue:
@@ -318,15 +360,15 @@ class SsdMover:
         return n
 
     def queue_copy(self, rows: np.ndarray) -> None:
-        if self.spec.write_mode != "through":
+        if self.spec.write_mode is not WriteMode.THROUGH:
             return
-        idx = self.store.index
+        idx = self.placement.index
         for r in rows.tolist():
             self.copy_q.append((r, int(idx.k0[r]), int(idx.k1[r])))
 
     def _take(self, q: collections.deque[tuple[int, int, int]], tier: TierKind, budget: int) -> np.ndarray:
         """Still-valid rows from a queue (same key, committed, in ``tier``)."""
-        idx = self.store.index
+        idx = self.placement.index
         out: list[int] = []
         seen: set[int] = set()
         size = -1
@@ -349,7 +391,7 @@ class SsdMover:
     # --------------------------------------------------------- background
     def step(self) -> bool:
         """One bounded unit of background work. True when more is pending."""
-        st = self.store
+        st = self.placement
         idx = st.index
         budget = self.spec.step_bytes
         rows = self._take(self.prefetch_q, TierKind.SSD, budget)
@@ -364,16 +406,16 @@ class SsdMover:
             ids = self._write(rows)
             idx.ssd_loc[rows[ids >= 0]] = ids[ids >= 0]
             return True
-        if self.spec.write_mode == "back":
+        if self.spec.write_mode is WriteMode.BACK:
             t = st.dram
             low = int(t.capacity_bytes * self.spec.low_watermark)
             free = t.capacity_bytes - t.used_bytes
             if free < low:
-                cand = st._evictable(TierKind.DRAM)
+                cand = st.evictable(TierKind.DRAM)
                 if cand.size:
                     size = max(1, int(np.median(idx.size[cand])))
                     k = max(1, min(budget // size, (low - free) // size + 1))
-                    victims = st._victims(TierKind.DRAM, None, k)
+                    victims = st.victims(TierKind.DRAM, None, k)
                     if victims.size:
                         self.evict_dram(victims)
                         return True
@@ -386,10 +428,7 @@ class SsdMover:
     # ----------------------------------------------------------- recovery
     def recover(self) -> Recovery:
         """Rebuild index rows for every block the SSD tier holds."""
-        from kvstore.core.index import keys_to_array
-        from kvstore.keys import Namespace
-
-        st = self.store
+        place = self.placement
         t0 = time.perf_counter()
         rec = Recovery()
         nsids: dict[bytes, int] = {}
@@ -404,11 +443,11 @@ class SsdMover:
             if ns.digest != digest:
                 log.warning("ssd: namespace descriptor %s does not hash to its digest", digest.hex())
                 continue
-            nsids[digest] = st._nsid(ns, persist=False)
+            nsids[digest] = place.nsid(ns, persist=False)
             if isinstance(block_bytes, int) and block_bytes > 0:
-                st._ns_size[nsids[digest]] = block_bytes
+                place.namespaces.set_size(nsids[digest], block_bytes)
         blocks = self.tier.recover()
-        idx = st.index
+        idx = place.index
         orphans: list[int] = []
         i = 0
         while i < len(blocks):
@@ -439,7 +478,7 @@ class SsdMover:
                     elif parents_known[j] >= 0:
                         p = int(parents_known[j])
                     elif m.parent in pos and pos[m.parent] in newpos:
-                        p = -2 - newpos[pos[m.parent]]
+                        p = in_batch(newpos[pos[m.parent]])
                     else:
                         orphans.append(loc)
                         continue
@@ -452,10 +491,11 @@ class SsdMover:
                 rows = idx.insert(nid, keys[np.asarray(keep)], np.asarray(prefs, dtype=np.int64),
                                   int(TierKind.SSD), np.asarray([s[0] for s in sel], dtype=np.int64),
                                   np.asarray([s[2] for s in sel], dtype=np.int64), BlockState.COMMITTED,
-                                  st._ticks(len(sel)))
+                                  place.ticks(len(sel)))
                 idx.csum[rows] = np.asarray([s[3] for s in sel], dtype=np.uint64)
-                st.policy.on_insert(idx, rows)
-                st._ns_size.setdefault(nid, int(sel[0][2]))
+                place.policy.on_insert(idx, rows)
+                if place.namespaces.size_of(nid) is None:
+                    place.namespaces.set_size(nid, int(sel[0][2]))
                 rec.blocks += len(sel)
                 rec.bytes += int(sum(s[2] for s in sel))
         if orphans:
@@ -468,4 +508,4 @@ class SsdMover:
         self.tier.close()
 
 
-__all__ = ["SsdMover", "SsdSpec", "Recovery", "WRITE_MODES", "CapacityError"]
+__all__ = ["WRITE_MODES", "CapacityError", "Recovery", "SsdMover", "SsdSpec", "WriteMode"]

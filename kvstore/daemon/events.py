@@ -10,7 +10,8 @@ import collections
 import time
 from typing import Any, cast
 
-from kvstore.results import Event
+from kvstore.results import Event, EventKind, DropReason
+from kvstore.wire.convert import REASON_PB
 from proto import kvstore_pb2 as pb
 
 
@@ -26,18 +27,17 @@ class EventLog:
     def append(self, ev: Event) -> None:
         self.seq += 1
         msg = pb.Event(seq=self.seq, time_unix_ns=time.time_ns())
-        if ev.kind == "stored":
+        if ev.kind is EventKind.STORED:
             msg.stored.ns_digest = ev.ns_digest
             msg.stored.keys.extend(ev.keys)
             msg.stored.tier = cast(Any, int(ev.tier) + 1) if ev.tier is not None else pb.TIER_UNSPECIFIED
             msg.stored.parent = ev.parent or b""
-        elif ev.kind == "removed":
+        elif ev.kind is EventKind.REMOVED:
             msg.removed.ns_digest = ev.ns_digest
             msg.removed.keys.extend(ev.keys)
             msg.removed.tier = cast(Any, int(ev.tier) + 1) if ev.tier is not None else pb.TIER_UNSPECIFIED
-            msg.removed.reason = {"evicted": pb.REMOVE_REASON_EVICTED, "removed": pb.REMOVE_REASON_REMOVED,
-                                  "corrupt": pb.REMOVE_REASON_CORRUPT, "aborted": pb.REMOVE_REASON_ABORTED,
-                                  "moved": pb.REMOVE_REASON_MOVED}.get(ev.reason, pb.REMOVE_REASON_EVICTED)
+            msg.removed.reason = (REASON_PB.get(ev.reason, pb.REMOVE_REASON_EVICTED)
+                                  if isinstance(ev.reason, DropReason) else pb.REMOVE_REASON_EVICTED)
         else:
             msg.cleared.ns_digest = ev.ns_digest
             msg.cleared.all_namespaces = not ev.ns_digest

@@ -28,13 +28,14 @@ from typing import Any, Callable, Sequence
 import grpc
 import numpy as np
 
+from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.errors import KVStoreError, KeyStatus
 from kvstore.keys import Namespace
-from kvstore.results import Event, LookupResult
+from kvstore.results import Event, EventKind, LookupResult, DropReason
+from kvstore.wire.convert import ns_pb
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
-from tiers.base import TierKind
 from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
 from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate, shapes_from_toml
 
@@ -77,14 +78,6 @@ class ClusterView:
     block_load_s: float = 0.0
 
 
-def _pack(keys: Sequence[bytes] | bytes) -> bytes:
-    return keys if isinstance(keys, bytes) else b"".join(keys)
-
-
-def _split(packed: bytes) -> list[bytes]:
-    return [packed[i : i + 16] for i in range(0, len(packed), 16)]
-
-
 class ClusterNode:
     """One daemon's membership in the cluster (see the module docstring)."""
 
@@ -121,7 +114,7 @@ class ClusterNode:
         self._resync = True
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._digest_nid: dict[bytes, int] = {}
+        self._digest_ns: dict[bytes, Namespace] = {}
         self._loop = asyncio.get_running_loop()
         self.health_fn: Callable[[bool], None] | None = None
         self._last_health: bool | None = None
@@ -235,10 +228,10 @@ class ClusterNode:
 
     # ----------------------------------------------------------- publish
     def _on_event(self, ev: Event) -> None:
-        if ev.kind == "stored":
+        if ev.kind is EventKind.STORED:
             self._pending.append(("add", ev.ns_digest, ev.keys))
-        elif ev.kind == "removed":
-            if ev.reason != "moved":
+        elif ev.kind is EventKind.REMOVED:
+            if ev.reason is not DropReason.MOVED:
                 self._pending.append(("remove", ev.ns_digest, ev.keys))
         else:
             self._pending.append(("clear", ev.ns_digest, []))
@@ -246,25 +239,16 @@ class ClusterNode:
 
     def _block_bytes_of(self, digest: bytes) -> int:
         st = self.store
-        nid = self._digest_nid.get(digest)
-        if nid is None:
-            for i, ns in enumerate(st._ns):
-                self._digest_nid.setdefault(ns.digest, i)
-            nid = self._digest_nid.get(digest)
-        return int(st._ns_size.get(nid, 0)) if nid is not None else 0
+        ns = self._digest_ns.get(digest)
+        if ns is None:
+            for n in st.namespaces():
+                self._digest_ns.setdefault(n.digest, n)
+            ns = self._digest_ns.get(digest)
+        return int(st.block_bytes(ns) or 0) if ns is not None else 0
 
     def _inventory(self) -> list[tuple[str, bytes, list[bytes]]]:
         """Every committed block of this node, per namespace, as add ops."""
-        from kvstore.core.index import BlockState
-
-        idx = self.store.index
-        rows = idx.used_rows()
-        rows = rows[idx.state[rows] == BlockState.COMMITTED]
-        out = []
-        nss = idx.ns[rows]
-        for nid in np.unique(nss).tolist():
-            out.append(("add", self.store._ns[nid].digest, idx.keys_of(rows[nss == nid])))
-        return out
+        return [("add", digest, keys) for digest, keys in self.store.committed_blocks()]
 
     async def _publisher(self) -> None:
         while True:
@@ -295,7 +279,7 @@ class ClusterNode:
                 for n in ids:
                     per.setdefault(n, []).append(pb.DirectoryUpdate(ns_digest=digest, cleared=True))
                 continue
-            packed = _pack(keys)
+            packed = pack_keys(keys)
             own = owners(packed, ids)
             arr = np.frombuffer(packed, np.uint8).reshape(-1, 16)
             bb = self._block_bytes_of(digest) if kind == "add" else 0
@@ -337,9 +321,9 @@ class ClusterNode:
             if u.cleared:
                 n += self.table.clear(node, u.ns_digest or None)
             elif u.removed:
-                n += self.table.remove(node, u.ns_digest, _split(u.keys_packed))
+                n += self.table.remove(node, u.ns_digest, split_keys(u.keys_packed))
             else:
-                n += self.table.add(node, u.ns_digest, _split(u.keys_packed), u.block_bytes)
+                n += self.table.add(node, u.ns_digest, split_keys(u.keys_packed), u.block_bytes)
         return n
 
     def locate_local(self, digest: bytes, keys: Sequence[bytes]) -> pb.LocateResponse:
@@ -354,7 +338,7 @@ class ClusterNode:
         """Holders of each key, asking each owner once."""
         ids = self.live_ids()
         members = self.membership.members
-        own = owners(_pack(keys), ids)
+        own = owners(pack_keys(keys), ids)
         holders: list[set[str]] = [set() for _ in keys]
         bb = 0
 
@@ -366,7 +350,7 @@ class ClusterNode:
                 return sel, self.locate_local(digest, sub)
             try:
                 return sel, await self._stub(members[node].grpc_address).Locate(
-                    pb.LocateRequest(ns_digest=digest, keys_packed=_pack(sub)),
+                    pb.LocateRequest(ns_digest=digest, keys_packed=pack_keys(sub)),
                     timeout=self.cfg.rpc_timeout, metadata=self._md())
             except (grpc.RpcError, KeyError) as e:
                 log.debug("locate at %s failed: %s", node, e)
@@ -415,7 +399,7 @@ class ClusterNode:
     async def fetch_for(self, request: Any, metadata: Any, ns: Namespace, keys: bytes | list[bytes]) -> tuple[int, int]:
         """Acquire's cluster step: fetch the remote run when that is cheaper.
         Returns (blocks fetched, wire ChainDecision)."""
-        klist = keys if isinstance(keys, list) else _split(keys)
+        klist = keys if isinstance(keys, list) else split_keys(keys)
         local = self.store.peek(ns, klist)
         v = await self.view(ns, klist, local, to_hbm=request.to_hbm)
         decision = int(v.estimate.decision) + 1
@@ -439,7 +423,7 @@ class ClusterNode:
         hit = view.local.hit_blocks
         want = list(keys[hit : hit + view.remote_blocks])
         parent = keys[hit - 1] if hit else None
-        header = pb.BlockFetchHeader(ns=_ns_pb(ns), credential=credential, keys_packed=_pack(want),
+        header = pb.BlockFetchHeader(ns=ns_pb(ns), credential=credential, keys_packed=pack_keys(want),
                                      node_id=self.node_id).SerializeToString()
         store = self.store
         held: dict[str, Any] = {}
@@ -508,7 +492,7 @@ class ClusterNode:
         the slots: keep them reserved for good (leaked, never reused) rather
         than hand them to another block."""
         h = held.get("handle")
-        if h and self.store._reservations.pop(h, None) is not None:
+        if h and self.store.holds.quarantine(h):
             log.error("fetch slots of reservation %s quarantined: the transport could not confirm "
                       "its receives ended", h)
 
@@ -537,7 +521,7 @@ class ClusterNode:
             who = d.auth.principal([("authorization", f"Bearer {h.credential}")] if h.credential else [])
             if d.auth.enabled and who.tenant is not None and not who.admin and h.ns.tenant != who.tenant:
                 raise PermissionError(f"tenant {who.tenant!r} may not read namespace of tenant {h.ns.tenant!r}")
-            ns = d._ns(h.ns, who)
+            ns = d.namespace(h.ns, who)
         except PermissionError:
             raise
         except KVStoreError as e:
@@ -581,103 +565,22 @@ class ClusterNode:
         return self._served(lengths, res.checksums.copy(), regions, release)
 
 
-async def start_cluster(running: Any, config: Config) -> None:
-    """Join the cluster once the daemon's gRPC server runs (its address is
-    the default node id); the health service's ``kvstore.v1.Cluster`` entry
-    follows the membership source."""
-    from grpc_health.v1 import health_pb2
-
-    svc = pb.DESCRIPTOR.services_by_name["Cluster"].full_name
-    hs = running.health
-    addr = running.address if not running.address.startswith("unix:") else f"127.0.0.1:{running.port}"
-    node = ClusterNode(running.daemon, config, addr)
-
-    def health(ok: bool) -> None:
-        hs.set(svc, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    node.health_fn = health
-    if not running.daemon.auth.enabled:
-        log.warning("cluster mode %s with auth off: any host that reaches this node's UCX block port (ucxx "
-                    "listens on every interface) can read its blocks; configure server.tenants_file on an "
-                    "untrusted network (docs/security.md)", config.cluster.mode.value)
-    try:
-        await node.start()
-    except BaseException:
-        await running.stop(0)
-        raise
-    running.daemon.cluster = node
-
-
-def shutdown_transport() -> None:
-    """At process exit: stop the UCX notifier thread (it would keep the
-    process alive) once every daemon of the process has stopped."""
-    import sys
-
-    ucx = sys.modules.get("transport.ucx")
-    if ucx is not None and hasattr(ucx, "shutdown"):
-        try:
-            ucx.shutdown()
-        except Exception:
-            log.exception("shutting UCX down failed")
-
-
-async def lookup_response(daemon: Any, request: pb.LookupRequest, ns: Namespace, res: LookupResult,
-                          keys: bytes | list[bytes]) -> pb.LookupResponse:
-    """Lookup's cluster-mode answer: per block its best location and load
-    estimate, and the chain decision with both estimates."""
-    out = pb.LookupResponse(hit_blocks=res.hit_blocks, local_blocks=res.hit_blocks)
-    if request.keys_packed:
-        out.tiers_packed = (res.tier_codes.astype(np.uint8) + 1).tobytes()
-    else:
-        out.tiers.extend((res.tier_codes.astype(np.int64) + 1).tolist())
-    node: ClusterNode | None = daemon.cluster
-    bb = daemon.store.block_bytes(ns) or int(request.block_bytes)
-    loads = daemon.admission.predictor.config.tier_loads
-    if node is None:
-        v = ClusterView(res)
-        out.cluster_status = "cluster off"
-    else:
-        v = await node.view(ns, keys if isinstance(keys, list) else _split(keys), res,
-                            to_hbm=request.to_hbm, block_bytes=int(request.block_bytes))
-        bb = v.block_bytes or bb
-        out.cluster_status = node.status
-    for t in res.tier_codes.tolist():
-        tl = loads[t]
-        out.locations.add(tier=int(t) + 1, load_s=tl.per_block_s + bb / tl.bytes_per_s)  # type: ignore[arg-type]
-    for _ in range(v.remote_blocks):
-        out.locations.add(tier=int(TierKind.REMOTE) + 1, peer=v.peer or "", load_s=v.block_load_s)  # type: ignore[arg-type]
-    e = v.estimate
-    out.remote_blocks = v.remote_blocks
-    out.decision = int(e.decision) + 1  # type: ignore[assignment]
-    out.fetch_s, out.recompute_s = e.transfer_s, e.recompute_s
-    return out
-
-
-def _ns_pb(ns: Namespace) -> pb.Namespace:
-    from kvstore.client import ns_pb
-
-    return ns_pb(ns)
-
-
 def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | None) -> int:
     """Commit the first ``keep`` blocks of a fetch reservation, abort the
     rest (with their descendants). The store commits whole reservations;
     the tail is dropped first through its reservation record."""
-    h = store._reservations.get(handle)
-    if h is None:
+    n = store.holds.reserved_blocks(handle)
+    if n is None:
         return 0
     if keep <= 0:
         store.abort(handle, FETCH_OWNER)
         return 0
-    if keep < h.rows.size:
-        tail = type(h)(h.owner, h.ns, h.rows[keep:], h.deadline)
-        store._abort_rows(tail)
+    store.holds.truncate(handle, FETCH_OWNER, keep)
     sums = None
-    if checksums is not None and checksums.size >= h.rows.size:
-        sums = checksums[: h.rows.size].tolist()
+    if checksums is not None and checksums.size >= n:
+        sums = checksums[:n].tolist()
     res = store.commit(handle, FETCH_OWNER, sums)
     return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
 
 
-__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "lookup_response", "shutdown_transport",
-           "start_cluster", "transport_factory"]
+__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "transport_factory"]

@@ -38,6 +38,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
+from kvstore.config import load_config
+from kvstore.errors import InvalidArgument
+from kvstore.keys import as_token_array
+from kvstore.tools.format import format_diff
+
 __all__ = ["InProcessDaemon", "RunReport", "add_arguments", "run", "run_demo", "system_prompt", "QUESTIONS"]
 
 SYSTEM_PROMPT = (
@@ -90,8 +95,7 @@ class InProcessDaemon:
     ``overrides`` are dotted config keys (``{"dram.capacity": "1GiB"}``)."""
 
     def __init__(self, overrides: Mapping[str, Any] | None = None) -> None:
-        from kvstore.daemon import server
-        from kvstore.config import load_config
+        from kvstore.daemon import server  # deferred: the daemon's stack loads only when one starts
 
         base: dict[str, Any] = {"server.port": 0, "metrics.port": 0, "dram.capacity": "512MiB"}
         base.update(overrides or {})
@@ -167,16 +171,13 @@ class RunReport:
 
 
 def _namespace_blocks(target: str, ns: Any) -> int:
-    import base64
-
-    from kvstore.client import Client
+    from kvstore.client import Client  # deferred: grpc loads only when a daemon is reached
 
     with Client(target, timeout=10.0) as c:
         st = c.stats(include_namespaces=True)
-    want = base64.b64encode(ns.digest).decode()
-    for n in st.get("namespaces", []) or []:
-        if n.get("ns_digest") == want:
-            return int(n.get("blocks", 0))
+    for n in st.namespaces:
+        if n.digest == ns.digest:
+            return n.blocks
     return 0
 
 
@@ -223,12 +224,10 @@ def run_demo(target: str | None = None, requests: int = 20, new_tokens: int = 1,
              layers: int = 4, hidden: int = 256, out: Any = print) -> tuple[list[RunReport], str]:
     """Run the three experiments; returns the run reports and the divergence
     text. ``out`` receives progress lines."""
-    import torch
+    import torch  # deferred with engine_adapter.hf: torch and transformers load only when the demo runs
 
     from engine_adapter.hf import HFPrefixCache, build_model, llama_config, model_namespace
-    from kvstore.tools.cli import format_diff
     from kvstore.client import Client
-    from kvstore.keys import as_token_array
 
     torch.manual_seed(seed)
     cfg = llama_config(vocab_size=256, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 8 * 8,
@@ -294,8 +293,6 @@ def run(args: argparse.Namespace) -> int:
     """``kvstore demo``: exit 0 when the three runs behave as expected
     (warm hits, zero hits for the changed prompt, a cold second daemon,
     identical tokens), 1 otherwise."""
-    from kvstore.errors import InvalidArgument
-
     if args.requests < 2:
         raise InvalidArgument("--requests must be at least 2 (the first request is the cold one)")
     try:

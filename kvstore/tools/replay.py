@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
 import json
 import math
 import os
@@ -55,14 +54,20 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidArgument
-from kvstore.keys import Namespace, block_keys_array
+from kvstore.config import parse_size
+from kvstore.core.eviction import PolicyName
+from kvstore.core.ssd_mover import SsdSpec
+from kvstore.core.store import StoreConfig, TieredStore
+from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.tools import workloads as w
+from kvstore.tools.belady import belady
+from kvstore.tools.replay_report import ReplayResult, base_result, format_table
+from kvstore.tools.trace import PreparedTrace, TraceRequest, capacity_levels, prepare, read_trace
+from tiers.base import TierKind
 
 __all__ = ["PreparedTrace", "ReplayResult", "TraceRequest", "prepare", "replay", "replay_daemon", "belady",
            "format_table", "ssd_supported", "read_trace", "add_arguments", "run", "capacity_levels"]
@@ -73,305 +78,13 @@ _MAX_STEPS = 1024
 """Background steps run between two requests at most."""
 
 
-@dataclass(slots=True, frozen=True)
-class TraceRequest:
-    """One request as the replay needs it (the JSON-lines trace format)."""
-
-    tenant: str
-    tokens: np.ndarray
-    arrival: float = 0.0
-
-
-# ---------------------------------------------------------------- the trace
-@dataclass(slots=True)
-class PreparedTrace:
-    """A trace hashed once: every request's block keys, in one array."""
-
-    block_size: int
-    model_id: str
-    tenants: list[str]
-    tenant_of: np.ndarray
-    """Per request: index into ``tenants`` (int32)."""
-    n_tokens: np.ndarray
-    """Per request: prompt length in tokens (int64)."""
-    offsets: np.ndarray
-    """Request r's blocks are ``keys[offsets[r]:offsets[r + 1]]`` (int64, R + 1)."""
-    keys: np.ndarray
-    """Every request's block keys, ``(N, 2)`` uint64 (the 16 key bytes)."""
-    ids: np.ndarray
-    """Dense block id per entry of ``keys``: equal keys, equal ids (int64)."""
-    name: str = ""
-    _next: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def requests(self) -> int:
-        return int(self.tenant_of.size)
-
-    @property
-    def blocks(self) -> int:
-        return int(self.keys.shape[0])
-
-    @property
-    def tokens(self) -> int:
-        return int(self.n_tokens.sum())
-
-    @property
-    def distinct_blocks(self) -> int:
-        return int(self.ids.max()) + 1 if self.ids.size else 0
-
-    def namespaces(self) -> list[Namespace]:
-        return [Namespace(tenant=t, model_id=self.model_id, block_size=self.block_size) for t in self.tenants]
-
-    def next_use(self) -> np.ndarray:
-        """Per position p: the next position holding the same block, or -1."""
-        if self._next is None:
-            ids = self.ids
-            nxt = np.full(ids.size, -1, dtype=np.int64)
-            if ids.size:
-                order = np.argsort(ids, kind="stable")
-                same = ids[order[1:]] == ids[order[:-1]]
-                nxt[order[:-1][same]] = order[1:][same]
-            self._next = nxt
-        return self._next
-
-    def request_of(self) -> np.ndarray:
-        """Per position: the request it belongs to."""
-        return np.repeat(np.arange(self.requests, dtype=np.int64), np.diff(self.offsets))
-
-    def live_peak(self) -> int:
-        """The most blocks that, just before some request, have been used
-        and will be used again (by that request or a later one): the
-        smallest capacity at which MIN (:func:`belady` with ``bypass``)
-        reaches the hits of an unbounded cache."""
-        if not self.requests:
-            return 0
-        nxt = self.next_use()
-        req = self.request_of()
-        live = nxt >= 0
-        delta = np.zeros(self.requests + 2, dtype=np.int64)
-        # live from the boundary after its use through the one before its next use
-        np.add.at(delta, req[live] + 1, 1)
-        np.add.at(delta, req[nxt[live]] + 1, -1)
-        return int(max(0, np.cumsum(delta).max()))
-
-
-def _as_request(r: Any, i: int) -> TraceRequest:
-    if isinstance(r, TraceRequest):
-        return r
-    if isinstance(r, tuple):
-        tenant, tokens = r[0], r[1]
-        arrival = float(r[2]) if len(r) > 2 else float(i)
-    else:
-        tenant, tokens, arrival = r.tenant, r.tokens, float(getattr(r, "arrival", i))
-    return TraceRequest(str(tenant), np.asarray(tokens, dtype=np.uint32), arrival)
-
-
-def prepare(trace: Iterable[Any], block_size: int = 16, model_id: str = "replay", name: str = "") -> PreparedTrace:
-    """Hash every request's full blocks (one call per request) and give each
-    distinct key a dense id. Requests are kept in the given order."""
-    if block_size < 1:
-        raise InvalidArgument(f"block_size must be >= 1, got {block_size}")
-    reqs = [_as_request(r, i) for i, r in enumerate(trace)]
-    tenants = sorted({r.tenant for r in reqs})
-    tix = {t: i for i, t in enumerate(tenants)}
-    nss = [Namespace(tenant=t, model_id=model_id, block_size=block_size) for t in tenants]
-    parts = [block_keys_array(nss[tix[r.tenant]], r.tokens) for r in reqs]
-    counts = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
-    offsets = np.zeros(len(reqs) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    flat = np.concatenate(parts) if parts else np.zeros((0, 16), np.uint8)
-    keys = np.ascontiguousarray(flat).view("<u8").reshape(-1, 2)
-    if keys.shape[0]:
-        rec = keys.view([("a", "<u8"), ("b", "<u8")]).reshape(-1)
-        _, ids = np.unique(rec, return_inverse=True)
-        ids = ids.reshape(-1).astype(np.int64)
-    else:
-        ids = np.zeros(0, dtype=np.int64)
-    return PreparedTrace(block_size, model_id, tenants,
-                         np.fromiter((tix[r.tenant] for r in reqs), dtype=np.int32, count=len(reqs)),
-                         np.fromiter((r.tokens.size for r in reqs), dtype=np.int64, count=len(reqs)),
-                         offsets, keys, ids, name)
-
-
-def capacity_levels(pt: PreparedTrace, fractions: Sequence[float]) -> list[int]:
-    """Capacities (blocks) as fractions of the trace's live peak (see
-    :meth:`PreparedTrace.live_peak`), rounded up to a multiple of 16."""
-    peak = max(pt.live_peak(), 1)
-    return [max(16, -(-math.ceil(peak * f) // 16) * 16) for f in fractions]
-
-
-# ----------------------------------------------------------------- results
-@dataclass(slots=True)
-class ReplayResult:
-    """What one replay measured. Ratios are properties."""
-
-    policy: str
-    capacity_blocks: int
-    requests: int
-    prompt_tokens: int
-    blocks: int
-    """Full blocks the requests asked for (sum of chain lengths)."""
-    hit_blocks: int
-    block_size: int
-    tier_hits: dict[str, int] = field(default_factory=dict)
-    """Hit blocks by the tier they were found in."""
-    evictions: dict[str, int] = field(default_factory=dict)
-    """Blocks leaving a tier, by ``tier/reason`` (``dram/evicted``...)."""
-    put_blocks: int = 0
-    rejected_blocks: int = 0
-    """Suffix blocks the store could not place (no room even after eviction)."""
-    bypassed_blocks: int = 0
-    """Bélády only: blocks not admitted (their next use was the furthest)."""
-    ssd_blocks: int = 0
-    ssd_admission: str = ""
-    """"on" (the SSD write admission's default rule), "off" (admit all) or ""."""
-    ssd_bytes_written: int | None = None
-    demoted_blocks: int = 0
-    """Blocks moved from DRAM to SSD."""
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    request_hits: np.ndarray | None = field(default=None, repr=False)
-    """Hit blocks of each request (int64), for analysis; not in ``to_dict``."""
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.hit_blocks * self.block_size
-
-    @property
-    def prefill_tokens_saved(self) -> int:
-        return self.hit_tokens
-
-    @property
-    def block_hit_ratio(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_ratio(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def label(self) -> str:
-        if self.ssd_blocks:
-            return f"{self.policy}+ssd(admit {self.ssd_admission or 'default'})"
-        return self.policy
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "request_hits"}
-        d["tier_hits"], d["evictions"], d["notes"] = dict(self.tier_hits), dict(self.evictions), list(self.notes)
-        d.update(label=self.label, hit_tokens=self.hit_tokens, block_hit_ratio=self.block_hit_ratio,
-                 token_hit_ratio=self.token_hit_ratio, prefill_tokens_saved=self.prefill_tokens_saved)
-        return d
-
-
-def _base(pt: PreparedTrace, policy: str, capacity: int) -> ReplayResult:
-    return ReplayResult(policy, int(capacity), pt.requests, pt.tokens, pt.blocks, 0, pt.block_size)
-
-
-# ------------------------------------------------------------------ Bélády
-def belady(pt: PreparedTrace, capacity_blocks: int, bypass: bool = False) -> ReplayResult:
-    """Hits of Bélády's policy with chains kept contiguous (module docstring).
-
-    ``bypass=False`` (policy ``belady``): like the store, every missing block
-    of a request is stored; to make room, the cached block whose next use is
-    furthest ahead is evicted, never one of the request's own blocks.
-    ``bypass=True`` (policy ``belady_min``): MIN, which also declines to store
-    a block whose own next use is the furthest (with the rest of its chain):
-    optimal admission as well as eviction, the bound for a store with perfect
-    admission control."""
-    t0 = time.perf_counter()
-    cap = int(capacity_blocks)
-    res = _base(pt, "belady_min" if bypass else "belady", cap)
-    n = pt.blocks
-    nxt = pt.next_use()
-    depth = np.arange(n, dtype=np.int64) - np.repeat(pt.offsets[:-1], np.diff(pt.offsets))
-    # the rank of a block after its use at position p: its next use, or, if
-    # never used again, past every position, deeper blocks first
-    rank = np.where(nxt >= 0, nxt, n + 1 + depth).tolist()
-    ids = pt.ids
-    ids_l = ids.tolist()
-    nid = pt.distinct_blocks
-    present = np.zeros(nid, dtype=bool)
-    inreq = np.full(nid, -1, dtype=np.int64)  # the request that last used a block
-    cur = [-1] * nid  # current rank of a cached block
-    heap: list[tuple[int, int]] = []  # (-rank, id), lazily invalidated
-    push, pop = heapq.heappush, heapq.heappop
-    size = hits = evicted = bypassed = stored = rejected = 0
-    offs = pt.offsets.tolist()
-    per_req = np.zeros(pt.requests, dtype=np.int64)
-    for r in range(pt.requests):
-        s, e = offs[r], offs[r + 1]
-        if s == e:
-            continue
-        bid = ids[s:e]
-        pres = present[bid]
-        h = (e - s) if pres.all() else int(pres.argmin())
-        hits += h
-        per_req[r] = h
-        inreq[bid] = r
-        for p in range(s, s + h):
-            b, k = ids_l[p], rank[p]
-            cur[b] = k
-            push(heap, (-k, b))
-        aside: list[tuple[int, int]] = []  # valid entries of this request's blocks
-        for p in range(s + h, e):
-            b, k = ids_l[p], rank[p]
-            if size >= cap:
-                v, negk = -1, 0
-                while heap:  # the valid top: the cached block used furthest ahead
-                    negk, v = heap[0]
-                    if not (present[v] and cur[v] == -negk):
-                        pop(heap)
-                    elif not bypass and inreq[v] == r:
-                        aside.append(pop(heap))  # the request's own blocks stay
-                    else:
-                        break
-                else:
-                    v = -1
-                if v < 0 or (bypass and -negk <= k):
-                    if v < 0:
-                        rejected += e - p
-                    else:
-                        bypassed += e - p  # this block and the rest of its chain
-                    break
-                pop(heap)
-                present[v] = False
-                cur[v] = -1
-                size -= 1
-                evicted += 1
-            present[b] = True
-            cur[b] = k
-            push(heap, (-k, b))
-            size += 1
-            stored += 1
-        for item in aside:
-            push(heap, item)
-        if len(heap) > 4 * (size + 1024):  # drop stale entries now and then
-            heap = [(nk, v) for nk, v in heap if present[v] and cur[v] == -nk]
-            heapq.heapify(heap)
-    res.hit_blocks = hits
-    res.request_hits = per_req
-    res.tier_hits = {"dram": hits}
-    res.evictions = {"dram/evicted": evicted}
-    res.put_blocks = stored
-    res.bypassed_blocks = bypassed
-    res.rejected_blocks = rejected
-    res.seconds = time.perf_counter() - t0
-    return res
-
-
 # ------------------------------------------------------------ the SSD tier
 def ssd_supported() -> dict[str, str] | None:
     """How this build's StoreConfig takes an SSD tier, or None if it does not:
     ``{"style": "spec", ...}`` (``StoreConfig.ssd = SsdSpec(...)``) or
     ``{"style": "flat", "capacity": field, "path": field, "admit": field}``."""
-    from kvstore.core.store import StoreConfig
-
     names = {f.name for f in dataclasses.fields(StoreConfig)}
     if "ssd" in names:
-        try:
-            from kvstore.core.ssd_mover import SsdSpec
-        except ImportError:
-            return None
         spec = {f.name for f in dataclasses.fields(SsdSpec)}
         if {"path", "capacity_bytes"} <= spec:
             return {"style": "spec", "admit": "admit_min_hits" if "admit_min_hits" in spec else ""}
@@ -393,8 +106,6 @@ _SSD_RECORD = 88  # bytes of the SSD tier's record header per block (docs/ssd.md
 
 def _store_config(capacity: int, policy: str, payload: int, ssd_blocks: int, admission: str,
                   ssd_path: str | None) -> tuple[Any, list[str]]:
-    from kvstore.core.store import StoreConfig
-
     slot = -(-payload // _SLOT) * _SLOT
     page = slot * math.gcd(max(capacity, 1), 64)
     kw: dict[str, Any] = dict(dram_bytes=max(capacity, 1) * slot, dram_page_bytes=page, policy=policy,
@@ -408,8 +119,6 @@ def _store_config(capacity: int, policy: str, payload: int, ssd_blocks: int, adm
             nbytes = ssd_blocks * (payload + _SSD_RECORD)
             admit = {"on": None, "off": 0}.get(admission)
             if how["style"] == "spec":
-                from kvstore.core.ssd_mover import SsdSpec
-
                 spec_fields = {f.name for f in dataclasses.fields(SsdSpec)}
                 skw: dict[str, Any] = dict(path=ssd_path, capacity_bytes=nbytes)
                 for k, v in (("sync", False),):
@@ -456,17 +165,11 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
     admits every demoted block. ``store_cls`` replaces ``TieredStore`` (a
     subclass prototyping another eviction order). ``dram_admission`` turns on
     the store's DRAM admission filter (``StoreConfig.dram_admission``)."""
-    from kvstore.errors import KeyStatus
-    from kvstore.core.store import TieredStore
-    from tiers.base import TierKind
-
     if capacity_blocks < 1:
         raise InvalidArgument(f"capacity_blocks must be >= 1, got {capacity_blocks}")
     if ssd_admission not in ("on", "off"):
         raise InvalidArgument(f"ssd_admission must be on or off, got {ssd_admission!r}")
     name = policy if isinstance(policy, str) else "lru"
-    from kvstore.core.eviction import PolicyName
-
     PolicyName.parse(name)  # before the store maps its slab: a bad name must not leak one
     tmp = None
     if ssd_blocks and ssd_path is None:
@@ -475,7 +178,7 @@ def replay(pt: PreparedTrace, policy: Any = "lru", capacity_blocks: int = 4096, 
     cfg, notes = _store_config(capacity_blocks, name, payload_bytes, ssd_blocks, ssd_admission, ssd_path)
     if dram_admission:
         cfg = dataclasses.replace(cfg, dram_admission=True)
-    res = _base(pt, label or (name if isinstance(policy, str) else type(policy).__name__), capacity_blocks)
+    res = base_result(pt, label or (name if isinstance(policy, str) else type(policy).__name__), capacity_blocks)
     res.notes = notes
     has_ssd = getattr(cfg, "ssd", None) is not None or (ssd_blocks > 0 and not notes)
     if has_ssd:
@@ -553,8 +256,7 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
     namespaces are cleared first, so prepare ``pt`` with a model id of its
     own (``kvstore replay --target`` makes one up per invocation). Other
     namespaces' blocks on the daemon share the capacity."""
-    from kvstore.client import Client
-    from kvstore.errors import KeyStatus
+    from kvstore.client import Client  # deferred: grpc loads only for a replay against a daemon
 
     nss = pt.namespaces()
     t0 = time.perf_counter()
@@ -563,11 +265,11 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
             c.admin_set_policy(policy)
         for ns in nss:  # a fresh start: drop this trace's blocks of an earlier run
             c.clear(ns)
-        before = c.stats(include_namespaces=False)
+        before = c.stats(include_namespaces=False).to_dict()
         cap_bytes = sum(int(t.get("capacity_bytes", 0)) for t in before.get("tiers", [])
                         if str(t.get("tier", "")).lower().endswith("dram"))
         slot = -(-payload_bytes // _SLOT) * _SLOT
-        res = _base(pt, before.get("policy", policy or "daemon") or "daemon", cap_bytes // slot if cap_bytes else 0)
+        res = base_result(pt, before.get("policy", policy or "daemon") or "daemon", cap_bytes // slot if cap_bytes else 0)
         payload = np.zeros(payload_bytes, dtype=np.uint8)
         hits = rejected = 0
         tiers: dict[str, int] = {}
@@ -586,7 +288,7 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
                 lease = c.acquire(ns, kl[:h])
                 h = int(lease.hit_blocks)
                 for t in look.tiers[:h]:
-                    tiers[str(t)] = tiers.get(str(t), 0) + 1
+                    tiers[t.label] = tiers.get(t.label, 0) + 1
                 hits += h
             try:
                 if h < e - s:
@@ -595,7 +297,7 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
             finally:
                 if lease is not None:
                     lease.release()
-        after = c.stats(include_namespaces=False)
+        after = c.stats(include_namespaces=False).to_dict()
     res.hit_blocks, res.rejected_blocks, res.tier_hits = hits, rejected, tiers
     ev_b = {str(t.get("tier")): int(t.get("evictions", 0)) for t in before.get("tiers", [])}
     res.evictions = {f"{str(t.get('tier')).lower().replace('tier_', '')}/evicted":
@@ -606,64 +308,7 @@ def replay_daemon(pt: PreparedTrace, target: str, *, policy: str | None = None, 
     return res
 
 
-# ------------------------------------------------------------------ output
-def format_table(results: Sequence[ReplayResult], optimum: dict[int, ReplayResult] | None = None) -> str:
-    """One row per result, and per capacity the Bélády row from ``optimum``
-    (capacity -> Bélády result); each row's ``/ belady`` is its hit ratio over
-    Bélády's at the same capacity (for runs with an SSD tier: at DRAM + SSD
-    blocks). ``belady_min`` results may be among ``results``."""
-    optimum = optimum or {}
-    rows = [["policy", "capacity", "block hit", "token hit", "/ belady", "hits by tier", "evicted",
-             "demoted", "ssd written", "tokens saved"]]
-    items: list[ReplayResult] = list(results)
-    for total in sorted({r.capacity_blocks + r.ssd_blocks for r in results}):
-        if total in optimum and optimum[total] not in items:
-            items.append(optimum[total])
-    order = {"belady": 1, "belady_min": 2}
-    items.sort(key=lambda r: (r.capacity_blocks + r.ssd_blocks, order.get(r.policy, 0), r.label))
-    for r in items:
-        opt = optimum.get(r.capacity_blocks + r.ssd_blocks)
-        ratio = f"{r.block_hit_ratio / opt.block_hit_ratio:.3f}" if opt and opt.block_hit_ratio else "-"
-        capacity = f"{r.capacity_blocks}" + (f"+{r.ssd_blocks}" if r.ssd_blocks else "")
-        rows.append([r.label, capacity, f"{r.block_hit_ratio:.4f}", f"{r.token_hit_ratio:.4f}", ratio,
-                     " ".join(f"{k}={v}" for k, v in r.tier_hits.items()) or "-",
-                     str(sum(v for k, v in r.evictions.items() if k.endswith("/evicted"))),
-                     str(r.demoted_blocks) if r.ssd_blocks else "-",
-                     "-" if r.ssd_bytes_written is None else _human(r.ssd_bytes_written),
-                     str(r.prefill_tokens_saved)])
-    w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w[i]) if i in (0, 5) else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows]
-    lines.insert(1, "  ".join("-" * x for x in w))
-    notes = sorted({n for r in results for n in r.notes})
-    return "\n".join(lines + [f"note: {n}" for n in notes])
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
-
-
 # --------------------------------------------------------------------- CLI
-def read_trace(path: str) -> list[TraceRequest]:
-    """A JSON-lines trace: one ``{"tenant", "tokens": [...], "arrival"}`` per
-    line (``tokens`` required), sorted by arrival."""
-    out: list[TraceRequest] = []
-    try:
-        with open(path) as f:
-            for i, line in enumerate(f):
-                if line.strip():
-                    d = json.loads(line)
-                    out.append(TraceRequest(str(d.get("tenant", "default")),
-                                            np.asarray(d["tokens"], dtype=np.uint32), float(d.get("arrival", i))))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InvalidArgument(f"cannot read trace {path}: {e}") from None
-    out.sort(key=lambda r: r.arrival)
-    return out
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``kvstore replay``."""
     src = p.add_mutually_exclusive_group(required=True)
@@ -690,8 +335,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _capacity(text: str, pt: PreparedTrace, payload: int) -> int:
-    from kvstore.config import parse_size
-
     text = text.strip()
     try:
         v = float(text)
@@ -706,8 +349,8 @@ def _capacity(text: str, pt: PreparedTrace, payload: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``kvstore replay``: print the table (and write JSON); exit 0."""
+    trace: Sequence[w.Request | TraceRequest]
     if args.workload:
-
         try:
             trace = w.make_trace(args.workload, args.seed, w.parse_params(args.workload, args.param), args.quick)
         except ValueError as e:
@@ -718,8 +361,6 @@ def run(args: argparse.Namespace) -> int:
     model = f"replay-{os.getpid()}-{time.time_ns() % 10**9}" if args.target else "replay"
     pt = prepare(trace, args.block_size, model_id=model, name=name)
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
-    from kvstore.core.eviction import PolicyName
-
     for pol in policies:
         PolicyName.parse(pol)
     print(f"trace {name}: {pt.requests} requests, {pt.tokens} prompt tokens, {pt.blocks} blocks "
@@ -760,8 +401,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ssd_blocks(text: str, dram_blocks: int, payload: int) -> int:
-    from kvstore.config import parse_size
-
     text = text.strip().lower()
     if text.endswith("x"):
         return int(round(float(text[:-1]) * dram_blocks))

@@ -67,10 +67,12 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
+
+from kvstore.keys import Namespace, block_keys_array
 
 __all__ = ["Request", "WORKLOADS", "ChatParams", "SharedPromptParams", "AgentParams", "DocQAParams",
            "MixParams", "chat", "shared_prompt", "agent", "docqa", "mix", "make_trace", "parse_params",
@@ -415,8 +417,6 @@ def describe(trace: Sequence[Request], block_size: int = 16) -> dict[str, float]
     outs = np.array([r.output_tokens for r in trace])
     # identify a block by its chained key (kvstore.keys): two requests share
     # a block exactly when a prefix cache would share it
-    from kvstore.keys import Namespace, block_keys_array
-
     tenants = sorted({r.tenant for r in trace})
     ns = {t: Namespace(tenant=t, model_id="trace", block_size=block_size) for t in tenants}
     ids = [block_keys_array(ns[r.tenant], r.tokens).view("<u8").reshape(-1, 2)[:, 0] for r in trace]

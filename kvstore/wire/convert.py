@@ -1,20 +1,19 @@
-"""Proto <-> store conversions of the daemon (kvstore/server.py): status
-codes (``STATUS_TABLE``, the one place they are chosen), namespaces, keys,
-per-key results, slot arrays, HBM descriptors and TTFT parts. Pure
-functions, no I/O."""
+"""Proto <-> Python conversions both ends use: namespaces (``ns_pb`` /
+``ns_from_pb``), keys, tiers, per-key results, slot arrays, HBM descriptors
+and TTFT parts. Pure functions, no I/O. Status codes live in
+``kvstore.wire.status`` (re-exported here for old callers)."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
-import grpc
 import numpy as np
 
 from admission.slo import TTFTBreakdown
-from kvstore import errors
-from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError, PermissionDenied
+from kvstore.errors import InvalidArgument, KeyStatus, PermissionDenied
 from kvstore.keys import Namespace
-from kvstore.results import BatchResult, SlotResult
+from kvstore.results import BatchResult, DropReason, SlotResult
+from kvstore.wire.status import STATUS_TABLE, status_for
 from proto import kvstore_pb2 as pb
 from tiers.base import TierKind
 from tiers.hbm import HbmTier
@@ -22,30 +21,37 @@ from tiers.hbm import HbmTier
 MAX_KEYS = 1 << 20
 """Most keys one call may carry."""
 
-STATUS_TABLE: dict[type[KVStoreError], grpc.StatusCode] = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.NotFound: grpc.StatusCode.NOT_FOUND,
-    errors.CapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
-    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-}
-"""Exception class -> gRPC status. The only place codes are chosen."""
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        code = STATUS_TABLE.get(cls)  # type: ignore[arg-type]
-        if code is not None:
-            return code
-    return grpc.StatusCode.INTERNAL
-
+REASONS: dict[int, DropReason] = {
+    pb.REMOVE_REASON_UNSPECIFIED: DropReason.NONE, pb.REMOVE_REASON_EVICTED: DropReason.EVICTED,
+    pb.REMOVE_REASON_REMOVED: DropReason.REMOVED, pb.REMOVE_REASON_CORRUPT: DropReason.CORRUPT,
+    pb.REMOVE_REASON_MOVED: DropReason.MOVED, pb.REMOVE_REASON_ABORTED: DropReason.ABORTED}
+"""Wire DropReason -> enum."""
+REASON_PB: dict[DropReason, Any] = {v: k for k, v in REASONS.items() if v is not DropReason.NONE}
+"""Enum -> wire DropReason."""
 
 def tier_pb(t: TierKind | int) -> Any:
     """Wire value of a tier (TierKind + 1; typed Any for the generated stubs)."""
     return int(t) + 1
+
+
+def tier_from_pb(value: int) -> TierKind | None:
+    """A wire tier value back to a ``TierKind`` (None for TIER_UNSPECIFIED)."""
+    return TierKind(value - 1) if value else None
+
+
+def tier_name(value: int) -> str:
+    """Label of a wire tier value ("dram"; "unspecified" for 0)."""
+    return TierKind(value - 1).label if value else "unspecified"
+
+
+def tier_codes_from_pb(values: Any) -> np.ndarray:
+    """Wire tier values (a bytes string or a repeated field) -> ``TierKind``
+    values as uint8 (what ``LookupResult.tier_codes`` holds)."""
+    if isinstance(values, (bytes, bytearray)):
+        arr = np.frombuffer(values, np.uint8)
+    else:
+        arr = np.asarray(list(values), np.int64).astype(np.uint8)
+    return arr - np.uint8(1) if arr.size else arr.copy()
 
 
 def status_pb(s: KeyStatus | int) -> Any:
@@ -74,6 +80,13 @@ def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
     return Namespace(**kw)
 
 
+def ns_pb(ns: Namespace) -> pb.Namespace:
+    """``Namespace`` -> proto (what a client sends, and a peer's fetch header)."""
+    d: dict[str, Any] = dict(ns.to_dict())
+    fields = pb.Namespace.DESCRIPTOR.fields_by_name
+    return pb.Namespace(**{k: v for k, v in d.items() if k in fields})
+
+
 def results_pb(keys: list[bytes], res: BatchResult) -> list[pb.KeyResult]:
     return [pb.KeyResult(key=k, status=status_pb(s), detail=res.messages.get(i, ""))
             for i, (k, s) in enumerate(zip(keys, res.statuses))]
@@ -87,7 +100,7 @@ def slots_pb(res: SlotResult) -> pb.SlotArray:
                         checksum=res.checksums.tolist())
 
 
-def _keys(msg_keys: Any) -> list[bytes]:
+def keys_of(msg_keys: Any) -> list[bytes]:
     keys = list(msg_keys)
     if len(keys) > MAX_KEYS:
         raise InvalidArgument(f"{len(keys)} keys in one call; at most {MAX_KEYS}")
@@ -97,7 +110,7 @@ def _keys(msg_keys: Any) -> list[bytes]:
     return keys
 
 
-def _chain_keys(request: Any) -> bytes | list[bytes]:
+def chain_keys(request: Any) -> bytes | list[bytes]:
     """``keys`` or ``keys_packed`` of a request (exactly one may be set)."""
     packed = request.keys_packed
     if packed:
@@ -108,10 +121,10 @@ def _chain_keys(request: Any) -> bytes | list[bytes]:
         if len(packed) // 16 > MAX_KEYS:
             raise InvalidArgument(f"{len(packed) // 16} keys in one call; at most {MAX_KEYS}")
         return bytes(packed)
-    return _keys(request.keys)
+    return keys_of(request.keys)
 
 
-def _want_tier(value: int) -> TierKind | None:
+def want_tier(value: int) -> TierKind | None:
     """A request's tier field: None when unset; HBM or DRAM."""
     if value == 0:
         return None
@@ -131,8 +144,13 @@ def hbm_pb(tier: HbmTier, slab_id: str) -> pb.DeviceMemInfo:
     return info
 
 
-def _ttft_pb(b: TTFTBreakdown) -> pb.TTFTParts:
+def ttft_pb(b: TTFTBreakdown) -> pb.TTFTParts:
     return pb.TTFTParts(queue_s=b.queue_s, prefill_s=b.prefill_s, load_hbm_s=float(b.load_s[0]),
                         load_dram_s=float(b.load_s[1]), load_ssd_s=float(b.load_s[2]),
                         load_remote_s=float(b.load_s[3]), remote_fetch_s=b.remote_fetch_s, total_s=b.total_s,
                         cached_tokens=int(b.cached_tokens), uncached_tokens=int(b.uncached_tokens))
+
+
+__all__ = ["MAX_KEYS", "REASONS", "REASON_PB", "STATUS_TABLE", "chain_keys", "hbm_pb", "keys_of", "ns_from_pb", "ns_pb", "results_pb",
+           "slots_pb", "status_for", "status_pb", "tier_codes_from_pb", "tier_from_pb", "tier_name", "tier_pb",
+           "ttft_pb", "want_tier"]

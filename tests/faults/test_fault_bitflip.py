@@ -35,7 +35,7 @@ def _keys(seed: int, n: int) -> list[bytes]:
 def _rows(d, keys: list[bytes]) -> list[int]:
     def find() -> list[int]:
         st = d.store
-        nid = st._nsid(NS, create=False)
+        nid = st.namespace_id(NS, create=False)
         return st.index.find_committed(nid, keys_to_array(keys)).tolist()
 
     return d.call(find)

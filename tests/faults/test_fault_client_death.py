@@ -53,7 +53,7 @@ def _snapshot(d) -> dict[str, int]:
         rows = idx.used_rows()
         committed = rows[idx.state[rows] == BlockState.COMMITTED]
         slot = st.dram.footprint(BS)
-        return {"sessions": len(d.daemon.sessions), "leases": len(st._leases), "reservations": len(st._reservations),
+        return {"sessions": len(d.daemon.sessions), "leases": st.hold_counts()[0], "reservations": st.hold_counts()[1],
                 "pinned_rows": int((idx.pins[rows] > 0).sum()), "reserved_rows": int((idx.state[rows] == 1).sum()),
                 "leaked_slots": (st.dram.used_bytes - int(committed.size) * slot) // slot}
 

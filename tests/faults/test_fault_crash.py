@@ -12,16 +12,15 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
 from kvstore.client import Client
 from kvstore.errors import KeyStatus, KVStoreError
-from kvstore.keys import Namespace, block_keys
+from kvstore.keys import Namespace
 from kvstore.core.store import StoreConfig, TieredStore
 from kvstore.core.ssd_mover import SsdSpec
 from tests.conftest import payload_for
 from tests.faults.faultlib import Serve, isetting, record, slabs_of
 from tests.integration.conftest import wait_until
+from tests.support.keys import chain_keys
 
 NS = Namespace(tenant="acme", model_id="llama", block_size=16)
 BS = 64 * 1024
@@ -29,10 +28,6 @@ BS = 64 * 1024
 
 def P(k: bytes) -> bytes:
     return payload_for(b"crash", k, BS)
-
-
-def chain_keys(seed: int, n: int) -> list[bytes]:
-    return block_keys(NS, np.random.default_rng(seed).integers(0, 50000, size=n * 16))
 
 
 # (name, extra serve flags, env): "puts" keeps most blocks in DRAM and copies
@@ -59,7 +54,7 @@ def _check(c: Client, written: list[list[bytes]]) -> tuple[int, int, int]:
 
 def _demotions(c: Client) -> int:
     try:
-        return sum(int(t.get("demotions", 0)) for t in c.stats()["tiers"])
+        return sum(t.demotions for t in c.stats().tiers)
     except KVStoreError:
         return 0
 
@@ -89,7 +84,7 @@ def test_sigkill_during_puts_and_demotion(tmp_path) -> None:
                 stats["checked"] += checked
                 stats["hits"] += hits
                 stats["wrong"] += wrong
-                stats["checksum_failures"] += int(c.stats()["checksum_failures"])
+                stats["checksum_failures"] += c.stats().checksum_failures
                 assert wrong == 0, f"round {rnd}: {wrong} blocks came back with wrong bytes"
                 if rnd == rounds:
                     break  # the final clean start: checked, done

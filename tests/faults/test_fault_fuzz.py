@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import random
-import struct
 import time
 from typing import Any, Callable
 

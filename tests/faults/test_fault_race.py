@@ -198,7 +198,7 @@ def test_eviction_racing_lookup_acquire(race_daemon) -> None:
         stop.set()
         t.join(60)
     evictions = d.call(lambda: sum(v for (_, r), v in d.store.counters.evictions.items() if r == "evicted"))
-    leftovers = d.call(lambda: (len(d.store._leases), len(d.store._reservations)))
+    leftovers = d.call(lambda: d.store.hold_counts())
     c = Shared.counts
     record("eviction_race", steps=c["steps"], concurrent_bursts=c["bursts"], leases=c["leases"],
            leases_shorter_than_lookup=c["lease_shrunk"], blocks_read=c["reads"], blocks_hit=c["hits"],

@@ -19,11 +19,12 @@ import numpy as np
 
 from kvstore.client import Client, ns_pb
 from kvstore.errors import DeadlineExceeded, KeyStatus, KVStoreError
-from kvstore.keys import Namespace, block_keys
+from kvstore.keys import Namespace
 from proto import kvstore_pb2 as pb
 from tests.conftest import payload_for
 from tests.faults.faultlib import record, setting
 from tests.integration.conftest import wait_until
+from tests.support.keys import chain_keys
 from tiers.ssd import OsFileLayer
 
 NS = Namespace(tenant="acme", model_id="llama", block_size=16)
@@ -32,10 +33,6 @@ BS = 64 * 1024
 
 def P(k: bytes) -> bytes:
     return payload_for(b"res", k, BS)
-
-
-def chain_keys(seed: int, n: int) -> list[bytes]:
-    return block_keys(NS, np.random.default_rng(seed).integers(0, 50000, size=n * 16))
 
 
 class FaultFs(OsFileLayer):
@@ -132,7 +129,7 @@ def _leftovers(d) -> tuple[int, int, int]:
     """(leases, reservations, pinned rows) in the store."""
     def go() -> tuple[int, int, int]:
         st = d.store
-        return len(st._leases), len(st._reservations), int((st.index.pins[st.index.used_rows()] > 0).sum())
+        return *st.hold_counts(), int((st.index.pins[st.index.used_rows()] > 0).sum())
 
     return d.call(go)
 

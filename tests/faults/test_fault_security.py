@@ -9,7 +9,6 @@ import ast
 import os
 import stat
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,10 @@ from hypothesis import strategies as st
 
 from kvstore.client import Client, ns_pb
 from kvstore.config import load_config
-from kvstore.errors import KeyStatus, PermissionDenied, Unauthenticated
+from kvstore.errors import KeyStatus, PermissionDenied
 from kvstore.core.index import BlockIndex
 from kvstore.keys import HashAlgo, KVDtype, KVLayout, Namespace, block_keys
+from kvstore.results import EventKind
 from proto import kvstore_pb2 as pb
 from tests.conftest import payload_for
 from tests.faults.faultlib import ROOT, isetting, record
@@ -217,12 +217,12 @@ def _isolation_checks(d: Any, ns_a: Namespace, ns_b: Namespace, tag: bytes, n: i
         b.clear(ns_b)
         b.clear(None)  # "all namespaces" = all of beta's
         st = b.stats()
-        leaks += sum(1 for n_ in st.get("namespaces", []) if n_.get("namespace_label", "").startswith("acme"))
+        leaks += sum(1 for n_ in st.namespaces if n_.label.startswith("acme"))
         # beta's watch sees none of acme's events; acme's sees its own
         theirs = list(b.watch_events(after_seq=seq0, timeout=1.5))
-        leaks += sum(1 for e in theirs if e.WhichOneof("kind") == "stored" and set(e.stored.keys) & set(keys))
+        leaks += sum(1 for e in theirs if e.kind is EventKind.STORED and set(e.keys) & set(keys))
         mine = list(a.watch_events(after_seq=seq0, timeout=1.5))
-        assert colliding or any(e.WhichOneof("kind") == "stored" and set(e.stored.keys) & set(keys) for e in mine)
+        assert colliding or any(e.kind is EventKind.STORED and set(e.keys) & set(keys) for e in mine)
         # beta cannot act on acme's lease or reservation ids, nor use acme's session
         la = a.acquire(ns_a, keys[:2])
         for call, req in ((b.stub.Release, pb.ReleaseRequest(lease_id=la.lease_id)),):

@@ -5,7 +5,6 @@ stand-in (``cluster_fake``)."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -14,8 +13,7 @@ from proto import kvstore_pb2 as pb
 from tests.integration import cluster_fake
 from tests.integration.conftest import wait_until
 from tests.integration.etcd_fixture import etcd  # noqa: F401  (fixture)
-from tests.integration.test_cluster_inproc import NS, Node, chain, payloads
-from kvstore.client import ns_pb
+from tests.integration.test_cluster_inproc import Node, chain, payloads
 
 
 @pytest.fixture(autouse=True)

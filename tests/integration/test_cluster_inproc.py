@@ -14,6 +14,7 @@ from kvstore.client import ns_pb
 from kvstore.keys import Namespace, block_keys
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
+from tiers.base import TierKind
 from tests.faults.faultlib import free_port
 from tests.integration import cluster_fake
 from tests.integration.conftest import wait_until
@@ -260,7 +261,7 @@ def test_python_client_cluster_lookup_and_acquire(make_daemon):
         wait_until(lambda: c.cluster_lookup(NS, keys).remote_blocks == 4, 10, "remote blocks visible")
         cl = c.cluster_lookup(NS, keys)
         assert cl.decision == "fetch" and cl.local_blocks == 0 and cl.fetch_s < cl.recompute_s
-        assert [t for t, _, _ in cl.locations] == ["remote"] * 4
+        assert [loc.tier for loc in cl.locations] == [TierKind.REMOTE] * 4
         with c.acquire(NS, keys) as lease:  # without cluster: nothing moves
             assert lease.hit_blocks == 0
         with c.acquire(NS, keys, cluster=True) as lease:

@@ -15,19 +15,17 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.errors import (InvalidArgument, KeyStatus, NotFound, PermissionDenied, Unauthenticated)
-from kvstore.keys import Namespace, block_keys
+from kvstore.keys import Namespace
+from kvstore.results import EventKind
+from tiers.base import TierKind
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import payload_for
 from tests.integration.conftest import wait_until
+from tests.support.keys import chain_keys
 
 BS = 64 * 1024
 NS = Namespace(tenant="acme", model_id="llama", block_size=16)
-
-
-def chain_keys(seed: int, n: int, ns: Namespace = NS) -> list[bytes]:
-    toks = np.random.default_rng(seed).integers(0, 50000, size=n * ns.block_size)
-    return block_keys(ns, toks)
 
 
 def P(k: bytes, size: int = BS) -> bytes:
@@ -42,7 +40,7 @@ def test_put_lookup_get_roundtrip(daemon, use_shm):
         assert c.put(NS, keys[:5], [P(k) for k in keys[:5]]) == [KeyStatus.OK] * 5
         assert c.put(NS, keys[5:], [P(k) for k in keys[5:]], parent=keys[4]) == [KeyStatus.OK] * 3
         look = c.lookup(NS, keys + chain_keys(2, 2))
-        assert look.hit_blocks == 8 and look.tiers == ["dram"] * 8
+        assert look.hit_blocks == 8 and look.tiers == [TierKind.DRAM] * 8
         got = c.get(NS, keys + chain_keys(3, 1))
         assert [g.tobytes() for g in got[:8]] == [P(k) for k in keys] and got[8] is None
         outs = [np.empty(BS, np.uint8) for _ in keys]
@@ -211,7 +209,7 @@ def test_auth_and_tenant_isolation(make_daemon, tmp_path):
         with pytest.raises(PermissionDenied):
             b.admin_set_policy("lfu")
     with Client(d.target, token="tok-admin") as ops:
-        assert ops.admin_set_policy("lfu")["old_policy"] == "lru"
+        assert ops.admin_set_policy("lfu").old_policy == "lru"
 
 
 def test_watch_events_replay_and_gap(make_daemon):
@@ -220,16 +218,16 @@ def test_watch_events_replay_and_gap(make_daemon):
     with Client(d.target) as c:
         c.put(NS, keys[:1], [P(keys[0])])
         evs = list(c.watch_events(after_seq=0, timeout=1.0))
-        assert [e.WhichOneof("kind") for e in evs] == ["stored"]
+        assert [e.kind for e in evs] == [EventKind.STORED]
         last = evs[-1].seq
         c.put(NS, keys[1:2], [P(keys[1])], parent=keys[0])
         more = list(c.watch_events(after_seq=last, timeout=1.0))
-        assert [e.seq for e in more] == [last + 1] and list(more[0].stored.keys) == keys[1:2]
+        assert [e.seq for e in more] == [last + 1] and list(more[0].keys) == keys[1:2]
         for i in range(6):
             c.remove(NS, keys[1:2])
             c.put(NS, keys[1:2], [P(keys[1])], parent=keys[0])
         lost = list(c.watch_events(after_seq=last, timeout=1.0))
-        assert lost[0].WhichOneof("kind") == "gap" and lost[0].gap.first_available_seq > last + 1
+        assert lost[0].kind is EventKind.GAP and lost[0].first_available_seq > last + 1
 
 
 def test_admin_config_policy_and_resize_under_load(make_daemon):
@@ -258,10 +256,10 @@ def test_admin_config_policy_and_resize_under_load(make_daemon):
         t.start()
         try:
             out = c.admin_resize("dram", 4 << 20)
-            assert int(out["new_capacity_bytes"]) == 4 << 20
+            assert out.new_capacity_bytes == 4 << 20
             out = c.admin_resize("dram", 12 << 20)
-            assert int(out["new_capacity_bytes"]) == 12 << 20
-            assert c.admin_set_policy("cost")["new_policy"] == "cost"
+            assert out.new_capacity_bytes == 12 << 20
+            assert c.admin_set_policy("cost").new_policy == "cost"
             with pytest.raises(InvalidArgument):
                 c.admin_set_policy("random")
         finally:
@@ -271,7 +269,7 @@ def test_admin_config_policy_and_resize_under_load(make_daemon):
         got = c.get(NS, keys[:8])
         assert all(g is None or g.tobytes() == P(k) for g, k in zip(got, keys[:8]))
         st = c.stats()
-        assert st["tiers"][0]["capacity_bytes"] in ("12582912", 12582912)
+        assert st.tiers[0].capacity_bytes == 12582912
 
 
 def test_concurrent_clients_get_their_own_bytes(daemon):
@@ -302,4 +300,4 @@ def test_report_corrupt_drops_and_counts(daemon):
         c.put(NS, keys, [P(k) for k in keys])
         assert c.report_corrupt(NS, keys[1:2]) == 1
         assert c.lookup(NS, keys).hit_blocks == 1  # the block and its descendant are gone
-        assert int(c.stats()["checksum_failures"]) == 1
+        assert c.stats().checksum_failures == 1

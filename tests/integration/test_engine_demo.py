@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvstore.tools import cli# noqa: E402
+from kvstore.tools import cli  # noqa: E402
 from kvstore.tools.demo import QUESTIONS, format_runs, run_demo, system_prompt  # noqa: E402
 
 

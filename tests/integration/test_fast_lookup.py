@@ -1,4 +1,4 @@
-"""The same-host fast Lookup socket (kvstore/fastlookup.py): same answers as
+"""The same-host fast Lookup socket (kvstore.daemon.socket_server, kvstore.client.socket): same answers as
 gRPC Lookup, bound to the session's tenant, clean errors, gRPC fallback."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 from kvstore.client import Client, ns_pb
 from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied, Unauthenticated, Unavailable
-from kvstore.daemon.socket_server import LookupSocketClient
+from kvstore.client.socket import LookupSocketClient
 from kvstore.keys import Namespace, block_keys
+from tiers.base import TierKind
 
 BS = 4096
 
@@ -48,7 +49,7 @@ def test_fast_lookup_answers_like_grpc(uds_daemon):
         for probe in (keys, keys[:1], keys[:17] + other, other, []):
             a, b = fast.lookup(ns, probe), slow.lookup(ns, probe)
             assert a == b
-        assert fast.lookup(ns, keys).hit_blocks == 40 and fast.lookup(ns, keys).tiers == ["dram"] * 40
+        assert fast.lookup(ns, keys).hit_blocks == 40 and fast.lookup(ns, keys).tiers == [TierKind.DRAM] * 40
         # each fast lookup is counted by the store like a gRPC one
         assert uds_daemon.store.counters.lookups - before == 12
         with pytest.raises(InvalidArgument):

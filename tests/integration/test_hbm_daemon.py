@@ -19,6 +19,7 @@ from kvstore.client import Client, ns_pb  # noqa: E402
 from kvstore.errors import KeyStatus, Unavailable  # noqa: E402
 from kvstore.core.hbm_mover import cuda_device_count  # noqa: E402
 from kvstore.keys import Namespace, block_keys  # noqa: E402
+from tiers.base import TierKind  # noqa: E402
 from proto import kvstore_pb2 as pb  # noqa: E402
 from tests.conftest import payload_for  # noqa: E402
 from tests.integration.conftest import wait_until  # noqa: E402
@@ -69,7 +70,7 @@ def test_handshake_descriptors_readers_and_stats(make_daemon):
             c.map_hbm()
         keys = keys_of(1, 4)
         put_hbm(d, c, keys)
-        assert c.lookup(NS, keys).tiers == ["hbm"] * 4
+        assert c.lookup(NS, keys).tiers == [TierKind.HBM] * 4
         # an engine that maps HBM gets HBM slots (device id included)
         a = c._call(c.stub.Acquire, pb.AcquireRequest(ns=ns_pb(NS), keys_packed=pack(keys), tier=pb.TIER_HBM))
         assert a.hit_blocks == 4 and list(a.slots.tier) == [pb.TIER_HBM] * 4 and a.slots.device == 0
@@ -78,17 +79,17 @@ def test_handshake_descriptors_readers_and_stats(make_daemon):
         with Client(d.target, use_shm=False) as inline:
             got = inline.get(NS, keys)
         assert [bytes(g) for g in got] == [payload_for(b"h", k, BS) for k in keys]
-        assert c.lookup(NS, keys).tiers == ["hbm"] * 4
+        assert c.lookup(NS, keys).tiers == [TierKind.HBM] * 4
         # a shared-memory reader gets DRAM slots: the blocks move down for it
         with c.acquire(NS, keys) as lease:
             assert lease.hit_blocks == 4 and lease.tiers == [pb.TIER_DRAM - 1] * 4
             assert [bytes(v) for v in lease.views] == [payload_for(b"h", k, BS) for k in keys]
         st = c.stats()
-        tiers = {t["tier"]: t for t in st["tiers"]}
-        assert "TIER_HBM" in tiers or "hbm" in tiers
-        hb = tiers.get("TIER_HBM") or tiers["hbm"]
-        dr = tiers.get("TIER_DRAM") or tiers["dram"]
-        assert int(hb["demotions"]) == 4 and int(hb["hits"]) == 8 and int(dr["hits"]) == 4
+        tiers = {t.tier: t for t in st.tiers}
+        assert TierKind.HBM in tiers
+        hb = tiers[TierKind.HBM]
+        dr = tiers[TierKind.DRAM]
+        assert hb.demotions == 4 and hb.hits == 8 and dr.hits == 4
         # asking for hbm promotes them back
         a = c._call(c.stub.Acquire, pb.AcquireRequest(ns=ns_pb(NS), keys_packed=pack(keys), tier=pb.TIER_HBM))
         assert list(a.slots.tier) == [pb.TIER_HBM] * 4
@@ -153,12 +154,12 @@ def test_engine_dying_with_hbm_leases_releases_them_slab_intact(make_daemon):
             line = p.stdout.readline()
             assert line.startswith("READY 6"), line
             assert f"[{pb.TIER_HBM}, {pb.TIER_HBM}, {pb.TIER_HBM}]" in line  # reserved HBM slots too
-            assert d.call(lambda: (len(d.store._leases), len(d.store._reservations))) == (1, 1)
+            assert d.call(lambda: d.store.hold_counts()) == (1, 1)
             assert d.call(lambda: d.store.hbm.tier.used_bytes) > used0
         finally:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
-        wait_until(lambda: d.call(lambda: (len(d.store._leases), len(d.store._reservations))) == (0, 0),
+        wait_until(lambda: d.call(lambda: d.store.hold_counts()) == (0, 0),
                    what="the dead engine's lease and reservation to be reclaimed")
         idx = d.store.index
 

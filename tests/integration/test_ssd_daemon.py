@@ -12,22 +12,18 @@ import sys
 import threading
 import time
 
-import numpy as np
-import pytest
 
 from kvstore.client import Client
 from kvstore.errors import KeyStatus, KVStoreError
-from kvstore.keys import Namespace, block_keys
+from kvstore.keys import Namespace
+from tiers.base import TierKind
 from proto import kvstore_pb2 as pb
 from tests.conftest import payload_for
 from tests.integration.conftest import wait_healthy, wait_until
+from tests.support.keys import chain_keys
 
 NS = Namespace(tenant="acme", model_id="llama", block_size=16)
 BS = 64 * 1024
-
-
-def chain_keys(seed: int, n: int) -> list[bytes]:
-    return block_keys(NS, np.random.default_rng(seed).integers(0, 50000, size=n * 16))
 
 
 def P(k: bytes) -> bytes:
@@ -48,16 +44,16 @@ def test_restart_recovers_blocks_on_ssd_and_prefetch_stages_them(make_daemon, tm
     assert d2.store.recovery.blocks == 12
     with Client(d2.target) as c:
         look = c.lookup(NS, keys)
-        assert look.hit_blocks == 12 and look.tiers == ["ssd"] * 12
+        assert look.hit_blocks == 12 and look.tiers == [TierKind.SSD] * 12
         r = c._call(c.stub.Prefetch, pb.PrefetchRequest(ns=__import__("kvstore.client").client.ns_pb(NS),
                                                          keys=keys[:6]))
         assert (r.hit_blocks, r.in_dram, r.queued) == (6, 0, 6)
-        wait_until(lambda: c.lookup(NS, keys[:6]).tiers == ["dram"] * 6, what="prefetch")
+        wait_until(lambda: c.lookup(NS, keys[:6]).tiers == [TierKind.DRAM] * 6, what="prefetch")
         got = c.get(NS, keys)  # the rest is promoted by Acquire
         assert [g.tobytes() for g in got] == [P(k) for k in keys]
         st = c.stats()
-        tiers = {t["tier"]: int(t["blocks"]) for t in st["tiers"]}
-        assert tiers == {"TIER_DRAM": 12, "TIER_SSD": 0}  # promoted (their SSD copies kept)
+        tiers = {t.tier: t.blocks for t in st.tiers}
+        assert tiers == {TierKind.DRAM: 12, TierKind.SSD: 0}  # promoted (their SSD copies kept)
 
 
 def _serve(repo_root: str, sock: str, ssd_dir: str) -> subprocess.Popen[str]:

@@ -77,9 +77,9 @@ async def client():
     """A BlockClient on this test's loop, UCX warmed up (its one-time set-up
     is synchronous and would eat the first deadline); UCX is shut down after
     the test so no UCX thread outlives the loop."""
-    from transport.ucx import _ucx
+    from transport.ucx import ucx_module
 
-    _ucx("127.0.0.1", None)
+    ucx_module("127.0.0.1", None)
     c = BlockClient()
     yield c
     await c.close()

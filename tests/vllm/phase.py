@@ -5,6 +5,7 @@ and writes what happened as JSON. Used by tests/vllm and bench/vllm.py.
     phase.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "target": "127.0.0.1:port", "stats_path": file,
+       "llm_kwargs": {...} (more LLM(...) arguments: hf_overrides, served_model_name),
        "prefix_caching": bool, "max_tokens": int, "connector": bool,
        "prompts": [{"name", "tokens": [...], "load": bool, "save": bool,
                     "wait_for": file (optional: block until it exists, after
@@ -44,7 +45,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], max_model_len=spec.get("max_model_len", 4096), enforce_eager=True,
               dtype=spec.get("dtype", "bfloat16"), seed=0, enable_prefix_caching=spec.get("prefix_caching", True),
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096), **kw)
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096), **kw, **spec.get("llm_kwargs", {}))
     startup = time.perf_counter() - t0
     results = []
     for p in spec["prompts"]:

@@ -11,18 +11,19 @@ next step's plan -> ``wait_for_save`` -> ``get_finished``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.request import Request, RequestStatus
 
 from engine_adapter.vllm import KVStoreConnector
 from kvstore.client import Client
 from kvstore.keys import block_keys
-from vllm import SamplingParams
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.request import Request, RequestStatus
 
 BS, NB, LAYERS, KVH, HEAD = 16, 8, 2, 1, 4
 
@@ -104,7 +105,45 @@ def main() -> None:
     down.wait_for_save()
     res["sent_down"] = sorted(down.get_finished({"late"})[0] or [])
     res["faults_down"] = down.stats["faults"]
+    res["lora"] = lora_ids(sched)
     json.dump(res, open(out_path, "w"))
+
+
+def lora_ids(sched: KVStoreConnector) -> dict:
+    """The namespace adapter id of a LoRA request: the digest of the
+    adapter's files, not its name or path."""
+    import shutil
+    import tempfile
+
+    from vllm.lora.request import LoRARequest
+
+    from kvstore import identity
+
+    work = tempfile.mkdtemp(prefix="tail-lora-")
+    a = os.path.join(work, "a")
+    os.makedirs(a)
+    with open(os.path.join(a, "adapter_config.json"), "w") as f:
+        json.dump({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+                   "base_model_name_or_path": "/models/base"}, f)
+    with open(os.path.join(a, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"lora weights v1")
+    copy = shutil.copytree(a, os.path.join(work, "copy"))
+    prompt = list(range(3, 3 + 2 * BS))
+
+    def adapter(rid: str, lora: LoRARequest) -> tuple[str, str]:
+        r = Request(rid, prompt, SamplingParams(max_tokens=4), None, lora_request=lora)
+        st = sched.scheduler.state(r)
+        return st.adapter, st.lora_name
+
+    out = {"v1": adapter("lora-1", LoRARequest("mine", 1, a)),
+           "renamed_copy": adapter("lora-2", LoRARequest("other-name", 2, copy)),
+           "want_v1": identity.adapter_digest(a)}
+    with open(os.path.join(a, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"lora weights v2")
+    out["v2"] = adapter("lora-3", LoRARequest("mine", 3, a))
+    out["missing"] = adapter("lora-4", LoRARequest("gone", 4, os.path.join(work, "nowhere")))
+    shutil.rmtree(work)
+    return out
 
 
 if __name__ == "__main__":

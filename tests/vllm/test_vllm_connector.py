@@ -31,8 +31,8 @@ import pytest
 
 from engine_adapter.router import PrefixRouter
 from kvstore.client import Client
-from kvstore.core.index import keys_to_array
 from kvstore.keys import Namespace
+from kvstore.results import EventKind
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
 from tests.vllm.conftest import require_vllm, run_phase
 
@@ -59,10 +59,10 @@ def _chain_keys(d: DaemonThread) -> list[bytes]:
     keys: list[bytes] = []
     with Client(d.target) as c:
         for ev in c.watch_events(after_seq=0, timeout=1.0):
-            if ev.WhichOneof("kind") != "stored":
+            if ev.kind is not EventKind.STORED:
                 continue
-            if not keys or ev.stored.parent == keys[-1]:
-                keys += list(ev.stored.keys)
+            if not keys or ev.parent == keys[-1]:
+                keys += list(ev.keys)
     return keys
 
 

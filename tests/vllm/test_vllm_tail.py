@@ -39,3 +39,10 @@ def test_finished_request_tail_is_saved_before_its_blocks_are_freed(tmp_path) ->
     assert (r["hit_chain"], r["hit_block2"], r["hit_block3"]) == (3, 1, 0)
     assert r["get"] == ["OK"] and r["bytes_equal"]  # the bytes of vLLM block 6 across both layers
     assert r["late"] == [True, None] and r["sent_down"] == ["late"] and r["faults_down"] >= 1
+    # a LoRA is named by its files: the same files under another name and
+    # path share blocks, new files under the same name do not
+    lora = r["lora"]
+    assert lora["v1"] == [lora["want_v1"], "mine"] and lora["want_v1"].startswith("lora:")
+    assert lora["renamed_copy"] == [lora["want_v1"], "other-name"]
+    assert lora["v2"][0] != lora["want_v1"]
+    assert lora["missing"] == ["name:gone", "gone"]

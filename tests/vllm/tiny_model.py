@@ -4,7 +4,10 @@ layers, 4 heads, 2 KV heads, float32 weights from a fixed seed, and an
 offline WordLevel tokenizer saved as PreTrainedTokenizerFast. Nothing is
 downloaded.
 
-    .venv-vllm/bin/python tests/vllm/tiny_model.py OUT_DIR
+    .venv-vllm/bin/python tests/vllm/tiny_model.py OUT_DIR [SEED]
+
+SEED (default 0) draws the weights: another seed, same architecture and
+config (the weights update of tests/vllm/test_vllm_identity.py).
 """
 
 from __future__ import annotations
@@ -46,4 +49,4 @@ def build(out: str, seed: int = 0) -> str:
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1]))
+    print(build(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from admission import (AdmissionConfig, AdmissionController, ClassFairness, DecisionKind, PredictorConfig,
-                       RateLimit, TenantRateLimiter, TierLoad, TTFTPredictor, hit_counts)
+                       RateLimit, ReasonCode, TenantRateLimiter, TierLoad, TTFTPredictor, hit_counts)
 from kvstore.errors import InvalidArgument
 from tiers.base import TierKind
 
@@ -154,6 +154,7 @@ def test_degraded_when_recomputing_ssd_blocks_beats_waiting(clock: FakeClock) ->
     ctl = AdmissionController(TTFTPredictor(cfg(), clock))
     d = ctl.decide("t", 5000, {TierKind.DRAM: 100, TierKind.SSD: 200}, 16, 8 * MIB, 0.6, queue_wait_s=0.0)
     assert d.kind is DecisionKind.ADMIT_DEGRADED and d.reason_code == "skip_ssd"
+    assert d.reason_code is ReasonCode.SKIP_SSD
     assert d.use_blocks == 100 and d.recompute_blocks == 200
     assert d.predicted.load(TierKind.SSD) == 0.0 and d.full.load(TierKind.SSD) > 1.0
     assert d.predicted.total_s < 0.6 < d.full.total_s
@@ -244,6 +245,26 @@ def test_rate_limited_tenant_is_rejected_with_retry_after(clock: FakeClock) -> N
     s = ctl.stats()
     assert s.decisions[("t", "reject")] == 2 and s.decisions[("t", "admit")] == 3
     assert s.reasons["rate_limited"] == 1 and s.reasons["slo"] == 1
+    assert s.reasons[ReasonCode.RATE_LIMITED] == 1 and s.reasons[ReasonCode.SLO] == 1
+
+
+def test_reason_codes_keep_their_wire_values() -> None:
+    # the values are what the Admit RPC carries as reason_code and metrics use as a label
+    assert {c.value for c in ReasonCode} == {"ok", "skip_hbm", "skip_dram", "skip_ssd", "skip_remote", "slo",
+                                             "fairness", "rate_limited"}
+    assert all(c == c.value and str(c) == c.value and f"{c}" == c.value for c in ReasonCode)
+    assert ReasonCode.skip(TierKind.SSD) is ReasonCode.SKIP_SSD
+    assert ReasonCode.skip(TierKind.REMOTE) is ReasonCode.SKIP_REMOTE
+    assert {ReasonCode.skip(t) for t in TierKind} <= set(ReasonCode)
+
+
+def test_a_configured_degrade_plan_for_dram_has_its_code(clock: FakeClock) -> None:
+    # a plan that recomputes from the first DRAM block (not in the default plans)
+    config = AdmissionConfig(degrade_tiers=((TierKind.DRAM, TierKind.SSD, TierKind.REMOTE),))
+    ctl = AdmissionController(TTFTPredictor(cfg(), clock), config)
+    d = ctl.decide("t", 5000, {TierKind.DRAM: 100, TierKind.SSD: 200}, 16, 8 * MIB, 0.6, queue_wait_s=0.0)
+    assert d.kind is DecisionKind.ADMIT_DEGRADED and d.reason_code is ReasonCode.SKIP_DRAM
+    assert d.use_blocks == 0 and d.recompute_blocks == 300
 
 
 def test_fairness_tightens_classes_over_share_while_another_is_starved(clock: FakeClock) -> None:

@@ -75,7 +75,7 @@ def test_pinned_and_reserved_blocks_are_never_victims(ns, policy):
         res = put(st, ns, chain(b"new", 4))
         assert res.count(KeyStatus.OK) == 3  # only the free chain could go
         assert held(st, ns, pinned) == 3
-        assert all(st.index.state[st.index.find(st._nsid(ns), keys_to_array(reserved))] == BlockState.RESERVED)
+        assert all(st.index.state[st.index.find(st.namespace_id(ns), keys_to_array(reserved))] == BlockState.RESERVED)
         assert held(st, ns, free) == 0
         st.abort(h.handle, "w")
         st.index.check_invariants()
@@ -114,7 +114,7 @@ def test_selection_equals_one_leaf_at_a_time(ns, policy, seed):
             k = rnd.choice(heads)
             st.get(ns, [k]) if st.lookup(ns, [k]).hit_blocks else None
         for k in range(1, 20, 3):
-            got = st._victims(TierKind.DRAM, None, k).tolist()
+            got = st.place.victims(TierKind.DRAM, None, k).tolist()
             assert set(got) == set(_reference(st, k)), k
             # closed under descendants, children listed first
             pos = {r: i for i, r in enumerate(got)}
@@ -127,7 +127,7 @@ def test_subtree_max_follows_parent_links_within_the_set(ns):
     with store(16, "lru") as st:
         a = chain(b"a", 4)
         put(st, ns, a)
-        rows = st.index.find(st._nsid(ns), keys_to_array(a))
+        rows = st.index.find(st.namespace_id(ns), keys_to_array(a))
         vals = np.array([5.0, 1.0, 7.0, 2.0])
         assert subtree_max(st.index, rows, vals).tolist() == [7.0, 7.0, 7.0, 2.0]
         # without the middle block, the root no longer sees below it

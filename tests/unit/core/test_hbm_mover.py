@@ -3,7 +3,6 @@ DRAM (and SSD), promotion, readers, resize, faults. Byte-exact throughout."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")

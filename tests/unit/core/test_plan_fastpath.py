@@ -1,4 +1,4 @@
-"""``_plan``'s all-new fast path answers exactly what its per-key loop
+"""``plan``'s all-new fast path answers exactly what its per-key loop
 answers, on batches it takes and on ones it must leave to the loop."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.core import store as store_mod
+from kvstore.core import plan as plan_mod
 from kvstore.errors import KeyStatus
 from kvstore.core.index import keys_to_array
 from kvstore.keys import Namespace
@@ -20,14 +20,16 @@ NS = Namespace(tenant="t", model_id="m", block_size=4)
 
 def _plans(st: TieredStore, keys: list[bytes], sizes: list[int], parent: bytes | None,
            monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], list[int], list[KeyStatus], dict[int, str]]]:
-    nid = st._nsid(NS)
+    nid = st.namespace_id(NS)
     out = []
     for fast in (True, False):
         with monkeypatch.context() as m:
             if not fast:
-                m.setattr(store_mod, "_plan_all_new", lambda *a: False)
+                m.setattr(plan_mod, "all_new", lambda *a: False)
             res = BatchResult([KeyStatus.OK] * len(keys))
-            todo, prefs = st._plan(nid, keys_to_array(keys), list(sizes), parent, res)
+            prow = plan_mod.parent_row(st.index, nid, parent)
+            todo, prefs = plan_mod.plan(st.index, nid, keys_to_array(keys), list(sizes), prow,
+                                        st.block_bytes(NS), st.dram.footprint, res)
             out.append((todo, prefs, list(res.statuses), dict(res.messages)))
     return out
 

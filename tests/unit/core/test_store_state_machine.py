@@ -155,12 +155,12 @@ class StoreMachine(RuleBasedStateMachine):
         for off in st_.index.loc[rows].tolist():
             per_page[off // t.page_bytes] = per_page.get(off // t.page_bytes, 0) + 1
         free_slots = 0
-        for pno, page in enumerate(t._pages):
-            assert page.used == per_page.get(pno, 0)
-            if page.cls >= 0:
-                free_slots += len(page.free)
-                assert page.used + len(page.free) == t.page_bytes // BS
-        free_slots += len(t._free_pages) * (t.page_bytes // BS)
+        for pno, (cls, used, free) in enumerate(t.pages()):
+            assert used == per_page.get(pno, 0)
+            if cls >= 0:
+                free_slots += free
+                assert used + free == t.page_bytes // BS
+        free_slots += t.free_pages * (t.page_bytes // BS)
         assert free_slots + len(rows) == t.capacity_bytes // BS
 
     @invariant()

@@ -367,7 +367,7 @@ def test_resolved_helpers(tmp_path: Path) -> None:
 
 
 @dataclass(slots=True, frozen=True)
-class _ExtraSection(cfgmod._Section):
+class _ExtraSection(cfgmod.Section):
     """A section a later issue might add: new fields get parsing for free."""
 
     SECTION: ClassVar[str] = "extra"
@@ -392,3 +392,79 @@ def test_extension_section_errors() -> None:
     with pytest.raises(ConfigError, match=r"extra\.ratio.*finite number"):
         _ExtraSection(ratio="nan")  # type: ignore[arg-type]
     assert _ExtraSection(ratio="0.25").ratio == 0.25  # type: ignore[arg-type]
+
+
+# --- the pydantic / pydantic-settings layers ---------------------------------
+
+
+def test_nested_env_names_split_at_the_section() -> None:
+    # field names hold underscores too: only the first one after the section splits
+    cfg = load_config(env={
+        "KVSTORE_SERVER_AUTH_TOKEN_ENV": "MY_TOKENS",
+        "KVSTORE_SERVER_MAX_MESSAGE_BYTES": "8MiB",
+        "KVSTORE_CLUSTER_PEER_BANDWIDTH_GBPS": "25",
+        "KVSTORE_ADMISSION_QOS_MAX_CONCURRENCY": "8",
+        "KVSTORE_SSD_SYNC": "off",
+    })
+    assert cfg.server.auth_token_env == "MY_TOKENS"
+    assert cfg.server.max_message_bytes == 8 * MiB
+    assert cfg.cluster.peer_bandwidth_gbps == 25.0
+    assert cfg.admission.qos_max_concurrency == 8
+    assert cfg.ssd.sync is False
+    with pytest.raises(ConfigError, match="KVSTORE_server_port"):  # names are upper case
+        load_config(env={"KVSTORE_server_port": "1"})
+
+
+def test_env_argument_replaces_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_DRAM_CAPACITY", "2GiB")
+    assert load_config(env={}).dram.capacity == GiB
+    assert load_config().dram.capacity == 2 * GiB
+
+
+@pytest.mark.parametrize(("layers", "expected"), [
+    ((), ()),
+    (("toml",), (64 * KiB,)),
+    (("toml", "env"), (MiB,)),
+    (("env",), (MiB,)),
+    (("toml", "env", "override"), (4 * KiB, 8 * KiB)),
+    (("toml", "override"), (4 * KiB, 8 * KiB)),
+])
+def test_every_layer_beats_the_one_below(tmp_path: Path, layers: tuple[str, ...],
+                                         expected: tuple[int, ...]) -> None:
+    path = write(tmp_path, '[dram]\nslot_sizes = ["64KiB"]\n') if "toml" in layers else None
+    env = {"KVSTORE_DRAM_SLOT_SIZES": "1MiB"} if "env" in layers else {}
+    overrides = {"dram.slot_sizes": [8192, "4KiB"]} if "override" in layers else {}
+    cfg = load_config(path, env=env, overrides=overrides)
+    assert cfg.dram.slot_sizes == expected
+    assert cfg.dram.capacity == GiB  # keys no layer sets keep their defaults
+
+
+def test_layers_merge_per_key_not_per_section(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nport = 6000\nworkers = 3\n")
+    cfg = load_config(path, env={"KVSTORE_SERVER_WORKERS": "4"}, overrides={"server.drain_seconds": "1s"})
+    assert (cfg.server.port, cfg.server.workers, cfg.server.drain_seconds) == (6000, 4, 1.0)
+
+
+@pytest.mark.parametrize(("toml", "needles"), [
+    ('[server]\nport = "x"\n', ["server.port: invalid value 'x': expected an integer", "(set by config file"]),
+    ("[server]\nworkers = true\n", ["server.workers: invalid value True", "not a boolean"]),
+    ("[ssd]\nlow_watermark = 0.9\n", ["ssd.low_watermark: invalid value 0.9: expected a value in 0..0.5"]),
+    ("[ssd]\nsync = \"maybe\"\n", ["ssd.sync: invalid value 'maybe': expected true/false"]),
+    ('[server]\nport = "x"\nworkers = 0\n', ["server.port", "[and 1 more error]"]),
+])
+def test_pydantic_errors_read_like_ours(tmp_path: Path, toml: str, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, toml), env={})
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {str(info.value)!r}"
+    assert info.value.key == needles[0].split(":")[0]
+
+
+def test_replace_with_a_mapping_names_unknown_keys() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config key 'dram.capacityy' \(did you mean 'capacity'\?\)"):
+        Config().replace(dram={"capacityy": 1})
+
+
+def test_a_directory_is_not_a_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path, env={})

@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from kvstore.tools import cli
-from kvstore.tools.cli import (capacity_table, diff_report, format_capacity, format_lookup,
-                         format_stats, load_request, main, make_namespace, parse_args,
-                         serve_overrides)
+from kvstore.tools import commands
+from kvstore.tools.cli import main, parse_args
+from kvstore.tools.commands import serve_overrides
+from kvstore.tools.format import capacity_table, diff_report, format_capacity, format_lookup, format_stats
+from kvstore.tools.inputs import load_request, make_namespace
 from kvstore.config import load_config
 from kvstore.keys import Namespace, block_keys
+from kvstore.results import DaemonStats, PolicyChange, ResizeResult
 from proto import kvstore_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -94,8 +96,8 @@ def test_stats_json_and_unreachable_daemon(capsys: pytest.CaptureFixture[str],
         def __exit__(self, *exc: object) -> None:
             pass
 
-        def stats(self) -> dict[str, Any]:
-            return _stats_dict()
+        def stats(self) -> DaemonStats:
+            return DaemonStats.from_dict(_stats_dict())
 
     import kvstore.client
 
@@ -406,12 +408,11 @@ def test_admin_with_fake_client(capsys: pytest.CaptureFixture[str],
         def admin_get_config(self) -> str:
             return "[dram]\ncapacity = \"1GiB\"\n"
 
-        def admin_resize(self, tier: str, capacity_bytes: int) -> dict[str, Any]:
-            return {"old_capacity_bytes": str(1 << 30), "new_capacity_bytes": str(capacity_bytes),
-                    "evicted_blocks": "7"}
+        def admin_resize(self, tier: str, capacity_bytes: int) -> ResizeResult:
+            return ResizeResult(old_capacity_bytes=1 << 30, new_capacity_bytes=capacity_bytes, evicted_blocks=7)
 
-        def admin_set_policy(self, name: str) -> dict[str, Any]:
-            return {"old_policy": "lru", "new_policy": name}
+        def admin_set_policy(self, name: str) -> PolicyChange:
+            return PolicyChange(old_policy="lru", new_policy=name)
 
     import kvstore.client
 
@@ -429,13 +430,14 @@ def test_bench_runs_the_scripts_quick(capsys: pytest.CaptureFixture[str],
         calls.append(cmd)
         return 0
 
-    monkeypatch.setattr(cli.subprocess, "call", fake_call)
+    monkeypatch.setattr(commands.subprocess, "call", fake_call)
     code, out, _ = run(capsys, "bench", "--json-dir", str(tmp_path))
     assert code == 0 and calls
     assert calls[0][1].endswith("bench/core.py") and "--quick" in calls[0]
     assert calls[0][-2:] == ["--json", str(tmp_path / "core.json")]
 
 
+@pytest.mark.subprocess
 def test_python_dash_m(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvstore", "capacity", "--layers", "2",
                         "--kv-heads", "1", "--head-dim", "64"], capture_output=True, text=True,

@@ -1,0 +1,50 @@
+"""Byte views and packed keys: the few buffer helpers every package shares.
+
+``as_u8`` gives a flat uint8 view of any ``Buffer`` without copying;
+``as_u8_writable`` the same for a destination (a ``bytes`` object is not
+writable, a ``bytearray``/``memoryview``/array is). ``pack_keys`` puts
+16-byte block keys back to back (``keys_packed`` on the wire) and
+``split_keys`` undoes it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+from tiers.base import Buffer
+
+KEY_BYTES = 16
+"""Length of one block key."""
+
+
+def as_u8(buf: Buffer) -> np.ndarray:
+    """A flat uint8 view of ``buf`` (no copy)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def as_u8_writable(buf: Buffer) -> np.ndarray:
+    """A flat uint8 view of ``buf`` that writes through to it (no copy)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+
+
+def pack_keys(keys: Sequence[bytes] | bytes, *, check: bool = False) -> bytes:
+    """Keys back to back; already packed bytes pass through. ``check``: raise
+    ``InvalidArgument`` naming the first key that is not 16 bytes."""
+    if isinstance(keys, bytes):
+        return keys
+    if check and keys and set(map(len, keys)) != {KEY_BYTES}:
+        bad = next(i for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+        raise InvalidArgument(f"key {bad} must be {KEY_BYTES} bytes, got {len(keys[bad])}")
+    return b"".join(keys)
+
+
+def split_keys(packed: bytes) -> list[bytes]:
+    """``pack_keys`` undone: one 16-byte key per entry."""
+    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]

@@ -1,0 +1,190 @@
+"""What the sync and asyncio clients share (``ClientBase``): settings and
+credentials, the session's handshake results (the shared-memory slab, HBM
+regions, the same-host socket), and the request building and response
+handling of put and get. ``Client`` (``kvstore.client.sync``) and
+``AsyncClient`` (``kvstore.client.aio``) differ only in how they call.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from kvstore.buffers import as_u8, as_u8_writable, pack_keys
+from kvstore.checksum import copy_many, verify_many
+from kvstore.errors import InvalidArgument, KeyStatus
+from kvstore.keys import Namespace
+from kvstore.results import HbmRegion
+from kvstore.wire.answers import hbm_region_from_pb
+from kvstore.wire.convert import ns_pb
+from kvstore.wire.shm import SlabMapping
+from proto import kvstore_pb2 as pb
+from tiers.base import Buffer, TierKind
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def tier_field(tier: str | None) -> Any:
+    """A request's tier field from "hbm"/"dram"/None."""
+    if tier is None:
+        return 0
+    t = TierKind.parse(tier)
+    if t not in (TierKind.HBM, TierKind.DRAM):
+        raise InvalidArgument(f"tier {tier!r} cannot be asked for; allowed: hbm, dram")
+    return int(t) + 1
+
+
+def _read_token(token: str | None, token_file: str | None) -> str | None:
+    if token:
+        return token
+    if token_file:
+        with open(token_file) as f:
+            return f.read().strip()
+    return os.environ.get("KVSTORE_TOKEN") or None
+
+
+class ClientBase:
+    """What ``Client`` and ``AsyncClient`` share: settings, the session's
+    results (slab, HBM regions, fast socket), request building and response
+    handling. The two differ only in how they call."""
+
+    def __init__(self, target: str | None, token: str | None, token_file: str | None,
+                 tls_ca_file: str | None, name: str, use_shm: bool, timeout: float) -> None:
+        self.target = target or os.environ.get("KVSTORE_ADDRESS") or DEFAULT_TARGET
+        self.token = _read_token(token, token_file)
+        self.tls_ca = open(tls_ca_file, "rb").read() if tls_ca_file else None
+        self.name = name
+        self.use_shm = use_shm
+        self.timeout = timeout
+        self.session = ""
+        self.slab: SlabMapping | None = None
+        self._fast_path = ""  # the daemon's fast Lookup socket, when same host
+        self._fast: Any = None
+        self._ns_wire: dict[Namespace, bytes] = {}
+        self.max_message_bytes = 4 << 20
+        self.server_tenant = ""
+        self.copy_threads = 2
+        """Threads that copy one large batch in and out of the slab."""
+        self.hbm_regions: list[HbmRegion] = []
+        """The daemon's HBM tier regions (same host only); map with map_hbm()."""
+        self.hbm: Any = None
+        """The mapped HBM region (kvstore.wire.hbm_ipc.HbmMapping), once map_hbm() ran."""
+
+    def _creds(self) -> grpc.ChannelCredentials | None:
+        return grpc.ssl_channel_credentials(self.tls_ca) if self.tls_ca is not None else None
+
+    def _options(self) -> list[tuple[str, Any]]:
+        return [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+
+    def _md(self) -> list[tuple[str, str]]:
+        md = []
+        if self.token:
+            md.append(("authorization", f"Bearer {self.token}"))
+        if self.session:
+            md.append(("x-kvstore-session", self.session))
+        return md
+
+    def _after_handshake(self, resp: pb.HandshakeResponse) -> None:
+        self.session = resp.session_id
+        self.max_message_bytes = resp.max_message_bytes or self.max_message_bytes
+        self.server_tenant = resp.tenant
+        if self.use_shm and resp.same_host and resp.HasField("shm"):
+            try:
+                self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
+            except OSError:
+                self.slab = None  # e.g. another container: fall back to inline bytes
+        self.hbm_regions = [hbm_region_from_pb(m) for m in resp.hbm] if resp.same_host else []
+        self._fast_path = resp.lookup_socket if resp.same_host else ""
+
+    def _view(self, offset: int, length: int) -> np.ndarray:
+        assert self.slab is not None
+        if not self.slab.covers(offset, length):
+            # the daemon grew its slab: map again
+            path, sid = self.slab.path, self.slab.slab_id
+            self.slab.close()
+            self.slab = SlabMapping(path, 0, sid)
+        return self.slab.view(offset, length)
+
+    # Request building and response handling shared by Client and AsyncClient:
+    # the two differ only in how they call.
+    def _put_requests(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
+                      parent: bytes | None) -> Iterator[pb.PutRequest]:
+        """Inline puts, split into messages under the size limit."""
+        limit = max(1, self.max_message_bytes - 64 * 1024)
+        nsm = ns_pb(ns)
+        start, size = 0, 0
+        bounds = []
+        for i, p in enumerate(payloads):
+            n = as_u8(p).size + 64
+            if i > start and size + n > limit:
+                bounds.append((start, i))
+                start, size = i, 0
+            size += n
+        if start < len(keys):
+            bounds.append((start, len(keys)))
+        for a, b in bounds:
+            par = parent if a == 0 else keys[a - 1]
+            yield pb.PutRequest(ns=nsm, keys=keys[a:b], parent=par or b"",
+                                payloads=[as_u8(p).tobytes() for p in payloads[a:b]])
+
+    @staticmethod
+    def _reserve_request(ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
+                         parent: bytes | None) -> pb.ReserveRequest:
+        req = pb.ReserveRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"")
+        sizes = {s.size for s in srcs}
+        if len(sizes) == 1:
+            req.block_bytes = sizes.pop()
+        else:
+            req.sizes.extend(s.size for s in srcs)
+        return req
+
+    def _fill_slots(self, r: pb.ReserveResponse, srcs: list[np.ndarray]) -> tuple[list[KeyStatus], list[int]]:
+        """Write each reserved slot (copy fused with its checksum)."""
+        sa = r.slots
+        statuses = [KeyStatus(x) for x in sa.status]
+        ok = [i for i, st in enumerate(sa.status) if st == 0]
+        dsts = [self._view(sa.offset[i], sa.length[i]) for i in ok]
+        csums = copy_many(dsts, [srcs[i] for i in ok], self.copy_threads).tolist()
+        return statuses, csums
+
+    @staticmethod
+    def _merge_commit(statuses: list[KeyStatus], c: pb.CommitResponse) -> list[KeyStatus]:
+        committed = iter(KeyStatus(int(x.status)) for x in c.results)
+        return [next(committed) if s is KeyStatus.OK else s for s in statuses]
+
+    def _read_slots(self, r: pb.AcquireResponse, outs: Sequence[Buffer]) -> list[KeyStatus]:
+        """Copy acquired blocks out of the slab, verifying checksums."""
+        sa = r.slots
+        statuses = [KeyStatus(x) for x in sa.status]
+        todo = []
+        for i in range(int(r.hit_blocks)):
+            if as_u8_writable(outs[i]).size != sa.length[i]:
+                statuses[i] = KeyStatus.INVALID
+            else:
+                todo.append(i)
+        ok = verify_many([as_u8_writable(outs[i]) for i in todo],
+                         [self._view(sa.offset[i], sa.length[i]) for i in todo],
+                         [sa.checksum[i] for i in todo], self.copy_threads)
+        for i, good in zip(todo, ok.tolist()):
+            if not good:
+                statuses[i] = KeyStatus.CORRUPT
+        return statuses
+
+    @staticmethod
+    def _apply_chunk(chunk: pb.GetChunk, outs: Sequence[Buffer], statuses: list[KeyStatus]) -> None:
+        i = chunk.index
+        statuses[i] = KeyStatus(int(chunk.status))
+        if chunk.status != pb.STATUS_OK:
+            return
+        dst = as_u8_writable(outs[i])
+        if dst.size != chunk.total:
+            statuses[i] = KeyStatus.INVALID
+            return
+        dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+
+    @staticmethod
+    def _statuses(results: Any) -> list[KeyStatus]:
+        return [KeyStatus(int(r.status)) for r in results]

@@ -1,0 +1,413 @@
+"""Placement: the block index and the tiers under one owner. Where new
+blocks go, what is evicted to make room (policy order, tenant shares,
+leaf-first), dropping blocks (with events and counters), corrupt blocks and
+verified reads.
+
+``TieredStore`` (kvstore/core/store.py) is a facade over this component and
+its neighbours (holds, resize, the SSD and HBM movers). The movers sit
+*beside* placement, not under it: placement reaches them only through the two
+small protocols below (``LowerTier`` for the SSD mover, ``UpperTier`` for
+the HBM mover), which they satisfy, so no module of core imports its caller.
+
+Single-threaded by design, like the store: no per-object locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from admission.quota import TenantShares, victim_mask
+from kvstore.buffers import as_u8
+from kvstore.core.eviction import (
+    FrequencySketch,
+    Policy,
+    admitted,
+    select_subtrees,
+    select_victims,
+)
+from kvstore.core.index import BlockIndex, BlockState
+from kvstore.core.namespaces import Namespaces
+from kvstore.core.plan import fix_tail_statuses, parent_row, plan
+from kvstore.errors import KeyStatus
+from kvstore.keys import Namespace
+from kvstore.results import BatchResult, Counters, DropReason, Event, EventKind
+from tiers.base import Buffer, Tier, TierKind
+from tiers.dram import DramTier
+
+
+class LowerTier(Protocol):
+    """What placement needs from the tier below DRAM (``SsdMover``)."""
+
+    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> None: ...
+
+    def free_copies(self, rows: np.ndarray) -> None: ...
+
+    def on_stored(self, rows: np.ndarray) -> None: ...
+
+    def on_read(self, rows: np.ndarray) -> None: ...
+
+    def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray: ...
+
+    def register_namespace(self, digest: bytes, ns_dict: Mapping[str, object], block_bytes: int | None) -> None: ...
+
+
+class UpperTier(Protocol):
+    """What placement needs from the tier above DRAM (``HbmMover``)."""
+
+    def target(self, tier: TierKind | None) -> TierKind: ...
+
+    def place(self, nbytes: int, count: int, protect: np.ndarray, for_ns: int | None) -> np.ndarray: ...
+
+    def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray: ...
+
+
+class Placement:
+    """Owns the index, the DRAM tier and the tier table; see the module docstring."""
+
+    def __init__(self, dram: DramTier, policy: Policy, namespaces: Namespaces, counters: Counters, *,
+                 verify_reads: bool = True, freq: FrequencySketch | None = None,
+                 shares: TenantShares | None = None) -> None:
+        self.index = BlockIndex()
+        self.dram = dram
+        self.policy = policy
+        self.namespaces = namespaces
+        self.counters = counters
+        self.verify_reads = verify_reads
+        self.freq = freq
+        self.shares = shares
+        """Tenant shares of each tier (None: no quotas)."""
+        self.tiers: dict[TierKind, Tier] = {TierKind.DRAM: dram}
+        self.lower: LowerTier | None = None
+        self.upper: UpperTier | None = None
+        self.tier_hits = np.zeros(len(TierKind), dtype=np.int64)
+        """Blocks served (Acquire, Get) from each tier, by TierKind value."""
+        self._listeners: list[Callable[[Event], None]] = []
+        self._tick = 1
+        self._doomed = 0
+
+    def attach_lower(self, mover: LowerTier, tier: Tier) -> None:
+        """Add the SSD tier below DRAM."""
+        self.lower = mover
+        self.tiers[TierKind.SSD] = tier
+
+    def attach_upper(self, mover: UpperTier, tier: Tier) -> None:
+        """Add the HBM tier above DRAM (closed first: it unpins the DRAM slab)."""
+        self.upper = mover
+        self.tiers = {TierKind.HBM: tier, **self.tiers}
+
+    def close(self) -> None:
+        for t in self.tiers.values():
+            t.close()
+        self.tiers = {}
+
+    # ------------------------------------------------------------- events
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        self._listeners.append(listener)
+
+    def emit(self, ev: Event) -> None:
+        for fn in self._listeners:
+            fn(ev)
+
+    def emit_moved(self, rows: np.ndarray, src: TierKind, dst: TierKind) -> None:
+        """Tell listeners that ``rows`` moved from ``src`` to ``dst``."""
+        idx = self.index
+        for nid in np.unique(idx.ns[rows]).tolist():
+            mine = rows[idx.ns[rows] == nid]
+            keys = idx.keys_of(mine)
+            digest = self.namespaces.digest(nid)
+            self.emit(Event(EventKind.REMOVED, digest, keys, src, DropReason.MOVED))
+            self.emit(Event(EventKind.STORED, digest, keys, dst))
+
+    def count_eviction(self, tier: TierKind, reason: DropReason, n: int) -> None:
+        key = (tier, reason)
+        self.counters.evictions[key] = self.counters.evictions.get(key, 0) + n
+
+    # ---------------------------------------------------------- namespaces
+    def nsid(self, ns: Namespace, persist: bool = True, create: bool = True) -> int:
+        """The namespace's id (``Namespaces.id_of``); a new one is persisted
+        on the SSD tier unless ``persist`` is False."""
+        nid, new = self.namespaces.id_of(ns, create)
+        if new and persist and self.lower is not None:
+            self.lower.register_namespace(ns.digest, ns.to_dict(), None)
+        return nid
+
+    # -------------------------------------------------------------- ticks
+    def ticks(self, n: int) -> int:
+        """Reserve ``n`` consecutive access ticks; returns the first."""
+        t = self._tick
+        self._tick += n
+        return t
+
+    def touch(self, rows: np.ndarray) -> None:
+        """Count an access of ``rows`` (hits, recency, the policy)."""
+        if rows.size == 0:
+            return
+        t = self.ticks(rows.size)
+        idx = self.index
+        idx.hits[rows] += 1
+        idx.last[rows] = np.arange(t, t + rows.size, dtype=np.uint64)
+        self.policy.on_access(idx, rows)
+
+    # ------------------------------------------------------ new blocks
+    def store_rows(self, nid: int, karr: np.ndarray, sizes: Sequence[int], parent: bytes | None,
+                   state: BlockState, res: BatchResult,
+                   tier: TierKind | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """Plan, allocate (evicting) and insert rows in ``tier`` (None: the
+        default, DRAM unless hbm.admit is "all"). Returns (batch indices,
+        rows, locs) of the blocks that got a slot; ``index.tier`` of the rows
+        says where."""
+        todo, prefs = plan(self.index, nid, karr, sizes, parent_row(self.index, nid, parent),
+                           self.namespaces.size_of(nid), self.dram.footprint, res)
+        empty = np.zeros(0, dtype=np.int64)
+        if not todo:
+            return [], empty, empty
+        nbytes = int(sizes[todo[0]])
+        protect = np.asarray([p for p in prefs if p >= 0], dtype=np.int64)
+        where = self.upper.target(tier) if self.upper is not None else TierKind.DRAM
+        if where is TierKind.HBM:
+            assert self.upper is not None
+            locs = self.upper.place(nbytes, len(todo), protect, nid)
+            if locs.size == 0:
+                where = TierKind.DRAM  # no room in hbm for the whole batch
+        if where is TierKind.DRAM:
+            n = len(todo) if self.freq is None else self._admitted(karr[todo], nbytes, nid)
+            locs = self.make_room(TierKind.DRAM, nbytes, n, protect, for_ns=nid)
+        # a parent that had to leave (its demotion failed) stops the chain there
+        parr = np.asarray(prefs[: locs.size], dtype=np.int64)
+        outer = np.nonzero(parr >= 0)[0]
+        gone = outer[self.index.state[parr[outer]] != BlockState.COMMITTED]
+        stop = int(gone[0]) if gone.size else None
+        if stop is not None:
+            self.tiers[where].free(locs[stop:])
+            for j in todo[stop:]:
+                res.statuses[j] = KeyStatus.PARENT_MISSING
+            locs, todo = locs[:stop], todo[:stop]
+        got = locs.size
+        short = got < len(todo)
+        for j in todo[got:]:
+            res.statuses[j] = KeyStatus.CAPACITY
+            self.counters.capacity_rejects += 1
+        todo = todo[:got]
+        if not todo:
+            res.messages[0] = res.messages.get(0, "no room in the dram tier after eviction")
+            return [], empty, empty
+        sel = np.asarray(todo, dtype=np.int64)
+        rows = self.index.insert(nid, karr[sel], np.asarray(prefs[:got], dtype=np.int64),
+                                 int(where), locs, np.full(got, nbytes, dtype=np.int64),
+                                 state, self.ticks(got))
+        if self.namespaces.size_of(nid) is None:
+            self.namespaces.set_size(nid, nbytes)
+            if self.lower is not None:
+                ns = self.namespaces.get(nid)
+                self.lower.register_namespace(ns.digest, ns.to_dict(), nbytes)
+        if short:  # only CAPACITY keys (set just above) change tail statuses
+            fix_tail_statuses(res)
+        return todo, rows, locs
+
+    def committed(self, nid: int, rows: np.ndarray) -> None:
+        """Make reserved ``rows`` (one chain segment of ``nid``) visible."""
+        idx = self.index
+        idx.state[rows] = BlockState.COMMITTED
+        self.policy.on_insert(idx, rows)
+        if self.lower is not None:
+            self.lower.on_stored(rows)
+        par = idx.parent[rows[0]]
+        self.emit(Event(EventKind.STORED, self.namespaces.digest(nid), idx.keys_of(rows),
+                        TierKind(int(idx.tier[rows[0]])), parent=idx.key_of(int(par)) if par >= 0 else None))
+
+    # ---------------------------------------------------------- eviction
+    def make_room(self, tier: TierKind, nbytes: int, count: int, protect: np.ndarray,
+                  for_ns: int | None = None) -> np.ndarray:
+        """Allocate ``count`` slots for ``nbytes`` payloads in ``tier``, evicting
+        leaf-first as needed. ``protect`` rows must stay stored (they are the
+        parents of what is being placed): without an SSD tier they are not
+        evicted; with one they may only be demoted. May return fewer."""
+        t = self.dram
+        first = t.allocate(nbytes, count)
+        if first.size == count:
+            return first
+        parts = [first]
+        got = first.size
+        protect = np.unique(protect)
+        pin = protect if self.lower is None else protect[:0]
+        self.index.pins[pin] += 1
+        try:
+            cls = t.class_of(nbytes)
+            while got < count:
+                victims = self.victims(tier, cls, count - got, for_ns, (count - got) * nbytes)
+                if victims.size == 0:
+                    victims = self._victims_other_class(tier, cls)
+                    if victims.size == 0:
+                        break
+                if self.lower is not None:
+                    self.lower.evict_dram(victims, keep=protect)
+                else:
+                    self.drop(victims, DropReason.EVICTED)
+                more = t.allocate(nbytes, count - got)
+                parts.append(more)
+                got += more.size
+        finally:
+            self.index.pins[pin] -= 1
+        return np.concatenate(parts)
+
+    def _admitted(self, karr: np.ndarray, nbytes: int, nid: int) -> int:
+        """DRAM admission: how many of these new blocks (a chain) get a slot."""
+        assert self.freq is not None
+        need = karr.shape[0] - self.dram.free_slots(nbytes)
+        if need <= 0:
+            return karr.shape[0]
+        v = self.victims(TierKind.DRAM, self.dram.class_of(nbytes), need, nid, need * nbytes)
+        idx = self.index
+        vkeys = np.stack([idx.k0[v], idx.k1[v]], axis=1)
+        return karr.shape[0] - need + admitted(self.freq.estimate(karr[-need:]), self.freq.estimate(vkeys))
+
+    def evictable(self, tier: TierKind) -> np.ndarray:
+        """Committed, unpinned blocks of ``tier`` with no child in it."""
+        idx = self.index
+        rows = idx.used_rows()
+        m = ((idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == tier)
+             & (idx.pins[rows] == 0) & (idx.nchild_tier[rows] == 0))
+        if tier is TierKind.DRAM and self.lower is None:
+            m &= idx.nchild[rows] == 0  # nowhere to demote: only blocks without children (e.g. in hbm) go
+        return rows[m]
+
+    def victims(self, tier: TierKind, cls: int | None, k: int, for_ns: int | None = None,
+                incoming: int = 0) -> np.ndarray:
+        """Up to ``k`` DRAM victims of size class ``cls`` (None: any), whole
+        cold subtrees first (``eviction.select_subtrees``)."""
+        idx = self.index
+        rows = idx.used_rows()
+        rows = rows[idx.tier[rows] == tier]
+        blocked = (idx.state[rows] != BlockState.COMMITTED) | (idx.pins[rows] > 0)
+        if cls is not None and rows.size:
+            blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
+        return self.select(tier, rows, blocked, k, for_ns, incoming)
+
+    def select(self, tier: TierKind, rows: np.ndarray, blocked: np.ndarray, k: int,
+               for_ns: int | None = None, incoming: int = 0) -> np.ndarray:
+        """Policy order over ``rows`` (all of ``tier``'s blocks), but blocks of
+        tenants over their share of ``tier`` first; the requester's usage
+        counts the ``incoming`` bytes it asks for, so a tenant at its share
+        makes room from its own blocks."""
+        over = None
+        if self.shares is not None and rows.size:
+            idx = self.index
+            ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
+            names = self.namespaces.tenant_names()
+            usage = np.bincount(ns_tenant[idx.ns[rows]], weights=idx.size[rows].astype(np.float64),
+                                minlength=len(names))
+            if for_ns is not None:
+                usage[ns_tenant[for_ns]] += incoming
+            shares = self.shares.array(names, tier)
+            over = victim_mask(ns_tenant[idx.ns[rows]], usage, self.tiers[tier].capacity_bytes, shares)
+        return select_subtrees(self.index, self.policy, rows, blocked, k, over)
+
+    def _victims_other_class(self, tier: TierKind, cls: int) -> np.ndarray:
+        """To give a page to class ``cls``: the lowest-ranked candidate of
+        another class, so pages drain in policy order."""
+        cand = self.evictable(tier)
+        if cand.size:
+            cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) != cls]
+        return select_victims(self.index, self.policy, cand, 1)
+
+    # ----------------------------------------------------------- dropping
+    def drop(self, rows: np.ndarray, reason: DropReason) -> None:
+        """Remove rows (which must include their descendants) and free slots."""
+        if rows.size == 0:
+            return
+        idx = self.index
+        if reason is DropReason.EVICTED:
+            self.policy.on_evict(idx, rows)
+        rns = idx.ns[rows]
+        first = rns[0]
+        if bool((rns == first).all()):
+            by_ns = [(int(first), rows)]
+        else:  # namespaces in order of first appearance, rows in order within each
+            uniq, at = np.unique(rns, return_index=True)
+            by_ns = [(int(nid), rows[rns == nid]) for nid in uniq[np.argsort(at)].tolist()]
+        events = []
+        for nid, arr in by_ns:
+            arr = np.asarray(arr, dtype=np.int64)
+            committed = arr[idx.state[arr] == BlockState.COMMITTED]
+            if committed.size:
+                events.append(Event(EventKind.REMOVED, self.namespaces.digest(nid), idx.keys_of(committed),
+                                    TierKind(int(idx.tier[committed[0]])), reason))
+        tiers = idx.tier[rows]
+        for tk in np.unique(tiers).tolist():
+            sel = rows[tiers == tk]
+            self.count_eviction(TierKind(tk), reason, int(sel.size))
+            self.tiers[TierKind(tk)].free(idx.loc[sel])
+        if self.lower is not None:
+            self.lower.free_copies(rows)
+        idx.delete(rows)
+        for ev in events:
+            self.emit(ev)
+
+    def corrupt(self, rows: np.ndarray) -> None:
+        """Drop blocks whose bytes failed their checksum, with their subtrees.
+        Where a reader still pins part of a subtree, the subtree becomes
+        DOOMED (invisible at once) and is freed when the pins go."""
+        self.counters.checksum_failures += int(rows.size)
+        idx = self.index
+        sub = idx.subtree(rows)
+        if not np.any(idx.pins[sub] > 0):
+            self.drop(sub, DropReason.CORRUPT)
+            return
+        visible = sub[idx.state[sub] == BlockState.COMMITTED]
+        for nid in np.unique(idx.ns[visible]).tolist():
+            mine = visible[idx.ns[visible] == nid]
+            self.emit(Event(EventKind.REMOVED, self.namespaces.digest(nid), idx.keys_of(mine),
+                            TierKind(int(idx.tier[mine[0]])), DropReason.CORRUPT))
+        idx.state[sub] = BlockState.DOOMED
+        self._doomed += int(sub.size)
+        self.sweep_doomed()
+
+    def sweep_doomed(self) -> None:
+        """Free DOOMED blocks nobody pins any more (leaves first)."""
+        idx = self.index
+        while self._doomed:
+            rows = idx.used_rows()
+            free = rows[(idx.state[rows] == BlockState.DOOMED) & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
+            if free.size == 0:
+                return
+            self._doomed -= int(free.size)
+            self.drop(free, DropReason.CORRUPT)
+
+    # ------------------------------------------------------------ reading
+    def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
+        """Copy ``rows`` into ``outs`` from whichever tier holds each, verified
+        (DRAM: unless ``verify_reads`` is off). Returns the mask of good reads."""
+        idx = self.index
+        if self.upper is not None and np.any(idx.tier[rows] == TierKind.HBM):
+            on_hbm = idx.tier[rows] == TierKind.HBM
+            ok = np.zeros(rows.size, dtype=bool)
+            for mask, read in ((on_hbm, self.upper.read), (~on_hbm, self.read)):
+                at = np.nonzero(mask)[0]
+                if at.size:
+                    ok[at] = read(rows[at], [outs[i] for i in at.tolist()])
+            return ok
+        on_ssd = idx.tier[rows] == TierKind.SSD
+        if self.lower is not None and np.any(on_ssd):
+            ok = np.zeros(rows.size, dtype=bool)
+            sidx = np.nonzero(on_ssd)[0]
+            ok[sidx] = self.lower.read(rows[sidx], [outs[i] for i in sidx.tolist()])
+            didx = np.nonzero(~on_ssd)[0]
+            if didx.size:
+                ok[didx] = self.read(rows[didx], [outs[i] for i in didx.tolist()])
+            return ok
+        if self.verify_reads:
+            ok = self.dram.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs)
+        else:
+            for off, n, dst in zip(idx.loc[rows].tolist(), idx.size[rows].tolist(), outs):
+                np.copyto(as_u8(dst), self.dram.buf[off : off + n])
+            ok = np.ones(rows.size, dtype=bool)
+        return ok
+
+    def served(self, rows: np.ndarray) -> None:
+        """Count ``rows`` as served to a reader (touch, per-tier hits)."""
+        self.touch(rows)
+        self.tier_hits += np.bincount(self.index.tier[rows], minlength=len(TierKind))
+

@@ -1,0 +1,110 @@
+"""The same-host socket's frames (issue 9): what the daemon's
+``kvstore.daemon.socket_server`` and the client's ``kvstore.client.socket``
+both agree on. Pure packing, no I/O.
+
+Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
+
+    hello     u32 len | session id (ASCII) [| "\\n" | bearer token]
+    hello ok  u32 len=1 | u8 0            (else an error frame, then close)
+    lookup    u32 len | u16 ns_len | Namespace message (protobuf) | keys (n x 16 bytes)
+    answer    u32 len | u8 0 | u32 hit_blocks | hit_blocks x u8 Tier value
+    call      u32 len | u16 0xFFFF | u8 method (1-based in CALLS) | request message (protobuf)
+    reply     u32 len | u8 0 | response message (protobuf)
+    error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
+
+No pickle, no Python objects on the wire; frames over ``MAX_FRAME`` are
+refused.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument
+
+MAX_FRAME = 16 + 65536 + 16 * 65536
+"""Largest request frame: a namespace and 65,536 keys."""
+MAX_HELLO = 8192
+"""Largest hello frame."""
+MAX_ERROR_TEXT = 4096
+"""Bytes of an error message that go on the wire."""
+HEADER = struct.Struct("<I")
+"""The u32 length in front of every frame."""
+HIT = struct.Struct("<BI")
+"""Status byte and hit count at the front of a lookup answer."""
+CALL_MARK = b"\xff\xff"
+"""A call frame's first two bytes (a lookup's ns_len is never 0xFFFF)."""
+CALLS = ("Reserve", "Commit", "Abort", "Acquire", "Release")
+"""The unary calls the socket carries besides Lookup (method id = index + 1)."""
+OK = 0
+"""Status byte of a good answer."""
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` with its length in front."""
+    return HEADER.pack(len(body)) + body
+
+
+def error_frame(code: int, message: str) -> bytes:
+    """An error answer: the gRPC status value and the (truncated) message."""
+    return frame(bytes([code]) + message.encode()[:MAX_ERROR_TEXT])
+
+
+def hello_frame(session: str, token: str | None = None) -> bytes:
+    return frame((session + ("\n" + token if token else "")).encode("ascii"))
+
+
+def parse_hello(body: bytes) -> tuple[str, str]:
+    """(session id, bearer token or "")."""
+    sid, _, token = body.decode("ascii", "replace").partition("\n")
+    return sid, token
+
+
+def lookup_frame(ns_wire: bytes, packed_keys: bytes) -> bytes:
+    if len(ns_wire) >= 0xFFFF:
+        raise InvalidArgument("namespace message too long")
+    body_len = 2 + len(ns_wire) + len(packed_keys)
+    return HEADER.pack(body_len) + len(ns_wire).to_bytes(2, "little") + ns_wire + packed_keys
+
+
+@dataclass(slots=True, frozen=True)
+class LookupFrame:
+    """A parsed lookup request."""
+
+    ns_wire: bytes
+    keys: bytes
+
+
+def parse_lookup(body: bytes) -> LookupFrame:
+    nslen = int.from_bytes(body[:2], "little")
+    return LookupFrame(body[2 : 2 + nslen], body[2 + nslen :])
+
+
+def answer_frame(hit_blocks: int, tier_values: bytes) -> bytes:
+    """A lookup answer: ``tier_values`` is one wire Tier value per hit block."""
+    return frame(HIT.pack(OK, hit_blocks) + tier_values)
+
+
+def call_frame(name: str, request: bytes) -> bytes:
+    op = CALLS.index(name) + 1
+    return HEADER.pack(3 + len(request)) + CALL_MARK + bytes([op]) + request
+
+
+def is_call(body: bytes) -> bool:
+    return body[:2] == CALL_MARK
+
+
+def call_method(body: bytes) -> str | None:
+    """The method a call frame names (None when the id is unknown)."""
+    op = body[2] - 1 if len(body) > 2 else -1
+    return CALLS[op] if 0 <= op < len(CALLS) else None
+
+
+def call_method_id(body: bytes) -> int:
+    """The raw 1-based method id of a call frame (0 when missing)."""
+    return body[2] if len(body) > 2 else 0
+
+
+def reply_frame(response: bytes) -> bytes:
+    return frame(bytes([OK]) + response)

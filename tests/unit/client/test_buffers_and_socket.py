@@ -1,0 +1,133 @@
+"""Client-side pieces without a daemon: the shared buffer helpers
+(kvstore.buffers), the request tier field, and the same-host socket client
+(kvstore.client.socket) against a scripted peer speaking kvstore.wire.frames."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+from typing import Callable
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.buffers import as_u8, as_u8_writable, pack_keys, split_keys
+from kvstore.client.base import tier_field
+from kvstore.client.socket import LookupSocketClient
+from kvstore.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kvstore.wire import frames
+
+
+def test_as_u8_views_without_copying() -> None:
+    a = np.arange(4, dtype=np.uint32)
+    v = as_u8(a)
+    assert v.dtype == np.uint8 and v.size == 16 and np.shares_memory(v, a)
+    assert as_u8(b"abc").tolist() == [97, 98, 99]
+    buf = bytearray(4)
+    as_u8_writable(buf)[:] = 7
+    assert buf == b"\x07" * 4
+    mv = memoryview(bytearray(8)).cast("I")
+    as_u8_writable(mv)[0] = 1
+    assert mv.obj[0] == 1  # type: ignore[index]
+
+
+def test_pack_and_split_keys() -> None:
+    keys = [bytes([i]) * 16 for i in range(3)]
+    packed = pack_keys(keys, check=True)
+    assert packed == b"".join(keys) and split_keys(packed) == keys
+    assert pack_keys(packed) is packed
+    assert pack_keys([]) == b""
+    with pytest.raises(InvalidArgument, match="key 1 must be 16 bytes, got 3"):
+        pack_keys([keys[0], b"abc"], check=True)
+
+
+def test_tier_field() -> None:
+    assert tier_field(None) == 0 and tier_field("hbm") == 1 and tier_field("dram") == 2
+    with pytest.raises(InvalidArgument):
+        tier_field("ssd")
+    with pytest.raises(InvalidArgument):
+        tier_field("tape")
+
+
+def _peer(script: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, "s")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        with conn, srv:
+            script(conn)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return path, t
+
+
+def _read(conn: socket.socket) -> bytes:
+    (n,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+    return conn.recv(n, socket.MSG_WAITALL) if n else b""
+
+
+def test_socket_client_speaks_the_frames() -> None:
+    seen: list[bytes] = []
+
+    def script(conn: socket.socket) -> None:
+        seen.append(_read(conn))  # hello
+        conn.sendall(frames.frame(b"\x00"))
+        seen.append(_read(conn))  # lookup
+        conn.sendall(frames.answer_frame(2, b"\x02\x03"))
+        seen.append(_read(conn))  # call
+        conn.sendall(frames.reply_frame(b"RESP"))
+        seen.append(_read(conn))  # call answered with an error
+        conn.sendall(frames.error_frame(grpc.StatusCode.PERMISSION_DENIED.value[0], "not yours"))
+        _read(conn)
+        conn.sendall(frames.frame(frames.HIT.pack(0, 3) + b"\x02"))  # malformed: 3 hits, 1 tier
+
+    path, t = _peer(script)
+    c = LookupSocketClient(path, "s-1", timeout=30, token="tok")
+    try:
+        assert c.lookup(b"NS", b"k" * 32) == (2, b"\x02\x03")
+        assert c.call("Commit", b"REQ") == b"RESP"
+        with pytest.raises(PermissionDenied, match="PERMISSION_DENIED: not yours"):
+            c.call("Release", b"")
+        with pytest.raises(NotFound, match="malformed"):
+            c.lookup(b"NS", b"")
+    finally:
+        c.close()
+        t.join(30)
+    assert frames.parse_hello(seen[0]) == ("s-1", "tok")
+    assert frames.parse_lookup(seen[1]).keys == b"k" * 32
+    assert frames.call_method(seen[2]) == "Commit" and seen[2][3:] == b"REQ"
+
+
+def test_refused_hello_raises_the_status_class() -> None:
+    def script(conn: socket.socket) -> None:
+        _read(conn)
+        conn.sendall(frames.error_frame(grpc.StatusCode.NOT_FOUND.value[0], "session 's-x' is unknown"))
+
+    path, t = _peer(script)
+    with pytest.raises(NotFound, match="NOT_FOUND: session"):
+        LookupSocketClient(path, "s-x", timeout=30)
+    t.join(30)
+
+
+def test_a_closed_socket_is_an_os_error_not_an_answer() -> None:
+    def script(conn: socket.socket) -> None:
+        _read(conn)
+        conn.sendall(frames.frame(b"\x00"))
+        _read(conn)  # then hang up without answering
+
+    path, t = _peer(script)
+    c = LookupSocketClient(path, "s-1", timeout=30)
+    with pytest.raises(ConnectionError):
+        c.lookup(b"NS", b"")
+    c.close()
+    t.join(30)
+    assert not issubclass(ConnectionError, Unavailable)

@@ -1,0 +1,191 @@
+"""Holds (kvstore/core/holds.py): the two-phase put (reserve -> commit /
+abort), leases (acquire -> release), their expiry and owner checks, explicit
+pins, and the reservation surgery the cluster fetch path uses. Real stores at
+a few 4 KiB blocks; a fake clock makes expiry deterministic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import checksum
+from kvstore.core.store import StoreConfig, TieredStore
+from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied
+from tests.conftest import chain, payload_for
+from tiers.base import TierKind
+
+BS = 4096
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(slots: int = 4, clock: Clock | None = None, timeout: float = 30.0) -> TieredStore:
+    cfg = StoreConfig(dram_bytes=slots * BS, dram_page_bytes=slots * BS, reservation_timeout=timeout)
+    return TieredStore(cfg, clock=clock or Clock())
+
+
+def P(k: bytes) -> bytes:
+    return payload_for(b"t", k, BS)
+
+
+def fill(st: TieredStore, res, keys: list[bytes]) -> None:
+    """Write each reserved slot as a client would."""
+    for i, k in enumerate(keys):
+        off = int(res.offsets[i])
+        st.dram.buf[off : off + BS] = np.frombuffer(P(k), np.uint8)
+
+
+def test_reserved_blocks_are_invisible_until_commit(ns):
+    with make() as st:
+        keys = chain(b"a", 2)
+        res = st.reserve(ns, keys, BS, owner="c1")
+        assert res.statuses == [KeyStatus.OK] * 2 and res.handle.startswith("r-")
+        assert list(res.tier_codes) == [TierKind.DRAM] * 2 and (res.lengths == BS).all()
+        assert st.lookup(ns, keys).hit_blocks == 0
+        assert st.reserve(ns, keys, BS, owner="c2").statuses[0] is KeyStatus.BUSY
+        fill(st, res, keys)
+        assert st.commit(res.handle, "c1").statuses == [KeyStatus.OK] * 2
+        assert st.lookup(ns, keys).hit_blocks == 2
+        assert [p.tobytes() for p in st.get(ns, keys).payloads] == [P(k) for k in keys]
+        with pytest.raises(NotFound):
+            st.commit(res.handle, "c1")  # a reservation ends once
+
+
+def test_commit_with_checksums_and_a_wrong_count(ns):
+    with make() as st:
+        keys = chain(b"a", 2)
+        res = st.reserve(ns, keys, BS, owner="c")
+        fill(st, res, keys)
+        sums = [checksum(P(k)) for k in keys]
+        assert st.commit(res.handle, "c", sums).ok
+        assert st.get(ns, keys).statuses == [KeyStatus.OK] * 2
+        other = chain(b"b", 2)
+        res = st.reserve(ns, other, BS, owner="c")
+        with pytest.raises(InvalidArgument):
+            st.commit(res.handle, "c", [1])
+        # the blocks were dropped with the failed commit: their slots are free again
+        assert st.lookup(ns, other).hit_blocks == 0 and st.dram.used_bytes == 2 * BS
+
+
+def test_a_wrong_checksum_is_a_corrupt_read(ns):
+    with make() as st:
+        keys = chain(b"a", 1)
+        res = st.reserve(ns, keys, BS, owner="c")
+        fill(st, res, keys)
+        st.commit(res.handle, "c", [checksum(P(keys[0])) ^ 1])
+        assert st.get(ns, keys).statuses == [KeyStatus.CORRUPT]
+        assert st.lookup(ns, keys).hit_blocks == 0 and st.counters.checksum_failures == 1
+
+
+def test_abort_frees_the_slots_and_only_the_owner_may_end_a_hold(ns):
+    with make() as st:
+        keys = chain(b"a", 3)
+        res = st.reserve(ns, keys, BS, owner="c1")
+        with pytest.raises(PermissionDenied):
+            st.commit(res.handle, "c2")
+        with pytest.raises(PermissionDenied):
+            st.abort(res.handle, "c2")
+        assert st.abort(res.handle, "c1") == 3
+        assert st.dram.used_bytes == 0 and st.hold_counts() == (0, 0)
+        with pytest.raises(NotFound):
+            st.abort(res.handle, "c1")
+
+
+def test_a_lease_pins_its_blocks_against_eviction_and_remove(ns):
+    with make(slots=2) as st:
+        a = chain(b"a", 1)
+        st.put(ns, a, [P(a[0])])
+        lease = st.acquire(ns, a + chain(b"x", 1), owner="r")
+        assert lease.statuses == [KeyStatus.OK, KeyStatus.MISS]
+        assert int(lease.checksums[0]) == checksum(P(a[0]))
+        assert st.remove(ns, a).statuses == [KeyStatus.BUSY]
+        b, c = chain(b"b", 1), chain(b"c", 1)
+        st.put(ns, b, [P(b[0])])
+        assert st.put(ns, c, [P(c[0])]).statuses == [KeyStatus.OK]  # evicts b, never the leased a
+        assert st.lookup(ns, a).hit_blocks == 1 and st.lookup(ns, b).hit_blocks == 0
+        with pytest.raises(PermissionDenied):
+            st.release(lease.handle, "other")
+        assert st.release(lease.handle, "r") == 1
+        assert st.remove(ns, a).statuses == [KeyStatus.OK]
+
+
+def test_acquire_stops_at_the_first_miss(ns):
+    with make() as st:
+        keys = chain(b"a", 3)
+        st.put(ns, keys[:1], [P(keys[0])])
+        res = st.acquire(ns, keys, owner="r")
+        assert res.statuses == [KeyStatus.OK, KeyStatus.MISS, KeyStatus.MISS]
+        assert st.acquire(ns, chain(b"none", 2), owner="r").handle == ""  # nothing held: no lease
+
+
+def test_reap_expires_reservations_and_ttl_leases_only_after_their_deadline(ns):
+    clock = Clock()
+    with make(clock=clock, timeout=5.0) as st:
+        a, b = chain(b"a", 1), chain(b"b", 1)
+        st.put(ns, a, [P(a[0])])
+        lease = st.acquire(ns, a, owner="r", ttl=10.0)
+        forever = st.acquire(ns, a, owner="r2")
+        resv = st.reserve(ns, b, BS, owner="w")
+        assert st.hold_counts() == (2, 1)
+        clock.now += 4.9
+        assert st.reap() == 0
+        clock.now += 0.2  # the reservation's deadline passed, not the lease's
+        assert st.reap() == 1 and st.hold_counts() == (2, 0)
+        assert st.counters.reservations_expired == 1
+        with pytest.raises(NotFound):
+            st.commit(resv.handle, "w")
+        clock.now += 10.0
+        assert st.reap() == 1 and st.counters.leases_expired == 1
+        with pytest.raises(NotFound):
+            st.release(lease.handle, "r")
+        assert st.hold_counts() == (1, 0)  # a lease without ttl never expires
+        assert st.release(forever.handle, "r2") == 1
+        assert int(st.index.pins[st.index.used_rows()].sum()) == 0
+
+
+def test_release_owner_ends_everything_the_owner_holds(ns):
+    with make() as st:
+        a = chain(b"a", 1)
+        st.put(ns, a, [P(a[0])])
+        st.acquire(ns, a, owner="gone")
+        st.acquire(ns, a, owner="stays")
+        st.reserve(ns, chain(b"b", 1), BS, owner="gone")
+        assert st.release_owner("gone") == (1, 1)
+        assert st.hold_counts() == (1, 0)
+        assert st.release_owner("gone") == (0, 0)
+
+
+def test_pin_and_unpin(ns):
+    with make(slots=1) as st:
+        a, b = chain(b"a", 1), chain(b"b", 1)
+        st.put(ns, a, [P(a[0])])
+        assert st.pin(ns, a + b).statuses == [KeyStatus.OK, KeyStatus.MISS]
+        assert st.put(ns, b, [P(b[0])]).statuses == [KeyStatus.CAPACITY]  # the only slot is pinned
+        assert st.unpin(ns, a).statuses == [KeyStatus.OK]
+        res = st.unpin(ns, a)
+        assert res.statuses == [KeyStatus.INVALID] and "not pinned" in res.messages[0]
+        assert st.put(ns, b, [P(b[0])]).statuses == [KeyStatus.OK]
+
+
+def test_truncate_keeps_the_head_of_a_reservation_and_quarantine_keeps_its_slots(ns):
+    with make() as st:
+        keys = chain(b"a", 3)
+        res = st.reserve(ns, keys, BS, owner="f")
+        holds = st.holds
+        assert holds.reserved_blocks(res.handle) == 3 and holds.reserved_blocks("r-nope") is None
+        with pytest.raises(PermissionDenied):
+            holds.truncate(res.handle, "other", 1)
+        assert holds.truncate(res.handle, "f", 1) == 2
+        fill(st, res, keys[:1])
+        assert st.commit(res.handle, "f").statuses == [KeyStatus.OK, KeyStatus.MISS, KeyStatus.MISS]
+        assert st.lookup(ns, keys).hit_blocks == 1
+        other = st.reserve(ns, chain(b"q", 1), BS, owner="f")
+        used = st.dram.used_bytes
+        assert holds.quarantine(other.handle) and not holds.quarantine(other.handle)
+        assert st.dram.used_bytes == used and st.hold_counts() == (0, 0)  # leaked for good, never reused

@@ -1,0 +1,135 @@
+"""Run-time changes (kvstore/core/resize.py): growing and shrinking DRAM and
+SSD without losing blocks that still fit, and switching the eviction policy
+with every block kept. Real stores at a few 4 KiB blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.core.eviction import PolicyName
+from kvstore.core.ssd_mover import SsdSpec
+from kvstore.core.store import StoreConfig, TieredStore
+from kvstore.errors import CapacityError, InvalidArgument, KeyStatus, NotFound
+from tests.conftest import chain, payload_for
+from tiers.base import TierKind
+
+BS = 4096
+
+
+def P(k: bytes) -> bytes:
+    return payload_for(b"t", k, BS)
+
+
+def make(slots: int = 8, page_slots: int = 1, **kw) -> TieredStore:
+    return TieredStore(StoreConfig(dram_bytes=slots * BS, dram_page_bytes=page_slots * BS, **kw))
+
+
+def put_each(st: TieredStore, ns, keys: list[bytes]) -> None:
+    """Each key a chain of its own (so any of them may be evicted alone)."""
+    for k in keys:
+        assert st.put(ns, [k], [P(k)]).statuses == [KeyStatus.OK]
+
+
+def readable(st: TieredStore, ns, keys: list[bytes]) -> list[bytes]:
+    got = st.get(ns, keys)
+    return [k for k, p in zip(keys, got.payloads) if p is not None and p.tobytes() == P(k)]
+
+
+def test_grow_dram_keeps_blocks_and_makes_room(ns):
+    with make(slots=2) as st:
+        keys = [chain(b"k%d" % i, 1)[0] for i in range(4)]
+        put_each(st, ns, keys[:2])
+        assert st.resize(TierKind.DRAM, 4 * BS) == 0
+        assert st.dram.capacity_bytes == 4 * BS
+        put_each(st, ns, keys[2:])
+        assert readable(st, ns, keys) == keys  # nothing was evicted to store the new two
+
+
+def test_shrink_dram_moves_blocks_down_and_evicts_only_what_no_longer_fits(ns):
+    with make(slots=8) as st:
+        keys = [chain(b"k%d" % i, 1)[0] for i in range(6)]
+        put_each(st, ns, keys)
+        for k in keys[3:]:
+            st.get(ns, [k])  # the last three are the most recently used
+        evicted = st.resize(TierKind.DRAM, 4 * BS)
+        assert evicted == 2 and st.dram.capacity_bytes == 4 * BS
+        kept = readable(st, ns, keys)
+        assert len(kept) == 4 and set(keys[3:]) <= set(kept)  # LRU order: the cold ones left
+        assert all(int(loc) < 4 * BS for loc in st.index.loc[st.index.used_rows()])
+        st.index.check_invariants()
+
+
+def test_shrink_refuses_while_a_retired_block_is_leased(ns):
+    with make(slots=4) as st:
+        keys = [chain(b"k%d" % i, 1)[0] for i in range(4)]
+        put_each(st, ns, keys)
+        top = max(range(4), key=lambda i: int(st.index.loc[st.index.used_rows()][i]))
+        row = st.index.used_rows()[top]
+        key = st.index.key_of(int(row))
+        lease = st.acquire(ns, [key], owner="r")
+        with pytest.raises(CapacityError):
+            st.resize(TierKind.DRAM, 2 * BS)
+        assert st.dram.capacity_bytes == 4 * BS and len(readable(st, ns, keys)) == 4
+        st.release(lease.handle, "r")
+        assert st.resize(TierKind.DRAM, 2 * BS) == 2
+
+
+def test_resize_of_a_tier_that_is_not_configured(ns):
+    with make() as st:
+        with pytest.raises(NotFound):
+            st.resize(TierKind.SSD, 1 << 20)
+        with pytest.raises(NotFound):
+            st.resize(TierKind.HBM, 1 << 20)
+
+
+def test_shrink_ssd_evicts_ssd_blocks_down_to_the_new_size(tmp_path, ns):
+    rec = BS + 88  # one block on disk: header + payload
+    spec = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=16 * rec, admit_min_hits=0, sync=False,
+                   segment_bytes=1 << 20, low_watermark=0.0)
+    with TieredStore(StoreConfig(dram_bytes=2 * BS, dram_page_bytes=2 * BS, ssd=spec)) as st:
+        keys = [chain(b"k%d" % i, 1)[0] for i in range(8)]
+        put_each(st, ns, keys)  # six of them were demoted to SSD
+        assert st.lookup(ns, keys).hit_blocks >= 1
+        on_ssd = sum(st.lookup(ns, [k]).tiers == [TierKind.SSD] for k in keys)
+        assert on_ssd == 6
+        evicted = st.resize(TierKind.SSD, 3 * rec)
+        assert st.ssd is not None and st.ssd.tier.used_bytes <= 3 * rec
+        assert st.ssd.tier.capacity_bytes <= 3 * rec
+        # at least three had to go (victims are taken in batches, so it may be more)
+        assert 3 <= evicted <= 6
+        assert len(readable(st, ns, keys)) == 8 - evicted  # the two DRAM blocks stay
+        st.index.check_invariants()
+
+
+def _hot_then_cold(st: TieredStore, ns, switch: bool) -> bool:
+    """k0 read often but long ago, k1/k2 read once since; then one new
+    block. Returns whether k0 survived."""
+    keys = [chain(b"k%d" % i, 1)[0] for i in range(3)]
+    put_each(st, ns, keys)
+    for _ in range(5):
+        st.get(ns, keys[:1])
+    st.get(ns, keys[1:2])
+    st.get(ns, keys[2:3])
+    if switch:
+        assert st.set_policy("lfu") == "lru"
+        assert st.policy.name is PolicyName.LFU and st.stats().policy == "lfu"
+        assert st.lookup(ns, keys).hit_blocks == 3  # the switch keeps every block
+    put_each(st, ns, chain(b"new", 1))
+    return st.lookup(ns, keys[:1]).hit_blocks == 1
+
+
+def test_policy_switch_keeps_blocks_and_changes_the_order(ns):
+    with make(slots=3, page_slots=3) as st:
+        assert st.policy.name is PolicyName.LRU
+        assert not _hot_then_cold(st, ns, switch=False)  # LRU: the least recent k0 goes
+    with make(slots=3, page_slots=3) as st:
+        assert _hot_then_cold(st, ns, switch=True)  # LFU: the often-read k0 stays
+        with pytest.raises(InvalidArgument):
+            st.set_policy("random")
+        assert st.policy.name is PolicyName.LFU
+
+
+def test_store_config_accepts_a_policy_name_and_rejects_an_unknown_one():
+    assert StoreConfig(policy="cost").policy is PolicyName.COST  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        StoreConfig(policy="fifo")  # type: ignore[arg-type]

@@ -1,0 +1,60 @@
+"""Bearer tokens -> principals (kvstore.daemon.auth)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import load_config
+from kvstore.daemon.auth import Auth, Principal
+from kvstore.errors import InvalidArgument, Unauthenticated
+
+TENANTS = ('[[tenant]]\nname = "acme"\ntoken = "tok-acme"\nshare = 0.5\nrate_limit_rps = 10\n\n'
+           '[[tenant]]\nname = "ops"\ntoken = "tok-admin"\nadmin = true\n')
+
+
+def _md(token: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")]
+
+
+def test_off_without_tokens_everyone_is_admin_without_tenant() -> None:
+    a = Auth(load_config(None, {}, {}), env={})
+    assert not a.enabled and a.tenants == set()
+    assert a.principal([]) == Principal(None, True)
+    assert a.principal(_md("anything")) == Principal(None, True)
+
+
+def test_tenants_file(tmp_path: Path) -> None:
+    p = tmp_path / "tenants.toml"
+    p.write_text(TENANTS)
+    a = Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})
+    assert a.enabled and a.tenants == {"acme", "ops"}
+    assert a.principal(_md("tok-acme")) == Principal("acme", False)
+    assert a.principal(_md("tok-admin")) == Principal("ops", True)
+    assert a.shares == {"acme": 0.5}
+    assert a.rates["acme"].rate_per_s == 10.0
+    for md in ([], _md("nope"), [("authorization", "Basic tok-acme")]):
+        with pytest.raises(Unauthenticated):
+            a.principal(md)
+
+
+def test_token_file_and_env(tmp_path: Path) -> None:
+    f = tmp_path / "token"
+    f.write_text("secret\n")
+    a = Auth(load_config(None, {}, {"server.auth_token_file": str(f)}), env={})
+    assert a.principal(_md("secret")) == Principal("default", True)
+    b = Auth(load_config(None, {}, {"server.auth_token_env": "MY_TOKEN"}), env={"MY_TOKEN": "t2"})
+    assert b.principal(_md("t2")) == Principal("default", True)
+    with pytest.raises(InvalidArgument):
+        Auth(load_config(None, {}, {"server.auth_token_env": "MY_TOKEN"}), env={})
+    f.write_text("\n")
+    with pytest.raises(InvalidArgument):
+        Auth(load_config(None, {}, {"server.auth_token_file": str(f)}), env={})
+
+
+def test_a_tenant_entry_needs_name_and_token(tmp_path: Path) -> None:
+    p = tmp_path / "tenants.toml"
+    p.write_text('[[tenant]]\nname = "acme"\n')
+    with pytest.raises(InvalidArgument, match="entry 0 needs name and token"):
+        Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})

@@ -1,0 +1,197 @@
+"""kvstore.checksum: XXH3-64 checksums, fused copy + checksum, batches.
+
+Every path (the C extension and the pure-Python fallback) must give
+``xxhash.xxh3_64_intdigest`` of the bytes, so a checksum written by one is
+verified by the other.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore import checksum as cks
+
+REPO = Path(__file__).resolve().parents[3]
+
+needs_native = pytest.mark.skipif(not cks.HAVE_NATIVE, reason="kvstore._native is not built")
+
+
+@pytest.fixture(params=["native", "python"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test once with the C extension (when built) and once without."""
+    if request.param == "native":
+        if not cks.HAVE_NATIVE:
+            pytest.skip("kvstore._native is not built")
+    else:
+        monkeypatch.setattr(cks, "_native", None)
+    return str(request.param)
+
+
+_LENGTHS = [0, 1, 15, 16, 17, 128, 129, 240, 241, 255, 256, 1023, 1024, 1025, 1087, 1088, 2047,
+            4096, 65536 + 7, (1 << 20) - 1, 1 << 20, (1 << 20) + 63, 3 * (1 << 20) + 1]
+
+
+@pytest.mark.parametrize("n", _LENGTHS)
+def test_checksum_and_copy_match_xxhash(n: int, impl: str) -> None:
+    src = np.random.default_rng(n).integers(0, 256, size=n, dtype=np.uint8)
+    want = xxhash.xxh3_64_intdigest(src.tobytes())
+    assert cks.checksum(src) == want
+    assert cks.checksum(src.tobytes()) == want
+    dst = np.zeros_like(src)
+    assert cks.copy_checksum(dst, src) == want
+    assert np.array_equal(dst, src)
+    dst2 = bytearray(n)
+    assert cks.copy_verify(dst2, memoryview(src.tobytes()), want) is True
+    assert bytes(dst2) == src.tobytes()
+    assert cks.copy_checksum(src, src) == want  # identical buffers: just hashes
+
+
+@pytest.mark.parametrize("n", [1, 200, 4096, 1 << 20])
+def test_copy_verify_detects_a_flipped_bit(n: int, impl: str) -> None:
+    src = np.random.default_rng(7).integers(0, 256, size=n, dtype=np.uint8)
+    good = cks.checksum(src)
+    for pos in {0, n // 2, n - 1}:
+        bad = src.copy()
+        bad[pos] ^= 0x10
+        dst = np.zeros_like(src)
+        assert cks.copy_verify(dst, bad, good) is False
+        assert np.array_equal(dst, bad)  # written either way
+        assert cks.copy_verify(dst, src, good) is True
+
+
+def test_checksum_any_dtype_and_tensor(impl: str) -> None:
+    x = np.linspace(0, 1, 1000, dtype=np.float32).reshape(10, 100)
+    assert cks.checksum(x) == xxhash.xxh3_64_intdigest(x.tobytes())
+    y = np.zeros_like(x)
+    assert cks.copy_checksum(y, x) == xxhash.xxh3_64_intdigest(x.tobytes())
+    assert np.array_equal(x, y)
+    z = np.zeros(4000, dtype=np.uint8)  # other shape and dtype, same byte length
+    assert cks.copy_checksum(z, x) == cks.checksum(x)
+    torch = pytest.importorskip("torch")
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+        t = torch.arange(0, 3000).to(dt)
+        raw = t.view(torch.uint8).numpy().tobytes()
+        out = torch.zeros_like(t)
+        assert cks.checksum(t) == xxhash.xxh3_64_intdigest(raw)
+        assert cks.copy_checksum(out, t) == xxhash.xxh3_64_intdigest(raw)
+        assert torch.equal(out, t)
+
+
+def test_checksum_errors(impl: str) -> None:
+    x = np.arange(100, dtype=np.uint8)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cks.checksum(x[::2])
+    with pytest.raises(TypeError):
+        cks.checksum(12345)
+    with pytest.raises(TypeError, match="writable"):
+        cks.copy_checksum(bytes(100), x)
+    with pytest.raises(ValueError, match="same length"):
+        cks.copy_checksum(bytearray(99), x)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cks.copy_checksum(np.zeros(100, np.uint8)[::1].reshape(10, 10).T, x)
+    with pytest.raises(ValueError, match="overlap"):
+        cks.copy_checksum(x[1:], x[:-1])
+    with pytest.raises(TypeError, match="int"):
+        cks.copy_verify(bytearray(100), x, "0")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        cks.copy_verify(bytearray(100), x, -1)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        cks.copy_verify(bytearray(100), x, 2**64)
+    assert cks.copy_verify(bytearray(100), x, np.uint64(cks.checksum(x))) is True
+
+
+@needs_native
+@pytest.mark.parametrize("n", [241, 1024, 1025, 1088, 5000, (1 << 20) + 17])
+def test_every_native_copy_kernel_matches(n: int) -> None:
+    nat = cks._native
+    assert nat is not None
+    src = np.random.default_rng(n).integers(0, 256, size=n, dtype=np.uint8)
+    want = xxhash.xxh3_64_intdigest(src.tobytes())
+    assert nat.COPY_KERNEL == nat.kernels()[-1]
+    for kernel in nat.kernels():
+        for nontemporal in (False, True):
+            dst = np.zeros_like(src)
+            assert nat._copy_checksum_with(dst, src, kernel, nontemporal) == want
+            assert np.array_equal(dst, src)
+            # unaligned destination and source
+            big = np.zeros(n + 3, np.uint8)
+            assert nat._copy_checksum_with(big[3:], src, kernel, nontemporal) == want
+            assert np.array_equal(big[3:], src)
+    with pytest.raises(ValueError, match="not available"):
+        nat._copy_checksum_with(np.zeros_like(src), src, "mmx", False)
+    assert isinstance(nat.simd_target(), str)
+
+
+# --------------------------------------------------------------------------
+# batches: copy_many, checksum_many, verify_many
+# --------------------------------------------------------------------------
+
+
+def _blocks(n: int, size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in range(n)]
+
+
+# 16 x 4 KiB stays on the calling thread; 8 x 1 MiB (>= 4 MiB) is split over threads
+@pytest.mark.parametrize("n,size", [(0, 64), (1, 100), (16, 4096), (8, 1 << 20)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_batches_match_the_single_calls(n: int, size: int, threads: int, impl: str) -> None:
+    srcs = _blocks(n, size, n * 7 + size)
+    want = np.array([xxhash.xxh3_64_intdigest(s.tobytes()) for s in srcs], dtype=np.uint64)
+    assert np.array_equal(cks.checksum_many(srcs, threads=threads), want)
+    dsts = [np.zeros(size, np.uint8) for _ in range(n)]
+    got = cks.copy_many(dsts, srcs, threads=threads)
+    assert got.dtype == np.uint64 and got.shape == (n,) and np.array_equal(got, want)
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    dsts2 = [bytearray(size) for _ in range(n)]
+    ok = cks.verify_many(dsts2, srcs, want, threads=threads)
+    assert ok.dtype == bool and ok.shape == (n,) and bool(ok.all())
+    assert all(bytes(d) == s.tobytes() for d, s in zip(dsts2, srcs))
+
+
+@pytest.mark.parametrize("size", [100, 1 << 20])
+def test_verify_many_flags_exactly_the_corrupt_blocks(size: int, impl: str) -> None:
+    srcs = _blocks(8, size, size)
+    sums = [cks.checksum(s) for s in srcs]
+    bad = {1, 6}
+    for i in bad:
+        srcs[i][size // 3] ^= 0x01  # corrupted after its checksum was taken
+    dsts = [np.zeros(size, np.uint8) for _ in srcs]
+    ok = cks.verify_many(dsts, srcs, np.asarray(sums, np.uint64), threads=2)
+    assert set(np.flatnonzero(~ok).tolist()) == bad
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))  # written either way
+
+
+def test_batch_errors_propagate(impl: str) -> None:
+    srcs = _blocks(2, 64, 0)
+    with pytest.raises(ValueError, match="same length"):
+        cks.copy_many([np.zeros(64, np.uint8), np.zeros(63, np.uint8)], srcs)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        cks.verify_many([bytearray(64), bytearray(64)], srcs, [0, -1])
+
+
+@needs_native
+@pytest.mark.parametrize("n", [0, 1, 1000, (1 << 20) + 5])
+def test_native_and_fallback_agree(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = np.random.default_rng(n).integers(0, 256, size=n, dtype=np.uint8)
+    native = (cks.checksum(src), cks.copy_checksum(np.zeros_like(src), src))
+    monkeypatch.setattr(cks, "_native", None)
+    fallback = (cks.checksum(src), cks.copy_checksum(np.zeros_like(src), src))
+    assert native == fallback == (xxhash.xxh3_64_intdigest(src.tobytes()),) * 2
+
+
+def test_no_kvstore_native_selects_the_fallback() -> None:
+    code = ("from kvstore import checksum as c, keys as k; "
+            "print(c.HAVE_NATIVE, k.HAVE_NATIVE, c.load_native() is None, c.checksum(b'abc'))")
+    env = dict(os.environ, NO_KVSTORE_NATIVE="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True", str(xxhash.xxh3_64_intdigest(b"abc"))]

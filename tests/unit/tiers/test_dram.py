@@ -1,0 +1,87 @@
+"""The DRAM tier (tiers/dram.py): a 0600 shared-memory slab with verified
+copies in and out, zero-copy views, resize in place, and cleanup on close."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import checksum
+from kvstore.errors import CapacityError, InvalidArgument
+from tests.conftest import payload_for
+from tiers.base import TierKind
+from tiers.dram import DramTier
+
+B = 4096
+
+
+def P(i: int) -> bytes:
+    return payload_for(b"d", b"%d" % i, B)
+
+
+@pytest.fixture
+def dram():
+    t = DramTier(4 * B, page_bytes=B, copy_threads=1)
+    yield t
+    t.close()
+
+
+def test_the_slab_is_a_private_file_that_close_removes():
+    t = DramTier(2 * B, page_bytes=B)
+    path = t.path
+    assert t.kind is TierKind.DRAM and path.startswith("/dev/shm/")
+    st = os.stat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 2 * B
+    t.close()
+    assert not os.path.exists(path)
+    t.close()  # twice is harmless
+
+
+def test_write_then_read_verifies_each_block(dram):
+    locs = dram.allocate(B, 3)
+    sums = dram.write(locs, [P(i) for i in range(3)])
+    assert sums.tolist() == [checksum(P(i)) for i in range(3)]
+    outs = [np.empty(B, np.uint8) for _ in range(3)]
+    ok = dram.read_into(locs, np.full(3, B), sums, outs)
+    assert ok.tolist() == [True] * 3 and [o.tobytes() for o in outs] == [P(i) for i in range(3)]
+    dram.corrupt_for_test(int(locs[1]), bit=13)
+    ok = dram.read_into(locs, np.full(3, B), sums, outs)
+    assert ok.tolist() == [True, False, True]
+
+
+def test_views_are_zero_copy(dram):
+    loc = int(dram.allocate(B, 1)[0])
+    v = dram.view(loc, B)
+    v[:] = np.frombuffer(P(7), np.uint8)
+    out = np.empty(B, np.uint8)
+    assert dram.read_into(np.asarray([loc]), np.asarray([B]), np.asarray([checksum(P(7))]), [out]).all()
+    assert out.tobytes() == P(7)
+
+
+def test_resize_grows_in_place_and_shrinks_only_over_empty_pages(dram):
+    locs = dram.allocate(B, 2)
+    dram.write(locs, [P(0), P(1)])
+    dram.resize(8 * B)
+    assert dram.capacity_bytes == 8 * B and dram.size == 8 * B and os.stat(dram.path).st_size == 8 * B
+    assert dram.view(int(locs[1]), B).tobytes() == P(1)  # data survives a grow
+    more = dram.allocate(B, 6)
+    assert more.size == 6 and int(more.max()) >= 4 * B
+    with pytest.raises(CapacityError):
+        dram.resize(2 * B)  # pages above hold blocks
+    dram.free(more)
+    dram.resize(2 * B)
+    assert dram.capacity_bytes == 2 * B and dram.view(int(locs[0]), B).tobytes() == P(0)
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(InvalidArgument):
+        DramTier(0)
+    t = DramTier(2 * B, page_bytes=B)
+    try:
+        with pytest.raises(InvalidArgument):
+            t.footprint(B + 1)  # larger than a page
+    finally:
+        t.close()

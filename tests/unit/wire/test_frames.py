@@ -1,0 +1,75 @@
+"""The same-host socket's frames (kvstore.wire.frames): what the daemon's
+socket server and the client's socket agree on, byte for byte."""
+
+from __future__ import annotations
+
+import struct
+
+import grpc
+import pytest
+
+from kvstore.errors import InvalidArgument
+from kvstore.wire import frames
+
+
+def _body(frame: bytes) -> bytes:
+    (n,) = struct.unpack_from("<I", frame)
+    assert len(frame) == 4 + n
+    return frame[4:]
+
+
+def test_frame_prefixes_the_length() -> None:
+    assert frames.frame(b"abc") == b"\x03\x00\x00\x00abc"
+    assert frames.frame(b"") == b"\x00\x00\x00\x00"
+
+
+def test_hello_round_trip() -> None:
+    assert frames.parse_hello(_body(frames.hello_frame("s-1"))) == ("s-1", "")
+    assert frames.parse_hello(_body(frames.hello_frame("s-1", "tok"))) == ("s-1", "tok")
+    assert _body(frames.hello_frame("s-1", "tok")) == b"s-1\ntok"
+
+
+def test_lookup_round_trip() -> None:
+    keys = bytes(range(32))
+    body = _body(frames.lookup_frame(b"NS", keys))
+    assert body[:2] == b"\x02\x00" and not frames.is_call(body)
+    req = frames.parse_lookup(body)
+    assert req.ns_wire == b"NS" and req.keys == keys
+    with pytest.raises(InvalidArgument):
+        frames.lookup_frame(b"x" * 0xFFFF, b"")
+
+
+def test_answer_layout() -> None:
+    body = _body(frames.answer_frame(3, b"\x02\x02\x03"))
+    status, hit = frames.HIT.unpack_from(body)
+    assert (status, hit) == (frames.OK, 3) and body[frames.HIT.size:] == b"\x02\x02\x03"
+
+
+@pytest.mark.parametrize("name", frames.CALLS)
+def test_call_round_trip(name: str) -> None:
+    body = _body(frames.call_frame(name, b"REQ"))
+    assert frames.is_call(body)
+    assert frames.call_method(body) == name
+    assert frames.call_method_id(body) == frames.CALLS.index(name) + 1
+    assert body[3:] == b"REQ"
+
+
+def test_unknown_call_ids() -> None:
+    assert frames.call_method(frames.CALL_MARK + b"\x00") is None
+    assert frames.call_method(frames.CALL_MARK + bytes([len(frames.CALLS) + 1])) is None
+    assert frames.call_method(frames.CALL_MARK) is None and frames.call_method_id(frames.CALL_MARK) == 0
+    with pytest.raises(ValueError):
+        frames.call_frame("Put", b"")  # only the shared-memory control calls go over the socket
+
+
+def test_reply_and_error_frames() -> None:
+    assert _body(frames.reply_frame(b"RESP")) == b"\x00RESP"
+    body = _body(frames.error_frame(grpc.StatusCode.NOT_FOUND.value[0], "gone"))
+    assert body[0] == grpc.StatusCode.NOT_FOUND.value[0] and body[1:] == b"gone"
+    long = _body(frames.error_frame(13, "x" * 10_000))
+    assert len(long) == 1 + frames.MAX_ERROR_TEXT
+
+
+def test_limits() -> None:
+    assert frames.MAX_FRAME >= 2 + 0xFFFF + 16 * 65536
+    assert frames.MAX_HELLO == 8192

@@ -1,0 +1,173 @@
+"""The SSD tier's directory (see tiers/ssd.py): creating and checking it
+(0700, the ``SCHEMA`` marker), atomic rewrites of its small files, the
+RocksDB index's files (0600), and the ``namespaces`` file of namespace
+descriptors (atomic rewrite, xxh3 trailer).
+
+Directory 0700, files 0600: ``SCHEMA`` (any other schema is refused, never
+reinterpreted), ``LOCK`` (flock), ``namespaces`` (atomic rewrite, xxh3
+trailer), ``index/`` (RocksDB, raw mode: ``b"b"`` + loc (8 B big-endian) ->
+segment, offset, identity) and ``seg-NNNNNNNNNNNN.kvs``: records of an 88-byte
+header (magic, version, parent length, size, write sequence, xxh3_64,
+namespace digest, key, parent key, header xxh3) + payload, so a lost index is
+rebuilt from the segments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import struct
+
+import numpy as np
+import rocksdict
+
+from kvstore.errors import InvalidArgument
+from tiers.ssd_format import (
+    CLOEXEC,
+    INDEX_DIR,
+    LOCK_FILE,
+    NAMESPACES_FILE,
+    NS_MAGIC,
+    SCHEMA_FILE,
+    SCHEMA_MAGIC,
+    SCHEMA_VERSION,
+    FileLayer,
+    io_error,
+    record_checksum,
+    write_all,
+)
+
+log = logging.getLogger("kvstore.ssd")
+
+
+class SsdDirectory:
+    """Where the tier's files live, and how its small files are written."""
+
+    def __init__(self, path: str, fs: FileLayer, sync: bool) -> None:
+        self.path = path
+        self.fs = fs
+        self.sync = sync
+
+    def prepare(self) -> None:
+        """Create the directory (0700) with its schema marker, or check the marker."""
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        marker = os.path.join(self.path, SCHEMA_FILE)
+        try:
+            with open(marker, "rb") as f:
+                lines = f.read(4096).decode("utf-8", "replace").splitlines()
+        except FileNotFoundError:
+            stray = sorted(n for n in os.listdir(self.path) if not n.endswith(".tmp") and n != LOCK_FILE)
+            if stray:
+                raise InvalidArgument(f"{self.path} is not empty and has no {SCHEMA_FILE} marker: not a kvstore "
+                                      f"SSD directory (found {stray[:3]}); refusing to use it") from None
+            self.write_small(marker, f"{SCHEMA_MAGIC}\nschema {SCHEMA_VERSION}\n".encode())
+            return
+        m = re.fullmatch(r"schema (\d+)", lines[1].strip()) if len(lines) >= 2 else None
+        if lines[0].strip() != SCHEMA_MAGIC or m is None:
+            raise InvalidArgument(f"{marker} is not a kvstore SSD schema marker; refusing to open {self.path}")
+        if int(m.group(1)) != SCHEMA_VERSION:
+            raise InvalidArgument(
+                f"SSD directory {self.path} has schema {m.group(1)}, this kvstore reads only schema "
+                f"{SCHEMA_VERSION}; refusing to reinterpret it (use a matching kvstore or another directory)")
+
+    def write_small(self, path: str, data: bytes) -> None:
+        """Atomically replace a small file: tmp, fdatasync, rename, fsync dir."""
+        fd = self.fs.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | CLOEXEC, 0o600)
+        try:
+            write_all(self.fs, fd, [np.frombuffer(data, np.uint8)], 0)
+            self.fs.fdatasync(fd)
+        finally:
+            self.fs.close(fd)
+        self.fs.rename(path + ".tmp", path)
+        self.sync_dir()
+
+    def sync_dir(self) -> None:
+        if self.sync:
+            fd = self.fs.open(self.path, os.O_RDONLY | CLOEXEC)
+            try:
+                self.fs.fsync(fd)
+            finally:
+                self.fs.close(fd)
+
+    def open_db(self) -> rocksdict.Rdict:
+        o = rocksdict.Options(raw_mode=True)
+        o.create_if_missing(True)
+        o.set_keep_log_file_num(2)
+        o.set_write_buffer_size(16 << 20)
+        db = rocksdict.Rdict(os.path.join(self.path, INDEX_DIR), o)
+        self.private_index()
+        return db
+
+    def private_index(self) -> None:
+        path = os.path.join(self.path, INDEX_DIR)
+        os.chmod(path, 0o700)
+        for e in os.scandir(path):
+            if e.is_file(follow_symlinks=False):
+                os.chmod(e.path, 0o600)
+
+
+    def fresh_index(self, db: rocksdict.Rdict | None) -> rocksdict.Rdict:
+        """Close ``db`` (if any), move the index aside to ``index.corrupt``
+        and open an empty one."""
+        if db is not None:
+            try:
+                db.close()
+            except Exception:  # noqa: BLE001 - absent or broken
+                pass
+        old, aside = os.path.join(self.path, INDEX_DIR), os.path.join(self.path, INDEX_DIR + ".corrupt")
+        shutil.rmtree(aside, ignore_errors=True)
+        if os.path.exists(old):
+            os.rename(old, aside)
+        return self.open_db()
+
+class NamespaceFile:
+    """Namespace digest -> descriptor bytes, persisted in the ``namespaces`` file."""
+
+    def __init__(self, directory: SsdDirectory) -> None:
+        self.dir = directory
+        self._ns: dict[bytes, bytes] = {}
+
+    def put(self, digest: bytes, descriptor: bytes) -> None:
+        """Persist a namespace descriptor (atomic rewrite of the namespaces file)."""
+        digest, descriptor = bytes(digest), bytes(descriptor)
+        if not 0 < len(digest) <= 0xFFFF:
+            raise InvalidArgument(f"namespace digest must be 1..65535 bytes, got {len(digest)}")
+        if self._ns.get(digest) == descriptor:
+            return
+        ns = {**self._ns, digest: descriptor}
+        body = bytearray(NS_MAGIC + struct.pack("<II", 1, len(ns)))
+        for d, desc in ns.items():
+            body += struct.pack("<HI", len(d), len(desc)) + d + desc
+        body += struct.pack("<Q", record_checksum(bytes(body)))
+        try:
+            self.dir.write_small(os.path.join(self.dir.path, NAMESPACES_FILE), bytes(body))
+        except OSError as exc:
+            raise io_error(exc, "writing namespace descriptors") from exc
+        self._ns = ns
+
+    def all(self) -> dict[bytes, bytes]:
+        """Namespace digest -> descriptor bytes, as persisted."""
+        return dict(self._ns)
+
+    def load(self) -> None:
+        try:
+            with open(os.path.join(self.dir.path, NAMESPACES_FILE), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return
+        try:
+            if len(data) < 20 or data[:4] != NS_MAGIC or struct.unpack_from("<I", data, 4)[0] != 1:
+                raise ValueError("bad magic or version")
+            if struct.unpack_from("<Q", data, len(data) - 8)[0] != record_checksum(data[:-8]):
+                raise ValueError("checksum mismatch")
+            pos, out = 12, {}
+            for _ in range(struct.unpack_from("<I", data, 8)[0]):
+                dl, nl = struct.unpack_from("<HI", data, pos)
+                out[data[pos + 6:pos + 6 + dl]] = data[pos + 6 + dl:pos + 6 + dl + nl]
+                pos += 6 + dl + nl
+            self._ns = out
+        except (ValueError, struct.error) as exc:
+            log.warning("ssd namespaces file unreadable (%s); namespaces start empty", exc)
