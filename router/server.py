@@ -152,7 +152,9 @@ class RouterService:
             return self._bad(400, f"the prompt has {prompt.n_tokens} tokens; this router accepts at most {limit}")
         stream = bool(body.get("stream", False))
         if self.pd is not None:
+            t_pd = time.perf_counter()
             plan = await self.pd.plan(who.tenant, who.klass, model, prompt, endpoint, body)
+            t0 += time.perf_counter() - t_pd  # the prefill step is a backend's work, not the router's
         else:
             plan = await self._plan(who, model, prompt)
         if isinstance(plan, Rejection):
