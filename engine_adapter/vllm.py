@@ -77,6 +77,7 @@ from engine_adapter.vllm_common import (
     DaemonLink,
     KVStoreConnectorMetadata,
     KVStoreWorkerMetadata,
+    cluster_mode,
     connector_namespace,
     extra_config,
     flag,
@@ -115,7 +116,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     (1 s after a fault), ``load`` / ``save`` (true; ``kv_role``
     ``kv_consumer`` never saves, ``kv_producer`` never loads), ``use_shm`` (true;
     false moves blocks as inline gRPC bytes), ``layout_tag`` (extra
-    text in the layout schema), ``stats_path`` (append a JSON line per
+    text in the layout schema), ``cluster`` (``"auto"``: lookups in cluster
+    mode while the daemon has a cluster, so blocks a peer holds are fetched
+    when the daemon's cost model says so; true / false), ``stats_path`` (append a JSON line per
     lookup/load/save there, for tests and debugging).
     """
 
@@ -143,7 +146,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             do_load=flag(extra, "load") and role_name != "kv_producer",
             do_save=flag(extra, "save") and role_name != "kv_consumer",
             emit_events=bool(kec is not None and getattr(kec, "enable_kv_cache_events", False)),
-            hash_block_size=getattr(kv_cache_config, "hash_block_size", None))
+            hash_block_size=getattr(kv_cache_config, "hash_block_size", None), cluster=cluster_mode(extra))
         self.worker = WorkerSide(self.identity, self.link, vllm_config, kv_cache_config)
         log.info("kvstore connector (%s): model %s, daemon %s", role.name, self.identity.model_dir,
                  self.link.target or os.environ.get("KVSTORE_ADDRESS") or "127.0.0.1:50051")

@@ -20,6 +20,7 @@ import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,8 +43,11 @@ __all__ = [
     "DUMMY_WEIGHTS",
     "FAULTS",
     "FAULT_TYPES",
+    "PEER_DECISIONS",
+    "PEER_FETCHED_BYTES",
     "TORCH_KV",
     "BlockMove",
+    "ClusterMode",
     "ConnectorIdentity",
     "DaemonLink",
     "KVStoreConnectorMetadata",
@@ -53,6 +57,7 @@ __all__ = [
     "flag",
     "kv_dtype",
     "layout_descriptor",
+    "cluster_mode",
     "request_ns",
     "split_keys",
 ]
@@ -65,6 +70,11 @@ try:
                      "and were served as a miss", ["op"])
 except ValueError:  # engine_adapter.connector registered it first in this process
     from engine_adapter.connector import FAULTS
+
+PEER_DECISIONS = Counter("kvstore_engine_cluster_decisions_total",
+                         "Cluster lookups of the vLLM connector by the daemon's chain decision", ["decision"])
+PEER_FETCHED_BYTES = Counter("kvstore_engine_fetched_bytes_total",
+                             "Bytes the vLLM connector loaded that its daemon fetched from a peer")
 
 FAULT_TYPES: tuple[type[BaseException], ...] = (KVStoreError, OSError, ValueError, RuntimeError)
 """Exceptions of a store call served as a miss (or an unsaved block)."""
@@ -270,6 +280,31 @@ def flag(extra: dict[str, Any], name: str) -> bool:
     return bool(v)
 
 
+class ClusterMode(Enum):
+    """The connector's ``cluster`` extra config: whether lookups ask the
+    daemon in cluster mode (blocks peers hold, fetch or recompute)."""
+
+    AUTO = "auto"
+    """Cluster lookups while the daemon answers that it has a cluster (the default)."""
+    ON = "on"
+    OFF = "off"
+
+
+def cluster_mode(extra: dict[str, Any]) -> ClusterMode:
+    """The ``cluster`` extra-config entry: true, false or "auto" (default)."""
+    v = extra.get("cluster", "auto")
+    if isinstance(v, bool):
+        return ClusterMode.ON if v else ClusterMode.OFF
+    text = str(v).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return ClusterMode.ON
+    if text in ("false", "0", "no", "off"):
+        return ClusterMode.OFF
+    if text == "auto":
+        return ClusterMode.AUTO
+    raise ValueError(f"kvstore connector: cluster must be true, false or \"auto\", got {v!r}")
+
+
 def split_keys(keys: bytes) -> list[bytes]:
     """Packed 16-byte keys as a list."""
     return [keys[i:i + KEY_LEN] for i in range(0, len(keys), KEY_LEN)]
@@ -297,6 +332,9 @@ class BlockMove:
     final: bool = False
     """The tail save of a finished request whose blocks vLLM keeps until
     the worker reports it done (``get_finished``)."""
+    cluster: bool = False
+    """A load whose blocks a peer holds: ``Acquire(cluster=True)`` fetches
+    them into the local daemon first (the lookup's decision was fetch)."""
 
 
 @dataclass
@@ -341,7 +379,10 @@ class DaemonLink:
         self.current: Client | None = None
         self.retry_at = 0.0
         self.stats: dict[str, int] = {"lookups": 0, "hit_tokens": 0, "loaded_blocks": 0, "failed_blocks": 0,
-                                      "saved_blocks": 0, "existing_blocks": 0, "faults": 0}
+                                      "saved_blocks": 0, "existing_blocks": 0, "faults": 0,
+                                      "cluster_lookups": 0, "decision_local": 0, "decision_fetch": 0,
+                                      "decision_recompute": 0, "remote_blocks": 0, "fetched_blocks": 0,
+                                      "fetched_bytes": 0, "fetch_failed_blocks": 0}
 
     def fault(self, op: str, e: BaseException | str) -> None:
         FAULTS.labels(op).inc()

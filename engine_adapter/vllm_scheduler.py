@@ -24,7 +24,9 @@ import numpy as np
 
 from engine_adapter.vllm_common import (
     FAULT_TYPES,
+    PEER_DECISIONS,
     BlockMove,
+    ClusterMode,
     ConnectorIdentity,
     DaemonLink,
     KVStoreConnectorMetadata,
@@ -33,7 +35,8 @@ from engine_adapter.vllm_common import (
     split_keys,
 )
 from kvstore import identity
-from kvstore.keys import KEY_LEN, block_keys, block_keys_array
+from kvstore.keys import KEY_LEN, Namespace, block_keys, block_keys_array
+from kvstore.results import ChainDecisionKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,7 +65,11 @@ class ReqState:
     load: bool = True
     save: bool = True
     hit_blocks: int = 0
-    """Leading blocks the daemon held at the last lookup."""
+    """Leading blocks the daemon held at the last lookup (with a fetch
+    decision: the local ones and the run a peer holds)."""
+    fetch_from: int = -1
+    """With a fetch decision: the first block a peer holds (the loads from
+    there on fetch first); -1 otherwise."""
     local_tokens: int = 0
     plan: tuple[int, int] | None = None
     """Blocks [a, b) to load in the next step."""
@@ -75,8 +82,11 @@ class SchedulerSide:
     """Lookups and the per-step plan of one scheduler-role connector."""
 
     def __init__(self, ident: ConnectorIdentity, link: DaemonLink, *, block_size: int, do_load: bool,
-                 do_save: bool, emit_events: bool, hash_block_size: int | None) -> None:
+                 do_save: bool, emit_events: bool, hash_block_size: int | None,
+                 cluster: ClusterMode = ClusterMode.AUTO) -> None:
         self.ident = ident
+        self.cluster = cluster
+        """Whether lookups ask in cluster mode; AUTO turns OFF when the daemon says it has no cluster."""
         self.link = link
         self.block_size = block_size
         self.do_load = do_load
@@ -169,9 +179,14 @@ class SchedulerSide:
         base = self.ident.ns
         if c is None or base is None:
             return 0, False
+        ns, keys = request_ns(base, st.adapter, st.salt), split_keys(st.keys[:loadable * KEY_LEN])
+        st.fetch_from = -1
+        cluster: dict[str, Any] = {}
         try:
-            hit = int(c.lookup(request_ns(base, st.adapter, st.salt), split_keys(st.keys[:loadable * KEY_LEN]))
-                      .hit_blocks)
+            if self.cluster is ClusterMode.OFF:
+                hit = int(c.lookup(ns, keys).hit_blocks)
+            else:
+                hit, cluster = self.cluster_lookup(c, st, ns, keys)
         except FAULT_TYPES as e:
             self.link.fault("lookup", e)
             return 0, False
@@ -180,8 +195,38 @@ class SchedulerSide:
         ext = max(0, min(hit, loadable) * self.block_size - num_computed_tokens)
         self.link.record(event="lookup", req=request.request_id, prompt_blocks=len(st.keys) // KEY_LEN,
                          local_tokens=num_computed_tokens, hit_blocks=hit, external_tokens=ext,
-                         ms=round((time.perf_counter() - t0) * 1000, 3))
+                         ms=round((time.perf_counter() - t0) * 1000, 3), **cluster)
         return ext, False
+
+    def cluster_lookup(self, c: Any, st: ReqState, ns: Namespace, keys: list[bytes]) -> tuple[int, dict[str, Any]]:
+        """A cluster-mode lookup (docs/cluster.md): the blocks to report as
+        external (the local prefix, plus the run a peer holds when the
+        daemon's decision is fetch) and the decision's record fields. Sets
+        ``st.fetch_from`` when the loads must fetch first."""
+        cl = c.cluster_lookup(ns, keys)
+        if cl.status == "cluster off":
+            if self.cluster is ClusterMode.AUTO:
+                self.cluster = ClusterMode.OFF  # a daemon without a cluster: plain lookups from now on
+                log.info("kvstore connector: the daemon has no cluster; lookups are local only")
+            return int(cl.local_blocks), {}
+        kind = cl.decision
+        stats = self.link.stats
+        stats["cluster_lookups"] += 1
+        stats[f"decision_{kind.value}"] += 1
+        PEER_DECISIONS.labels(kind.value).inc()
+        hit = int(cl.local_blocks)
+        if kind is ChainDecisionKind.FETCH and cl.remote_blocks:
+            st.fetch_from = hit
+            hit += int(cl.remote_blocks)
+            stats["remote_blocks"] += int(cl.remote_blocks)
+        peer = next((x.peer for x in cl.locations if x.peer), "")
+        if cl.remote_blocks:
+            log.info("kvstore connector: request %s: %d local block(s), %d at %s: %s (fetch %.2f ms, "
+                     "recompute %.2f ms)", st.request.request_id, cl.local_blocks, cl.remote_blocks, peer,
+                     kind.value, cl.fetch_s * 1e3, cl.recompute_s * 1e3)
+        return hit, {"decision": kind.value, "local_blocks": int(cl.local_blocks),
+                     "remote_blocks": int(cl.remote_blocks), "peer": peer, "fetch_ms": round(cl.fetch_s * 1e3, 3),
+                     "recompute_ms": round(cl.recompute_s * 1e3, 3), "cluster_status": cl.status}
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -226,7 +271,7 @@ class SchedulerSide:
                 st.plan = None
                 if b <= len(st.block_ids):
                     meta.loads.append(BlockMove(req_id, st.adapter, st.salt, st.keys[a * KEY_LEN:b * KEY_LEN],
-                                                st.block_ids[a:b]))
+                                                st.block_ids[a:b], a, cluster=0 <= st.fetch_from < b))
                 else:  # cannot happen: vLLM allocates a block for every computed token
                     log.error("kvstore: request %s has %d blocks, the load needs %d", req_id,
                               len(st.block_ids), b)

@@ -23,6 +23,7 @@ import torch
 
 from engine_adapter.vllm_common import (
     FAULT_TYPES,
+    PEER_FETCHED_BYTES,
     TORCH_KV,
     BlockMove,
     ConnectorIdentity,
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvstore.vllm")
+
+WIRE_DECISIONS = ("unspecified", "local", "fetch", "recompute")
+"""Names of the wire ``ChainDecision`` values an acquire answers."""
 
 
 class WorkerSide:
@@ -152,10 +156,12 @@ class WorkerSide:
                 return 0
             return next((i for i, x in enumerate(st) if x is not KeyStatus.OK), len(st))
         try:
-            lease = c.acquire(ns, keys)
+            lease = c.acquire(ns, keys, cluster=m.cluster)
         except FAULT_TYPES as e:
             self.link.fault("load", e)
             return 0
+        if m.cluster:
+            self.note_fetch(m, lease.fetched_blocks, lease.decision, lease.hit_blocks, len(keys))
         try:
             hit = lease.hit_blocks
             sizes_ok = [int(x) == self.block_bytes for x in lease.lengths[:hit]]
@@ -180,6 +186,23 @@ class WorkerSide:
             except FAULT_TYPES as e:
                 self.link.fault("remove", e)
         return ok
+
+    def note_fetch(self, m: BlockMove, fetched: int, decision: int, hit: int, planned: int) -> None:
+        """Stats, metric and record of a load that asked its daemon to fetch
+        from a peer first; the blocks it did not get (the fetch failed, timed
+        out, was refused or damaged, or the daemon decided otherwise this
+        time) are recomputed by vLLM (they are load errors)."""
+        nbytes = fetched * self.block_bytes
+        kind = WIRE_DECISIONS[decision] if 0 <= decision < len(WIRE_DECISIONS) else str(decision)
+        self.link.stats["fetched_blocks"] += fetched
+        self.link.stats["fetched_bytes"] += nbytes
+        self.link.stats["fetch_failed_blocks"] += planned - hit
+        PEER_FETCHED_BYTES.inc(nbytes)
+        if hit < planned:
+            log.warning("kvstore: request %s: %d of %d block(s) not obtained from the peer (decision %s, %d "
+                        "fetched); vLLM recomputes them", m.req_id, planned - hit, planned, kind, fetched)
+        self.link.record(event="fetch", req=m.req_id, planned_blocks=planned, fetched_blocks=fetched,
+                         fetched_bytes=nbytes, hit_blocks=hit, decision=kind)
 
     def wait_for_save(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:

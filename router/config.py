@@ -45,7 +45,7 @@ from typing import Any
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype
 
-__all__ = ["ApiKey", "BackendSpec", "ModelSpec", "PredictorSpec", "RouterConfig", "RoutingPolicy", "ServiceClass",
+__all__ = ["ApiKey", "BackendSpec", "ModelSpec", "PDSpec", "PredictorSpec", "RouterConfig", "RoutingPolicy", "ServiceClass",
            "TenantQuota", "load_router_config", "parse_backend_flag", "parse_key_flag", "parse_model_flag"]
 
 
@@ -210,6 +210,35 @@ class PredictorSpec:
             raise _bad("predictor.calibrate_alpha", self.calibrate_alpha, "allowed: (0, 1]")
 
 
+def _names(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, Sequence) or not value or not all(isinstance(v, str) and v for v in value):
+        raise _bad(key, value, "a non-empty list of backend names")
+    return tuple(value)
+
+
+@dataclass(slots=True, frozen=True)
+class PDSpec:
+    """Prefill/decode disaggregation (``[pd]``; router/pd.py, docs/pd.md):
+    every request is prefilled on a backend of ``prefill`` (max_tokens 1),
+    then decoded on one of ``decode``, which loads the blocks through its
+    daemon's cluster fetch."""
+
+    prefill: tuple[str, ...] = ()
+    """Backend names of the prefill pool (``kv_producer`` vLLMs)."""
+    decode: tuple[str, ...] = ()
+    """Backend names of the decode pool (``kv_consumer`` vLLMs)."""
+    visible_timeout: float = 1.0
+    """Seconds to wait, after the prefill, for the decode daemon to see its blocks (0: do not wait)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", _names("pd.prefill", self.prefill))
+        object.__setattr__(self, "decode", _names("pd.decode", self.decode))
+        if self.visible_timeout < 0:
+            raise _bad("pd.visible_timeout", self.visible_timeout, "must be >= 0 seconds")
+
+
 @dataclass(slots=True, frozen=True)
 class RouterConfig:
     """The whole tree."""
@@ -249,6 +278,8 @@ class RouterConfig:
     """Refuse longer prompts (400); 0 = the model's ``max_model_len``."""
     log_decisions: bool = True
     """One debug log line per decision."""
+    pd: PDSpec | None = None
+    """Prefill/decode disaggregation (``[pd]``); None: every request goes to one backend."""
 
     def __post_init__(self) -> None:
         _addr("listen", self.listen)
@@ -269,6 +300,10 @@ class RouterConfig:
             raise _bad("retries/health_failures", (self.retries, self.health_failures), "retries >= 0, failures >= 1")
         if not 0.0 <= self.hit_class_share <= 0.25:
             raise _bad("hit_class_share", self.hit_class_share, "allowed: 0..0.25 (four hit classes)")
+        if self.pd is not None:
+            unknown = sorted(set(self.pd.prefill + self.pd.decode) - set(names))
+            if unknown:
+                raise _bad("pd", unknown, f"unknown backend names; configured: {', '.join(names)}")
 
     @property
     def listen_addr(self) -> tuple[str, int]:
@@ -289,7 +324,7 @@ class RouterConfig:
 
 _LISTS = {"backend": ("backends", BackendSpec), "model": ("models", ModelSpec), "api_key": ("api_keys", ApiKey),
           "class": ("classes", ServiceClass), "tenant": ("tenants", TenantQuota)}
-_TABLES = {"predictor": PredictorSpec, "default_tenant_quota": TenantQuota}
+_TABLES = {"predictor": PredictorSpec, "default_tenant_quota": TenantQuota, "pd": PDSpec}
 
 
 def _build(cls: type, key: str, data: Any) -> Any:

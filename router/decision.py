@@ -74,6 +74,8 @@ class Plan:
 
     candidates: tuple[Candidate, ...]
     target_s: float
+    extra_headers: tuple[tuple[str, str], ...] = ()
+    """Response headers to add (the P/D step's, router/pd.py)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -40,6 +40,7 @@ from router.backends import Backend, Pool
 from router.config import ApiKey, RouterConfig
 from router.decision import Candidate, Decider, Plan, Rejection
 from router.metrics import RouterMetrics
+from router.pd import PDOrchestrator
 from router.prompts import (
     BadRequest,
     Endpoint,
@@ -92,6 +93,8 @@ class RouterService:
         self.pool = Pool(cfg, self.http, follow_events=follow_events)
         self.decider = Decider(cfg)
         self.metrics = RouterMetrics(self.pool)
+        self.pd = PDOrchestrator(cfg, self.pool, self.decider, self.http) if cfg.pd is not None else None
+        """Prefill/decode disaggregation (``[pd]``), or None."""
         self.overheads: collections.deque[float] = collections.deque(maxlen=100_000)
         """Recent router work before the upstream call, seconds (the benchmark reads it)."""
 
@@ -101,6 +104,8 @@ class RouterService:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.http.aclose()
+        if self.pd is not None:
+            self.pd.close()
 
     # ------------------------------------------------------------ auth
     def authenticate(self, request: Request) -> ApiKey | JSONResponse:
@@ -146,7 +151,12 @@ class RouterService:
         if limit and prompt.n_tokens > limit:
             return self._bad(400, f"the prompt has {prompt.n_tokens} tokens; this router accepts at most {limit}")
         stream = bool(body.get("stream", False))
-        plan = await self._plan(who, model, prompt)
+        if self.pd is not None:
+            t_pd = time.perf_counter()
+            plan = await self.pd.plan(who.tenant, who.klass, model, prompt, endpoint, body)
+            t0 += time.perf_counter() - t_pd  # the prefill step is a backend's work, not the router's
+        else:
+            plan = await self._plan(who, model, prompt)
         if isinstance(plan, Rejection):
             self.metrics.rejections.labels(who.klass, who.tenant, plan.reason.value).inc()
             log.info("refused (%s) tenant=%s class=%s: %s", plan.reason.value, who.tenant, who.klass, plan.message)
@@ -183,6 +193,7 @@ class RouterService:
             h["x-kvstore-runner-up"] = f"{others[0].backend.name}={others[0].predicted_s * 1e3:.1f}"
         if attempt:
             h["x-kvstore-retried"] = str(attempt)
+        h.update(plan.extra_headers)
         return h
 
     def _note_routed(self, plan: Plan, c: Candidate, who: ApiKey, model: ModelEntry, prompt: PromptKeys) -> int:

@@ -383,6 +383,8 @@ class Client(ClientBase):
         views += [None] * (len(sa.status) - hit)
         lease = Lease(self, r.lease_id, hit, views, list(sa.checksum), list(sa.offset[:hit]), list(sa.length[:hit]))
         lease.tiers = tiers
+        lease.fetched_blocks = int(r.fetched_blocks)
+        lease.decision = int(r.decision)
         return lease
 
     # ------------------------------------------------------------ others
@@ -463,6 +465,10 @@ class Lease:
         self.offsets = offsets or []
         self.lengths = lengths or []
         self.tiers: list[TierKind] = [TierKind.DRAM] * hit_blocks
+        self.fetched_blocks = 0
+        """Cluster acquire: blocks this call fetched from a peer first (docs/cluster.md)."""
+        self.decision = 0
+        """Cluster acquire: the wire ``ChainDecision`` taken (0 unspecified, 1 local, 2 fetch, 3 recompute)."""
         self._released = not lease_id
 
     def release(self) -> None:
