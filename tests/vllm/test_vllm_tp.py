@@ -68,44 +68,35 @@ def _ns(stats: list[dict]) -> Namespace:
 
 
 # ------------------------------------------------------------ connector level
-def _tp_check(target: str, mode: str, tmp_path) -> dict:
-    out = tmp_path / f"tp-{mode}.json"
-    p = subprocess.run([VLLM_PY, os.path.join(HERE, "tp_check.py"), target, mode, str(out)], env=vllm_env(),
-                       capture_output=True, text=True, timeout=300)
-    if mode == "exit":
-        assert p.returncode == 17, p.stderr[-4000:]
-    else:
-        assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
 def test_a_rank_that_never_writes_its_shard_leaves_no_block(tmp_path) -> None:
     require_vllm()
     d = DaemonThread({"dram.capacity": "16MiB"})
     try:
         wait_healthy(d.target)
+        out = tmp_path / "tp.json"
+        # one process (one vLLM import) for every mode; ``exit`` kills it last
+        p = subprocess.run([VLLM_PY, os.path.join(HERE, "tp_check.py"), d.target, "fail,raise,agree,exit", str(out)],
+                           env=vllm_env(), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 17, p.stderr[-4000:]
+        res = json.loads(out.read_text())
+        assert res["fail"]["raised"] is None and res["fail"]["reduced"] == 1
+        assert "rank 1 died" in res["raise"]["raised"] and res["raise"]["reduced"] == 1
         with Client(d.target) as c:
+            # aborted (fail, raise) or reclaimed with the killed process's session (exit)
+            wait_until(lambda: c.stats(False).active_reservations == 0, timeout=60, what="the reservations to go")
             for mode in ("fail", "raise", "exit"):
-                r = _tp_check(d.target, mode, tmp_path)
+                r = res[mode]
                 ns, keys = Namespace.from_dict(r["ns"]), [bytes.fromhex(k) for k in r["keys"]]
                 assert ns.tp_size == 2 and r["block_bytes"] == 2 * r["shard_bytes"]
-                if mode == "fail":
-                    assert r["raised"] is None and r["reduced"] == 1
-                if mode == "raise":
-                    assert "rank 1 died" in r["raised"] and r["reduced"] == 1
-                # the reservation is aborted (fail, raise) or reclaimed with the dead session (exit)
-                wait_until(lambda: c.stats(False).active_reservations == 0, timeout=60,
-                           what=f"{mode}: the reservation to go")
                 assert c.lookup(ns, keys).hit_blocks == 0, mode
             # the peer agrees: the block is stored, rank 0's shard in the first half of the slot
-            r = _tp_check(d.target, "agree", tmp_path)
+            r = res["agree"]
             ns, keys = Namespace.from_dict(r["ns"]), [bytes.fromhex(k) for k in r["keys"]]
             assert r["raised"] is None and r["stats"]["saved_blocks"] == 3
             assert c.lookup(ns, keys).hit_blocks == 3
             got = c.get(ns, keys)
-            shard, sb = bytes.fromhex(r["shard"]), r["shard_bytes"]
             assert [len(g) for g in got] == [r["block_bytes"]] * 3
-            assert b"".join(bytes(g[:sb]) for g in got) == shard
+            assert b"".join(bytes(g[:r["shard_bytes"]]) for g in got) == bytes.fromhex(r["shard"])
     finally:
         d.stop()
 

@@ -11,9 +11,10 @@ peer does at the MIN all-reduce:
 - ``agree``: the peer confirms (only for the sizes check: the slot then
   holds rank 0's shard and rank 1's untouched bytes).
 
-    tp_check.py TARGET MODE OUT.json
+    tp_check.py TARGET MODE[,MODE...] OUT.json
 
-OUT: the keys, the namespace, what rank 0 wrote and how the save ended.
+OUT: per mode, the keys, the namespace, what rank 0 wrote and how the save
+ended (``exit`` last: the process ends there).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ class PeerOfRank0:
         pass
 
 
-def main() -> None:
-    target, mode, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+def run(target: str, mode: str, res: dict, out_path: str) -> None:
     kcc = SimpleNamespace(num_blocks=NB, kv_cache_layout=None, hash_block_size=None)
     worker = KVStoreConnector(config(target), KVConnectorRole.WORKER, kcc)
     worker.worker.group = PeerOfRank0(mode)
@@ -85,22 +85,30 @@ def main() -> None:
     ns = worker.ns
     prompt = np.random.default_rng(int.from_bytes(mode.encode(), "little") % 1000).integers(3, 1000, 3 * BS)
     keys = block_keys(ns, prompt)
-    res: dict = {"keys": [k.hex() for k in keys], "ns": ns.to_dict(), "block_bytes": worker.worker.block_bytes,
-                 "shard_bytes": worker.worker.shard_bytes,
-                 "shard": torch.cat([t[[1, 2, 3]].reshape(3, -1).view(torch.uint8) for t in layers.values()], 1)
-                 .numpy().tobytes().hex()}
-    if mode == "exit":  # the parent reads these before the process dies
-        json.dump(res, open(out_path, "w"))
-    meta = KVStoreConnectorMetadata(saves=[BlockMove("r", "", "", b"".join(keys), [1, 2, 3])])
-    worker.bind_connector_metadata(meta)
+    r: dict = {"keys": [k.hex() for k in keys], "ns": ns.to_dict(), "block_bytes": worker.worker.block_bytes,
+               "shard_bytes": worker.worker.shard_bytes,
+               "shard": torch.cat([t[[1, 2, 3]].reshape(3, -1).view(torch.uint8) for t in layers.values()], 1)
+               .numpy().tobytes().hex()}
+    res[mode] = r
+    json.dump(res, open(out_path, "w"))  # (``exit`` never returns)
+    worker.bind_connector_metadata(KVStoreConnectorMetadata(saves=[BlockMove("r", "", "", b"".join(keys),
+                                                                             [1, 2, 3])]))
     try:
         worker.wait_for_save()
-        res["raised"] = None
+        r["raised"] = None
     except RuntimeError as e:
-        res["raised"] = str(e)
-    res["reduced"] = worker.worker.group.reduced
-    res["stats"] = dict(worker.stats)
+        r["raised"] = str(e)
+    r["reduced"] = worker.worker.group.reduced
+    r["stats"] = dict(worker.stats)
+    worker.shutdown()
     json.dump(res, open(out_path, "w"))
+
+
+def main() -> None:
+    target, modes, out_path = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    res: dict = {}
+    for mode in modes:
+        run(target, mode, res, out_path)
 
 
 if __name__ == "__main__":
