@@ -24,10 +24,15 @@ hits; ``--quick`` runs one in-process engine and empties vLLM's prefix cache
 a fresh process (a vLLM start is most of the run time). The daemon runs in
 this process on its own thread.
 
-Targets (issue 11): TTFT cold / TTFT kvstore >= 2.5; TTFT kvstore / TTFT
-vLLM prefix cache <= 1.5.
+Each is measured at every tensor-parallel size of ``--tp`` (default 1 and
+2; TP=2 rows end in ``_tp2``: two worker processes, one core each with
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``, each rank loading and storing its KV
+heads' shard of every block; the connector's time is given per rank).
 
-Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N] [--in-process]
+Targets (issues 11 and 16, at each TP size): TTFT cold / TTFT kvstore >= 2.5;
+TTFT kvstore / TTFT vLLM prefix cache <= 1.5.
+
+Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N] [--tp 1,2] [--in-process]
 """
 
 from __future__ import annotations
@@ -63,11 +68,11 @@ def env(in_process: bool) -> dict[str, str]:
     return e
 
 
-def phase(spec: dict, work: str, name: str, in_process: bool) -> dict:
+def phase(spec: dict, work: str, name: str, in_process: bool, extra: dict[str, str] | None = None) -> dict:
     sp, op = os.path.join(work, f"{name}.spec.json"), os.path.join(work, f"{name}.out.json")
     with open(sp, "w") as f:
         json.dump(spec, f)
-    p = subprocess.run([VLLM_PY, os.path.join(TESTS, "phase.py"), sp, op], env=env(in_process),
+    p = subprocess.run([VLLM_PY, os.path.join(TESTS, "phase.py"), sp, op], env={**env(in_process), **(extra or {})},
                        capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         sys.exit(f"vLLM run {name} failed:\n{p.stderr[-5000:]}")
@@ -75,46 +80,36 @@ def phase(spec: dict, work: str, name: str, in_process: bool) -> dict:
         return json.load(f)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json")
-    ap.add_argument("--repeats", type=int)
-    ap.add_argument("--tokens", type=int, default=2000)
-    ap.add_argument("--in-process", action="store_true",
-                    help="engine core and worker inside each vLLM process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    args = ap.parse_args()
-    if not os.access(VLLM_PY, os.X_OK):
-        sys.exit(f"no vLLM environment at {VLLM_PY}: run `make vllm-env`")
-    reps = args.repeats or (3 if args.quick else 5)
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 1024) for _ in range(args.tokens)] for _ in range(reps)]
-    warm = [[rng.randrange(3, 1024) for _ in range(args.tokens)] for _ in range(2)]
-    work = tempfile.mkdtemp(prefix="bench-vllm-")
-    subprocess.run([VLLM_PY, os.path.join(TESTS, "tiny_model.py"), f"{work}/model"], env=env(True), check=True,
-                   capture_output=True)
-    daemon = InProcessDaemon({"dram.capacity": "1GiB"})
-    try:
-        base = {"model": f"{work}/model", "target": daemon.target, "max_tokens": 1, "dtype": "bfloat16",
-                "stats_path": f"{work}/stats.jsonl"}
-        # per process: one cold warm-up prompt and its repeat (a short-tail
-        # prefill), so that no measured request pays a first-shape cost
-        first = [{"name": "warmup", "tokens": warm[0], "save": False, "repeat": 2}]
+def measure(args: argparse.Namespace, tp: int, reps: int, prompts: list, warm: list, work: str,
+            target: str) -> dict:
+    """The runs at one TP size: the results by name and the connector's stats lines."""
+    stats = f"{work}/stats-tp{tp}.jsonl"
+    base = {"model": f"{work}/model", "target": target, "max_tokens": 1, "dtype": "bfloat16", "stats_path": stats,
+            "llm_kwargs": {"tensor_parallel_size": tp} if tp > 1 else {}}
+    extra = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r) for r in range(tp))} if tp > 1 else {}
+    # per process: one cold warm-up prompt and its repeat (a short-tail
+    # prefill), so that no measured request pays a first-shape cost (at TP=2
+    # the first request also pays vLLM's ~30 s warm-up)
+    first = [{"name": "warmup", "tokens": warm[0], "save": False, "repeat": 2}]
+    for i, p in enumerate(prompts):
+        first += [{"name": f"cold{i}", "tokens": p}, {"name": f"localA{i}", "tokens": p}]
+        if args.quick:
+            first += [{"name": f"kvstore{i}", "tokens": p, "reset_prefix_cache": True},
+                      {"name": f"local{i}", "tokens": p}]
+    results = phase({**base, "prompts": first}, work, f"A-tp{tp}", args.quick or args.in_process, extra)["results"]
+    if not args.quick:
+        second = [{"name": "warmup", "tokens": warm[1], "save": False, "repeat": 2}]
         for i, p in enumerate(prompts):
-            first += [{"name": f"cold{i}", "tokens": p}, {"name": f"localA{i}", "tokens": p}]
-            if args.quick:
-                first += [{"name": f"kvstore{i}", "tokens": p, "reset_prefix_cache": True},
-                          {"name": f"local{i}", "tokens": p}]
-        a = phase({**base, "prompts": first}, work, "A", in_process=args.quick or args.in_process)
-        results = a["results"]
-        if not args.quick:
-            second = [{"name": "warmup", "tokens": warm[1], "save": False, "repeat": 2}]
-            for i, p in enumerate(prompts):
-                second += [{"name": f"kvstore{i}", "tokens": p}, {"name": f"local{i}", "tokens": p}]
-            results += phase({**base, "prompts": second}, work, "B", in_process=args.in_process)["results"]
-    finally:
-        daemon.stop()
-    by = {r["name"]: r for r in results}
+            second += [{"name": f"kvstore{i}", "tokens": p}, {"name": f"local{i}", "tokens": p}]
+        results += phase({**base, "prompts": second}, work, f"B-tp{tp}", args.in_process, extra)["results"]
+    with open(stats) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    return {"by": {r["name"]: r for r in results}, "recs": recs}
+
+
+def report(rep: Report, tp: int, reps: int, tokens: int, got: dict) -> None:
+    by, recs = got["by"], got["recs"]
+    sfx = "" if tp == 1 else f"_tp{tp}"
 
     def med(kind: str) -> float:
         return statistics.median(by[f"{kind}{i}"]["seconds"] for i in range(reps)) * 1000
@@ -124,32 +119,74 @@ def main() -> None:
 
     def agree(x: str, y: str) -> float:
         return sum(by[f"{x}{i}"]["tokens"] == by[f"{y}{i}"]["tokens"] for i in range(reps)) / reps
-    rep = Report("vllm")
-    rep.figure("prompt_tokens", args.tokens)
-    rep.figure("repeats", reps)
-    rep.figure("ttft_cold_ms", cold, "ms")
-    rep.figure("ttft_vllm_prefix_cache_ms", local, "ms")
-    rep.figure("ttft_vllm_prefix_cache_cold_process_ms", local_a, "ms")
-    rep.figure("ttft_kvstore_fresh_process_ms", kv, "ms")
-    rep.figure("kvstore_external_hit_tokens", statistics.median(hits), "tokens")
+
+    def ms(xs: list) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    rep.figure(f"ttft_cold_ms{sfx}", cold, "ms")
+    rep.figure(f"ttft_vllm_prefix_cache_ms{sfx}", local, "ms")
+    rep.figure(f"ttft_vllm_prefix_cache_cold_process_ms{sfx}", local_a, "ms")
+    rep.figure(f"ttft_kvstore_fresh_process_ms{sfx}", kv, "ms")
+    rep.figure(f"kvstore_external_hit_tokens{sfx}", statistics.median(hits), "tokens")
     # the connector's own time per kvstore hit (its stats lines): the lookup in
-    # the scheduler and the load (acquire, verified copies, one index_copy_ per layer)
-    with open(f"{work}/stats.jsonl") as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    lk = [r["ms"] for r in recs if r["event"] == "lookup" and r["hit_blocks"] > 0]
-    ld = [r["ms"] for r in recs if r["event"] == "load"]
-    rep.figure("connector_lookup_ms", statistics.median(lk) if lk else float("nan"), "ms")
-    rep.figure("connector_load_ms", statistics.median(ld) if ld else float("nan"), "ms")
+    # the scheduler (one for every rank) and, per rank, the load (acquire,
+    # verified copies, one index_copy_ per layer) and the save of the cold
+    # request (at TP > 1: this rank's shards, up to the agreement)
+    rep.figure(f"connector_lookup_ms{sfx}", ms([r["ms"] for r in recs if r["event"] == "lookup" and r["hit_blocks"] > 0]),
+               "ms")
+    for rank in range(tp):
+        rs = "" if tp == 1 else f"_rank{rank}"
+        rep.figure(f"connector_load_ms{sfx}{rs}",
+                   ms([r["ms"] for r in recs if r["event"] == "load" and r.get("rank", 0) == rank]), "ms")
+        if tp > 1:
+            rep.figure(f"connector_save_shards_ms{sfx}{rs}",
+                       ms([r["ms"] for r in recs if r["event"] == "save_shards" and r["rank"] == rank]), "ms")
+    rep.figure(f"connector_save_ms{sfx}", ms([r["ms"] for r in recs if r["event"] == "save" and "ms" in r]), "ms")
     # bfloat16: a prefill of the last 80 tokens rounds differently from one of
     # all 2,000, so a near-tie may flip the first token against the cold run;
     # vLLM's own prefix cache and kvstore load the same KV and must agree
-    rep.figure("same_token_kvstore_vs_vllm_prefix_cache", agree("kvstore", "localA"), "fraction")
-    rep.figure("same_token_kvstore_vs_cold", agree("kvstore", "cold"), "fraction")
-    rep.figure("same_token_vllm_prefix_cache_vs_cold", agree("localA", "cold"), "fraction")
-    rep.figure("speedup_kvstore_vs_cold", cold / kv, "x")
-    rep.figure("kvstore_vs_vllm_prefix_cache", kv / local, "x")
-    rep.target("TTFT cold / TTFT kvstore", cold / kv, 2.5)
-    rep.target("TTFT kvstore / TTFT vLLM prefix cache", kv / local, 1.5, lower_is_better=True)
+    rep.figure(f"same_token_kvstore_vs_vllm_prefix_cache{sfx}", agree("kvstore", "localA"), "fraction")
+    rep.figure(f"same_token_kvstore_vs_cold{sfx}", agree("kvstore", "cold"), "fraction")
+    rep.figure(f"same_token_vllm_prefix_cache_vs_cold{sfx}", agree("localA", "cold"), "fraction")
+    rep.figure(f"speedup_kvstore_vs_cold{sfx}", cold / kv, "x")
+    rep.figure(f"kvstore_vs_vllm_prefix_cache{sfx}", kv / local, "x")
+    at = "" if tp == 1 else f" (TP={tp})"
+    rep.target(f"TTFT cold / TTFT kvstore{at}", cold / kv, 2.5)
+    rep.target(f"TTFT kvstore / TTFT vLLM prefix cache{at}", kv / local, 1.5, lower_is_better=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes to measure (comma-separated; default 1,2)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="engine core inside each vLLM process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    args = ap.parse_args()
+    if not os.access(VLLM_PY, os.X_OK):
+        sys.exit(f"no vLLM environment at {VLLM_PY}: run `make vllm-env`")
+    reps = args.repeats or (3 if args.quick else 5)
+    tps = [int(x) for x in str(args.tp).split(",") if x.strip()]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 1024) for _ in range(args.tokens)] for _ in range(reps)]
+    warm = [[rng.randrange(3, 1024) for _ in range(args.tokens)] for _ in range(2)]
+    work = tempfile.mkdtemp(prefix="bench-vllm-")
+    subprocess.run([VLLM_PY, os.path.join(TESTS, "tiny_model.py"), f"{work}/model"], env=env(True), check=True,
+                   capture_output=True)
+    daemon = InProcessDaemon({"dram.capacity": "1GiB"})
+    got: dict[int, dict] = {}
+    try:
+        for tp in tps:  # the namespace carries tp_size: each size misses the other's blocks
+            got[tp] = measure(args, tp, reps, prompts, warm, work, daemon.target)
+    finally:
+        daemon.stop()
+    rep = Report("vllm")
+    rep.figure("prompt_tokens", args.tokens)
+    rep.figure("repeats", reps)
+    for tp in tps:
+        report(rep, tp, reps, args.tokens, got[tp])
     rep.emit(args.json)
 
 

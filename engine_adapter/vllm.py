@@ -49,8 +49,13 @@ extra config, a digest of the KV-affecting config fields after
 ``hf_overrides``, tenant, KV dtype, block size, TP size, the request's LoRA
 name and ``cache_salt``, and a schema version over the vLLM KV layout. Never
 the path or the served name: a weights update at the same path gets a new
-namespace, the same weights elsewhere share blocks. TP > 1 and pipeline
-parallelism are refused at start-up.
+namespace, the same weights elsewhere share blocks.
+
+Tensor parallelism (TP = k): the scheduler half does one lookup per prompt
+for every rank (one key per block); each worker rank moves only its shard
+(its KV heads, all layers) of each block, the k shards living in one slot
+under one key (see :mod:`engine_adapter.vllm_worker`). Pipeline parallelism
+is refused at start-up.
 
 The halves live in :mod:`engine_adapter.vllm_scheduler` and
 :mod:`engine_adapter.vllm_worker`; the namespace, plan and daemon link in
@@ -128,9 +133,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-            raise ValueError("kvstore connector: only tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                             f"are supported, got TP={pc.tensor_parallel_size} PP={pc.pipeline_parallel_size}")
+        if pc.pipeline_parallel_size != 1:
+            raise ValueError("kvstore connector: pipeline parallelism is not supported (a stored block holds "
+                             f"every layer of the model); got pipeline_parallel_size={pc.pipeline_parallel_size}. "
+                             "Tensor parallelism is supported (each rank stores its KV heads).")
         extra = extra_config(vllm_config)
         self.identity = ConnectorIdentity(vllm_config, kv_cache_config)  # starts hashing the weights
         self.block_size = int(vllm_config.cache_config.block_size)

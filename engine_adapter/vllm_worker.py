@@ -1,15 +1,33 @@
 """The worker half of the vLLM connector (``engine_adapter.vllm``).
 
 A store block is the bytes of one vLLM block across all layers, moved as
-opaque bytes (layer-major: layer 0's block bytes, then layer 1's, ...). A
-load is ``Acquire`` per request -> each block copied out of the daemon's
-shared-memory slab into a pooled staging buffer, fused with its xxh3_64
-check -> ``Release`` -> one ``index_copy_`` per layer for the whole batch.
-A save is ``Reserve`` per request -> one ``index_select`` per layer for the
-whole batch -> each block copied into its slot, fused with its checksum ->
-``Commit``. A block that fails its checksum (or vanished between the lookup
-and the load) is reported through ``get_block_ids_with_load_errors``,
-together with every later block of the same request, so vLLM recomputes them.
+opaque bytes (layer-major: layer 0's block bytes, then layer 1's, ...).
+Under tensor parallelism (TP = k) it is the k ranks' shards back to back in
+**one** slot under **one** key: shard r = rank r's KV heads, all layers
+(``[r * shard_bytes, (r + 1) * shard_bytes)`` of the slot). So a block is
+present only when all its shards are, and eviction drops them together: the
+daemon knows only whole blocks.
+
+- **Load** (every rank on its own; no collective): ``Acquire`` per request
+  -> each whole block copied out of the daemon's shared-memory slab into a
+  pooled staging buffer, fused with its xxh3_64 check -> ``Release`` -> one
+  ``index_copy_`` per layer for the whole batch, from this rank's shard of
+  the staged blocks. A block that fails (checksum, wrong size, gone since
+  the lookup, daemon error) is reported through
+  ``get_block_ids_with_load_errors`` with every later block of the same
+  request. vLLM merges the ranks' reports (the union, ``KVOutputAggregator``)
+  and recomputes each affected request from its first reported block on
+  every rank: so no rank keeps a block another rank missed.
+- **Save** (collective over vLLM's TP group, every rank in the same order):
+  rank 0 ``Reserve`` s per request and broadcasts the slot offsets as one
+  int64 tensor (:class:`~engine_adapter.tp.Plan`); each rank gathers its
+  shards with one ``index_select`` per layer and copies them into its byte
+  range of each slot; a MIN all-reduce of one code per request says whether
+  every rank wrote all its shards (and loaded that request's blocks of this
+  step: blocks computed on top of a failed load are never stored); rank 0
+  then commits (the daemon checksums the whole block at TP > 1) or aborts.
+  A rank dying mid-save leaves only an uncommitted reservation, which the
+  daemon reclaims with the dead session: never a visible half block.
 """
 
 from __future__ import annotations
@@ -20,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import xxhash
 
+from engine_adapter.tp import PLAN_OK, LocalGroup, Plan, TorchDistGroup, TPGroup
 from engine_adapter.vllm_common import (
     FAULT_TYPES,
     PEER_FETCHED_BYTES,
@@ -35,7 +55,7 @@ from engine_adapter.vllm_common import (
     split_keys,
 )
 from kvstore.checksum import copy_many, verify_many
-from kvstore.client import Client
+from kvstore.client import Client, Reservation
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
 
@@ -43,7 +63,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerSide", "slab_identity", "vllm_tp_group"]
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -51,8 +71,29 @@ WIRE_DECISIONS = ("unspecified", "local", "fetch", "recompute")
 """Names of the wire ``ChainDecision`` values an acquire answers."""
 
 
+def slab_identity(client: Client | None) -> int:
+    """A nonzero int64 naming the slab ``client`` maps (0: none), so a rank
+    never writes at offsets reserved in another slab (a restarted daemon)."""
+    slab = getattr(client, "slab", None)
+    if slab is None:
+        return 0
+    h = xxhash.xxh3_64_intdigest(f"{slab.path}|{slab.slab_id}".encode())
+    h = h - (1 << 64) if h >= 1 << 63 else h
+    return h or 1
+
+
+def vllm_tp_group(tp_size: int) -> TPGroup:
+    """This worker's tensor-parallel group: vLLM's TP group over its CPU
+    (gloo) process group; :class:`LocalGroup` at TP = 1."""
+    if tp_size == 1:
+        return LocalGroup()
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return TorchDistGroup(group=get_tp_group().cpu_group, device="cpu")
+
+
 class WorkerSide:
-    """Loads and saves of one worker-role connector."""
+    """Loads and saves of one worker-role connector (one TP rank)."""
 
     def __init__(self, ident: ConnectorIdentity, link: DaemonLink, vllm_config: VllmConfig,
                  kv_cache_config: KVCacheConfig | None) -> None:
@@ -61,13 +102,33 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.group: TPGroup | None = None
+        """The TP group (:func:`vllm_tp_group`, joined at the first use; a test may set it)."""
         self.layers: list[torch.Tensor] = []
         self.layer_bytes = 0
+        self.shard_bytes = 0
+        """This rank's part of a stored block (all layers)."""
         self.block_bytes = 0
+        """A stored block: ``tp * shard_bytes``."""
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.load_errors: set[int] = set()
+        self.load_failed: set[str] = set()
+        """Requests with a block that failed to load in this step: their saves of this step are not stored."""
         self.stored: dict[str, list[tuple[int, int]]] = {}
         self.sent: set[str] = set()
+
+    @property
+    def rank(self) -> int:
+        return self.tp_group().rank
+
+    def tp_group(self) -> TPGroup:
+        if self.group is None:
+            self.group = vllm_tp_group(self.tp)
+            if self.group.size != self.tp:
+                raise ValueError(f"kvstore connector: the TP group has {self.group.size} ranks, "
+                                 f"tensor_parallel_size is {self.tp}")
+        return self.group
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Record the layer tensors as block-major views ``[num_blocks, ...]``."""
@@ -89,36 +150,41 @@ class WorkerSide:
             raise ValueError(f"kvstore connector: KV tensors are {dtype} but the namespace says "
                              f"{self.ident.kv_dtype.value}")
         mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
-        want = 2 * mc.get_num_kv_heads(pc) * mc.get_head_size() * self.block_size
+        want = 2 * mc.get_num_kv_heads(pc) * mc.get_head_size() * self.block_size  # KV heads of this rank
         if int(np.prod(shape)) != want or len(layers) != mc.get_num_layers(pc):
             raise ValueError(f"kvstore connector: {len(layers)} KV layers of block shape {shape} do not match "
                              f"the layout schema {layout_descriptor(self.vllm_config, kcc)}")
         self.layers = layers
         self.layer_bytes = int(np.prod(shape)) * dtype.itemsize
-        self.block_bytes = self.layer_bytes * len(layers)
-        log.info("kvstore connector: %d layers, block %s %s, %d bytes per stored block", len(layers), shape,
-                 dtype, self.block_bytes)
+        self.shard_bytes = self.layer_bytes * len(layers)
+        self.block_bytes = self.shard_bytes * self.tp
+        log.info("kvstore connector: %d layers, block %s %s, %d bytes per stored block (%d per rank, TP=%d)",
+                 len(layers), shape, dtype, self.block_bytes, self.shard_bytes, self.tp)
 
-    def stage(self, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A pooled ``[n, block_bytes]`` uint8 buffer and its per-layer typed views."""
-        need = n * self.block_bytes
+    def stage(self, n: int, width: int, at: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A pooled ``[n, width]`` uint8 buffer and per-layer typed views of
+        its bytes ``[at, at + shard_bytes)`` of each row (this rank's shard)."""
+        need = n * width
         if self.staging.numel() < need:
             self.staging = torch.empty(max(need, 2 * self.staging.numel()), dtype=torch.uint8)
-        raw = self.staging[:need].view(n, self.block_bytes)
-        per = raw.view(n, len(self.layers), self.layer_bytes)
+        raw = self.staging[:need].view(n, width)
+        per = raw[:, at:at + self.shard_bytes].view(n, len(self.layers), self.layer_bytes)
         typed = [per[:, i].view(t.dtype).view(n, *t.shape[1:]) for i, t in enumerate(self.layers)]
         return raw, typed
 
+    # ------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
             return
         base = self.ident.ns
         if not self.layers or base is None:  # nothing registered (or no identity): nothing can be loaded
             self.load_errors.update(b for m in meta.loads for b in m.block_ids)
+            self.load_failed.update(m.req_id for m in meta.loads)
             return
         t0 = time.perf_counter()
+        rank = self.rank
         total = sum(len(m.block_ids) for m in meta.loads)
-        raw, typed = self.stage(total)
+        raw, typed = self.stage(total, self.block_bytes, rank * self.shard_bytes)  # whole blocks, checked whole
         rows = raw.numpy()
         good_ids: list[int] = []
         good_rows: list[int] = []
@@ -130,9 +196,11 @@ class WorkerSide:
             good_ids += m.block_ids[:ok]
             good_rows += range(row, row + ok)
             self.load_errors.update(m.block_ids[ok:])
+            if ok < n:
+                self.load_failed.add(m.req_id)
             self.link.stats["loaded_blocks"] += ok
             self.link.stats["failed_blocks"] += n - ok
-            self.link.record(event="load", req=m.req_id, planned_blocks=n, loaded_blocks=ok,
+            self.link.record(event="load", rank=rank, req=m.req_id, planned_blocks=n, loaded_blocks=ok,
                              ms=round((time.perf_counter() - t0) * 1000, 3))
             row += n
             if c is not None and self.link.current is None:
@@ -145,7 +213,7 @@ class WorkerSide:
                 t.index_copy_(0, ids.to(t.device), part.to(t.device))
 
     def load_one(self, c: Client, base: Namespace, m: BlockMove, rows: np.ndarray) -> int:
-        """Copy the leading verified blocks of ``m`` into ``rows``; how many."""
+        """Copy the leading verified whole blocks of ``m`` into ``rows``; how many."""
         ns = request_ns(base, m.adapter, m.salt)
         keys = split_keys(m.keys)
         if c.slab is None:  # daemon on another host: inline bytes (checked by the daemon)
@@ -204,27 +272,34 @@ class WorkerSide:
         self.link.record(event="fetch", req=m.req_id, planned_blocks=planned, fetched_blocks=fetched,
                          fetched_bytes=nbytes, hit_blocks=hit, decision=kind)
 
+    # ------------------------------------------------------------ saves
     def wait_for_save(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
+            self.load_failed.clear()
             return
         try:
             base = self.ident.ns
-            if self.layers and base is not None:
+            if self.tp > 1:
+                self.save_tp(meta.saves, base)  # collective: every rank, whatever its own state
+            elif self.layers and base is not None:
                 self.save(meta, base)
         finally:  # saved or not (a failed save is only a miss later), vLLM may free these blocks now
             self.sent.update(m.req_id for m in meta.saves if m.final)
+            self.load_failed.clear()
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         out, self.sent = self.sent, set()
         return (out or None), None
 
     def save(self, meta: KVStoreConnectorMetadata, base: Namespace) -> None:
+        """TP = 1: reserve, write whole blocks (checksums fused), commit."""
         c = self.link.client()
         if c is None:
             return
         if c.slab is None:
-            self.save_inline(c, base, meta.saves)
+            self.save_inline(c, base, [m for m in meta.saves if m.req_id not in self.load_failed])
             return
+        t0 = time.perf_counter()
         plans = []  # (move, reservation, indexes of OK keys)
         for m in meta.saves:
             ns = request_ns(base, m.adapter, m.salt)
@@ -239,7 +314,7 @@ class WorkerSide:
         n = sum(len(ok) for _, _, ok in plans)
         csums = np.zeros(0, np.uint64)
         if n:
-            raw, typed = self.stage(n)
+            raw, typed = self.stage(n, self.block_bytes)
             ids = torch.tensor([m.block_ids[i] for m, _, ok in plans for i in ok], dtype=torch.int64)
             for t, dst in zip(self.layers, typed):
                 torch.index_select(t, 0, ids.to(t.device), out=dst)
@@ -252,26 +327,130 @@ class WorkerSide:
                 return  # the daemon reclaims the reservations of a lost session
         j = 0
         for m, resv, ok in plans:
-            try:
-                if not resv.reservation_id:
-                    continue
-                done = c.commit(resv, csums[j:j + len(ok)].tolist())
-            except FAULT_TYPES as e:
-                self.link.fault("save", e)
+            k, j = j, j + len(ok)
+            self.finish(c, m, resv, m.req_id not in self.load_failed, csums[k:j].tolist(), t0)
+
+    def finish(self, c: Client, m: BlockMove, resv: Reservation, good: bool, csums: list[int] | None,
+               t0: float) -> None:
+        """Commit ``m``'s reservation (``good``: every rank wrote every
+        shard on top of good KV) or abort it; record what is stored."""
+        if not resv.reservation_id:
+            return  # every block existed already
+        try:
+            if not good:
+                c.abort(resv)
+                self.link.record(event="save", rank=0, req=m.req_id, planned_blocks=len(resv.statuses),
+                                 stored_blocks=0, existing_blocks=0, aborted=True,
+                                 ms=round((time.perf_counter() - t0) * 1000, 3))
                 return
-            finally:
-                j += len(ok)
-            stored = sum(s is KeyStatus.OK for s in done)
-            self.link.stats["saved_blocks"] += stored
-            lead = next((i for i, s in enumerate(done) if s not in (KeyStatus.OK, KeyStatus.EXISTS)), len(done))
-            self.stored.setdefault(m.req_id, []).append((m.first, m.first + lead))
-            self.link.record(event="save", req=m.req_id, planned_blocks=len(done), stored_blocks=stored,
-                             existing_blocks=sum(s is KeyStatus.EXISTS for s in done))
+            done = c.commit(resv, csums)
+        except FAULT_TYPES as e:
+            self.link.fault("save", e)
+            return
+        stored = sum(s is KeyStatus.OK for s in done)
+        self.link.stats["saved_blocks"] += stored
+        lead = next((i for i, s in enumerate(done) if s not in (KeyStatus.OK, KeyStatus.EXISTS)), len(done))
+        self.stored.setdefault(m.req_id, []).append((m.first, m.first + lead))
+        self.link.record(event="save", rank=0, req=m.req_id, planned_blocks=len(done), stored_blocks=stored,
+                         existing_blocks=sum(s is KeyStatus.EXISTS for s in done),
+                         ms=round((time.perf_counter() - t0) * 1000, 3))
+
+    def save_tp(self, saves: list[BlockMove], base: Namespace | None) -> None:
+        """TP > 1, collective (every rank calls it for the same plan):
+        rank 0 reserves and broadcasts the offsets, each rank writes its
+        shards, a MIN all-reduce agrees per request, rank 0 commits or aborts."""
+        group = self.tp_group()
+        t0 = time.perf_counter()
+        n = sum(len(m.block_ids) for m in saves)
+        resvs: list[Reservation | None] = [None] * len(saves)
+        plan = Plan.empty(n)
+        c = self.link.client() if base is not None and self.layers else None
+        if group.rank == 0 and c is not None and base is not None:
+            plan = self.reserve_all(c, base, saves, resvs)
+        try:
+            plan = plan.share(group, n)
+            if plan.status != PLAN_OK or not plan.count:  # decided by rank 0 for every rank: nothing to write
+                if group.rank == 0 and c is not None:
+                    self.abort_all(c, resvs)
+                return
+            codes = np.zeros(len(saves), np.int32)
+            if c is not None and slab_identity(c) == plan.slab:
+                codes = self.write_shards(c, saves, plan, group.rank)
+            elif c is not None:
+                self.link.fault("save", "the daemon's slab changed since rank 0 reserved")
+            codes = group.all_reduce_min(torch.from_numpy(codes)).numpy()
+        except BaseException:
+            if group.rank == 0 and c is not None:  # a rank died mid-save: nothing becomes visible
+                self.abort_all(c, resvs)
+            raise
+        self.link.record(event="save_shards", rank=group.rank, blocks=int(plan.count),
+                         ms=round((time.perf_counter() - t0) * 1000, 3))
+        if group.rank == 0 and c is not None:
+            for m, resv, code in zip(saves, resvs, codes.tolist()):
+                if resv is not None:
+                    self.finish(c, m, resv, code == 1, None, t0)  # the daemon checksums the whole block
+
+    def reserve_all(self, c: Client, base: Namespace, saves: list[BlockMove],
+                    resvs: list[Reservation | None]) -> Plan:
+        """Rank 0: one ``Reserve`` per request; the plan every rank writes by."""
+        n = sum(len(m.block_ids) for m in saves)
+        if c.slab is None:
+            self.link.fault("save", "TP > 1 stores through the daemon's shared-memory slab (same host) only")
+            return Plan.empty(n)
+        offsets, write = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        j = 0
+        for i, m in enumerate(saves):
+            try:
+                resv = c.reserve(request_ns(base, m.adapter, m.salt), split_keys(m.keys), self.block_bytes,
+                                 parent=m.parent or None)
+            except FAULT_TYPES as e:
+                self.link.fault("save", e)  # closes the client: the daemon reclaims earlier reservations
+                return Plan.empty(n)
+            resvs[i] = resv
+            self.link.stats["existing_blocks"] += sum(s is KeyStatus.EXISTS for s in resv.statuses)
+            for b, s in enumerate(resv.statuses):
+                if s is KeyStatus.OK:
+                    offsets[j + b], write[j + b] = resv.offsets[b], 1
+            j += len(m.block_ids)
+        return Plan(PLAN_OK, int(write.sum()), slab_identity(c), offsets, write)
+
+    def write_shards(self, c: Client, saves: list[BlockMove], plan: Plan, rank: int) -> np.ndarray:
+        """This rank's shards of the planned blocks into their slots; one code
+        per request: 1 = all written on top of good KV, 0 = not."""
+        codes = np.ones(len(saves), np.int32)
+        for i, m in enumerate(saves):
+            if m.req_id in self.load_failed:
+                codes[i] = 0
+        sel = np.flatnonzero(plan.write == 1)
+        all_ids = np.asarray([b for m in saves for b in m.block_ids], np.int64)
+        raw, typed = self.stage(sel.shape[0], self.shard_bytes)
+        ids = torch.from_numpy(all_ids[sel])
+        for t, dst in zip(self.layers, typed):
+            torch.index_select(t, 0, ids.to(t.device), out=dst)
+        rows = raw.numpy()
+        try:
+            dsts = [c.view(int(plan.offsets[i]) + rank * self.shard_bytes, self.shard_bytes) for i in sel.tolist()]
+            copy_many(dsts, [rows[j] for j in range(sel.shape[0])])
+        except FAULT_TYPES as e:
+            self.link.fault("save", e)
+            codes[:] = 0
+        return codes
+
+    def abort_all(self, c: Client, resvs: list[Reservation | None]) -> None:
+        for resv in resvs:
+            if resv is not None and resv.reservation_id:
+                try:
+                    c.abort(resv)
+                except FAULT_TYPES as e:
+                    self.link.fault("save", e)
+                    return
 
     def save_inline(self, c: Client, base: Namespace, saves: list[BlockMove]) -> None:
-        """Daemon on another host: gather every block once, then one inline ``Put`` per request."""
+        """TP = 1, daemon on another host: gather every block once, then one inline ``Put`` per request."""
         n = sum(len(m.block_ids) for m in saves)
-        raw, typed = self.stage(n)
+        if not n:
+            return
+        raw, typed = self.stage(n, self.block_bytes)
         ids = torch.tensor([b for m in saves for b in m.block_ids], dtype=torch.int64)
         for t, dst in zip(self.layers, typed):
             torch.index_select(t, 0, ids.to(t.device), out=dst)
