@@ -37,6 +37,7 @@ from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, Pol
 from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
                                   policy_from_pb, resize_from_pb, stats_from_pb)
 from kvstore.wire.convert import ns_pb
+from kvstore.wire.frames import fits_frame
 from kvstore.wire.shm import host_identity
 from kvstore.wire.status import error_from_rpc
 from proto import kvstore_pb2 as pb
@@ -107,9 +108,10 @@ class Client(ClientBase):
         there is one (kvstore.client.socket), else gRPC. A socket that breaks
         mid-call fails the call (it may have run) and gRPC is used from then on."""
         fast = self._fast
-        if fast is not None:
+        body = request.SerializeToString() if fast is not None else b""
+        if fast is not None and fits_frame(len(body)):  # a bigger request goes over gRPC
             try:
-                data = fast.call(name, request.SerializeToString())
+                data = fast.call(name, body)
             except KVStoreError:  # the daemon's answer (some are OSError subclasses)
                 raise
             except OSError as e:
@@ -122,11 +124,12 @@ class Client(ClientBase):
         socket without waiting (``pipeline``; a failure is logged when its
         answer is read), else an ordinary call."""
         fast = self._fast
-        if fast is None or not self.pipeline:
+        body = request.SerializeToString() if fast is not None and self.pipeline else b""
+        if fast is None or not self.pipeline or not fits_frame(len(body)):
             self._unary(name, request)
             return
         try:
-            fast.send(name, request.SerializeToString())
+            fast.send(name, body)
         except OSError as e:
             raise self._socket_failed(name, e) from None
 
@@ -177,12 +180,13 @@ class Client(ClientBase):
     # ----------------------------------------------------------- queries
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
         fast = self._fast
-        if fast is not None:
+        packed = pack_keys(keys, check=True)
+        if fast is not None and fits_frame(len(packed) + 1024):
             wire = self._ns_wire.get(ns)
             if wire is None:
                 wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
             try:
-                hit, tiers = fast.lookup(wire, pack_keys(keys, check=True))
+                hit, tiers = fast.lookup(wire, packed)
                 return lookup_from_values(hit, tiers)
             except KVStoreError:  # the daemon's answer (some are OSError subclasses)
                 raise
@@ -192,7 +196,7 @@ class Client(ClientBase):
                 log.warning("fast Lookup socket failed (%s): Lookup goes over gRPC", e)
                 fast.close()
                 self._fast = None
-        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True)))
+        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=packed))
         return lookup_from_pb(r)
 
     def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":

@@ -25,6 +25,16 @@ from kvstore.errors import InvalidArgument
 
 MAX_FRAME = 16 + 65536 + 16 * 65536
 """Largest request frame: a namespace and 65,536 keys."""
+FRAME_OVERHEAD = 256
+"""Bytes a request frame adds around its message (length, method, session)."""
+
+
+def fits_frame(message_bytes: int) -> bool:
+    """Whether a message of this size can go over the same-host socket (a
+    larger one, e.g. a 200,000-key Reserve, goes over gRPC instead)."""
+    return message_bytes + FRAME_OVERHEAD <= MAX_FRAME
+
+
 MAX_HELLO = 8192
 """Largest hello frame."""
 MAX_ERROR_TEXT = 4096
