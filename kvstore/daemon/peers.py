@@ -405,7 +405,6 @@ class ClusterNode:
     async def fetch_for(self, request: Any, metadata: Any, ns: Namespace, keys: bytes | list[bytes]) -> tuple[int, int]:
         """Acquire's cluster step: fetch the remote run when that is cheaper.
         Returns (blocks fetched, wire ChainDecision)."""
-        started = time.perf_counter()
         klist = keys if isinstance(keys, list) else split_keys(keys)
         local = self.store.peek(ns, klist)
         v = await self.view(ns, klist, local, to_hbm=request.to_hbm)
@@ -416,15 +415,15 @@ class ClusterNode:
         for k, val in metadata or ():
             if k == "authorization" and val.startswith("Bearer "):
                 cred = val[7:].strip()
-        return await self.fetch(ns, klist, v, cred, started=started), decision
+        return await self.fetch(ns, klist, v, cred), decision
 
     # ------------------------------------------------------------- fetch
-    async def fetch(self, ns: Namespace, keys: Sequence[bytes], view: ClusterView, credential: str, *,
-                    started: float | None = None) -> int:
+    async def fetch(self, ns: Namespace, keys: Sequence[bytes], view: ClusterView, credential: str) -> int:
         """Fetch the view's remote run into DRAM; returns blocks committed.
-        ``started`` (``perf_counter``): when the caller began (its directory
-        lookup); the cost model fits the link to the time from there to the
-        commit, the fetch path's whole cost, not the wire's alone."""
+        The cost model fits the link to this whole call (header, reservation,
+        wire, checksums, commit), the fetch path's cost after the decision,
+        not the wire's alone (the Locate before it is paid either way)."""
+        started = time.perf_counter()
         if view.peer is None or not view.remote_blocks:
             return 0
         m = self.membership.members.get(view.peer)
@@ -492,7 +491,7 @@ class ClusterNode:
         nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
         seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
         if done:
-            self.cost.observe_fetch(view.peer, nbytes, time.perf_counter() - (t0 if started is None else started))
+            self.cost.observe_fetch(view.peer, nbytes, time.perf_counter() - started)
             self.metrics.peer_fetched(view.peer, done, nbytes, seconds)
         if done < len(want) and not res.corrupt:
             self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
