@@ -13,6 +13,14 @@ form)::
 With ``overlap_load`` the load overlaps the prefill (layer-wise pipelining)
 and the two parts contribute ``max(load, prefill)`` instead of their sum.
 
+One predictor per daemon (issue 15): with a :class:`transport.cost.CostModel`
+attached (:meth:`TTFTPredictor.attach_cost`, done by the daemon's cluster
+node), the remote tier's load and the remote fetch setup come from the cost
+model's learned links (bytes / bandwidth, and its fitted fixed cost per
+fetch), and the cost model's recompute side uses this predictor's learned
+prefill speed: a ``Report`` moves both Admit's prediction and the
+fetch-versus-recompute decision.
+
 :class:`TTFTPredictor` computes that breakdown, tracks its own error from the
 actual TTFTs engines report, and recalibrates the prefill throughput from those
 reports (an EWMA in log space on the implied tokens/s, with a bounded step).
@@ -24,12 +32,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
 from tiers.base import TierKind
+
+if TYPE_CHECKING:
+    from transport.cost import CostModel
 
 __all__ = [
     "Clock", "DEFAULT_TIER_LOADS", "ErrorStats", "HitCounts", "N_TIERS", "PredictorConfig", "TTFTBreakdown",
@@ -254,8 +265,12 @@ class TTFTPredictor:
     Not thread-safe: use it from one thread (the daemon's event loop).
     """
 
-    def __init__(self, config: PredictorConfig | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, config: PredictorConfig | None = None, clock: Clock | None = None, *,
+                 cost: CostModel | None = None) -> None:
         self.config = config or PredictorConfig()
+        self.cost: CostModel | None = None
+        """The cluster's cost model: remote terms come from it, and it takes
+        its recompute estimate from this predictor (:meth:`attach_cost`)."""
         if clock is None:
             clock = time.monotonic
         self.clock: Clock = clock
@@ -277,6 +292,16 @@ class TTFTPredictor:
         self._ewma_signed = 0.0
         self.calibrations = 0
         """Reports that moved the throughput estimate."""
+        if cost is not None:
+            self.attach_cost(cost)
+
+    def attach_cost(self, cost: CostModel, *, share_prefill: bool = True) -> None:
+        """Share one model with the cluster's fetch decision: remote loads
+        come from ``cost``'s links, and (``share_prefill``) ``cost``'s
+        recompute estimate from this predictor's (calibrated) prefill."""
+        self.cost = cost
+        if share_prefill:
+            cost.prefill = self
 
     # ------------------------------------------------------------- model
     @property
@@ -307,7 +332,12 @@ class TTFTPredictor:
         q = self.queue_wait_s() if queue_wait_s is None else max(float(queue_wait_s), 0.0)
         pre = self.prefill_s(uncached, cached)
         load = self.load_s(counts, block_bytes)
-        remote = self.config.remote_fetch_s if counts[int(TierKind.REMOTE)] > 0 else 0.0
+        n_remote = int(counts[int(TierKind.REMOTE)])
+        remote = self.config.remote_fetch_s if n_remote > 0 else 0.0
+        if n_remote > 0 and self.cost is not None:
+            remote, wire = self.cost.remote_terms(n_remote * block_bytes)
+            r = int(TierKind.REMOTE)
+            load = tuple(wire if i == r else v for i, v in enumerate(load))  # type: ignore[assignment]
         lsum = float(sum(load)) + remote
         body = max(lsum, pre) if self.config.overlap_load else lsum + pre
         return TTFTBreakdown(queue_s=q, prefill_s=pre, load_s=load, remote_fetch_s=remote,

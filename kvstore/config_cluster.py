@@ -62,7 +62,8 @@ class ClusterConfig(Section):
     h2d_bandwidth_gbytes: Annotated[float, bounds(1e-6, None)] = 25.0
     """Host-to-device copy bandwidth, GB/s (targets in HBM)."""
     prefill_tokens_per_s: Annotated[float, bounds(0, None)] = 0.0
-    """Recompute speed for models without shape or table; 0: admission.prefill_tokens_per_s."""
+    """Recompute speed for models without shape or table; 0: the daemon's TTFT predictor (seeded from
+    admission.prefill_tokens_per_s, learned from reported TTFTs)."""
     prefill_tflops: Annotated[float, bounds(0, None)] = 0.0
     """Useful TFLOP/s of one rank's prefill for models with a shape in models_file; 0: use tokens/s."""
     fetch_margin: Annotated[float, bounds(0, None)] = 0.1

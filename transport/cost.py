@@ -8,10 +8,17 @@ Transfer of ``B`` bytes from peer ``p``::
     transfer_s = latency[p] + B / bandwidth[p]            (+ B / h2d_bandwidth + h2d_latency  when the target is HBM)
 
 ``latency`` and ``bandwidth`` start from the configured link (or a probe at
-start) and follow real transfers as exponentially weighted averages: a small
-transfer (below ``small_bytes``) updates the latency, a large one the
-bandwidth (its seconds less the current latency; averaged as seconds per
-byte, so one slow transfer corrects an optimistic seed at once).
+start). :meth:`CostModel.observe` follows wire-level transfers as
+exponentially weighted averages: a small transfer (below ``small_bytes``)
+updates the latency, a large one the bandwidth (its seconds less the current
+latency; averaged as seconds per byte, so one slow transfer corrects an
+optimistic seed at once). :meth:`CostModel.observe_fetch` takes whole fetches
+measured end to end (directory lookup, reservation, wire, commit: what the
+daemon's ``peers.py`` times) and fits ``latency + bytes / bandwidth`` to them
+by an exponentially weighted least-squares line, so ``latency`` becomes the
+fetch path's real fixed cost (tens of ms on a loaded host) instead of the empty
+probe's round trip (issue 17): with one size seen the slope stays the current
+bandwidth and the intercept takes the rest.
 
 Recompute of ``n`` tokens after ``c`` tokens already present::
 
@@ -20,8 +27,13 @@ Recompute of ``n`` tokens after ``c`` tokens already present::
                 + layers * 4 * heads * head_dim * n * (c + (n + 1) / 2)   (QK^T and AV over the causal context)
 
 or, when a table of measured prefill times is configured, linear
-interpolation in it (extrapolated proportionally past its ends); without a
-shape, ``tokens / tokens_per_s``. The decision fetches when
+interpolation in it (extrapolated proportionally past its ends). With a
+:class:`PrefillSource` attached (the daemon's :class:`admission.TTFTPredictor`,
+which learns its prefill speed from the TTFTs engines ``Report``), its
+``prefill_s`` is used once it has calibrated (and, before that, when no shape
+with FLOP/s is configured): Admit's prediction and the fetch decision then
+share one learned prefill speed (issue 15). Otherwise, without a shape,
+``tokens / tokens_per_s``. The decision fetches when
 ``transfer_s * (1 + margin) <= recompute_s``.
 
 Worked numbers of ``shared/seeds/003`` section 3 (``tests/unit/transport/test_cost.py``):
@@ -37,7 +49,7 @@ import bisect
 import enum
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from kvstore.errors import InvalidArgument
 
@@ -45,6 +57,19 @@ Clock = Callable[[], float]
 
 GBIT = 1e9 / 8
 """Bytes per second of one Gb/s."""
+
+
+class PrefillSource(Protocol):
+    """A learned prefill model (:class:`admission.TTFTPredictor` is one)."""
+
+    @property
+    def calibrations(self) -> int:
+        """How many measured prefills moved the model (0: still its seed)."""
+        ...
+
+    def prefill_s(self, uncached_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to prefill ``uncached_tokens`` after ``cached_tokens``."""
+        ...
 
 
 class ChainDecision(enum.IntEnum):
@@ -156,6 +181,9 @@ class CostConfig:
     """Weight of a new measurement in the EWMAs."""
     small_bytes: int = 64 * 1024
     """Transfers below this size measure latency; above, bandwidth."""
+    fit_spread: float = 0.05
+    """End-to-end fetches fit a slope (bandwidth) only once their sizes spread
+    by at least this fraction of their mean (weighted standard deviation)."""
 
     def __post_init__(self) -> None:
         if self.bandwidth_Bps <= 0 or self.h2d_bandwidth_Bps <= 0:
@@ -178,6 +206,11 @@ class Link:
     samples: int = 0
     bytes: int = 0
     updated: float = 0.0
+    fetches: int = 0
+    """End-to-end fetches fitted (:meth:`CostModel.observe_fetch`)."""
+    fit: list[float] = field(default_factory=lambda: [0.0] * 5)
+    """Exponentially weighted sums of the fetch samples: weight, x, y, x*x, x*y
+    (x = MB, y = seconds)."""
 
     def transfer_s(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
@@ -203,6 +236,9 @@ class CostModel:
     tables: dict[str, PrefillTable] = field(default_factory=dict)
     clock: Clock = time.monotonic
     links: dict[str, Link] = field(default_factory=dict)
+    prefill: PrefillSource | None = None
+    """The learned prefill model the recompute side follows (the daemon's
+    TTFT predictor); None: the configured speed alone."""
 
     # --------------------------------------------------------------- links
     def link(self, peer: str) -> Link:
@@ -211,9 +247,14 @@ class CostModel:
             ln = self.links[peer] = Link(self.config.latency_s, self.config.bandwidth_Bps)
         return ln
 
-    def set_link(self, peer: str, *, latency_s: float | None = None, bandwidth_Bps: float | None = None) -> None:
-        """Seed a peer's link (a probe's round trip, a configured figure)."""
+    def set_link(self, peer: str, *, latency_s: float | None = None, bandwidth_Bps: float | None = None,
+                 seed: bool = False) -> None:
+        """Set a peer's link (a configured figure). ``seed``: only while no
+        end-to-end fetch has been fitted (a probe's round trip must not undo
+        what real fetches measured)."""
         ln = self.link(peer)
+        if seed and ln.fetches:
+            return
         if latency_s is not None and latency_s >= 0:
             ln.latency_s = latency_s
         if bandwidth_Bps is not None and bandwidth_Bps > 0:
@@ -241,6 +282,40 @@ class CostModel:
         ln.bytes += nbytes
         ln.updated = self.clock()
 
+    def observe_fetch(self, peer: str, nbytes: int, seconds: float) -> None:
+        """A whole fetch of ``nbytes`` from ``peer`` took ``seconds`` end to
+        end. Refits the link's ``latency + bytes / bandwidth`` line by
+        exponentially weighted least squares (weight ``alpha`` per sample);
+        until the sizes spread (``fit_spread``) the slope stays the current
+        bandwidth and the intercept (the fixed cost) takes the rest."""
+        if seconds <= 0 or nbytes < 0:
+            return
+        ln = self.link(peer)
+        c = self.config
+        x, y = nbytes / 1e6, float(seconds)
+        f = ln.fit
+        keep = 1.0 - c.alpha if ln.fetches else 0.0
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            f[i] = keep * f[i] + v
+        w, sx, sy, sxx, sxy = f
+        mx, my = sx / w, sy / w
+        var = max(sxx / w - mx * mx, 0.0)
+        slope = 1e6 / ln.bandwidth_Bps  # seconds per MB
+        if mx > 0 and var > (c.fit_spread * mx) ** 2:
+            fitted = (sxy / w - mx * my) / var
+            if fitted > 0:
+                slope = fitted
+        intercept = my - slope * mx
+        if intercept < 0:  # the line would cross below zero: no fixed cost, the slope through the mean
+            intercept, slope = 0.0, (my / mx if mx > 0 else slope)
+        ln.latency_s = intercept
+        if slope > 0:
+            ln.bandwidth_Bps = 1e6 / slope
+        ln.fetches += 1
+        ln.samples += 1
+        ln.bytes += nbytes
+        ln.updated = self.clock()
+
     def transfer_s(self, peer: str, nbytes: float, to_hbm: bool = False) -> float:
         t = self.link(peer).transfer_s(nbytes)
         if to_hbm and nbytes > 0:
@@ -248,6 +323,15 @@ class CostModel:
         return t
 
     # ------------------------------------------------------------ recompute
+    def remote_terms(self, nbytes: float) -> tuple[float, float]:
+        """(fixed seconds, wire seconds) of fetching ``nbytes`` over the
+        cheapest known link (the configured seed without one): what a TTFT
+        prediction charges for remote blocks."""
+        ln = min(self.links.values(), key=lambda v: v.transfer_s(nbytes), default=None)
+        if ln is None:
+            return self.config.latency_s, nbytes / self.config.bandwidth_Bps
+        return ln.latency_s, nbytes / ln.bandwidth_Bps
+
     def recompute_s(self, model_id: str, new_tokens: int, context_tokens: int = 0) -> float:
         """Prefill seconds of ``new_tokens`` after ``context_tokens`` present."""
         if new_tokens <= 0:
@@ -260,7 +344,11 @@ class CostModel:
             total = context_tokens + new_tokens
             return table.seconds_for(total) - table.seconds_for(context_tokens)
         shape = self.shapes.get(model_id)
-        if shape is not None and c.prefill_flops_per_s > 0:
+        src = self.prefill
+        has_flops = shape is not None and c.prefill_flops_per_s > 0
+        if src is not None and (src.calibrations > 0 or not has_flops):
+            return src.prefill_s(new_tokens, context_tokens)
+        if shape is not None and has_flops:
             return c.prefill_overhead_s + shape.flops(new_tokens, context_tokens) / c.prefill_flops_per_s
         return c.prefill_overhead_s + new_tokens / c.prefill_tokens_per_s
 
@@ -340,4 +428,4 @@ if __name__ == "__main__":  # python -m transport.cost: the seed's worked number
 
 
 __all__ = ["ChainDecision", "CostConfig", "CostModel", "Estimate", "GBIT", "Link", "ModelShape",
-           "PrefillTable", "seed_worked_example", "shapes_from_toml"]
+           "PrefillSource", "PrefillTable", "seed_worked_example", "shapes_from_toml"]

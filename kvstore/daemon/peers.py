@@ -100,6 +100,9 @@ class ClusterNode:
             h2d_bandwidth_Bps=c.h2d_bandwidth_gbytes * 1e9,
             prefill_tokens_per_s=c.prefill_tokens_per_s or config.admission.prefill_tokens_per_s,
             prefill_flops_per_s=c.prefill_tflops * 1e12, margin=c.fetch_margin), shapes, tables)
+        predictor = getattr(getattr(daemon, "admission", None), "predictor", None)
+        if predictor is not None:  # one model: Admit's remote terms and the fetch decision's recompute side
+            predictor.attach_cost(self.cost, share_prefill=not c.prefill_tokens_per_s)
         self.table = DirectoryTable()
         self.token = os.environ.get(c.peer_token_env, "").strip() if c.peer_token_env else ""
         self.creds = tls.peer_credentials(config)  # peer channels follow the server's TLS (mutual TLS)
@@ -212,7 +215,7 @@ class ClusterNode:
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
             if best is not None:
-                self.cost.set_link(m.node_id, latency_s=best)
+                self.cost.set_link(m.node_id, latency_s=best, seed=True)  # real fetches refit it
         except Exception as e:
             log.debug("link probe of %s failed: %s", m.node_id, e)
 
@@ -416,7 +419,11 @@ class ClusterNode:
 
     # ------------------------------------------------------------- fetch
     async def fetch(self, ns: Namespace, keys: Sequence[bytes], view: ClusterView, credential: str) -> int:
-        """Fetch the view's remote run into DRAM; returns blocks committed."""
+        """Fetch the view's remote run into DRAM; returns blocks committed.
+        The cost model fits the link to this whole call (header, reservation,
+        wire, checksums, commit), the fetch path's cost after the decision,
+        not the wire's alone (the Locate before it is paid either way)."""
+        started = time.perf_counter()
         if view.peer is None or not view.remote_blocks:
             return 0
         m = self.membership.members.get(view.peer)
@@ -484,7 +491,7 @@ class ClusterNode:
         nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
         seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
         if done:
-            self.cost.observe(view.peer, nbytes, seconds)
+            self.cost.observe_fetch(view.peer, nbytes, time.perf_counter() - started)
             self.metrics.peer_fetched(view.peer, done, nbytes, seconds)
         if done < len(want) and not res.corrupt:
             self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")

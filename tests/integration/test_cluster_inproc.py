@@ -93,6 +93,10 @@ def test_block_put_on_one_is_found_and_fetched_by_another(make_daemon):
     assert r.decision == pb.CHAIN_DECISION_FETCH and 0 < r.fetch_s < r.recompute_s
     acq = b.acquire(keys)
     assert acq.fetched_blocks == 6 and acq.hit_blocks == 6 and acq.decision == pb.CHAIN_DECISION_FETCH
+    # one model: Admit's predictor holds the cluster's cost model, which fitted the fetch end to end
+    cost = b.d.daemon.cluster.cost
+    assert b.d.daemon.admission.predictor.cost is cost
+    assert cost.link(a.d.daemon.cluster.node_id).fetches == 1
     b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
     assert b.get(keys) == payloads(keys)  # byte-exact
     assert b.lookup(keys).decision == pb.CHAIN_DECISION_LOCAL
