@@ -148,7 +148,7 @@ class Fleet:
             self.daemons[n] = f"127.0.0.1:{port}"
             denv = {k: v for k, v in env.items() if not k.startswith("KVSTORE_")}
             denv.update({"KVSTORE_SERVER_PORT": str(port), "KVSTORE_METRICS_PORT": "0",
-                         "KVSTORE_DRAM_CAPACITY": "512MiB", "KVSTORE_CLUSTER_MODE": "etcd",
+                         "KVSTORE_DRAM_CAPACITY": "512MiB", "KVSTORE_CLUSTER_MODE": "etcd", "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true",
                          "KVSTORE_CLUSTER_ETCD_ENDPOINT": f"127.0.0.1:{cport}",
                          "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms"})
             log = open(os.path.join(self.work, f"daemon-{n}.log"), "wb")

@@ -83,7 +83,7 @@ class Node:
         env.update({"UCX_WARN_UNUSED_ENV_VARS": "n", "KVSTORE_SERVER_PORT": str(self.port),
                     "KVSTORE_METRICS_PORT": "0", "KVSTORE_DRAM_CAPACITY": "64MiB",
                     "KVSTORE_SSD_CAPACITY": "64MiB", "KVSTORE_SSD_PATH": os.path.join(work, f"ssd-{name}"),
-                    "KVSTORE_CLUSTER_MODE": "etcd", "KVSTORE_CLUSTER_ETCD_ENDPOINT": etcd,
+                    "KVSTORE_CLUSTER_MODE": "etcd", "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true", "KVSTORE_CLUSTER_ETCD_ENDPOINT": etcd,
                     "KVSTORE_CLUSTER_LEASE_TTL": "2s", "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms",
                     "KVSTORE_CLUSTER_FETCH_TIMEOUT": f"{FETCH_TIMEOUT}s",
                     "KVSTORE_CLUSTER_PREFILL_TOKENS_PER_S": "1000"})
