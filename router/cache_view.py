@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
+from kvstore.results import DropReason, Event, EventKind
 from tiers.base import TierKind
 
 log = logging.getLogger("kvstore.router")
@@ -32,13 +32,6 @@ log = logging.getLogger("kvstore.router")
 __all__ = ["CacheView"]
 
 _REMOTE = int(TierKind.REMOTE)
-
-
-def _reason_moved(ev: Any) -> int:
-    """The wire number of ``REMOVE_REASON_MOVED`` (read from the message's own
-    descriptor: the router uses the client's messages, not the proto module)."""
-    enum = ev.removed.DESCRIPTOR.fields_by_name["reason"].enum_type
-    return int(enum.values_by_name["REMOVE_REASON_MOVED"].number)
 
 
 class CacheView:
@@ -54,7 +47,6 @@ class CacheView:
         self.gaps = 0
         self.events = 0
         self.connected = False
-        self._moved: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: Client | None = None
@@ -62,36 +54,31 @@ class CacheView:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ events
-    def apply(self, ev: Any) -> None:
-        """Fold one event into the table."""
-        kind = ev.WhichOneof("kind")
+    def apply(self, ev: Event) -> None:
+        """Fold one event (the client's typed ``Event``) into the table."""
         self.events += 1
         if ev.seq:
             self.seq = ev.seq
-        if kind == "stored":
-            t = max(int(ev.stored.tier) - 1, 0)
-            d = ev.stored.ns_digest
-            for k in ev.stored.keys:
+        if ev.kind is EventKind.STORED:
+            t = int(ev.tier) if ev.tier is not None else int(TierKind.DRAM)
+            for k in ev.keys:
                 self._tier[k] = t
-                self._ns[k] = d
-        elif kind == "removed":
-            if self._moved is None:
-                self._moved = _reason_moved(ev)
-            if ev.removed.reason == self._moved:
+                self._ns[k] = ev.ns_digest
+        elif ev.kind is EventKind.REMOVED:
+            if ev.reason is DropReason.MOVED:
                 return  # changed tier: the stored event of the new tier says where
-            for k in ev.removed.keys:
+            for k in ev.keys:
                 self._tier.pop(k, None)
                 self._ns.pop(k, None)
-        elif kind == "cleared":
-            if ev.cleared.all_namespaces:
+        elif ev.kind is EventKind.CLEARED:
+            if ev.all_namespaces:
                 self._tier, self._ns = {}, {}
             else:
-                d = ev.cleared.ns_digest
-                gone = [k for k, nd in self._ns.items() if nd == d]
+                gone = [k for k, nd in self._ns.items() if nd == ev.ns_digest]
                 for k in gone:
                     self._tier.pop(k, None)
                     self._ns.pop(k, None)
-        elif kind == "gap":
+        elif ev.kind is EventKind.GAP:
             self.gaps += 1
             self._tier, self._ns = {}, {}
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from kvstore.keys import Namespace, block_keys
-from proto import kvstore_pb2 as pb
+from kvstore.results import Event, EventKind
+from tiers.base import TierKind
 from router.cache_view import CacheView
 from router.config import (
     ApiKey,
@@ -104,7 +105,7 @@ def hold(rig: Rig, name: str, text: str, n_blocks: int) -> None:
         b.cache = CacheView(name, "127.0.0.1:1")
     m = rig.svc.models["tiny"]
     keys = request_tokens(m, Endpoint.COMPLETIONS, {"prompt": text}).keys[:n_blocks]
-    b.cache.apply(pb.Event(seq=1, stored=pb.BlockStored(keys=keys, tier=pb.TIER_DRAM)))
+    b.cache.apply(Event(EventKind.STORED, b"", keys, TierKind.DRAM, seq=1))
 
 
 # ---------------------------------------------------------------- keys
