@@ -46,7 +46,8 @@ def state_path(ident: str) -> str:
     return os.path.join(SHM_DIR, f"kvstore.owner-{os.getuid()}-{digest}")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (also when it belongs to another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -74,7 +75,7 @@ def reclaim_predecessor(ident: str, configured: str = "") -> str | None:
         log.warning("slab owner file %s unreadable (%s); ignored", path, e)
         return None
     # only our own file, naming one of our slabs, of a process that is gone
-    if st.st_uid != os.getuid() or not (_SLAB_NAME.match(name) or (configured and name == configured and "/" not in name)) or pid == os.getpid() or _alive(pid):
+    if st.st_uid != os.getuid() or not (_SLAB_NAME.match(name) or (configured and name == configured and "/" not in name)) or pid == os.getpid() or pid_alive(pid):
         return None
     try:
         os.unlink(os.path.join(SHM_DIR, name))

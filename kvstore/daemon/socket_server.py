@@ -51,6 +51,7 @@ import grpc
 import numpy as np
 
 from kvstore.daemon.auth import Principal
+from kvstore.daemon.slab_owner import pid_alive
 from kvstore.daemon.rpc import Aborted, LocalContext, rpc
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.wire import frames
@@ -99,22 +100,12 @@ def default_path(unix_socket: str) -> str:
     base = private_dir()
     for name in os.listdir(base):  # sockets left by daemons that died without stopping
         pid = name.split("-")[1] if name.startswith("kv-") and name.endswith(".sock") else ""
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             try:
                 os.unlink(os.path.join(base, name))
             except OSError:
                 pass
     return os.path.join(base, f"kv-{os.getpid()}-{secrets.token_hex(4)}.sock")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def drive(coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
