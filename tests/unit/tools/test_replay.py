@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvstore.tools import replay as R
@@ -201,6 +201,7 @@ prompts = st.lists(st.text(alphabet="abc", min_size=1, max_size=7), min_size=1, 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=prompts, capacity=st.integers(min_value=1, max_value=12), bs=st.sampled_from([1, 2]))
+@example(prompts=["b", "aa", "b"], capacity=1, bs=1)  # 'aa' can never fit: declined, 'b' stays
 def test_belady_bounds_every_policy(prompts: list[str], capacity: int, bs: int) -> None:
     pt = prep(prompts, bs)
     if pt.blocks == 0:
@@ -210,4 +211,7 @@ def test_belady_bounds_every_policy(prompts: list[str], capacity: int, bs: int) 
     assert m.hit_blocks >= b.hit_blocks
     for policy in ("lru", "lfu", "cost"):
         r = R.replay(pt, policy, capacity)
-        assert r.hit_blocks <= b.hit_blocks, (policy, r.hit_blocks, b.hit_blocks)
+        # the store declines a request that can never fit rather than flush the
+        # cache for it (issue 19), so the bound of a policy is the optimum that
+        # may bypass (MIN), not plain Bélády, which must store every block
+        assert r.hit_blocks <= m.hit_blocks, (policy, r.hit_blocks, m.hit_blocks)
