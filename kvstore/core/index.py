@@ -44,6 +44,12 @@ NO_LOC = -1
 LINK_LOOP_MAX = 4
 """Non-chain inserts of up to this many keys link row by row; longer ones
 link in one vectorised pass (``_link_batch``, same result)."""
+HITS_MAX = 0xFFFF
+"""``hits`` is 16 bits and saturates here (LFU and cost ranks stop counting;
+ties fall to recency)."""
+TICK_MAX = 0xFFFFFFFF
+"""``last`` is a 32-bit access tick; before it would pass this the store
+renumbers every row's tick by rank (``Placement.ticks``), keeping the order."""
 GROWTH = 1.25
 """Row capacity grows by this factor (at least): little slack at any size,
 each row still copied only a few times over the index's growth."""
@@ -127,10 +133,10 @@ class BlockIndex:
         ("nchild", "u4", 0),
         ("nchild_tier", "u4", 0),
         ("pins", "u4", 0),
-        ("hits", "u4", 0),
-        ("last", "u8", 0),
+        ("hits", "u2", 0),
+        ("last", "u4", 0),
         ("depth", "u4", 0),
-        ("prio", "f8", 0.0),
+        ("prio", "f4", 0.0),
         ("ssd_loc", "i8", NO_LOC),
     )
 
@@ -213,6 +219,15 @@ class BlockIndex:
         blob = arr.tobytes()
         return [blob[i : i + 16] for i in range(0, len(blob), 16)]
 
+    def renumber_last(self) -> int:
+        """Replace every used row's ``last`` by its rank (1, 2, ...) in
+        access order, the order kept (ties by row); returns the next free
+        tick. Called when the 32-bit tick would wrap."""
+        rows = self.used_rows()
+        order = np.lexsort((rows, self.last[rows]))
+        self.last[rows[order]] = np.arange(1, rows.size + 1, dtype=np.uint32)
+        return int(rows.size) + 1
+
     def used_rows(self) -> np.ndarray:
         return np.nonzero(self.state[: self._high] != BlockState.FREE)[0]
 
@@ -260,7 +275,7 @@ class BlockIndex:
         self.nchild_tier[rows] = 0
         self.pins[rows] = 0
         self.hits[rows] = 0
-        self.last[rows] = np.arange(tick, tick + n, dtype=np.uint64)
+        self.last[rows] = np.arange(tick, tick + n, dtype=np.uint32)
         self.prio[rows] = 0.0
         self.ssd_loc[rows] = NO_LOC
         # depth and child links, in order (a parent may precede in the batch)

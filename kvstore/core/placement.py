@@ -28,10 +28,10 @@ from kvstore.core.eviction import (
     select_subtrees,
     select_victims,
 )
-from kvstore.core.index import BlockIndex, BlockState
+from kvstore.core.index import HITS_MAX, TICK_MAX, BlockIndex, BlockState
 from kvstore.core.namespaces import Namespaces
 from kvstore.core.plan import fix_tail_statuses, parent_row, plan
-from kvstore.errors import KeyStatus
+from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
 from kvstore.results import BatchResult, Counters, DropReason, Event, EventKind
 from tiers.base import Buffer, Tier, TierKind
@@ -137,6 +137,10 @@ class Placement:
     # -------------------------------------------------------------- ticks
     def ticks(self, n: int) -> int:
         """Reserve ``n`` consecutive access ticks; returns the first."""
+        if self._tick + n > TICK_MAX:  # the 32-bit ``last`` would wrap: renumber, order kept
+            self._tick = self.index.renumber_last()
+            if self._tick + n > TICK_MAX:
+                raise InvalidArgument(f"{n} ticks at once do not fit a 32-bit clock")
         t = self._tick
         self._tick += n
         return t
@@ -147,8 +151,9 @@ class Placement:
             return
         t = self.ticks(rows.size)
         idx = self.index
-        idx.hits[rows] += 1
-        idx.last[rows] = np.arange(t, t + rows.size, dtype=np.uint64)
+        h = idx.hits[rows]
+        idx.hits[rows] = h + (h < HITS_MAX)  # 16 bits, saturating
+        idx.last[rows] = np.arange(t, t + rows.size, dtype=np.uint32)
         self.policy.on_access(idx, rows)
 
     # ------------------------------------------------------ new blocks

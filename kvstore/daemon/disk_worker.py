@@ -45,6 +45,10 @@ class LockedStore:
             with lock:
                 return value(*a, **kw)
 
+        # a method's wrapper is made once (a Lookup on the same-host socket
+        # paid for a new closure and functools.wraps on every call); only
+        # methods are kept: data attributes always come from the store
+        object.__setattr__(self, name, locked)
         return locked
 
     def __setattr__(self, name: str, value: Any) -> None:
