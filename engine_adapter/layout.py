@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
+import numpy as np
 import torch
 
 from kvstore.errors import InvalidArgument
@@ -216,3 +217,29 @@ class StagingPool:
         raw = self._buf[:need].view(n, sb)
         typed = raw.view(self.layout.dtype).view(n, *self.layout.shard_shape)
         return typed, raw
+
+
+def block_runs(ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Starts of the runs where both the destination block ids and the
+    source rows go up by one, plus ``len(ids)`` at the end: each run is one
+    slice copy (vLLM gives a new request consecutive blocks more often than
+    not)."""
+    brk = np.flatnonzero((np.diff(ids) != 1) | (np.diff(rows) != 1)) + 1
+    return np.concatenate(([0], brk, [ids.size])).astype(np.int64)
+
+
+def scatter_blocks(layers: list[torch.Tensor], srcs: list[torch.Tensor], ids: np.ndarray, rows: np.ndarray) -> None:
+    """``layer[ids[i]] = src[rows[i]]`` for every layer. On the CPU one
+    ``copy_`` per run of consecutive blocks (``block_runs``): ``index_copy_``
+    of bfloat16 blocks ran at about a quarter of that here (1.1 ms against
+    0.1-0.33 ms for 15 blocks x 4 layers of 64 KiB); on a device, one
+    ``index_copy_`` per layer (one transfer)."""
+    starts = block_runs(ids, rows).tolist()
+    for t, src in zip(layers, srcs):
+        if t.device.type != "cpu":
+            part = src.index_select(0, torch.from_numpy(rows)) if rows.size != src.shape[0] else src
+            t.index_copy_(0, torch.from_numpy(ids).to(t.device), part.to(t.device))
+            continue
+        for a, b in zip(starts[:-1], starts[1:]):
+            i, r, n = int(ids[a]), int(rows[a]), b - a
+            t[i:i + n].copy_(src[r:r + n])

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import xxhash
 
+from engine_adapter.layout import scatter_blocks
 from engine_adapter.tp import PLAN_OK, LocalGroup, Plan, TorchDistGroup, TPGroup
 from engine_adapter.vllm_common import (
     FAULT_TYPES,
@@ -68,6 +69,10 @@ __all__ = ["WorkerSide", "slab_identity", "vllm_tp_group"]
 log = logging.getLogger("kvstore.vllm")
 
 WIRE_DECISIONS = ("unspecified", "local", "fetch", "recompute")
+LOAD_PHASES = ("acquire", "copy", "release", "scatter")
+"""Phases of a step's loads, timed into its ``load_step`` record: the
+Acquire call, the verified copies out of the slab, sending the Release, and
+vLLM's ``index_copy_`` into its KV tensors."""
 """Names of the wire ``ChainDecision`` values an acquire answers."""
 
 
@@ -92,6 +97,8 @@ def vllm_tp_group(tp_size: int) -> TPGroup:
     return TorchDistGroup(group=get_tp_group().cpu_group, device="cpu")
 
 
+
+
 class WorkerSide:
     """Loads and saves of one worker-role connector (one TP rank)."""
 
@@ -112,6 +119,8 @@ class WorkerSide:
         self.block_bytes = 0
         """A stored block: ``tp * shard_bytes``."""
         self.staging = torch.empty(0, dtype=torch.uint8)
+        self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
+        """Seconds of the current step's loads in each of ``LOAD_PHASES``."""
         self.load_errors: set[int] = set()
         self.load_failed: set[str] = set()
         """Requests with a block that failed to load in this step: their saves of this step are not stored."""
@@ -182,6 +191,7 @@ class WorkerSide:
             self.load_failed.update(m.req_id for m in meta.loads)
             return
         t0 = time.perf_counter()
+        self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
         rank = self.rank
         total = sum(len(m.block_ids) for m in meta.loads)
         raw, typed = self.stage(total, self.block_bytes, rank * self.shard_bytes)  # whole blocks, checked whole
@@ -205,12 +215,20 @@ class WorkerSide:
             row += n
             if c is not None and self.link.current is None:
                 c = None  # a fault closed it: the rest are failures too
+        t1 = time.perf_counter()
         if good_ids:
-            ids = torch.tensor(good_ids, dtype=torch.int64)
-            sel = torch.tensor(good_rows, dtype=torch.int64)
-            for t, src in zip(self.layers, typed):
-                part = src if len(good_rows) == total else src.index_select(0, sel)
-                t.index_copy_(0, ids.to(t.device), part.to(t.device))
+            scatter_blocks(self.layers, typed, np.asarray(good_ids, dtype=np.int64),
+                           np.asarray(good_rows, dtype=np.int64))
+        t2 = time.perf_counter()
+        self.phases["scatter"] = t2 - t1
+        # one line per step's loads: where the time went, scatter included
+        # (bench/vllm.py reports each phase, and the bytes moved against a
+        # memcpy of the same bytes)
+        self.link.record(event="load_step", rank=rank, reqs=len(meta.loads), planned_blocks=total,
+                         loaded_blocks=len(good_ids), bytes=len(good_ids) * self.shard_bytes,
+                         copied_bytes=len(good_ids) * self.block_bytes,
+                         ms=round((t2 - t0) * 1000, 3),
+                         **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()})
 
     def load_one(self, c: Client, base: Namespace, m: BlockMove, rows: np.ndarray) -> int:
         """Copy the leading verified whole blocks of ``m`` into ``rows``; how many."""
@@ -223,11 +241,14 @@ class WorkerSide:
                 self.link.fault("load", e)
                 return 0
             return next((i for i, x in enumerate(st) if x is not KeyStatus.OK), len(st))
+        t0 = time.perf_counter()
         try:
             lease = c.acquire(ns, keys, cluster=m.cluster)
         except FAULT_TYPES as e:
             self.link.fault("load", e)
             return 0
+        t1 = time.perf_counter()
+        self.phases["acquire"] += t1 - t0
         if m.cluster:
             self.note_fetch(m, lease.fetched_blocks, lease.decision, lease.hit_blocks, len(keys))
         try:
@@ -240,10 +261,13 @@ class WorkerSide:
             self.link.fault("load", e)
             return 0
         finally:
+            t2 = time.perf_counter()
+            self.phases["copy"] += t2 - t1
             try:
-                lease.release()
+                lease.release(wait=False)  # answered before this client's next call; nothing waits on it
             except FAULT_TYPES as e:
                 self.link.fault("release", e)
+            self.phases["release"] += time.perf_counter() - t2
         bad = np.flatnonzero(~good)
         ok = int(bad[0]) if bad.size else hit
         if bad.size and self.link.current is not None:

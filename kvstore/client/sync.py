@@ -357,9 +357,15 @@ class Client(ClientBase):
                                                           checksums=list(checksums or [])))
         return self._merge_commit(reservation.statuses, c)
 
-    def release_lease(self, lease_id: str) -> None:
-        """Unpin a lease's blocks (``Lease.release`` calls this)."""
-        self._unary("Release", pb.ReleaseRequest(lease_id=lease_id))
+    def release_lease(self, lease_id: str, wait: bool = True) -> None:
+        """Unpin a lease's blocks (``Lease.release`` calls this). ``wait=False``:
+        over the same-host socket, send it without waiting for the answer
+        (``pipeline``); it runs before this client's next call."""
+        req = pb.ReleaseRequest(lease_id=lease_id)
+        if wait:
+            self._unary("Release", req)
+        else:
+            self._send("Release", req)
 
     def abort(self, reservation: "Reservation") -> int:
         return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
@@ -475,11 +481,14 @@ class Lease:
         """Cluster acquire: the wire ``ChainDecision`` taken (0 unspecified, 1 local, 2 fetch, 3 recompute)."""
         self._released = not lease_id
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
+        """Unpin the blocks; the views must not be read after this.
+        ``wait=False`` does not wait for the daemon's answer (see
+        ``Client.release_lease``)."""
         if not self._released:
             self._released = True
             self.views = [None] * len(self.views)
-            self.client.release_lease(self.lease_id)
+            self.client.release_lease(self.lease_id, wait)
 
     def __enter__(self) -> "Lease":
         return self
