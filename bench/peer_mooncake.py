@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -369,8 +370,12 @@ class Ours:
         from kvstore.errors import KeyStatus
         from kvstore.keys import block_keys
 
-        ns = self.ns(tag)
-        keys = block_keys(ns, np.arange(batch * 16, dtype=np.uint32))
+        # one namespace per block size, as an engine has one per model; each
+        # round's keys are new (its tag salts the tokens), as Mooncake's are
+        # (tag-prefixed keys): the timed put and get never register a namespace
+        ns = self.ns(f"s{size}")
+        salt = int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=3).digest(), "little") << 8
+        keys = block_keys(ns, np.arange(batch * 16, dtype=np.uint32) + np.uint32(salt))
         srcs = [src[i * size : (i + 1) * size] for i in range(batch)]
         outs = [dst[i * size : (i + 1) * size] for i in range(batch)]
         c = self.client
@@ -385,7 +390,7 @@ class Ours:
         elif verify and not np.array_equal(src[: batch * size], dst[: batch * size]):
             err = "get_into returned other bytes"
         dst[: batch * size] = 0
-        c.clear(ns)
+        c.remove(ns, keys)  # untimed, like Mooncake's batch_remove after its round
         return {"put": t1 - t0, "get": t2 - t1, "error": err}
 
     def exist_setup(self, n: int) -> list[bytes]:

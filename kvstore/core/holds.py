@@ -10,6 +10,7 @@ on the store's single thread like everything else there.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,12 @@ class Holds:
         """Open reservations by handle."""
         self.leases: dict[str, Hold] = {}
         """Open leases by handle."""
+        self._salt = secrets.token_hex(6)
+        self._seq = itertools.count(1)
+        """Handles are this store's random salt and a sequence number: unique
+        without a system call per hold (``token_hex`` read the OS's random
+        source on every Reserve and Acquire). A handle is no credential: every
+        use checks its owner."""
 
     # ------------------------------------------------------ two-phase put
     def reserve(self, ns: Namespace, keys: KeysLike, sizes: Sequence[int] | int,
@@ -73,7 +80,7 @@ class Holds:
         res = SlotResult.empty(n, KeyStatus.OK)
         todo, rows, locs = self.placement.store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res, tier)
         if todo:
-            handle = "r-" + secrets.token_hex(8)
+            handle = f"r-{self._salt}{next(self._seq):x}"
             self.reservations[handle] = Hold(owner, nid, rows,
                                                self.clock() + self.reservation_timeout)
             res.handle = handle
@@ -166,7 +173,7 @@ class Holds:
             return res
         idx = self.index
         idx.pins[rows] += 1
-        handle = "l-" + secrets.token_hex(8)
+        handle = f"l-{self._salt}{next(self._seq):x}"
         deadline = float("inf") if ttl is None else self.clock() + ttl
         self.leases[handle] = Hold(owner, nid, rows.copy(), deadline)
         res.handle = handle
