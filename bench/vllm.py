@@ -154,8 +154,8 @@ def report(rep: Report, tp: int, reps: int, tokens: int, got: dict) -> None:
     steps = [r for r in recs if r["event"] == "load_step" and r.get("rank", 0) == 0 and r["loaded_blocks"] > 0]
     load_ratio = float("nan")
     if steps:
-        for ph in ("acquire", "copy", "release", "scatter"):
-            rep.figure(f"connector_load_{ph}_ms{sfx}", ms([r[f"{ph}_ms"] for r in steps]), "ms")
+        for ph in ("setup", "acquire", "copy", "release", "scatter"):
+            rep.figure(f"connector_load_{ph}_ms{sfx}", ms([r.get(f"{ph}_ms", float("nan")) for r in steps]), "ms")
         rep.figure(f"connector_load_step_ms{sfx}", ms([r["ms"] for r in steps]), "ms")
         nbytes = int(statistics.median(r["bytes"] for r in steps))
         load_gbps = statistics.median(r["bytes"] / (r["ms"] / 1000) for r in steps) / 1e9

@@ -69,10 +69,11 @@ __all__ = ["WorkerSide", "slab_identity", "vllm_tp_group"]
 log = logging.getLogger("kvstore.vllm")
 
 WIRE_DECISIONS = ("unspecified", "local", "fetch", "recompute")
-LOAD_PHASES = ("acquire", "copy", "release", "scatter")
+LOAD_PHASES = ("setup", "acquire", "copy", "release", "scatter")
 """Phases of a step's loads, timed into its ``load_step`` record: the
-Acquire call, the verified copies out of the slab, sending the Release, and
-vLLM's ``index_copy_`` into its KV tensors."""
+staging buffer and the daemon connection (made on first use), the Acquire
+call, the verified copies out of the slab, sending the Release, and the
+copies into vLLM's KV tensors."""
 """Names of the wire ``ChainDecision`` values an acquire answers."""
 
 
@@ -200,6 +201,7 @@ class WorkerSide:
         good_rows: list[int] = []
         row = 0
         c = self.link.client()
+        self.phases["setup"] = time.perf_counter() - t0
         for m in meta.loads:
             n = len(m.block_ids)
             ok = self.load_one(c, base, m, rows[row:row + n]) if c is not None else 0
