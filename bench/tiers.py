@@ -224,7 +224,11 @@ def serve_seconds(tdir: str, cap: int, namespace: Namespace, key: bytes, crash: 
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--log-level", "warning"],
                             cwd=os.path.dirname(HERE), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        # gRPC's reconnect backoff (1 s, then 1.6x) would round the time up
+        # to its next attempt (one run read 5.3 s for a daemon up at 2.5 s)
+        backoff = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
+                   ("grpc.max_reconnect_backoff_ms", 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=backoff) as ch:
             stub = pb_grpc.KVStoreStub(ch)
             while True:
                 if proc.poll() is not None:

@@ -54,6 +54,7 @@ from router.server import build_app  # noqa: E402
 from tests.faults.faultlib import free_port  # noqa: E402
 from tests.integration.conftest import wait_healthy, wait_until  # noqa: E402
 from tests.integration.etcd_fixture import Etcd  # noqa: E402
+from tests.support.procs import start_group, stop_group  # noqa: E402
 from tests.unit.router.fakes import ServerThread  # noqa: E402
 from tests.vllm.conftest import HERE as VLLM_TESTS  # noqa: E402
 from tests.vllm.conftest import VLLM_PY, require_vllm, vllm_env  # noqa: E402
@@ -136,7 +137,7 @@ class Cluster:
                    "kv_connector_extra_config": {"target": self.nodes[node].target, "cluster": True,
                                                  "stats_path": self.stats_path(e)}}
             log = open(os.path.join(work, f"vllm-{e}.log"), "wb")
-            self.procs[e] = subprocess.Popen(
+            self.procs[e] = start_group(
                 [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                  "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
                  "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.ports[e]),
@@ -205,14 +206,7 @@ class Cluster:
         self.lookup.close()
         for r in self.routers.values():
             r.stop()
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_group(list(self.procs.values()))
         for n in self.nodes.values():
             n.stop()
         self.etcd.close()

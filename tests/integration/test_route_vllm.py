@@ -43,6 +43,7 @@ from router.config import (
 from router.prompts import Endpoint, request_tokens
 from router.server import build_app
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
+from tests.support.procs import group_alive, kill_group, start_group, stop_group
 from tests.unit.router.fakes import CHAT_TEMPLATE, ServerThread
 from tests.vllm.conftest import HERE as VLLM_TESTS
 from tests.vllm.conftest import VLLM_PY, require_vllm, vllm_env
@@ -84,7 +85,7 @@ class Fleet:
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"target": d.target, "stats_path": f"{work}/{n}.jsonl"}}
             log = open(os.path.join(work, f"vllm-{n}.log"), "wb")
-            self.procs[n] = subprocess.Popen(
+            self.procs[n] = start_group(
                 [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                  "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
                  "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.ports[n]),
@@ -130,14 +131,7 @@ class Fleet:
     def close(self) -> None:
         self.http.close()
         self.router.stop()
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_group(list(self.procs.values()))
         for d in self.daemons.values():
             d.stop()
 
@@ -265,8 +259,8 @@ def test_bad_input_gets_4xx_and_the_router_keeps_serving(fleet: Fleet) -> None:
 
 def test_killed_backend_new_requests_still_succeed(fleet: Fleet) -> None:
     first = _completion(fleet, P).headers["x-kvstore-backend"]
-    fleet.procs[first].kill()
-    fleet.procs[first].wait(30)
+    kill_group(fleet.procs[first])  # the API server and its engine core
+    wait_until(lambda: not group_alive(fleet.procs[first]), 30, "the killed backend's engine core to exit")
     for i in range(3):  # P's holder is dead: the first may be retried, the rest skip it
         r = _completion(fleet, P + f" w{20 + i}")
         assert r.headers["x-kvstore-backend"] != first
