@@ -32,7 +32,7 @@ heads' shard of every block; the connector's time is given per rank).
 Targets (issues 11 and 16, at each TP size): TTFT cold / TTFT kvstore >= 2.5;
 TTFT kvstore / TTFT vLLM prefix cache <= 1.5. Issue 18 (goal 4): that ratio
 <= 1.2, and the connector's load (rank 0's ``load_step`` records: Acquire,
-verified copies, Release, ``index_copy_``) delivers bytes at >= 0.5x a
+verified copies, Release, copies into vLLM's tensors) delivers bytes at >= 0.5x a
 memcpy of the same bytes measured here (``connector_load_vs_memcpy``).
 
 Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N] [--tp 1,2] [--in-process]
@@ -134,7 +134,7 @@ def report(rep: Report, tp: int, reps: int, tokens: int, got: dict) -> None:
     rep.figure(f"kvstore_external_hit_tokens{sfx}", statistics.median(hits), "tokens")
     # the connector's own time per kvstore hit (its stats lines): the lookup in
     # the scheduler (one for every rank) and, per rank, the load (acquire,
-    # verified copies, one index_copy_ per layer) and the save of the cold
+    # verified copies, the copies into the KV tensors) and the save of the cold
     # request (at TP > 1: this rank's shards, up to the agreement)
     rep.figure(f"connector_lookup_ms{sfx}", ms([r["ms"] for r in recs if r["event"] == "lookup" and r["hit_blocks"] > 0]),
                "ms")
@@ -147,7 +147,7 @@ def report(rep: Report, tp: int, reps: int, tokens: int, got: dict) -> None:
                        ms([r["ms"] for r in recs if r["event"] == "save_shards" and r["rank"] == rank]), "ms")
     rep.figure(f"connector_save_ms{sfx}", ms([r["ms"] for r in recs if r["event"] == "save" and "ms" in r]), "ms")
     # issue 18 goal 4: a step's whole load (Acquire, verified copies out of
-    # the slab, Release sent, index_copy_ into vLLM's KV tensors), its phases,
+    # the slab, Release sent, copies into vLLM's KV tensors), its phases,
     # and the bytes it delivered to this rank's KV tensors per second against
     # a memcpy of the same bytes on this machine (the faster of one and two
     # threads, measured here after the runs)

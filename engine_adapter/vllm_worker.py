@@ -69,12 +69,12 @@ __all__ = ["WorkerSide", "slab_identity", "vllm_tp_group"]
 log = logging.getLogger("kvstore.vllm")
 
 WIRE_DECISIONS = ("unspecified", "local", "fetch", "recompute")
+"""Names of the wire ``ChainDecision`` values an acquire answers."""
 LOAD_PHASES = ("setup", "acquire", "copy", "release", "scatter")
 """Phases of a step's loads, timed into its ``load_step`` record: the
 staging buffer and the daemon connection (made on first use), the Acquire
 call, the verified copies out of the slab, sending the Release, and the
 copies into vLLM's KV tensors."""
-"""Names of the wire ``ChainDecision`` values an acquire answers."""
 
 
 def slab_identity(client: Client | None) -> int:
@@ -96,8 +96,6 @@ def vllm_tp_group(tp_size: int) -> TPGroup:
     from vllm.distributed.parallel_state import get_tp_group
 
     return TorchDistGroup(group=get_tp_group().cpu_group, device="cpu")
-
-
 
 
 class WorkerSide:
