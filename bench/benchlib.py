@@ -93,6 +93,15 @@ class Report:
             print(f"wrote {json_path}", file=sys.stderr)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def wait_serving(target: str, timeout: float = 60.0, procs: Sequence[Any] = ()) -> None:
     """Wait until the daemon at ``target`` answers its gRPC health check with
     SERVING; fail early if one of ``procs`` (Popen objects) has exited."""

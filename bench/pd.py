@@ -51,7 +51,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,7 +64,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import httpx  # noqa: E402
-from benchlib import Report, percentile, wait_serving  # noqa: E402
+from benchlib import Report, free_port, percentile, wait_serving  # noqa: E402
 
 VLLM_PY = os.environ.get("KVSTORE_VLLM_PY") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 BLOCK = 128
@@ -88,12 +87,6 @@ class Params:
     tpot_factor: float = 3.0
     repeats: int = 2
     seed: int = 17
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Words:

@@ -219,15 +219,6 @@ class Procs:
         self.procs.clear()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def copy_baseline(src: np.ndarray, dst: np.ndarray, size: int, batch: int) -> dict[str, float]:
     """Seconds to copy the same bytes as one round (``batch`` blocks of
     ``size``) with a single-threaded ``numpy.copyto`` and with two threads
@@ -338,7 +329,7 @@ class Ours:
     def start(self) -> None:
         sys.path.insert(0, ROOT)
         sys.path.insert(1, HERE)
-        from benchlib import wait_serving
+        from benchlib import free_port, wait_serving
 
         from kvstore.client import Client
 

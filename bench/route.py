@@ -46,7 +46,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import httpx
-from benchlib import Report, percentile, wait_serving
+from benchlib import Report, free_port, percentile, wait_serving
 
 VLLM_PY = os.environ.get("KVSTORE_VLLM_PY") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 CLASSES = ("A", "B", "C")
@@ -135,11 +134,6 @@ def make_trace(p: Params) -> list[Req]:
 
 
 # ------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @dataclass
 class Fleet:

@@ -49,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from benchlib import Report  # noqa: E402
+from benchlib import Report, free_port  # noqa: E402
 
 from kvstore.keys import Namespace  # noqa: E402
 from kvstore.core.store import StoreConfig, TieredStore  # noqa: E402
@@ -202,7 +202,6 @@ def serve_seconds(tdir: str, cap: int, namespace: Namespace, key: bytes, crash: 
     """(wall, daemon CPU) seconds from ``kvstore serve``'s exec on ``tdir``
     to its first ``Lookup`` of ``key`` that hits (see ``bench_recovery``)."""
     import signal
-    import socket
     import subprocess
 
     import grpc
@@ -213,9 +212,7 @@ def serve_seconds(tdir: str, cap: int, namespace: Namespace, key: bytes, crash: 
 
     if crash and os.path.exists(snapshot):
         os.unlink(snapshot)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update({"KVSTORE_SERVER_PORT": str(port), "KVSTORE_METRICS_PORT": "0", "KVSTORE_DRAM_CAPACITY": "64MiB",
                 "KVSTORE_SSD_PATH": tdir, "KVSTORE_SSD_CAPACITY": str(cap)})

@@ -79,6 +79,7 @@ def _bench_module(name: str) -> Any:
 
 Report = _bench_module("benchlib").Report
 wait_serving = _bench_module("benchlib").wait_serving
+free_port = _bench_module("benchlib").free_port
 
 MIB = 1 << 20
 SHAPES = ((1 * MIB, 64), (4 * MIB, 16))
@@ -413,7 +414,7 @@ class Iperf:
         exe = shutil.which("iperf3")
         if exe is None:
             raise RuntimeError("iperf3 is not installed (apt-get install -y iperf3)")
-        self.exe, self.port = exe, _free_port()
+        self.exe, self.port = exe, free_port()
         self.p = subprocess.Popen([exe, "-s", "-B", "127.0.0.1", "-p", str(self.port)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -449,14 +450,6 @@ def daemons_missing() -> str:
     return ""
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Daemons:
     """(c): two ``kvstore serve`` daemons with a static peer list; blocks put on
     A (shared-memory client), then ``Acquire(cluster=True)`` on B fetches them
@@ -478,7 +471,7 @@ class Daemons:
         from proto import kvstore_pb2_grpc as pb_grpc
 
         self.pb, self.ns_pb = pb, ns_pb
-        ports = [_free_port(), _free_port()]
+        ports = [free_port(), free_port()]
         peers = ",".join(f"127.0.0.1:{p}" for p in ports)
         for port in ports:
             env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
