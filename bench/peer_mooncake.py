@@ -16,8 +16,11 @@ client, shared-memory data path) and on Mooncake Store (its Python client,
 - existence checks of 1, 64 and 1,024 present keys: our ``Lookup`` (the
   prefix lookup of a chain of 4 KiB blocks) against Mooncake's
   ``batch_is_exist``. Ours is ``Client.lookup`` as an engine calls it: on
-  the daemon's host it goes over the fast Lookup socket
-  (kvstore/daemon/socket_server.py); the same lookup over gRPC is reported beside it.
+  the daemon's host it reads the daemon's shared index
+  (kvstore/wire/shared_index.py; the run fails if a timed lookup was not
+  answered there). The same lookup answered by the daemon over its
+  same-host socket (kvstore/daemon/socket_server.py) and over gRPC is
+  reported beside it.
 
 Rounds alternate between the two systems (ours, Mooncake copy, Mooncake
 zero-copy, ours, ...) and each figure is the median; both clients run on
@@ -350,7 +353,11 @@ class Ours:
             raise RuntimeError("the client did not map the daemon's slab (no shared-memory path)")
         if self.client._fast is None:
             raise RuntimeError("the client did not connect to the daemon's same-host socket")
+        if self.client._shared is None:
+            raise RuntimeError("the client did not map the daemon's shared index (lookups would be round trips)")
         self.grpc_client = Client(target, use_shm=True, fast_lookup=False)  # Lookup over gRPC, for reference
+        # Lookup answered by the daemon over the same-host socket (a round trip), for reference
+        self.socket_client = Client(target, use_shm=True, shared_index=False)
 
     def ns(self, tag: str) -> Any:
         from kvstore.keys import Namespace
@@ -409,15 +416,22 @@ class Ours:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    def exist(self, keys: list[bytes], n: int, calls: int, grpc_lookup: bool = False) -> tuple[float, int]:
+    def exist(self, keys: list[bytes], n: int, calls: int, via: str = "shared") -> tuple[float, int]:
+        """Median seconds of ``Client.lookup`` of ``n`` stored keys: ``via``
+        "shared" (the engine's client: the daemon's shared index), "socket"
+        (the daemon answers over the same-host socket) or "grpc"."""
         ns = self.ns("exist")
-        c = self.grpc_client if grpc_lookup else self.client
+        c = {"shared": self.client, "socket": self.socket_client, "grpc": self.grpc_client}[via]
         hit = c.lookup(ns, keys[:n]).hit_blocks
+        probes = c._shared.probes if c._shared is not None else 0
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
             c.lookup(ns, keys[:n])
             times.append(time.perf_counter() - t0)
+        if via == "shared" and c._shared.probes - probes != calls:
+            raise RuntimeError(f"{calls - (c._shared.probes - probes)} of {calls} lookups of {n} keys were not "
+                               "answered from the shared index")
         return statistics.median(times), int(hit)
 
     def close(self) -> None:
@@ -425,6 +439,8 @@ class Ours:
             self.client.close()
         if getattr(self, "grpc_client", None) is not None:
             self.grpc_client.close()
+        if getattr(self, "socket_client", None) is not None:
+            self.socket_client.close()
 
 
 # ------------------------------------------------------------ measuring
@@ -530,9 +546,10 @@ def measure(quick: bool, venv: str, mooncake_note: str, sizes: tuple[int, ...] =
                 raise RuntimeError(f"Lookup of {n} stored keys found {hit}")
             figures[f"kvstore_lookup_{n}_us"] = t * 1e6
             units[f"kvstore_lookup_{n}_us"] = "us"
-            tg, _ = ours.exist(keys, n, calls, grpc_lookup=True)
-            figures[f"kvstore_lookup_grpc_{n}_us"] = tg * 1e6
-            units[f"kvstore_lookup_grpc_{n}_us"] = "us"
+            for via in ("socket", "grpc"):
+                tv, _ = ours.exist(keys, n, calls, via=via)
+                figures[f"kvstore_lookup_{via}_{n}_us"] = tv * 1e6
+                units[f"kvstore_lookup_{via}_{n}_us"] = "us"
             if mc is not None:
                 ex = mc.call({"op": "exist", "n": n, "calls": calls})
                 if ex["present"] != n:
@@ -599,6 +616,8 @@ def side_by_side(f: dict[str, float]) -> str:
     for n in EXIST_N:
         rows.append([f"exists {n} keys (us; Lookup vs batch_is_exist)", _fmt(f.get(f"kvstore_lookup_{n}_us")),
                      _fmt(f.get(f"mooncake_is_exist_{n}_us")), "", _fmt(f.get(f"ratio_lookup_{n}"), "x time"), "", ""])
+        rows.append([f"  (Lookup of {n} answered by the daemon over its socket, us)",
+                     _fmt(f.get(f"kvstore_lookup_socket_{n}_us")), "", "", "", "", ""])
         rows.append([f"  (Lookup of {n} over gRPC instead, us)", _fmt(f.get(f"kvstore_lookup_grpc_{n}_us")),
                      "", "", "", "", ""])
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

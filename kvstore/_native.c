@@ -12,6 +12,13 @@
  *       The same fused copy; returns whether the checksum equals expected.
  *   simd_target() -> str
  *       The XXH3 kernel this process uses ("avx512", "avx2", "sse2", ...).
+ *   seq_begin(header) / seq_end(header)
+ *       The writer's side of the shared index's sequence lock (first u64 of
+ *       ``header``): odd while the daemon changes the index, even between.
+ *   shared_lookup(header, gen, table, k0, k1, nscol, state, tier, keys, ns,
+ *                 committed) -> (hit, tiers) | None
+ *       A client's prefix lookup in the daemon's shared index (see
+ *       kvstore/wire/shared_index.py); None when it raced a change.
  *
  * Every function accepts any object exporting a C-contiguous buffer (bytes,
  * bytearray, memoryview, numpy arrays, ...) and releases the GIL around the
@@ -895,6 +902,207 @@ kv_simd_target(PyObject *self, PyObject *unused)
 }
 
 
+/* ------------------------------------------------------------------------
+ * The shared index (kvstore/wire/shared_index.py): the daemon publishes the
+ * columns a prefix lookup reads (key table, k0, k1, ns, state, tier) in
+ * shared memory; same-host clients probe them without a round trip.
+ *
+ * Header: u64 seq (odd while the daemon changes the index), u64 gen (which
+ * files hold the arrays). The writer bumps seq around every change with a
+ * full fence; a reader takes seq (acquire), checks gen, probes, fences and
+ * takes seq again: the answer stands only when both reads agree and are
+ * even. Whatever a torn read sees, every row it follows is bounds-checked,
+ * every probe sequence is bounded by the table size, and the probe only
+ * reads: a race gives None (the caller asks the daemon), never a crash.
+ * ------------------------------------------------------------------------ */
+
+#define SI_EMPTY (-1)
+#define SI_MIX 0x9E3779B97F4A7C15ULL
+
+static int
+si_header(PyObject *obj, Py_buffer *v, int writable)
+{
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        return -1;
+    }
+    if (v->len < 16 || ((uintptr_t)v->buf & 7)) {
+        PyErr_SetString(PyExc_ValueError, "header must be at least 16 bytes, 8-byte aligned");
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(seq_begin_doc,
+"seq_begin(header) -> None\n"
+"\n"
+"Make the sequence (first u64 of header) odd, then a full fence: readers\n"
+"ignore what they see from here to seq_end.");
+
+static PyObject *
+kv_seq_begin(PyObject *self, PyObject *arg)
+{
+    Py_buffer v;
+    uint64_t *seq;
+    (void)self;
+    if (si_header(arg, &v, 1) < 0) {
+        return NULL;
+    }
+    seq = (uint64_t *)v.buf;
+    __atomic_store_n(seq, (__atomic_load_n(seq, __ATOMIC_RELAXED) | 1), __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(seq_end_doc,
+"seq_end(header) -> None\n"
+"\n"
+"Publish: the next even sequence, stored with release order after every\n"
+"change made since seq_begin.");
+
+static PyObject *
+kv_seq_end(PyObject *self, PyObject *arg)
+{
+    Py_buffer v;
+    uint64_t *seq, s;
+    (void)self;
+    if (si_header(arg, &v, 1) < 0) {
+        return NULL;
+    }
+    seq = (uint64_t *)v.buf;
+    s = __atomic_load_n(seq, __ATOMIC_RELAXED);
+    __atomic_store_n(seq, (s | 1) + 1, __ATOMIC_RELEASE);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(shared_lookup_doc,
+"shared_lookup(header, gen, table, k0, k1, nscol, state, tier, keys, ns, committed)\n"
+"    -> (hit, tiers) | None\n"
+"\n"
+"The leading keys of ``keys`` (n x 16 bytes) present in namespace ``ns``\n"
+"with state ``committed``: their count and one byte per hit (tier + 1, the\n"
+"wire Tier value). None when the index changed meanwhile, ``gen`` is not\n"
+"the header's, or the arrays disagree (ask the daemon instead).");
+
+static PyObject *
+kv_shared_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer hb, tb, k0b, k1b, nsb, stb, tib, qb;
+    unsigned long long gen;
+    long long ns, committed;
+    PyObject *result = NULL;
+    (void)self;
+
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "shared_lookup takes 11 arguments");
+        return NULL;
+    }
+    gen = PyLong_AsUnsignedLongLong(args[1]);
+    ns = PyLong_AsLongLong(args[9]);
+    committed = PyLong_AsLongLong(args[10]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (si_header(args[0], &hb, 0) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &tb, PyBUF_C_CONTIGUOUS) < 0) goto h0;
+    if (PyObject_GetBuffer(args[3], &k0b, PyBUF_C_CONTIGUOUS) < 0) goto h1;
+    if (PyObject_GetBuffer(args[4], &k1b, PyBUF_C_CONTIGUOUS) < 0) goto h2;
+    if (PyObject_GetBuffer(args[5], &nsb, PyBUF_C_CONTIGUOUS) < 0) goto h3;
+    if (PyObject_GetBuffer(args[6], &stb, PyBUF_C_CONTIGUOUS) < 0) goto h4;
+    if (PyObject_GetBuffer(args[7], &tib, PyBUF_C_CONTIGUOUS) < 0) goto h5;
+    if (PyObject_GetBuffer(args[8], &qb, PyBUF_C_CONTIGUOUS) < 0) goto h6;
+    {
+        const uint64_t *hdr = (const uint64_t *)hb.buf;
+        const int32_t *table = (const int32_t *)tb.buf;
+        const uint64_t *k0 = (const uint64_t *)k0b.buf, *k1 = (const uint64_t *)k1b.buf;
+        const uint32_t *nscol = (const uint32_t *)nsb.buf;
+        const uint8_t *state = (const uint8_t *)stb.buf, *tier = (const uint8_t *)tib.buf;
+        const unsigned char *q = (const unsigned char *)qb.buf;
+        Py_ssize_t tsize = tb.len / 4, nrows = k0b.len / 8, n = qb.len / 16, i, probes, hit = 0;
+        uint64_t mask = (uint64_t)tsize - 1, s1, s2;
+        uint32_t ns32 = (uint32_t)ns;
+        unsigned char small[256], *out = small;
+        PyObject *tiers;
+
+        if (k1b.len / 8 < nrows) nrows = k1b.len / 8;
+        if (nsb.len / 4 < nrows) nrows = nsb.len / 4;
+        if (stb.len < nrows) nrows = stb.len;
+        if (tib.len < nrows) nrows = tib.len;
+        if (qb.len % 16 || tsize == 0 || (tsize & (tsize - 1))
+                || ((uintptr_t)table & 3) || ((uintptr_t)k0 & 7) || ((uintptr_t)k1 & 7) || ((uintptr_t)nscol & 3)) {
+            PyErr_SetString(PyExc_ValueError, "shared_lookup: bad arrays");
+            goto h7;
+        }
+        if (n > (Py_ssize_t)sizeof(small)) {
+            out = (unsigned char *)PyMem_Malloc((size_t)n);
+            if (out == NULL) {
+                PyErr_NoMemory();
+                goto h7;
+            }
+        }
+        s1 = __atomic_load_n(&hdr[0], __ATOMIC_ACQUIRE);
+        if ((s1 & 1) || __atomic_load_n(&hdr[1], __ATOMIC_ACQUIRE) != (uint64_t)gen) {
+            goto raced;
+        }
+        for (i = 0; i < n; i++) {
+            uint64_t a, b, pos;
+            int64_t found = -1;
+            memcpy(&a, q + 16 * i, 8);
+            memcpy(&b, q + 16 * i + 8, 8);
+            pos = (((a ^ ((uint64_t)ns32 * SI_MIX)) * SI_MIX) >> 29) & mask;
+            for (probes = 0; probes < tsize; probes++) {
+                int32_t r = __atomic_load_n(&table[pos], __ATOMIC_RELAXED);
+                if (r == SI_EMPTY) {
+                    break;
+                }
+                if (r >= 0) {
+                    if (r >= nrows) {
+                        goto raced;  /* a torn read: the row is past what we mapped */
+                    }
+                    if (k0[r] == a && k1[r] == b && nscol[r] == ns32) {
+                        found = r;
+                        break;
+                    }
+                }
+                pos = (pos + 1) & mask;
+            }
+            if (found < 0 || state[found] != (uint8_t)committed) {
+                break;
+            }
+            out[hit++] = (unsigned char)(tier[found] + 1);
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        s2 = __atomic_load_n(&hdr[0], __ATOMIC_RELAXED);
+        if (s1 != s2) {
+            goto raced;
+        }
+        tiers = PyBytes_FromStringAndSize((const char *)out, hit);
+        if (tiers != NULL) {
+            result = Py_BuildValue("(nN)", hit, tiers);
+        }
+        if (out != small) PyMem_Free(out);
+        goto h7;
+    raced:
+        if (out != small) PyMem_Free(out);
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+h7: PyBuffer_Release(&qb);
+h6: PyBuffer_Release(&tib);
+h5: PyBuffer_Release(&stb);
+h4: PyBuffer_Release(&nsb);
+h3: PyBuffer_Release(&k1b);
+h2: PyBuffer_Release(&k0b);
+h1: PyBuffer_Release(&tb);
+h0: PyBuffer_Release(&hb);
+    return result;
+}
+
+
 static PyMethodDef kv_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))kv_chain_keys,
      METH_VARARGS | METH_KEYWORDS, chain_keys_doc},
@@ -907,6 +1115,10 @@ static PyMethodDef kv_methods[] = {
      copy_checksum_with_doc},
     {"kernels", (PyCFunction)kv_kernels, METH_NOARGS, kernels_doc},
     {"simd_target", (PyCFunction)kv_simd_target, METH_NOARGS, simd_target_doc},
+    {"seq_begin", (PyCFunction)kv_seq_begin, METH_O, seq_begin_doc},
+    {"seq_end", (PyCFunction)kv_seq_end, METH_O, seq_end_doc},
+    {"shared_lookup", (PyCFunction)(void (*)(void))kv_shared_lookup, METH_FASTCALL,
+     shared_lookup_doc},
     {NULL, NULL, 0, NULL}
 };
 

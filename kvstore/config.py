@@ -104,6 +104,11 @@ class ServerConfig(Section):
     ``<unix_socket>.lookup`` when unix_socket is set, else a new socket in a
     private directory (0700) of the daemon's user (``$XDG_RUNTIME_DIR/kvstore``
     or ``/tmp/kvstore-<uid>``); clients find it through Handshake. "off": none."""
+    shared_index: bool = True
+    """With the same-host socket on: keep the index columns a prefix lookup
+    reads in ``/dev/shm`` (files mode 0600) so same-host clients answer
+    ``lookup`` without a round trip (kvstore/wire/shared_index.py). Off, or
+    with DRAM admission on, every lookup goes to the daemon."""
     max_message_bytes: Annotated[Size, bounds(4 * KiB, 2**31 - 1)] = 64 * MiB
     """Largest gRPC message either way; bounds inline Put/Get payloads."""
     auth_token_file: str = ""

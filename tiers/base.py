@@ -54,6 +54,12 @@ class TierKind(IntEnum):
             raise InvalidArgument(f"unknown tier {name!r}; allowed: {allowed}") from None
 
 
+T_HBM, T_DRAM, T_SSD = int(TierKind.HBM), int(TierKind.DRAM), int(TierKind.SSD)
+"""``TierKind`` values as plain ints, for numpy expressions on tier codes
+(an ``IntEnum`` operand costs numpy ~2 µs more per operation; see
+``kvstore.core.index.S_COMMITTED``)."""
+
+
 @runtime_checkable
 class Tier(Protocol):
     """Storage for fixed payloads at tier-chosen locations."""

@@ -41,10 +41,12 @@ class LookupSocketClient:
         try:
             self.sock.connect(path)
             self.sock.sendall(frames.hello_frame(session, token))
-            self._answer()
+            hello = self._answer()
         except BaseException:
             self.sock.close()
             raise
+        self.shared_path = bytes(hello[1:]).decode(errors="replace")
+        """The daemon's shared-index header (kvstore/wire/shared_index.py), or ""."""
 
     def close(self) -> None:
         self.sock.close()
@@ -97,6 +99,24 @@ class LookupSocketClient:
         if len(tiers) != hit:
             raise NotFound(f"malformed lookup answer: {hit} hits, {len(tiers)} tiers")
         return hit, tiers
+
+    def nsid(self, ns_wire: bytes) -> int:
+        """The daemon's id for this namespace (``frames.NO_NSID``: none yet),
+        checked against the session's tenant as a lookup is."""
+        msg = frames.nsid_frame(ns_wire)
+        with self.lock:
+            self.sock.sendall(msg)
+            if self.owed:
+                self._settle()
+            body = self._answer()
+        return int(frames.NSID.unpack_from(body)[1])
+
+    def send_frame(self, name: str, msg: bytes) -> None:
+        """A whole frame sent without waiting (its answer is read like a
+        ``send``'s)."""
+        with self.lock:
+            self.sock.sendall(msg)
+            self.owed.append(name)
 
     def call(self, name: str, request: bytes) -> bytes:
         """One of ``frames.CALLS``: the serialized request in, the serialized

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, cast
@@ -37,7 +38,8 @@ from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, Pol
 from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
                                   policy_from_pb, resize_from_pb, stats_from_pb)
 from kvstore.wire.convert import ns_pb
-from kvstore.wire.frames import fits_frame
+from kvstore.wire.frames import NO_NSID, fits_frame, tally_frame
+from kvstore.wire.shared_index import TALLY, SharedIndexReader
 from kvstore.wire.shm import host_identity
 from kvstore.wire.status import error_from_rpc
 from proto import kvstore_pb2 as pb
@@ -55,7 +57,7 @@ class Client(ClientBase):
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
-                 pipeline: bool = True) -> None:
+                 pipeline: bool = True, shared_index: bool = True) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` and the
         shared-memory path's control calls over its same-host socket
         (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
@@ -63,7 +65,10 @@ class Client(ClientBase):
         without waiting for the answer (kvstore.client.socket); the daemon
         runs them before this client's next call, so this client always reads
         its own writes, and another client sees the blocks once the daemon
-        has taken in the ``Commit`` (microseconds later)."""
+        has taken in the ``Commit`` (microseconds later). ``shared_index``
+        (with that socket): answer ``lookup`` from the daemon's shared index
+        when it publishes one (kvstore/wire/shared_index.py), without a
+        round trip."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
@@ -72,6 +77,14 @@ class Client(ClientBase):
         self.admin = pb_grpc.AdminStub(self.channel)
         self._keepalive: Any = None
         self.pipeline = pipeline
+        self._shared: SharedIndexReader | None = None
+        """The daemon's shared index, when it publishes one (same host)."""
+        self._nids: dict[bytes, tuple[int, float]] = {}
+        """Namespace wire bytes -> (daemon's id or NO_NSID, when to ask again)."""
+        self._tally: dict[int, list[int]] = {}
+        self._tally_n = 0
+        self._tally_t = 0.0
+        self._tally_lock = threading.Lock()
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -86,6 +99,12 @@ class Client(ClientBase):
                     log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
                 else:  # a process that exits without close() still lands its last pipelined Commit
                     weakref.finalize(self, _settle_quietly, self._fast)
+                    if shared_index and self._fast.shared_path:
+                        try:
+                            self._shared = SharedIndexReader(self._fast.shared_path)
+                        except OSError as e:
+                            log.info("shared index %s unusable (%s): lookups go to the daemon",
+                                     self._fast.shared_path, e)
 
     def _drain_keepalive(self) -> None:
         try:
@@ -93,10 +112,11 @@ class Client(ClientBase):
                 pass
         except grpc.RpcError:
             pass
+        self._shared = None  # the session is over (or the daemon gone): stop reading its index
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         fast = self._fast
-        if fast is not None and fast.owed:  # our pipelined calls run before this one (read-your-writes)
+        if fast is not None and (fast.owed or self._tally_n):  # our pipelined calls run before this one
             self.flush()
         try:
             return method(request, metadata=self._md(), timeout=timeout or self.timeout)
@@ -139,6 +159,7 @@ class Client(ClientBase):
         (DeadlineExceeded for a timeout, as over gRPC; else Unavailable: the
         call may have run)."""
         log.warning("same-host socket failed (%s): calls go over gRPC", e)
+        self._shared = None
         if self._fast is not None:
             self._fast.close()
             self._fast = None
@@ -150,6 +171,8 @@ class Client(ClientBase):
     def flush(self) -> None:
         """Wait until the daemon has run every call this client sent without
         waiting (the ``Commit`` of its puts, the ``Release`` of its gets)."""
+        if self._tally_n:
+            self._send_tally()
         fast = self._fast
         if fast is not None:
             try:
@@ -165,6 +188,9 @@ class Client(ClientBase):
         if self._fast is not None:
             self._fast.close()
             self._fast = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         if self._keepalive is not None:
             self._keepalive.cancel()
         if self.slab is not None:
@@ -185,6 +211,14 @@ class Client(ClientBase):
             wire = self._ns_wire.get(ns)
             if wire is None:
                 wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
+            if self._shared is not None:
+                got = self._shared_lookup(fast, wire, packed)
+                if got is not None:
+                    return lookup_from_values(*got)
+                fast = self._fast
+                if fast is None:
+                    return lookup_from_pb(self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns),
+                                                                                       keys_packed=packed)))
             try:
                 hit, tiers = fast.lookup(wire, packed)
                 return lookup_from_values(hit, tiers)
@@ -198,6 +232,68 @@ class Client(ClientBase):
                 self._fast = None
         r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=packed))
         return lookup_from_pb(r)
+
+    def _shared_lookup(self, fast: LookupSocketClient, wire: bytes, packed: bytes) -> tuple[int, bytes] | None:
+        """``lookup`` from the daemon's shared index (kvstore/wire/shared_index.py),
+        or None (ask the daemon). The namespace's id comes from the daemon
+        once (an nsid frame: the session's tenant is checked there, as for
+        a lookup); this client's own pipelined Commits land first
+        (read-your-writes); what was answered here is counted in a tally."""
+        shared = self._shared
+        if shared is None:
+            return None
+        ent = self._nids.get(wire)
+        if ent is None or (ent[0] == NO_NSID and time.monotonic() >= ent[1]):
+            try:
+                nid = fast.nsid(wire)
+            except KVStoreError:  # the daemon's answer: the same as the lookup's would be
+                raise
+            except OSError:
+                return None  # the caller's socket path reports it
+            ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
+        nid = ent[0]
+        if nid == NO_NSID:
+            return None
+        if fast.owed:
+            self.flush()
+        got = shared.lookup(nid, packed)
+        if got is not None:
+            self._count(nid, len(packed) // 16, got[0], got[1])
+        return got
+
+    def _count(self, nid: int, blocks: int, hit: int, tiers: bytes) -> None:
+        """Tally a lookup answered from the shared index; the tally goes to
+        the daemon every ``TALLY_EVERY`` lookups, ``TALLY_SECONDS`` or flush."""
+        now = time.monotonic()
+        with self._tally_lock:
+            t = self._tally.get(nid)
+            if t is None:
+                t = self._tally[nid] = [0, 0, 0, 0, 0, 0]
+            t[0] += 1
+            t[1] += blocks
+            if hit:
+                t[2] += hit
+                t[3] += tiers.count(1)  # wire Tier values: TierKind + 1
+                t[4] += tiers.count(2)
+                t[5] += tiers.count(3)
+            self._tally_n += 1
+            if self._tally_n == 1:
+                self._tally_t = now
+            due = self._tally_n >= TALLY_EVERY or now - self._tally_t >= TALLY_SECONDS
+        if due:
+            self._send_tally()
+
+    def _send_tally(self) -> None:
+        with self._tally_lock:
+            tally, self._tally, self._tally_n = self._tally, {}, 0
+        fast = self._fast
+        if not tally or fast is None:
+            return
+        recs = b"".join(TALLY.pack(nid, *t) for nid, t in tally.items())
+        try:
+            fast.send_frame("Tally", tally_frame(recs))
+        except OSError as e:
+            self._socket_failed("Tally", e)
 
     def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
         """Lookup in cluster mode (docs/cluster.md): where each block is and
@@ -435,6 +531,14 @@ class Client(ClientBase):
     def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
         return policy_from_pb(r)
+
+
+NSID_RETRY_S = 0.5
+"""How soon to ask again for the id of a namespace the daemon has none for yet."""
+TALLY_EVERY = 256
+"""Lookups answered from the shared index before their tally is sent."""
+TALLY_SECONDS = 0.1
+"""... or seconds since the first of them (the daemon's counters lag by at most this)."""
 
 
 def _settle_quietly(fast: LookupSocketClient) -> None:

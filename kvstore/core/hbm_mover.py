@@ -39,7 +39,7 @@ import numpy as np
 
 from kvstore.config import Config
 from kvstore.core.eviction import select_victims
-from kvstore.core.index import BlockState
+from kvstore.core.index import S_COMMITTED, S_RESERVED
 from kvstore.core.placement import Placement
 from kvstore.errors import CapacityError, InvalidArgument, KeyStatus
 from kvstore.results import BatchResult, DropReason
@@ -182,7 +182,7 @@ class HbmMover:
         idx = st.index
         rows = idx.used_rows()
         rows = rows[idx.tier[rows] == HBM]
-        blocked = (idx.state[rows] != BlockState.COMMITTED) | (idx.pins[rows] > 0)
+        blocked = (idx.state[rows] != S_COMMITTED) | (idx.pins[rows] > 0)
         if protect.size:
             blocked |= np.isin(rows, protect)
         if rows.size:
@@ -209,7 +209,7 @@ class HbmMover:
                 idx.pins[sel] -= 1
             k = locs.size
             use = sel[:k]
-            live = (idx.state[use] == BlockState.COMMITTED) & (idx.tier[use] == HBM)
+            live = (idx.state[use] == S_COMMITTED) & (idx.tier[use] == HBM)
             if not live.all():  # (a failed SSD demotion may have dropped a subtree)
                 st.dram.free(locs[~live])
                 use, locs, where = use[live], locs[live], where[:k][live]
@@ -234,7 +234,7 @@ class HbmMover:
                 if not ok.all():
                     st.corrupt(use[~ok])
             rest = sel[k:]
-            rest = rest[(idx.state[rest] == BlockState.COMMITTED) & (idx.tier[rest] == HBM)]
+            rest = rest[(idx.state[rest] == S_COMMITTED) & (idx.tier[rest] == HBM)]
             if drop_unplaced and rest.size:
                 self.dropped += int(rest.size)
                 st.drop(idx.subtree(rest), DropReason.EVICTED)
@@ -245,7 +245,7 @@ class HbmMover:
         where room can be made. Returns blocks promoted."""
         st = self.placement
         idx = st.index
-        cand = rows[(idx.tier[rows] == DRAM) & (idx.pins[rows] == 0) & (idx.state[rows] == BlockState.COMMITTED)]
+        cand = rows[(idx.tier[rows] == DRAM) & (idx.pins[rows] == 0) & (idx.state[rows] == S_COMMITTED)]
         done = 0
         if cand.size == 0:
             return 0
@@ -301,7 +301,7 @@ class HbmMover:
                 finally:
                     idx.pins[rows] -= 1
                     self.placement.sweep_doomed()
-        ok = idx.state[rows] == BlockState.COMMITTED
+        ok = idx.state[rows] == S_COMMITTED
         if want is not HBM:
             ok &= idx.tier[rows] == DRAM
         else:
@@ -327,9 +327,9 @@ class HbmMover:
         idx.csum[on] = csums
         if not copied.all():
             st.drop(idx.subtree(on[~copied]), DropReason.ABORTED)
-            for i in np.nonzero(idx.state[all_rows] != BlockState.RESERVED)[0].tolist():
+            for i in np.nonzero(idx.state[all_rows] != S_RESERVED)[0].tolist():
                 res.statuses[i] = KeyStatus.MISS
-            rows = rows[idx.state[rows] == BlockState.RESERVED]
+            rows = rows[idx.state[rows] == S_RESERVED]
         return rows
 
     def resize(self, capacity_bytes: int) -> int:
@@ -347,7 +347,7 @@ class HbmMover:
             rows = idx.used_rows()
             rows = rows[idx.tier[rows] == HBM]
             inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
-            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != BlockState.COMMITTED):
+            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != S_COMMITTED):
                 raise CapacityError("hbm blocks in the region being retired are pinned or being written; "
                                     "retry after they are released")
             t.retire_pages(pages)

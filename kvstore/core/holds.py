@@ -19,13 +19,13 @@ import numpy as np
 
 from kvstore.checksum import checksum
 from kvstore.core.hbm_mover import HbmMover
-from kvstore.core.index import BlockState, keys_to_array
+from kvstore.core.index import S_COMMITTED, S_DOOMED, S_RESERVED, BlockState, keys_to_array
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied
 from kvstore.keys import Namespace
 from kvstore.results import BatchResult, DropReason, SlotResult
-from tiers.base import TierKind
+from tiers.base import T_HBM, T_SSD, TierKind
 
 KeysLike = Sequence[bytes] | bytes | np.ndarray
 """Keys of a batch: 16-byte keys, their concatenation, or an (n, 2) uint64 array."""
@@ -105,7 +105,7 @@ class Holds:
         del self.reservations[handle]
         idx = self.index
         rows = h.rows
-        live = (idx.state[rows] == BlockState.RESERVED) & (idx.ns[rows] == h.ns)
+        live = (idx.state[rows] == S_RESERVED) & (idx.ns[rows] == h.ns)
         rows = rows[live]
         res = BatchResult([KeyStatus.OK] * int(h.rows.size))
         for i in np.nonzero(~live)[0].tolist():
@@ -118,7 +118,7 @@ class Holds:
                 raise InvalidArgument(f"{len(checksums)} checksums for {h.rows.size} reserved blocks")
             idx.csum[rows] = np.asarray(checksums, dtype=np.uint64)[live]
         else:
-            on_hbm = idx.tier[rows] == TierKind.HBM
+            on_hbm = idx.tier[rows] == T_HBM
             for r in rows[~on_hbm].tolist():
                 idx.csum[r] = checksum(self.placement.dram.view(int(idx.loc[r]), int(idx.size[r])))
             if self.hbm is not None and on_hbm.any():
@@ -139,7 +139,7 @@ class Holds:
     def abort_rows(self, h: Hold) -> int:
         """Drop the still-reserved rows of ``h`` (with their descendants)."""
         idx = self.index
-        rows = h.rows[(idx.state[h.rows] == BlockState.RESERVED) & (idx.ns[h.rows] == h.ns)]
+        rows = h.rows[(idx.state[h.rows] == S_RESERVED) & (idx.ns[h.rows] == h.ns)]
         if rows.size == 0:
             return 0
         sub = idx.subtree(rows)
@@ -195,7 +195,7 @@ class Holds:
         """The leading rows readable from DRAM, promoting SSD ones if asked."""
         assert self.ssd is not None
         idx = self.index
-        on_ssd = np.nonzero(idx.tier[rows] == TierKind.SSD)[0]
+        on_ssd = np.nonzero(idx.tier[rows] == T_SSD)[0]
         if on_ssd.size == 0:
             return rows
         if not promote:
@@ -213,7 +213,7 @@ class Holds:
         finally:
             idx.pins[rows] -= 1
             self.placement.sweep_doomed()
-        live = (idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] != TierKind.SSD)
+        live = (idx.state[rows] == S_COMMITTED) & (idx.tier[rows] != T_SSD)
         stop = np.nonzero(~live)[0]
         return rows[: int(stop[0])] if stop.size else rows
 
@@ -223,7 +223,7 @@ class Holds:
         nid = self.placement.nsid(ns, create=False)
         look = self.index.lookup(nid, keys_to_array(keys))
         rows = look.rows
-        on_ssd = rows[self.index.tier[rows] == TierKind.SSD]
+        on_ssd = rows[self.index.tier[rows] == T_SSD]
         queued = self.ssd.queue_prefetch(on_ssd) if self.ssd is not None and on_ssd.size else 0
         return look.hit, int(rows.size - on_ssd.size), queued
 
@@ -284,7 +284,7 @@ class Holds:
         rows = idx.find(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.MISS] * rows.size)
         for i, r in enumerate(rows.tolist()):
-            if r < 0 or idx.state[r] not in (BlockState.COMMITTED, BlockState.DOOMED):
+            if r < 0 or idx.state[r] not in (S_COMMITTED, S_DOOMED):
                 continue
             if idx.pins[r] > 0:
                 idx.pins[r] -= 1

@@ -24,6 +24,7 @@ The index is owned by one ``TieredStore``; it has no locks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -55,6 +56,15 @@ GROWTH = 1.25
 each row still copied only a few times over the index's growth."""
 
 
+SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier")
+"""The columns a prefix lookup reads: what ``BlockIndex.share`` places in
+memory other processes map (with the key table)."""
+
+Alloc = Callable[[str, int, str], np.ndarray]
+"""``alloc(name, length, dtype)``: a new array (contents undefined) for
+``share``; ``name`` is a column of ``SHARED_COLUMNS`` or ``"table"``."""
+
+
 class BlockState(IntEnum):
     FREE = 0
     RESERVED = 1
@@ -62,6 +72,13 @@ class BlockState(IntEnum):
     DOOMED = 3
     """Failed its checksum (or an ancestor did) while a reader still pins part
     of its subtree: invisible like a reserved block, freed when unpinned."""
+
+
+S_FREE, S_RESERVED, S_COMMITTED, S_DOOMED = (int(s) for s in BlockState)
+"""``BlockState`` values as plain ints, for numpy expressions on ``state``:
+numpy compares or assigns an ``IntEnum`` member about 2 µs slower than an
+int (it probes the enum class for ``__array_ufunc__``, which goes through
+``EnumType.__getattr__`` and raises), and the put/get path does dozens."""
 
 
 def keys_to_array(keys: object) -> np.ndarray:
@@ -175,6 +192,21 @@ class BlockIndex:
         self._high = 0
         self.live = 0
         self._keys = KeyTable(0, native=native)
+        self._alloc: Alloc | None = None
+
+    def share(self, alloc: Alloc) -> None:
+        """From now on keep the ``SHARED_COLUMNS`` and the key table in
+        arrays from ``alloc`` (the daemon's shared index,
+        kvstore/daemon/shared_index.py): copied there now, and grown there.
+        The caller holds whatever lock guards the index."""
+        self._alloc = alloc
+        for name, dt, _ in self._COLUMNS:
+            if name in SHARED_COLUMNS:
+                old = getattr(self, name)
+                new = alloc(name, self._cap, dt)
+                new[:] = old
+                setattr(self, name, new)
+        self._keys.share(alloc)
 
     # ------------------------------------------------------------------ sizing
     @property
@@ -187,13 +219,20 @@ class BlockIndex:
         if need <= self._cap:
             return
         cap = max(need, int(self._cap * GROWTH))
+        alloc = self._alloc
         for name, dt, fill in self._COLUMNS:
             old = getattr(self, name)
-            new = np.empty(cap, dtype=dt)
+            new = alloc(name, cap, dt) if alloc is not None and name in SHARED_COLUMNS else np.empty(cap, dtype=dt)
             new[: self._cap] = old
             new[self._cap :] = fill
             setattr(self, name, new)
         self._cap = cap
+
+    @property
+    def key_table(self) -> np.ndarray:
+        """The key table's slots (int32 rows, -1 empty, -2 tombstone;
+        kvstore/core/keytable.py): what a reader of the shared index probes."""
+        return self._keys.table
 
     # ---------------------------------------------------------------- queries
     def find(self, ns: int, keys: np.ndarray) -> np.ndarray:
@@ -229,7 +268,7 @@ class BlockIndex:
         return int(rows.size) + 1
 
     def used_rows(self) -> np.ndarray:
-        return np.nonzero(self.state[: self._high] != BlockState.FREE)[0]
+        return np.nonzero(self.state[: self._high] != S_FREE)[0]
 
     # -------------------------------------------------------------- mutation
     def insert(self, ns: int, keys: np.ndarray, parents: np.ndarray, tier: int,
@@ -244,6 +283,7 @@ class BlockIndex:
         n = keys.shape[0]
         if n == 0:
             return np.zeros(0, dtype=np.int64)
+        st = int(state)  # a plain int: numpy assigns an IntEnum member ~2 µs slower
         take = min(n, self._nfree)
         rows = np.empty(n, dtype=np.int64)
         if take:
@@ -262,7 +302,7 @@ class BlockIndex:
         self.k0[rows] = keys[:, 0]
         self.k1[rows] = keys[:, 1]
         self.ns[rows] = ns
-        self.state[rows] = state
+        self.state[rows] = st
         self.tier[rows] = tier
         self.loc[rows] = locs
         self.size[rows] = sizes
@@ -418,7 +458,7 @@ class BlockIndex:
         for r in rows[~inner & (par >= 0)].tolist():
             self._unlink(r)
         self.parent[rows] = NO_ROW
-        self.state[rows] = BlockState.FREE
+        self.state[rows] = S_FREE
         self.loc[rows] = NO_LOC
         self.ssd_loc[rows] = NO_LOC
         self.pins[rows] = 0
@@ -464,7 +504,7 @@ class BlockIndex:
         same = np.zeros(self._cap, dtype=np.int64)
         par = self.parent[rows]
         has = par >= 0
-        assert np.all(self.state[par[has]] != BlockState.FREE), "parent is free"
+        assert np.all(self.state[par[has]] != S_FREE), "parent is free"
         assert np.all(self.ns[par[has]] == self.ns[rows[has]]), "parent in another namespace"
         np.add.at(nchild, par[has], 1)
         np.add.at(same, par[has], (self.tier[par[has]] == self.tier[rows[has]]).astype(np.int64))

@@ -56,6 +56,15 @@ class KeyTable:
         self.used = 0
         """Slots not empty: live rows plus tombstones."""
         self.native = HASHTAB if native else None
+        self.alloc: Callable[[str, int, str], np.ndarray] | None = None
+        """Where new tables come from once ``share``d (else numpy)."""
+
+    def share(self, alloc: Callable[[str, int, str], np.ndarray]) -> None:
+        """Keep the table in arrays from ``alloc`` (``BlockIndex.share``)."""
+        self.alloc = alloc
+        new = alloc("table", self.table.size, "i4")
+        new[:] = self.table
+        self.table = new
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +137,13 @@ class KeyTable:
             self.used += self.place(k0, nscol, rows)
 
     def rehash(self, k0: np.ndarray, nscol: np.ndarray, live_rows: np.ndarray) -> None:
-        self.table = np.full(table_size(live_rows.size), EMPTY, dtype=np.int32)
+        size = table_size(live_rows.size)
+        if self.alloc is None:
+            table = np.full(size, EMPTY, dtype=np.int32)
+        else:
+            table = self.alloc("table", size, "i4")
+            table.fill(EMPTY)
+        self.table = table
         self.used = 0
         self.used = self.place(k0, nscol, live_rows)
 

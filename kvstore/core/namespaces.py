@@ -108,9 +108,9 @@ class Namespaces:
         return sorted(self._tenant_ids, key=self._tenant_ids.__getitem__)
 
     # -------------------------------------------------------------- stats
-    def count_lookup(self, nid: int, queried: int, hit: int) -> None:
+    def count_lookup(self, nid: int, queried: int, hit: int, lookups: int = 1) -> None:
         h = self._hits.setdefault(nid, [0, 0, 0])
-        h[0] += 1
+        h[0] += lookups
         h[1] += queried
         h[2] += hit
 

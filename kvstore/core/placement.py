@@ -28,13 +28,13 @@ from kvstore.core.eviction import (
     select_subtrees,
     select_victims,
 )
-from kvstore.core.index import HITS_MAX, TICK_MAX, BlockIndex, BlockState
+from kvstore.core.index import HITS_MAX, S_COMMITTED, S_DOOMED, TICK_MAX, BlockIndex, BlockState
 from kvstore.core.namespaces import Namespaces
 from kvstore.core.plan import fix_tail_statuses, parent_row, plan
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
 from kvstore.results import BatchResult, Counters, DropReason, Event, EventKind
-from tiers.base import Buffer, Tier, TierKind
+from tiers.base import T_HBM, T_SSD, Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
 
@@ -183,7 +183,7 @@ class Placement:
         # a parent that had to leave (its demotion failed) stops the chain there
         parr = np.asarray(prefs[: locs.size], dtype=np.int64)
         outer = np.nonzero(parr >= 0)[0]
-        gone = outer[self.index.state[parr[outer]] != BlockState.COMMITTED]
+        gone = outer[self.index.state[parr[outer]] != S_COMMITTED]
         stop = int(gone[0]) if gone.size else None
         if stop is not None:
             self.tiers[where].free(locs[stop:])
@@ -215,7 +215,7 @@ class Placement:
     def committed(self, nid: int, rows: np.ndarray) -> None:
         """Make reserved ``rows`` (one chain segment of ``nid``) visible."""
         idx = self.index
-        idx.state[rows] = BlockState.COMMITTED
+        idx.state[rows] = S_COMMITTED
         self.policy.on_insert(idx, rows)
         if self.lower is not None:
             self.lower.on_stored(rows)
@@ -280,7 +280,7 @@ class Placement:
         idx = self.index
         rows = idx.used_rows()
         rows = rows[idx.tier[rows] == tier]
-        held = rows[(idx.pins[rows] > 0) | (idx.state[rows] != BlockState.COMMITTED)]
+        held = rows[(idx.pins[rows] > 0) | (idx.state[rows] != S_COMMITTED)]
         return min(count, max(0, cap - int(idx.size[held].sum())) // slot)
 
     def _admitted(self, karr: np.ndarray, nbytes: int, nid: int) -> int:
@@ -298,7 +298,7 @@ class Placement:
         """Committed, unpinned blocks of ``tier`` with no child in it."""
         idx = self.index
         rows = idx.used_rows()
-        m = ((idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == tier)
+        m = ((idx.state[rows] == S_COMMITTED) & (idx.tier[rows] == tier)
              & (idx.pins[rows] == 0) & (idx.nchild_tier[rows] == 0))
         if tier is TierKind.DRAM and self.lower is None:
             m &= idx.nchild[rows] == 0  # nowhere to demote: only blocks without children (e.g. in hbm) go
@@ -311,7 +311,7 @@ class Placement:
         idx = self.index
         rows = idx.used_rows()
         rows = rows[idx.tier[rows] == tier]
-        blocked = (idx.state[rows] != BlockState.COMMITTED) | (idx.pins[rows] > 0)
+        blocked = (idx.state[rows] != S_COMMITTED) | (idx.pins[rows] > 0)
         if cls is not None and rows.size:
             blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
         return self.select(tier, rows, blocked, k, for_ns, incoming)
@@ -361,7 +361,7 @@ class Placement:
         events = []
         for nid, arr in by_ns:
             arr = np.asarray(arr, dtype=np.int64)
-            committed = arr[idx.state[arr] == BlockState.COMMITTED]
+            committed = arr[idx.state[arr] == S_COMMITTED]
             if committed.size:
                 events.append(Event(EventKind.REMOVED, self.namespaces.digest(nid), idx.keys_of(committed),
                                     TierKind(int(idx.tier[committed[0]])), reason))
@@ -386,12 +386,12 @@ class Placement:
         if not np.any(idx.pins[sub] > 0):
             self.drop(sub, DropReason.CORRUPT)
             return
-        visible = sub[idx.state[sub] == BlockState.COMMITTED]
+        visible = sub[idx.state[sub] == S_COMMITTED]
         for nid in np.unique(idx.ns[visible]).tolist():
             mine = visible[idx.ns[visible] == nid]
             self.emit(Event(EventKind.REMOVED, self.namespaces.digest(nid), idx.keys_of(mine),
                             TierKind(int(idx.tier[mine[0]])), DropReason.CORRUPT))
-        idx.state[sub] = BlockState.DOOMED
+        idx.state[sub] = S_DOOMED
         self._doomed += int(sub.size)
         self.sweep_doomed()
 
@@ -400,7 +400,7 @@ class Placement:
         idx = self.index
         while self._doomed:
             rows = idx.used_rows()
-            free = rows[(idx.state[rows] == BlockState.DOOMED) & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
+            free = rows[(idx.state[rows] == S_DOOMED) & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
             if free.size == 0:
                 return
             self._doomed -= int(free.size)
@@ -411,15 +411,15 @@ class Placement:
         """Copy ``rows`` into ``outs`` from whichever tier holds each, verified
         (DRAM: unless ``verify_reads`` is off). Returns the mask of good reads."""
         idx = self.index
-        if self.upper is not None and np.any(idx.tier[rows] == TierKind.HBM):
-            on_hbm = idx.tier[rows] == TierKind.HBM
+        if self.upper is not None and np.any(idx.tier[rows] == T_HBM):
+            on_hbm = idx.tier[rows] == T_HBM
             ok = np.zeros(rows.size, dtype=bool)
             for mask, read in ((on_hbm, self.upper.read), (~on_hbm, self.read)):
                 at = np.nonzero(mask)[0]
                 if at.size:
                     ok[at] = read(rows[at], [outs[i] for i in at.tolist()])
             return ok
-        on_ssd = idx.tier[rows] == TierKind.SSD
+        on_ssd = idx.tier[rows] == T_SSD
         if self.lower is not None and np.any(on_ssd):
             ok = np.zeros(rows.size, dtype=bool)
             sidx = np.nonzero(on_ssd)[0]

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvstore.core.index import IN_BATCH, NO_ROW, BlockIndex, BlockState, keys_to_array
+from kvstore.core.index import IN_BATCH, NO_ROW, S_COMMITTED, BlockIndex, keys_to_array
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.results import BatchResult
 
@@ -106,7 +106,7 @@ def plan(index: BlockIndex, nid: int, karr: np.ndarray, sizes: Sequence[int], pr
         seen[k] = i
         r = int(rows[i])
         if r >= 0:
-            if index.state[r] == BlockState.COMMITTED:
+            if index.state[r] == S_COMMITTED:
                 st[i] = KeyStatus.EXISTS
                 prev_ok = r
             else:

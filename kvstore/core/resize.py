@@ -12,13 +12,12 @@ import numpy as np
 
 from kvstore.core.eviction import PolicyName, make_policy, select_victims
 from kvstore.core.hbm_mover import HbmMover
-from kvstore.core.index import NO_LOC, BlockState
+from kvstore.core.index import NO_LOC, S_COMMITTED, S_FREE
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import CapacityError, InvalidArgument, NotFound
 from kvstore.results import DropReason
-from tiers.base import TierKind
-
+from tiers.base import T_DRAM, T_SSD, TierKind
 
 MAX_CAPACITY = 1 << 56
 """No tier is ever sized beyond 64 PiB (a bound on what the wire may ask for,
@@ -92,15 +91,15 @@ class Resizer:
         idx = place.index
         if len(pages):
             rows = idx.used_rows()
-            rows = rows[idx.tier[rows] == TierKind.DRAM]
+            rows = rows[idx.tier[rows] == T_DRAM]
             inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
-            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != BlockState.COMMITTED):
+            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != S_COMMITTED):
                 raise CapacityError("blocks in the region being retired are pinned or being "
                                     "written; retry after they are released")
             # stop handing out retired pages, then relocate what is there
             t.retire_pages(pages)
             for r in inside.tolist():
-                if idx.state[r] == BlockState.FREE:
+                if idx.state[r] == S_FREE:
                     continue
                 n = int(idx.size[r])
                 dst = t.allocate(n, 1)
@@ -135,11 +134,11 @@ class Resizer:
         evicted = 0
         while t.used_bytes > capacity_bytes:
             rows = idx.used_rows()
-            cand = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.SSD)
+            cand = rows[(idx.state[rows] == S_COMMITTED) & (idx.tier[rows] == T_SSD)
                         & (idx.pins[rows] == 0) & (idx.nchild[rows] == 0)]
             victims = select_victims(idx, place.policy, cand, 64)
             if victims.size == 0:
-                copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
+                copies = rows[(idx.tier[rows] == T_DRAM) & (idx.ssd_loc[rows] >= 0)]
                 if copies.size == 0:
                     raise CapacityError("ssd blocks are pinned; retry after they are released")
                 t.free(idx.ssd_loc[copies[:64]])

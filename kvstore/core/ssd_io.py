@@ -40,6 +40,11 @@ class StoreLock:
         self.lock = threading.Lock()
         self.owner: int | None = None
         self.depth = 0
+        self.on_take: Callable[[], None] | None = None
+        """Called each time a thread comes to hold the lock (not on re-entry)."""
+        self.on_give: Callable[[], None] | None = None
+        """Called each time the holder is about to let go entirely: the
+        daemon's shared index publishes there (kvstore/daemon/shared_index.py)."""
 
     def __enter__(self) -> StoreLock:
         me = threading.get_ident()
@@ -48,11 +53,15 @@ class StoreLock:
             return self
         self.lock.acquire()
         self.owner, self.depth = me, 1
+        if self.on_take is not None:
+            self.on_take()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.depth -= 1
         if self.depth == 0:
+            if self.on_give is not None:
+                self.on_give()
             self.owner = None
             self.lock.release()
 
@@ -62,6 +71,8 @@ class StoreLock:
 
     def suspend(self) -> int:
         """Let go entirely (the caller holds it); returns the depth to resume."""
+        if self.on_give is not None:
+            self.on_give()
         depth, self.depth, self.owner = self.depth, 0, None
         self.lock.release()
         return depth
@@ -69,6 +80,8 @@ class StoreLock:
     def resume(self, depth: int) -> None:
         self.lock.acquire()
         self.owner, self.depth = threading.get_ident(), depth
+        if self.on_take is not None:
+            self.on_take()
 
 
 class IoGate:

@@ -37,13 +37,13 @@ from enum import Enum
 import numpy as np
 
 from kvstore.core.eviction import close_upward, select_victims
-from kvstore.core.index import NO_LOC, BlockState
+from kvstore.core.index import NO_LOC, S_COMMITTED
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_io import GuardedSsdTier, IoGate
 from kvstore.core.ssd_restore import Recovery, restore_index
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError
 from kvstore.results import DropReason
-from tiers.base import BlockMeta, Buffer, TierKind
+from tiers.base import T_DRAM, T_SSD, BlockMeta, Buffer, TierKind
 from tiers.ssd_admit import SsdAdmission
 
 log = logging.getLogger("kvstore.core.ssd_mover")
@@ -197,9 +197,9 @@ class SsdMover:
         n = got[0].size
         while n < count:
             rows = idx.used_rows()
-            ssd = rows[idx.tier[rows] == TierKind.SSD]
+            ssd = rows[idx.tier[rows] == T_SSD]
             # a block with a child in DRAM stays (the child needs its parent)
-            blocked = ((idx.state[ssd] != BlockState.COMMITTED) | (idx.pins[ssd] > 0)
+            blocked = ((idx.state[ssd] != S_COMMITTED) | (idx.pins[ssd] > 0)
                        | (idx.nchild[ssd] != idx.nchild_tier[ssd]))
             if protect.size:
                 blocked |= np.isin(ssd, protect)
@@ -207,7 +207,7 @@ class SsdMover:
             if victims.size:
                 st.drop(victims, DropReason.EVICTED)
             else:
-                copies = rows[(idx.tier[rows] == TierKind.DRAM) & (idx.ssd_loc[rows] >= 0)]
+                copies = rows[(idx.tier[rows] == T_DRAM) & (idx.ssd_loc[rows] >= 0)]
                 if copies.size == 0:
                     break
                 victims = select_victims(idx, st.policy, copies, count - n)
@@ -297,7 +297,7 @@ class SsdMover:
             if cold.size:
                 self.dropped_cold += int(cold.size)
                 st.drop(idx.subtree(cold), DropReason.EVICTED)
-                has_copy = has_copy[idx.state[has_copy] == BlockState.COMMITTED]  # not dropped with a parent
+                has_copy = has_copy[idx.state[has_copy] == S_COMMITTED]  # not dropped with a parent
         if has_copy.size:
             self._move_to_ssd(has_copy)
 
@@ -380,7 +380,7 @@ class SsdMover:
         size = -1
         while q and budget > 0:
             r, k0, k1 = q[0]
-            live = (idx.state[r] == BlockState.COMMITTED and int(idx.k0[r]) == k0 and int(idx.k1[r]) == k1
+            live = (idx.state[r] == S_COMMITTED and int(idx.k0[r]) == k0 and int(idx.k1[r]) == k1
                     and idx.tier[r] == tier)
             if not live or r in seen or (tier == TierKind.DRAM and idx.ssd_loc[r] >= 0):
                 q.popleft()
@@ -445,7 +445,7 @@ class SsdMover:
         place = self.placement
         idx = place.index
         rows = idx.used_rows()
-        rows = rows[(idx.state[rows] == BlockState.COMMITTED) & (idx.tier[rows] == TierKind.DRAM)
+        rows = rows[(idx.state[rows] == S_COMMITTED) & (idx.tier[rows] == T_DRAM)
                     & (idx.ssd_loc[rows] < 0)]
         if rows.size == 0 or limit <= 0:
             return 0, int(rows.size)

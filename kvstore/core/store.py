@@ -51,7 +51,7 @@ from kvstore.buffers import as_u8
 from kvstore.core.eviction import FrequencySketch, Policy, PolicyName, make_policy
 from kvstore.core.hbm_mover import HbmMover, HbmSpec
 from kvstore.core.holds import Holds, KeysLike
-from kvstore.core.index import BlockIndex, BlockState, keys_to_array
+from kvstore.core.index import S_COMMITTED, BlockIndex, BlockState, keys_to_array
 from kvstore.core.namespaces import NO_NS, QUERY_NAMESPACES, Namespaces, namespace_label
 from kvstore.core.placement import Placement
 from kvstore.core.resize import Resizer
@@ -71,7 +71,7 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
-from tiers.base import Buffer, Tier, TierKind
+from tiers.base import T_HBM, T_SSD, Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
 __all__ = [
@@ -232,7 +232,7 @@ class TieredStore:
         except KVStoreError:
             return False  # the call itself answers the bad input
         rows = rows[rows >= 0]
-        return bool(np.any(self.index.tier[rows] == TierKind.SSD))
+        return bool(np.any(self.index.tier[rows] == T_SSD))
 
     def needs_disk_write(self, count: int, nbytes: int) -> bool:
         """Would storing ``count`` new blocks of ``nbytes`` evict (and so
@@ -276,6 +276,23 @@ class TieredStore:
             self.ns_registry.count_lookup(nid, karr.shape[0], res.hit)
         return LookupResult(res.hit, res.tiers)
 
+    def count_lookups(self, nid: int, lookups: int, blocks: int, hit_blocks: int) -> bool:
+        """Count lookups answered outside the store, in namespace id ``nid``
+        (same-host clients reading the shared index, kvstore/wire/shared_index.py)
+        as ``lookup`` counts its own. False (nothing counted) for an id no
+        namespace has or counts that cannot be (negative, more hits than blocks)."""
+        ns = self.ns_registry.get(nid) if 0 <= nid < len(self.ns_registry) else None
+        if ns is None or min(lookups, blocks, hit_blocks) < 0 or hit_blocks > blocks:
+            return False
+        c = self.counters
+        c.lookups += lookups
+        c.lookup_blocks += blocks
+        c.lookup_hit_blocks += hit_blocks
+        c.lookup_tokens += blocks * ns.block_size
+        c.lookup_hit_tokens += hit_blocks * ns.block_size
+        self.ns_registry.count_lookup(nid, blocks, hit_blocks, lookups)
+        return True
+
     def peek(self, ns: Namespace, keys: KeysLike) -> LookupResult:
         """Like ``lookup``, without counting it (for admission decisions)."""
         res = self.index.lookup(self.place.nsid(ns, create=False), keys_to_array(keys))
@@ -308,7 +325,7 @@ class TieredStore:
             srcs.append(a)
             sizes.append(a.size if a is not None else 0)
         todo, rows, locs = self.place.store_rows(nid, karr, sizes, parent, BlockState.RESERVED, res, tier)
-        if todo and self.hbm is not None and self.index.tier[rows[0]] == TierKind.HBM:
+        if todo and self.hbm is not None and self.index.tier[rows[0]] == T_HBM:
             todo, rows = self.hbm.write_put(todo, rows, locs, srcs, res)
         elif todo:
             csums = self.dram.write(locs, [srcs[i] for i in todo])  # type: ignore[misc]
@@ -391,10 +408,10 @@ class TieredStore:
         rows = idx.find_committed(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.MISS] * rows.size)
         for i, r in enumerate(rows.tolist()):
-            if r < 0 or idx.state[r] != BlockState.COMMITTED:
+            if r < 0 or idx.state[r] != S_COMMITTED:
                 continue  # gone already (e.g. descendant of an earlier key)
             sub = idx.subtree(np.asarray([r]))
-            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != BlockState.COMMITTED):
+            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != S_COMMITTED):
                 res.statuses[i] = KeyStatus.BUSY
                 res.messages[i] = "block or a descendant is pinned or being written"
                 continue
@@ -413,7 +430,7 @@ class TieredStore:
             if nid is None:
                 return 0
             rows = rows[idx.ns[rows] == nid]
-        busy = rows[(idx.pins[rows] > 0) | (idx.state[rows] != BlockState.COMMITTED)]
+        busy = rows[(idx.pins[rows] > 0) | (idx.state[rows] != S_COMMITTED)]
         keep: set[int] = set()
         for r in busy.tolist():  # a busy block keeps its ancestors
             while r >= 0 and r not in keep:
@@ -449,7 +466,7 @@ class TieredStore:
                 ts.promotions, ts.demotions = self.hbm.promoted, self.hbm.demoted
             ts.hits = int(self.tier_hits[int(kind)])
             out.append(ts)
-        per_ns = np.bincount(idx.ns[rows[idx.state[rows] == BlockState.COMMITTED]].astype(np.int64),
+        per_ns = np.bincount(idx.ns[rows[idx.state[rows] == S_COMMITTED]].astype(np.int64),
                              minlength=len(self.ns_registry))
         ns_stats = []
         for nid, ns in self.ns_registry.items():
@@ -466,7 +483,7 @@ class TieredStore:
         """Every committed block, as (namespace digest, keys) per namespace."""
         idx = self.index
         rows = idx.used_rows()
-        rows = rows[idx.state[rows] == BlockState.COMMITTED]
+        rows = rows[idx.state[rows] == S_COMMITTED]
         nss = idx.ns[rows]
         return [(self.ns_registry.digest(nid), idx.keys_of(rows[nss == nid])) for nid in np.unique(nss).tolist()]
 

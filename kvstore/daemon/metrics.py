@@ -369,6 +369,11 @@ class Metrics:
         self.ttft_error.observe(abs(error_s))
         self.prefill_speed.set(prefill_tokens_per_s)
 
+    def lookup_tier_hits(self, code: int, n: int) -> None:
+        """Count ``n`` lookup hit blocks in the tier of TierKind value ``code``
+        (lookups clients answered from the shared index, told in tallies)."""
+        self._tier_child(code).inc(n)
+
     def lookup_hits(self, tiers: Sequence[object] | np.ndarray) -> None:
         """Count a lookup's hit blocks by tier (``LookupResult.tier_codes``, or
         a sequence of tiers)."""

@@ -578,7 +578,17 @@ class ClusterNode:
 def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | None) -> int:
     """Commit the first ``keep`` blocks of a fetch reservation, abort the
     rest (with their descendants). The store commits whole reservations;
-    the tail is dropped first through its reservation record."""
+    the tail is dropped first through its reservation record. Under the
+    store lock as one step (``store.holds`` is the store's own object, not
+    a locked method)."""
+    lock = getattr(store, "store_lock", None)
+    if lock is None:
+        return _commit_prefix_locked(store, handle, keep, checksums)
+    with lock:
+        return _commit_prefix_locked(store, handle, keep, checksums)
+
+
+def _commit_prefix_locked(store: Any, handle: str, keep: int, checksums: np.ndarray | None) -> int:
     n = store.holds.reserved_blocks(handle)
     if n is None:
         return 0

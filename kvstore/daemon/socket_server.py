@@ -40,6 +40,7 @@ connection, and the connection is refused or closed once the session ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import stat
@@ -51,12 +52,14 @@ import grpc
 import numpy as np
 
 from kvstore.daemon.auth import Principal
+from kvstore.daemon.shared_index import SharedIndex
 from kvstore.daemon.slab_owner import pid_alive
 from kvstore.daemon.rpc import Aborted, LocalContext, rpc
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.wire import frames
 from kvstore.wire.convert import MAX_KEYS
 from kvstore.wire.frames import CALLS, MAX_FRAME
+from kvstore.wire.shared_index import TALLY
 from proto import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -64,6 +67,10 @@ if TYPE_CHECKING:
 
 __all__ = ["CALLS", "MAX_FRAME", "LookupSocketServer", "default_path", "drive", "fast_lookup", "private_dir"]
 
+log = logging.getLogger("kvstore.daemon.socket_server")
+
+MAX_TALLY = 4096
+"""Namespaces in one tally frame."""
 _REQUESTS = tuple(getattr(pb, name + "Request") for name in CALLS)
 """Request message class of each of ``CALLS``."""
 
@@ -137,6 +144,14 @@ async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
         raise
 
 
+@rpc("NamespaceId")
+async def fast_nsid(d: "DaemonState", body: bytes, context: LocalContext, who: Principal) -> int:
+    """An nsid frame -> the namespace's id (``NO_NSID`` when it has none yet),
+    after the same namespace and tenant checks as a Lookup."""
+    ns = d.namespace_from_wire(body[2:], who)
+    return int(d.store.namespace_id(ns, create=False))
+
+
 @rpc("Lookup")
 async def fast_lookup(d: "DaemonState", body: bytes, context: LocalContext, who: Principal) -> bytes:
     """A lookup frame -> its answer frame (through the RPC wrapper)."""
@@ -166,6 +181,8 @@ class _Connection(asyncio.Protocol):
         self.calls: LocalContext | None = None
         self.waiting: asyncio.Task[Any] | None = None  # a call that could not finish at once
         self.closing = False
+        self.nids: set[int] = set()
+        """Namespace ids this connection was told (nsid frames): the only ones it may tally."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -221,14 +238,24 @@ class _Connection(asyncio.Protocol):
         self.sid = sid
         self.lookups = LocalContext(md, f"local:{sid}", Principal(tenant=d.sessions[sid], admin=False))
         self.calls = LocalContext(md, f"local:{sid}")
-        return frames.frame(bytes([frames.OK]))
+        shared = self.server.shared
+        path = shared.path.encode() if shared is not None and not shared.failed else b""
+        return frames.frame(bytes([frames.OK]) + path)
 
     def frame(self, body: bytes) -> bytes | None:
         """One call frame -> its answer (None: it continues in a task)."""
         if self.sid not in self.daemon.sessions:  # the session ended (its KeepAlive stream closed)
             self.closing = True
             return _error(grpc.StatusCode.NOT_FOUND, f"session {self.sid!r} ended")
-        if frames.is_call(body):
+        mark = body[:2]
+        coro: Any
+        wrap: Callable[[Any], bytes]
+        if mark == frames.TALLY_MARK:
+            return self.tally(body)
+        if mark == frames.NSID_MARK:
+            coro = fast_nsid(self.daemon, body, self.lookups)
+            wrap = self.nsid_answer
+        elif frames.is_call(body):
             op = frames.call_method_id(body) - 1
             if not 0 <= op < len(CALLS):
                 return _error(grpc.StatusCode.INVALID_ARGUMENT, f"unknown method id {op + 1}")
@@ -238,7 +265,7 @@ class _Connection(asyncio.Protocol):
             except Exception:
                 return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not a valid request message")
             coro = getattr(self.daemon, name)(req, self.calls)
-            wrap: Callable[[Any], bytes] = _proto_answer
+            wrap = _proto_answer
         else:
             coro = fast_lookup(self.daemon, body, self.lookups)
             wrap = _raw_answer
@@ -251,6 +278,33 @@ class _Connection(asyncio.Protocol):
         self.waiting = value
         value.add_done_callback(lambda t: self.resumed(t, wrap))
         return None
+
+    def nsid_answer(self, nid: int) -> bytes:
+        if nid != frames.NO_NSID:
+            self.nids.add(nid)
+        return frames.frame(frames.NSID.pack(frames.OK, nid))
+
+    def tally(self, body: bytes) -> bytes:
+        """Count lookups the client answered from the shared index: only in
+        namespaces this connection was told the id of, as the daemon counts
+        its own (``TieredStore.count_lookups``, per-tier hit metrics)."""
+        recs = memoryview(body)[2:]
+        if len(recs) % TALLY.size or len(recs) // TALLY.size > MAX_TALLY:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"tally of {len(recs)} bytes")
+        d = self.daemon
+        bad = 0
+        for nid, lookups, blocks, hits, hbm, dram, ssd in TALLY.iter_unpack(recs):
+            if nid not in self.nids or hbm + dram + ssd != hits or not d.store.count_lookups(nid, lookups, blocks,
+                                                                                             hits):
+                bad += 1
+                continue
+            for code, n in ((0, hbm), (1, dram), (2, ssd)):
+                if n:
+                    d.metrics.lookup_tier_hits(code, n)
+        if bad:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{bad} tally records refused (unknown namespace id "
+                                                            "or inconsistent counts)")
+        return frames.frame(bytes([frames.OK]))
 
     def resumed(self, task: asyncio.Task[Any], wrap: Any) -> None:
         self.waiting = None
@@ -265,6 +319,25 @@ class _Connection(asyncio.Protocol):
             answer = wrap(task.result())
         self.transport.write(answer)
         self.pump()
+
+
+def share_index(d: "DaemonState") -> SharedIndex | None:
+    """Publish the daemon's shared index when ``server.shared_index`` is on
+    and it can be (the native helper is built, DRAM admission is off); None
+    (logged) otherwise: clients then ask the daemon for every lookup."""
+    if not d.config.server.shared_index:
+        return None
+    raw = d.disk.raw
+    if raw.place.freq is not None:
+        log.info("no shared index: DRAM admission counts the keys of every lookup, so lookups go to the daemon")
+        return None
+    try:
+        shared = SharedIndex(raw, d.disk.lock)
+        shared.start()
+    except OSError as e:
+        log.warning("no shared index (%s): same-host lookups go to the daemon", e)
+        return None
+    return shared
 
 
 def _proto_answer(resp: Any) -> bytes:
@@ -283,6 +356,8 @@ class LookupSocketServer:
         self.path = path
         self.server: asyncio.AbstractServer | None = None
         self.conns: set[_Connection] = set()
+        self.shared: SharedIndex | None = None
+        """The shared index (kvstore/daemon/shared_index.py), when published."""
 
     async def start(self) -> None:
         if os.path.exists(self.path):
@@ -290,8 +365,12 @@ class LookupSocketServer:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_unix_server(lambda: _Connection(self), path=self.path)
         os.chmod(self.path, 0o600)
+        self.shared = share_index(self.daemon)
 
     async def stop(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         if self.server is not None:
             self.server.close()
             for c in list(self.conns):

@@ -5,12 +5,22 @@ both agree on. Pure packing, no I/O.
 Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
 
     hello     u32 len | session id (ASCII) [| "\\n" | bearer token]
-    hello ok  u32 len=1 | u8 0            (else an error frame, then close)
+    hello ok  u32 len | u8 0 [| shared-index header path (UTF-8)]
+                                          (else an error frame, then close)
     lookup    u32 len | u16 ns_len | Namespace message (protobuf) | keys (n x 16 bytes)
     answer    u32 len | u8 0 | u32 hit_blocks | hit_blocks x u8 Tier value
     call      u32 len | u16 0xFFFF | u8 method (1-based in CALLS) | request message (protobuf)
     reply     u32 len | u8 0 | response message (protobuf)
+    nsid      u32 len | u16 0xFFFE | Namespace message (protobuf)
+    nsid ok   u32 len | u8 0 | u32 namespace id (0xFFFFFFFF: none yet)
+    tally     u32 len | u16 0xFFFD | n x (u32 nid, u32 lookups, u64 blocks, u64 hits,
+                                          u64 hbm hits, u64 dram hits, u64 ssd hits)
+    tally ok  u32 len | u8 0
     error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
+
+``nsid`` and ``tally`` serve clients that answer lookups from the daemon's
+shared index (kvstore/wire/shared_index.py): the id of a namespace the
+session may look up, and the lookups it answered itself, to be counted.
 
 No pickle, no Python objects on the wire; frames over ``MAX_FRAME`` are
 refused.
@@ -44,7 +54,17 @@ HEADER = struct.Struct("<I")
 HIT = struct.Struct("<BI")
 """Status byte and hit count at the front of a lookup answer."""
 CALL_MARK = b"\xff\xff"
-"""A call frame's first two bytes (a lookup's ns_len is never 0xFFFF)."""
+"""A call frame's first two bytes (a lookup's ns_len is below ``MAX_NS_WIRE``)."""
+NSID_MARK = b"\xff\xfe"
+"""An nsid frame's first two bytes."""
+TALLY_MARK = b"\xff\xfd"
+"""A tally frame's first two bytes."""
+MAX_NS_WIRE = 0xFF00
+"""A lookup's namespace message is shorter (two-byte values from here up mark other frames)."""
+NO_NSID = 0xFFFFFFFF
+"""An nsid answer for a namespace the daemon has no id for yet."""
+NSID = struct.Struct("<BI")
+"""Status byte and namespace id of an nsid answer."""
 CALLS = ("Reserve", "Commit", "Abort", "Acquire", "Release")
 """The unary calls the socket carries besides Lookup (method id = index + 1)."""
 OK = 0
@@ -72,7 +92,7 @@ def parse_hello(body: bytes) -> tuple[str, str]:
 
 
 def lookup_frame(ns_wire: bytes, packed_keys: bytes) -> bytes:
-    if len(ns_wire) >= 0xFFFF:
+    if len(ns_wire) >= MAX_NS_WIRE:
         raise InvalidArgument("namespace message too long")
     body_len = 2 + len(ns_wire) + len(packed_keys)
     return HEADER.pack(body_len) + len(ns_wire).to_bytes(2, "little") + ns_wire + packed_keys
@@ -94,6 +114,15 @@ def parse_lookup(body: bytes) -> LookupFrame:
 def answer_frame(hit_blocks: int, tier_values: bytes) -> bytes:
     """A lookup answer: ``tier_values`` is one wire Tier value per hit block."""
     return frame(HIT.pack(OK, hit_blocks) + tier_values)
+
+
+def nsid_frame(ns_wire: bytes) -> bytes:
+    return HEADER.pack(2 + len(ns_wire)) + NSID_MARK + ns_wire
+
+
+def tally_frame(records: bytes) -> bytes:
+    """``records``: ``shared_index.TALLY`` records back to back."""
+    return HEADER.pack(2 + len(records)) + TALLY_MARK + records
 
 
 def call_frame(name: str, request: bytes) -> bytes:

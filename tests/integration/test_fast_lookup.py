@@ -50,7 +50,10 @@ def test_fast_lookup_answers_like_grpc(uds_daemon):
             a, b = fast.lookup(ns, probe), slow.lookup(ns, probe)
             assert a == b
         assert fast.lookup(ns, keys).hit_blocks == 40 and fast.lookup(ns, keys).tiers == [TierKind.DRAM] * 40
-        # each fast lookup is counted by the store like a gRPC one
+        # the same-host client answered its lookups from the daemon's shared index ...
+        assert fast._shared is not None and fast._shared.probes == 7
+        # ... and each is counted by the store like a gRPC one once its tally is sent
+        fast.flush()
         assert uds_daemon.store.counters.lookups - before == 12
         with pytest.raises(InvalidArgument):
             fast.lookup(ns, [b"short"])
@@ -83,7 +86,9 @@ def test_unknown_session_is_refused(uds_daemon):
         s.connect(uds_daemon.running.fast.path)
         sid = c.session.encode()
         s.sendall(struct.pack("<I", len(sid)) + sid)
-        assert s.recv(5) == struct.pack("<I", 1) + b"\x00"
+        n = struct.unpack("<I", s.recv(4))[0]
+        hello = s.recv(n)  # OK, then the shared index's header path
+        assert hello[:1] == b"\x00" and hello[1:].decode() == uds_daemon.running.fast.shared.path
         s.sendall(struct.pack("<I", 1 << 30))
         head = s.recv(5)
         assert struct.unpack("<I", head[:4])[0] > 1 and head[4] == 3  # INVALID_ARGUMENT
@@ -329,3 +334,94 @@ def test_a_process_that_exits_without_close_lands_its_last_put(uds_daemon, repo_
     ns = _ns()
     keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
     assert uds_daemon.call(lambda: uds_daemon.store.lookup(ns, keys).hit_blocks) == 3
+
+
+# ------------------------------------------------------------ shared index
+def test_lookups_from_the_shared_index_read_their_own_writes(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        assert c._shared is not None
+        ns = _ns()
+        for r in range(20):  # each put's Commit is pipelined; the next lookup must see it
+            keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32) + np.uint32(1000 * r))
+            assert c.put(ns, keys, [np.zeros(BS, np.uint8)] * 3) == [KeyStatus.OK] * 3
+            assert c.lookup(ns, keys).hit_blocks == 3
+            c.remove(ns, keys[1:2])
+            assert c.lookup(ns, keys).hit_blocks == 1
+        assert c._shared.probes == 40
+
+
+def test_shared_index_tallies_count_like_daemon_lookups(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = _fill(c, ns, 10)
+        st0 = c.stats()
+        before = (st0.lookups, st0.hit_blocks)
+        counters = uds_daemon.store.counters
+        blocks0 = counters.lookup_blocks
+        for n in (1, 5, 10):
+            assert c.lookup(ns, keys[:n] + [b"\x01" * 16]).hit_blocks == n
+        assert c._shared.probes == 3
+        st = c.stats()  # a gRPC call: the pending tally goes first
+        assert (st.lookups, st.hit_blocks) == (before[0] + 3, before[1] + 16)
+        assert counters.lookup_blocks - blocks0 == 19
+        nid = uds_daemon.call(uds_daemon.store.namespace_id, ns, False)
+        assert uds_daemon.call(uds_daemon.store.ns_registry.lookups, nid)[0] >= 3
+
+
+def test_tallies_only_for_namespaces_the_session_was_told(uds_daemon):
+    from kvstore.wire.frames import tally_frame
+    from kvstore.wire.shared_index import TALLY
+
+    with Client(uds_daemon.target) as c:
+        _fill(c, _ns(), 2)
+        before = uds_daemon.store.counters.lookups
+        raw = LookupSocketClient(uds_daemon.running.fast.path, c.session)
+        try:
+            raw.send_frame("Tally", tally_frame(TALLY.pack(0, 100, 100, 100, 0, 100, 0)))  # never asked nsid
+            raw.flush()
+            assert raw.late_errors == 1
+            nid = raw.nsid(ns_pb(_ns()).SerializeToString(deterministic=True))
+            raw.send_frame("Tally", tally_frame(TALLY.pack(nid, 2, 4, 9, 0, 9, 0)))  # more hits than blocks
+            raw.send_frame("Tally", tally_frame(b"\x00" * 5))  # not whole records
+            raw.flush()
+            assert raw.late_errors == 3
+            raw.send_frame("Tally", tally_frame(TALLY.pack(nid, 2, 4, 3, 0, 3, 0)))
+            raw.flush()
+            assert raw.late_errors == 3
+        finally:
+            raw.close()
+        assert uds_daemon.store.counters.lookups - before == 2
+
+
+def test_another_tenants_namespace_is_never_read_from_the_shared_index(make_daemon, tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "acme"\ntoken = "tok-acme"\n\n[[tenant]]\nname = "beta"\ntoken = "tok-beta"\n')
+    d = make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"),
+                    server__tenants_file=str(tenants))
+    with Client(d.target, token="tok-acme") as a, Client(d.target, token="tok-beta") as b:
+        keys = _fill(a, _ns("acme"), 4)
+        assert a.lookup(_ns("acme"), keys).hit_blocks == 4
+        with pytest.raises(PermissionDenied):
+            b.lookup(_ns("acme"), keys)
+        assert b.lookup(_ns("beta"), keys).hit_blocks == 0  # beta's own namespace: nothing there
+        assert b._shared is not None and b._shared.probes == 0
+
+
+def test_shared_index_off_and_daemon_stop(make_daemon, tmp_path):
+    d = make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"), server__shared_index=False)
+    assert d.running.fast.shared is None
+    with Client(d.target) as c:
+        assert c._fast is not None and c._shared is None
+        keys = _fill(c, _ns(), 3)
+        assert c.lookup(_ns(), keys).hit_blocks == 3
+    d2 = make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv2.sock"))
+    path = d2.running.fast.shared.path
+    c = Client(d2.target)
+    try:
+        keys = _fill(c, _ns(), 3)
+        assert c.lookup(_ns(), keys).hit_blocks == 3
+        shared = c._shared
+        d2.stop()
+        assert shared.closed and not os.path.exists(path)  # readers stop; the files go
+    finally:
+        c.close()

@@ -1,0 +1,167 @@
+"""The shared index (issue 18, lookups): the columns of the daemon's block
+index that a prefix lookup reads, in shared memory, so a same-host client
+answers ``lookup`` itself instead of making a round trip.
+
+A Lookup is the first call of every request an engine serves, and it is
+advisory (a block found may be evicted before the engine's ``Acquire``;
+``Acquire`` pins what it returns). Over the same-host socket it still costs
+two Python processes a wake-up each (~140 µs on the 2-core box of
+docs/performance.md, of which the index lookup itself is ~8 µs). So the
+daemon keeps the key table and the ``k0``/``k1``/``ns``/``state``/``tier``
+columns in files under ``/dev/shm`` (mode 0600, like its slab) and clients
+of the same user probe them in C (``kvstore._native.shared_lookup``).
+
+Layout. A header file of ``HEADER_BYTES``::
+
+    u64 seq      odd while the daemon changes the index (the store lock is held)
+    u64 gen      bumped when an array moved to a new file (growth, rehash)
+    u64 magic    MAGIC
+    u64 closed   1 once the daemon stopped
+    ...          at NAMES_AT, one NAME_BYTES slot per array of ARRAYS:
+                 the file's name in SHM_DIR (ASCII, NUL-padded)
+
+and one file per array, exactly the array's bytes (dtypes in ``ARRAYS``).
+A reader takes ``seq``, checks ``gen`` against the files it mapped, probes,
+and takes ``seq`` again; a lookup that raced a change is retried, and after
+``RETRIES`` the client asks the daemon. A file the daemon replaced is
+unlinked but stays valid for a reader that still maps it. Every row the
+probe follows is bounds-checked against what the reader mapped: a torn read
+can only make a lookup be retried, never crash the client.
+
+Who may read it: the daemon's user (files 0600), the same processes that
+may already map the slab. The daemon sends the header's path in its answer
+to a same-host socket's hello; a client then asks the daemon, over that
+socket, for the id of each namespace it looks up (``nsid`` frames: the
+session's tenant is checked there as for any Lookup), and sends what it
+counted (``tally`` frames) so the daemon's lookup counters, per-namespace
+hit ratios and ``kvstore_tier_hit_blocks_total`` still see every lookup.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from typing import Any
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+HEADER_BYTES = 4096
+MAGIC = int.from_bytes(b"KVIDX001", "little")
+NAMES_AT = 64
+NAME_BYTES = 128
+ARRAYS = (("table", "i4"), ("k0", "u8"), ("k1", "u8"), ("ns", "u4"), ("state", "u1"), ("tier", "u1"))
+"""The published arrays, in header order, with their dtypes (the key table
+and the index columns ``kvstore.core.index.SHARED_COLUMNS``)."""
+COMMITTED_STATE = 2
+"""``BlockState.COMMITTED`` (kvstore/core/index.py; a test keeps them equal)."""
+RETRIES = 4
+"""Probes tried before a lookup goes to the daemon."""
+FILE_NAME = re.compile(r"kvstore-idx-[0-9]+-[0-9]+-[0-9a-f]+(\.hdr|\.[0-9]+)")
+"""What the daemon names its files (anything else in a header is refused)."""
+TALLY = struct.Struct("<IIQQQQQ")
+"""One namespace's counts in a tally frame: nid, lookups, queried blocks,
+hit blocks, and the hit blocks in HBM, DRAM and SSD."""
+
+
+def load_native() -> Any:
+    """``kvstore._native`` when built (the probe is native only), else None."""
+    if os.environ.get("NO_KVSTORE_NATIVE", "") not in ("", "0"):
+        return None
+    try:
+        from kvstore import _native
+    except ImportError:
+        return None
+    return _native if hasattr(_native, "shared_lookup") else None
+
+
+class SharedIndexReader:
+    """A client's read-only view of the daemon's shared index."""
+
+    def __init__(self, path: str) -> None:
+        native = load_native()
+        if native is None:
+            raise OSError("kvstore._native is not built: no shared-index lookups")
+        self._probe = native.shared_lookup
+        if not FILE_NAME.fullmatch(os.path.basename(path)) or os.path.dirname(path) != SHM_DIR:
+            raise OSError(f"{path!r} is not a shared-index header")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, HEADER_BYTES, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self.hdr = np.frombuffer(self._map, dtype="<u8", count=HEADER_BYTES // 8)
+        if int(self.hdr[2]) != MAGIC:
+            raise OSError(f"{path!r} is not a shared-index header (magic)")
+        self.path = path
+        self._mapped: tuple[int, tuple[np.ndarray, ...]] | None = None
+        self.probes = 0
+        """Lookups answered here (a test and the benchmark read it)."""
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.hdr[3])
+
+    def lookup(self, nid: int, packed_keys: bytes) -> tuple[int, bytes] | None:
+        """(hit blocks, one wire Tier byte per hit) of the chain ``packed_keys``
+        in namespace ``nid``, or None (ask the daemon)."""
+        hdr = self.hdr
+        for _ in range(RETRIES):
+            if hdr[3]:
+                return None
+            gen = int(hdr[1])
+            mapped = self._mapped
+            if mapped is None or mapped[0] != gen:
+                mapped = self._remap(gen)
+                if mapped is None:
+                    continue
+            t, k0, k1, ns, st, ti = mapped[1]
+            got = self._probe(hdr, gen, t, k0, k1, ns, st, ti, packed_keys, nid, COMMITTED_STATE)
+            if got is not None:
+                self.probes += 1
+                return got
+        return None
+
+    def _remap(self, gen: int) -> tuple[int, tuple[np.ndarray, ...]] | None:
+        """Map the files of generation ``gen`` (None: it changed meanwhile, or
+        a file is already gone: the caller tries again)."""
+        hdr = self.hdr
+        s1 = int(hdr[0])
+        if s1 & 1:
+            return None
+        raw = self._map[NAMES_AT : NAMES_AT + NAME_BYTES * len(ARRAYS)]
+        if int(hdr[0]) != s1 or int(hdr[1]) != gen:
+            return None
+        arrays = []
+        for i, (_, dt) in enumerate(ARRAYS):
+            name = raw[i * NAME_BYTES : (i + 1) * NAME_BYTES].rstrip(b"\0").decode("ascii", "replace")
+            if not FILE_NAME.fullmatch(name):
+                return None
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                size = os.fstat(fd).st_size
+                if size == 0 or size % np.dtype(dt).itemsize:
+                    return None
+                m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
+                return None
+            finally:
+                os.close(fd)
+            arrays.append(np.frombuffer(m, dtype=dt))
+        mapped = (gen, tuple(arrays))
+        self._mapped = mapped
+        return mapped
+
+    def close(self) -> None:
+        self._mapped = None
+        self.hdr = np.zeros(HEADER_BYTES // 8, dtype="<u8")
+        self.hdr[3] = 1
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a probe's view is still alive; unmapped when it goes

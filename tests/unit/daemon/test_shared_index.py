@@ -1,0 +1,161 @@
+"""The shared index (kvstore.daemon.shared_index writes it, kvstore.wire.shared_index reads it): a
+client's lookup from shared memory answers exactly what the store's lookup answers, through growth,
+rehashes and removals; a lookup that races a change, or reads torn rows, is refused, never wrong
+or a crash; files are private and go away."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore.core.index import SHARED_COLUMNS, BlockState
+from kvstore.core.ssd_io import StoreLock
+from kvstore.core.store import StoreConfig, TieredStore
+from kvstore.daemon.shared_index import SharedIndex, sweep_stale
+from kvstore.keys import Namespace, block_keys
+from kvstore.wire import shared_index as wire
+from kvstore.wire.shared_index import SharedIndexReader
+
+pytestmark = pytest.mark.skipif(wire.load_native() is None, reason="kvstore._native is not built")
+
+NS = Namespace(tenant="t", model_id="m", block_size=16)
+
+
+@pytest.fixture
+def shared():
+    store = TieredStore(StoreConfig(dram_bytes=64 << 20))
+    lock = StoreLock()
+    si = SharedIndex(store, lock)
+    si.start()
+    reader = SharedIndexReader(si.path)
+    yield store, lock, si, reader
+    reader.close()
+    si.close()
+    store.close()
+
+
+def _put(store: TieredStore, lock: StoreLock, keys: list[bytes], parent: bytes | None = None) -> None:
+    v = np.zeros(4096, np.uint8)
+    with lock:
+        assert all(s.name == "OK" for s in store.put(NS, keys, [v] * len(keys), parent=parent).statuses)
+
+
+def _both(store: TieredStore, lock: StoreLock, reader: SharedIndexReader, keys: list[bytes]) -> tuple:
+    with lock:
+        nid = store.namespace_id(NS, create=False)
+        want = store.peek(NS, keys)
+    got = reader.lookup(nid, b"".join(keys))
+    assert got is not None
+    return (want.hit_blocks, bytes((want.tier_codes + 1).astype(np.uint8))), got
+
+
+def test_layout_matches_the_index():
+    assert wire.COMMITTED_STATE == int(BlockState.COMMITTED)
+    assert tuple(n for n, _ in wire.ARRAYS[1:]) == SHARED_COLUMNS
+
+
+def test_reader_answers_like_the_store_through_growth_rehash_and_removal(shared):
+    store, lock, si, reader = shared
+    gen0 = int(si.hdr[1])
+    chain = block_keys(NS, np.arange(16 * 3000, dtype=np.uint32))  # past the first 1,024 rows: the columns grow
+    for a in range(0, len(chain), 500):
+        _put(store, lock, chain[a : a + 500], parent=chain[a - 1] if a else None)
+    assert int(si.hdr[1]) > gen0  # the arrays moved to new files, named under new generations
+    other = block_keys(NS, np.arange(16 * 4, dtype=np.uint32) + 7)
+    for probe in (chain, chain[:1], chain[:1700] + other, other, [], chain[2999:]):
+        want, got = _both(store, lock, reader, probe)
+        assert got == want
+    assert _both(store, lock, reader, chain)[1][0] == 3000
+    with lock:
+        store.remove(NS, chain[2000:2001])  # the block and what hangs below it
+    assert _both(store, lock, reader, chain)[1][0] == 2000
+    # only the current generation's files exist (replaced ones were unlinked)
+    mine = [n for n in os.listdir(wire.SHM_DIR) if n.startswith(si.prefix)]
+    assert len(mine) == 1 + len(wire.ARRAYS)
+    for n in mine:
+        st = os.stat(os.path.join(wire.SHM_DIR, n))
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+
+
+def test_a_lookup_while_the_daemon_holds_the_lock_is_refused(shared):
+    store, lock, si, reader = shared
+    keys = block_keys(NS, np.arange(16 * 4, dtype=np.uint32))
+    _put(store, lock, keys)
+    with lock:
+        nid = store.namespace_id(NS, create=False)
+    held, go = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with lock:
+            held.set()
+            go.wait(10)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    held.wait(10)
+    try:
+        assert int(si.hdr[0]) & 1  # odd: a change may be under way
+        assert reader.lookup(nid, b"".join(keys)) is None
+    finally:
+        go.set()
+        t.join()
+    assert reader.lookup(nid, b"".join(keys)) == (4, bytes([2]) * 4)
+
+
+def test_torn_rows_are_refused_not_followed():
+    native = wire.load_native()
+    hdr = np.zeros(8, np.uint64)
+    k0 = np.arange(16, dtype=np.uint64)
+    table = np.full(32, -1, np.int32)
+    table[:] = 1 << 20  # every slot names a row far past the columns
+    cols = (k0, k0.copy(), np.zeros(16, np.uint32), np.full(16, 2, np.uint8), np.ones(16, np.uint8))
+    assert native.shared_lookup(hdr, 0, table, *cols, b"k" * 32, 0, 2) is None
+    table[:] = -1
+    assert native.shared_lookup(hdr, 0, table, *cols, b"k" * 32, 0, 2) == (0, b"")
+    hdr[0] = 3  # odd sequence
+    assert native.shared_lookup(hdr, 0, table, *cols, b"k" * 16, 0, 2) is None
+    hdr[0] = 4
+    assert native.shared_lookup(hdr, 1, table, *cols, b"k" * 16, 0, 2) is None  # another generation
+    with pytest.raises(ValueError):
+        native.shared_lookup(hdr, 0, np.full(31, -1, np.int32), *cols, b"k" * 16, 0, 2)  # not a power of two
+
+
+def test_close_stops_readers_and_removes_the_files():
+    store = TieredStore(StoreConfig(dram_bytes=64 << 20))
+    lock = StoreLock()
+    si = SharedIndex(store, lock)
+    si.start()
+    reader = SharedIndexReader(si.path)
+    keys = block_keys(NS, np.arange(16 * 2, dtype=np.uint32))
+    _put(store, lock, keys)
+    nid = store.namespace_id(NS, create=False)
+    assert reader.lookup(nid, b"".join(keys)) == (2, bytes([2, 2]))
+    si.close()
+    assert reader.closed and reader.lookup(nid, b"".join(keys)) is None
+    assert not [n for n in os.listdir(wire.SHM_DIR) if n.startswith(si.prefix)]
+    assert lock.on_take is None and lock.on_give is None
+    with lock:  # the store goes on working without it
+        assert store.lookup(NS, keys).hit_blocks == 2
+    reader.close()
+    store.close()
+
+
+def test_reader_refuses_what_is_not_a_header(tmp_path):
+    with pytest.raises(OSError):
+        SharedIndexReader(str(tmp_path / "kvstore-idx-0-1-ab.hdr"))  # not in /dev/shm
+    with pytest.raises(OSError):
+        SharedIndexReader("/dev/shm/../etc/passwd")
+
+
+def test_files_of_dead_daemons_are_swept(tmp_path):
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    uid = os.getuid()
+    for name in (f"kvstore-idx-{uid}-{dead}-ab.hdr", f"kvstore-idx-{uid}-{dead}-ab.3",
+                 f"kvstore-idx-{uid}-{os.getpid()}-cd.1", "unrelated"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sweep_stale(str(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted([f"kvstore-idx-{uid}-{os.getpid()}-cd.1", "unrelated"])
