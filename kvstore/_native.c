@@ -19,6 +19,10 @@
  *                 committed) -> (hit, tiers) | None
  *       A client's prefix lookup in the daemon's shared index (see
  *       kvstore/wire/shared_index.py); None when it raced a change.
+ *   shared_slots(header, gen, table, k0, k1, nscol, state, tier, loc, size,
+ *                csum, keys, ns, committed, dram) -> (hit, clean, slots) | None
+ *       The same probe for a read: rows, offsets, sizes and checksums of
+ *       the leading keys committed in DRAM.
  *
  * Every function accepts any object exporting a C-contiguous buffer (bytes,
  * bytearray, memoryview, numpy arrays, ...) and releases the GIL around the
@@ -1103,6 +1107,148 @@ h0: PyBuffer_Release(&hb);
 }
 
 
+PyDoc_STRVAR(shared_slots_doc,
+"shared_slots(header, gen, table, k0, k1, nscol, state, tier, loc, size, csum, keys, ns,\n"
+"             committed, dram) -> (hit, clean, slots) | None\n"
+"\n"
+"Like shared_lookup, for a read: the leading keys committed in namespace\n"
+"``ns`` with tier ``dram``. ``slots`` is ``hit`` records of four int64\n"
+"(row, offset, size, checksum as its uint64 bits); ``clean`` is False when\n"
+"the scan stopped at a block that is present but not in DRAM (only the\n"
+"daemon can serve it). None when the index changed meanwhile or ``gen``\n"
+"is not the header's.");
+
+static PyObject *
+kv_shared_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer b[12];
+    static const Py_ssize_t item[12] = {8, 4, 8, 8, 4, 1, 1, 8, 4, 8, 1, 0};
+    unsigned long long gen;
+    long long ns, committed, dram;
+    PyObject *result = NULL;
+    int got = 0, k;
+    (void)self;
+
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "shared_slots takes 15 arguments");
+        return NULL;
+    }
+    gen = PyLong_AsUnsignedLongLong(args[1]);
+    ns = PyLong_AsLongLong(args[12]);
+    committed = PyLong_AsLongLong(args[13]);
+    dram = PyLong_AsLongLong(args[14]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    /* header, table, k0, k1, nscol, state, tier, loc, size, csum, keys */
+    for (k = 0; k < 11; k++) {
+        PyObject *o = args[k == 0 ? 0 : k + 1];
+        if (PyObject_GetBuffer(o, &b[k], PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+        got = k + 1;
+        if (k < 10 && (((uintptr_t)b[k].buf) % (uintptr_t)item[k])) {
+            PyErr_SetString(PyExc_ValueError, "shared_slots: misaligned array");
+            goto done;
+        }
+    }
+    {
+        const uint64_t *hdr = (const uint64_t *)b[0].buf;
+        const int32_t *table = (const int32_t *)b[1].buf;
+        const uint64_t *k0 = (const uint64_t *)b[2].buf, *k1 = (const uint64_t *)b[3].buf;
+        const uint32_t *nscol = (const uint32_t *)b[4].buf;
+        const uint8_t *state = (const uint8_t *)b[5].buf, *tier = (const uint8_t *)b[6].buf;
+        const int64_t *loc = (const int64_t *)b[7].buf;
+        const uint32_t *size = (const uint32_t *)b[8].buf;
+        const uint64_t *csum = (const uint64_t *)b[9].buf;
+        const unsigned char *q = (const unsigned char *)b[10].buf;
+        Py_ssize_t tsize = b[1].len / 4, nrows = b[2].len / 8, n = b[10].len / 16, i, probes, hit = 0;
+        uint64_t mask = (uint64_t)tsize - 1, s1, s2;
+        uint32_t ns32 = (uint32_t)ns;
+        int clean = 1;
+        PyObject *slots;
+        int64_t *out;
+
+        if (b[3].len / 8 < nrows) nrows = b[3].len / 8;
+        if (b[4].len / 4 < nrows) nrows = b[4].len / 4;
+        if (b[5].len < nrows) nrows = b[5].len;
+        if (b[6].len < nrows) nrows = b[6].len;
+        if (b[7].len / 8 < nrows) nrows = b[7].len / 8;
+        if (b[8].len / 4 < nrows) nrows = b[8].len / 4;
+        if (b[9].len / 8 < nrows) nrows = b[9].len / 8;
+        if (b[0].len < 16 || b[10].len % 16 || tsize == 0 || (tsize & (tsize - 1))) {
+            PyErr_SetString(PyExc_ValueError, "shared_slots: bad arrays");
+            goto done;
+        }
+        slots = PyBytes_FromStringAndSize(NULL, n * 32);
+        if (slots == NULL) {
+            goto done;
+        }
+        out = (int64_t *)PyBytes_AS_STRING(slots);
+        s1 = __atomic_load_n(&hdr[0], __ATOMIC_ACQUIRE);
+        if ((s1 & 1) || __atomic_load_n(&hdr[1], __ATOMIC_ACQUIRE) != (uint64_t)gen) {
+            Py_DECREF(slots);
+            goto raced;
+        }
+        for (i = 0; i < n; i++) {
+            uint64_t a, bb, pos;
+            int64_t found = -1;
+            memcpy(&a, q + 16 * i, 8);
+            memcpy(&bb, q + 16 * i + 8, 8);
+            pos = (((a ^ ((uint64_t)ns32 * SI_MIX)) * SI_MIX) >> 29) & mask;
+            for (probes = 0; probes < tsize; probes++) {
+                int32_t r = __atomic_load_n(&table[pos], __ATOMIC_RELAXED);
+                if (r == SI_EMPTY) {
+                    break;
+                }
+                if (r >= 0) {
+                    if (r >= nrows) {
+                        Py_DECREF(slots);
+                        goto raced;
+                    }
+                    if (k0[r] == a && k1[r] == bb && nscol[r] == ns32) {
+                        found = r;
+                        break;
+                    }
+                }
+                pos = (pos + 1) & mask;
+            }
+            if (found < 0 || state[found] != (uint8_t)committed) {
+                break;
+            }
+            if (tier[found] != (uint8_t)dram) {
+                clean = 0;
+                break;
+            }
+            out[4 * hit] = found;
+            out[4 * hit + 1] = loc[found];
+            out[4 * hit + 2] = (int64_t)size[found];
+            memcpy(&out[4 * hit + 3], &csum[found], 8);
+            hit++;
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        s2 = __atomic_load_n(&hdr[0], __ATOMIC_RELAXED);
+        if (s1 != s2) {
+            Py_DECREF(slots);
+            goto raced;
+        }
+        if (_PyBytes_Resize(&slots, hit * 32) < 0) {
+            goto done;
+        }
+        result = Py_BuildValue("(nON)", hit, clean ? Py_True : Py_False, slots);
+        goto done;
+    }
+raced:
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    for (k = 0; k < got; k++) {
+        PyBuffer_Release(&b[k]);
+    }
+    return result;
+}
+
+
 static PyMethodDef kv_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))kv_chain_keys,
      METH_VARARGS | METH_KEYWORDS, chain_keys_doc},
@@ -1119,6 +1265,8 @@ static PyMethodDef kv_methods[] = {
     {"seq_end", (PyCFunction)kv_seq_end, METH_O, seq_end_doc},
     {"shared_lookup", (PyCFunction)(void (*)(void))kv_shared_lookup, METH_FASTCALL,
      shared_lookup_doc},
+    {"shared_slots", (PyCFunction)(void (*)(void))kv_shared_slots, METH_FASTCALL,
+     shared_slots_doc},
     {NULL, NULL, 0, NULL}
 };
 

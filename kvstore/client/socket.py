@@ -22,6 +22,8 @@ from kvstore.wire.status import code_from_value, error_for
 
 log = logging.getLogger("kvstore.client")
 
+MAX_OWED = 64
+"""Answers a client may leave unread (pipelined frames) before it reads them."""
 _HEADER = frames.HEADER.unpack_from
 _HIT = frames.HIT.unpack_from
 
@@ -113,8 +115,11 @@ class LookupSocketClient:
 
     def send_frame(self, name: str, msg: bytes) -> None:
         """A whole frame sent without waiting (its answer is read like a
-        ``send``'s)."""
+        ``send``'s). With many answers owed, those are read first (they
+        were sent long ago: the socket's buffers stay small)."""
         with self.lock:
+            if len(self.owed) >= MAX_OWED:
+                self._settle()
             self.sock.sendall(msg)
             self.owed.append(name)
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence, cast
 import grpc
 import numpy as np
 
-from kvstore.buffers import as_u8, pack_keys
+from kvstore.buffers import as_u8, as_u8_writable, pack_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
 from kvstore.client.socket import LookupSocketClient
@@ -38,7 +38,7 @@ from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, Pol
 from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
                                   policy_from_pb, resize_from_pb, stats_from_pb)
 from kvstore.wire.convert import ns_pb
-from kvstore.wire.frames import NO_NSID, fits_frame, tally_frame
+from kvstore.wire.frames import NO_NSID, fits_frame, reads_frame, tally_frame
 from kvstore.wire.shared_index import TALLY, SharedIndexReader
 from kvstore.wire.shm import host_identity
 from kvstore.wire.status import error_from_rpc
@@ -85,6 +85,8 @@ class Client(ClientBase):
         self._tally_n = 0
         self._tally_t = 0.0
         self._tally_lock = threading.Lock()
+        self.shared_reads = 0
+        """``get_into`` calls served from the shared index without a lease."""
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -242,6 +244,21 @@ class Client(ClientBase):
         shared = self._shared
         if shared is None:
             return None
+        nid = self._nid(fast, wire)
+        if nid is None:
+            return None
+        if "Commit" in fast.owed:  # our own puts land first (read-your-writes)
+            self.flush()
+        got = shared.lookup(nid, packed)
+        if got is not None:
+            self._count(nid, len(packed) // 16, got[0], got[1])
+        return got
+
+    def _nid(self, fast: LookupSocketClient, wire: bytes) -> int | None:
+        """The daemon's id of a namespace (asked once over the socket: an
+        nsid frame, where the session's tenant is checked; a namespace the
+        daemon has no id for yet is asked again after ``NSID_RETRY_S``), or
+        None. The daemon's refusal raises, as the lookup would."""
         ent = self._nids.get(wire)
         if ent is None or (ent[0] == NO_NSID and time.monotonic() >= ent[1]):
             try:
@@ -251,15 +268,7 @@ class Client(ClientBase):
             except OSError:
                 return None  # the caller's socket path reports it
             ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
-        nid = ent[0]
-        if nid == NO_NSID:
-            return None
-        if fast.owed:
-            self.flush()
-        got = shared.lookup(nid, packed)
-        if got is not None:
-            self._count(nid, len(packed) // 16, got[0], got[1])
-        return got
+        return None if ent[0] == NO_NSID else ent[0]
 
     def _count(self, nid: int, blocks: int, hit: int, tiers: bytes) -> None:
         """Tally a lookup answered from the shared index; the tally goes to
@@ -374,6 +383,10 @@ class Client(ClientBase):
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
     def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+        if self._shared is not None and self._fast is not None:
+            read = self._shared_read(ns, keys, outs)
+            if read is not None:
+                return read
         r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True),
                                                      promote=True))
         try:
@@ -383,6 +396,55 @@ class Client(ClientBase):
                 self._send("Release", pb.ReleaseRequest(lease_id=r.lease_id))
         self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
         return statuses
+
+    def _shared_read(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus] | None:
+        """``get_into`` without a lease, when every present block of the
+        prefix is in DRAM: the slots come from the daemon's shared index, the
+        copy out verifies each block's checksum, and the slots are looked up
+        again after it: the bytes are kept only if the index still names the
+        same rows, places and checksums (a block evicted, moved or replaced
+        meanwhile, a checksum that fails, a size that does not fit: None,
+        and the caller takes the lease path, which also reports corruption).
+        The daemon is told what was read (a ``reads`` frame, not waited for):
+        it counts the get and the blocks' accesses as an Acquire's."""
+        shared, fast = self._shared, self._fast
+        if shared is None or fast is None or self.slab is None:
+            return None
+        packed = pack_keys(keys, check=True)
+        if not fits_frame(len(packed) + 64):
+            return None
+        wire = self._ns_wire.get(ns)
+        if wire is None:
+            wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
+        nid = self._nid(fast, wire)
+        if nid is None:
+            return None
+        if "Commit" in fast.owed:  # our own puts land first (read-your-writes)
+            self.flush()
+        first = shared.slots(nid, packed)
+        if first is None or not first[1]:
+            return None
+        hit, _, slots = first
+        n = len(keys)
+        dsts = [as_u8_writable(outs[i]) for i in range(hit)]
+        if any(d.size != int(slots[i, 2]) for i, d in enumerate(dsts)):
+            return None  # the lease path answers INVALID for it
+        if hit:
+            if not all(self.slab.covers(int(o), int(z)) for o, z in zip(slots[:, 1].tolist(), slots[:, 2].tolist())):
+                return None
+            srcs = [self._view(int(o), int(z)) for o, z in zip(slots[:, 1].tolist(), slots[:, 2].tolist())]
+            ok = verify_many(dsts, srcs, slots[:, 3].view(np.uint64).tolist(), self.copy_threads)
+            if not ok.all():
+                return None
+            again = shared.slots(nid, packed[: 16 * hit])
+            if again is None or again[0] != hit or not np.array_equal(again[2], slots):
+                return None
+        self.shared_reads += 1
+        try:
+            fast.send_frame("Reads", reads_frame(nid, n, packed[: 16 * hit]))
+        except OSError as e:
+            self._socket_failed("Reads", e)
+        return [KeyStatus.OK] * hit + [KeyStatus.MISS] * (n - hit)
 
     def _report_bad(self, ns: Namespace, keys: list[bytes]) -> None:
         """Tell the daemon which blocks failed their checksum here, so it

@@ -191,6 +191,22 @@ class Holds:
         c.get_bytes += int(idx.size[rows].sum())
         return res
 
+    def count_reads(self, nid: int, keys: KeysLike, asked: int) -> int:
+        """Count a read a client made from the slab without a lease (the
+        shared index, kvstore/wire/shared_index.py) as ``acquire`` counts
+        one, and its blocks as accessed. Returns the blocks still present."""
+        idx = self.index
+        rows = idx.find_committed(nid, keys_to_array(keys))
+        rows = rows[rows >= 0]
+        if rows.size:
+            self.placement.served(rows)
+        c = self.counters
+        c.gets += 1
+        c.get_blocks += max(int(asked), int(rows.size))
+        c.get_hit_blocks += int(rows.size)
+        c.get_bytes += int(idx.size[rows].sum()) if rows.size else 0
+        return int(rows.size)
+
     def _mappable_prefix(self, rows: np.ndarray, promote: bool) -> np.ndarray:
         """The leading rows readable from DRAM, promoting SSD ones if asked."""
         assert self.ssd is not None

@@ -56,9 +56,10 @@ GROWTH = 1.25
 each row still copied only a few times over the index's growth."""
 
 
-SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier")
-"""The columns a prefix lookup reads: what ``BlockIndex.share`` places in
-memory other processes map (with the key table)."""
+SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier", "loc", "size", "csum")
+"""The columns a prefix lookup, and a read of DRAM blocks, need: what
+``BlockIndex.share`` places in memory other processes map (with the key
+table)."""
 
 Alloc = Callable[[str, int, str], np.ndarray]
 """``alloc(name, length, dtype)``: a new array (contents undefined) for

@@ -138,11 +138,13 @@ class KeyTable:
 
     def rehash(self, k0: np.ndarray, nscol: np.ndarray, live_rows: np.ndarray) -> None:
         size = table_size(live_rows.size)
-        if self.alloc is None:
-            table = np.full(size, EMPTY, dtype=np.int32)
+        if size == self.table.size:  # tombstones cleared in place: no new array (nor, shared, a new file)
+            table = self.table
+        elif self.alloc is None:
+            table = np.empty(size, dtype=np.int32)
         else:
             table = self.alloc("table", size, "i4")
-            table.fill(EMPTY)
+        table.fill(EMPTY)
         self.table = table
         self.used = 0
         self.used = self.place(k0, nscol, live_rows)

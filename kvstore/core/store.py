@@ -293,6 +293,13 @@ class TieredStore:
         self.ns_registry.count_lookup(nid, blocks, hit_blocks, lookups)
         return True
 
+    def count_reads(self, nid: int, keys: KeysLike, asked: int) -> int:
+        """Count a read a same-host client made from the slab itself
+        (``Holds.count_reads``); 0 for a namespace id that does not exist."""
+        if not 0 <= nid < len(self.ns_registry):
+            return 0
+        return self.holds.count_reads(nid, keys, asked)
+
     def peek(self, ns: Namespace, keys: KeysLike) -> LookupResult:
         """Like ``lookup``, without counting it (for admission decisions)."""
         res = self.index.lookup(self.place.nsid(ns, create=False), keys_to_array(keys))

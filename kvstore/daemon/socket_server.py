@@ -252,6 +252,8 @@ class _Connection(asyncio.Protocol):
         wrap: Callable[[Any], bytes]
         if mark == frames.TALLY_MARK:
             return self.tally(body)
+        if mark == frames.READS_MARK:
+            return self.reads(body)
         if mark == frames.NSID_MARK:
             coro = fast_nsid(self.daemon, body, self.lookups)
             wrap = self.nsid_answer
@@ -304,6 +306,19 @@ class _Connection(asyncio.Protocol):
         if bad:
             return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{bad} tally records refused (unknown namespace id "
                                                             "or inconsistent counts)")
+        return frames.frame(bytes([frames.OK]))
+
+    def reads(self, body: bytes) -> bytes:
+        """Count blocks the client read from the slab itself (their accesses
+        count for eviction as an Acquire's do): only in namespaces this
+        connection was told the id of."""
+        if len(body) < 2 + frames.READS.size:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, "short reads frame")
+        nid, asked = frames.READS.unpack_from(body, 2)
+        keys = body[2 + frames.READS.size :]
+        if len(keys) % 16 or len(keys) // 16 > MAX_KEYS or asked > MAX_KEYS or nid not in self.nids:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT, "reads frame refused (bad keys or unknown namespace id)")
+        self.daemon.store.count_reads(nid, keys, asked)
         return frames.frame(bytes([frames.OK]))
 
     def resumed(self, task: asyncio.Task[Any], wrap: Any) -> None:

@@ -16,11 +16,15 @@ Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
     tally     u32 len | u16 0xFFFD | n x (u32 nid, u32 lookups, u64 blocks, u64 hits,
                                           u64 hbm hits, u64 dram hits, u64 ssd hits)
     tally ok  u32 len | u8 0
+    reads     u32 len | u16 0xFFFC | u32 nid | u32 keys asked | keys read (n x 16 bytes)
+    reads ok  u32 len | u8 0
     error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
 
-``nsid`` and ``tally`` serve clients that answer lookups from the daemon's
-shared index (kvstore/wire/shared_index.py): the id of a namespace the
-session may look up, and the lookups it answered itself, to be counted.
+``nsid``, ``tally`` and ``reads`` serve clients that answer lookups, and
+read DRAM blocks, from the daemon's shared index
+(kvstore/wire/shared_index.py): the id of a namespace the session may look
+up, then the lookups it answered and the blocks it read itself, to be
+counted (and, for reads, to count as accesses for eviction).
 
 No pickle, no Python objects on the wire; frames over ``MAX_FRAME`` are
 refused.
@@ -59,6 +63,10 @@ NSID_MARK = b"\xff\xfe"
 """An nsid frame's first two bytes."""
 TALLY_MARK = b"\xff\xfd"
 """A tally frame's first two bytes."""
+READS_MARK = b"\xff\xfc"
+"""A reads frame's first two bytes."""
+READS = struct.Struct("<II")
+"""Namespace id and keys asked, at the front of a reads frame (after the mark)."""
 MAX_NS_WIRE = 0xFF00
 """A lookup's namespace message is shorter (two-byte values from here up mark other frames)."""
 NO_NSID = 0xFFFFFFFF
@@ -118,6 +126,12 @@ def answer_frame(hit_blocks: int, tier_values: bytes) -> bytes:
 
 def nsid_frame(ns_wire: bytes) -> bytes:
     return HEADER.pack(2 + len(ns_wire)) + NSID_MARK + ns_wire
+
+
+def reads_frame(nid: int, asked: int, packed_keys: bytes) -> bytes:
+    """The blocks a client read from the slab itself (``packed_keys``, the
+    hit prefix of ``asked`` keys)."""
+    return HEADER.pack(2 + READS.size + len(packed_keys)) + READS_MARK + READS.pack(nid, asked) + packed_keys
 
 
 def tally_frame(records: bytes) -> bytes:

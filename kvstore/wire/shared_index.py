@@ -9,7 +9,11 @@ two Python processes a wake-up each (~140 µs on the 2-core box of
 docs/performance.md, of which the index lookup itself is ~8 µs). So the
 daemon keeps the key table and the ``k0``/``k1``/``ns``/``state``/``tier``
 columns in files under ``/dev/shm`` (mode 0600, like its slab) and clients
-of the same user probe them in C (``kvstore._native.shared_lookup``).
+of the same user probe them in C (``kvstore._native.shared_lookup``). The
+``loc``/``size``/``csum`` columns let a client read DRAM blocks without a
+lease (``SharedIndexReader.slots``, ``kvstore.client.sync.Client.get_into``):
+copy out verifying the checksums, then look the slots up again and keep
+the bytes only when the answer is the same.
 
 Layout. A header file of ``HEADER_BYTES``::
 
@@ -52,11 +56,14 @@ HEADER_BYTES = 4096
 MAGIC = int.from_bytes(b"KVIDX001", "little")
 NAMES_AT = 64
 NAME_BYTES = 128
-ARRAYS = (("table", "i4"), ("k0", "u8"), ("k1", "u8"), ("ns", "u4"), ("state", "u1"), ("tier", "u1"))
+ARRAYS = (("table", "i4"), ("k0", "u8"), ("k1", "u8"), ("ns", "u4"), ("state", "u1"), ("tier", "u1"),
+          ("loc", "i8"), ("size", "u4"), ("csum", "u8"))
 """The published arrays, in header order, with their dtypes (the key table
 and the index columns ``kvstore.core.index.SHARED_COLUMNS``)."""
 COMMITTED_STATE = 2
 """``BlockState.COMMITTED`` (kvstore/core/index.py; a test keeps them equal)."""
+DRAM_TIER = 1
+"""``TierKind.DRAM`` (tiers/base.py; a test keeps them equal)."""
 RETRIES = 4
 """Probes tried before a lookup goes to the daemon."""
 FILE_NAME = re.compile(r"kvstore-idx-[0-9]+-[0-9]+-[0-9a-f]+(\.hdr|\.[0-9]+)")
@@ -74,7 +81,7 @@ def load_native() -> Any:
         from kvstore import _native
     except ImportError:
         return None
-    return _native if hasattr(_native, "shared_lookup") else None
+    return _native if hasattr(_native, "shared_slots") else None
 
 
 class SharedIndexReader:
@@ -85,6 +92,7 @@ class SharedIndexReader:
         if native is None:
             raise OSError("kvstore._native is not built: no shared-index lookups")
         self._probe = native.shared_lookup
+        self._slots = native.shared_slots
         if not FILE_NAME.fullmatch(os.path.basename(path)) or os.path.dirname(path) != SHM_DIR:
             raise OSError(f"{path!r} is not a shared-index header")
         fd = os.open(path, os.O_RDONLY)
@@ -117,11 +125,34 @@ class SharedIndexReader:
                 mapped = self._remap(gen)
                 if mapped is None:
                     continue
-            t, k0, k1, ns, st, ti = mapped[1]
+            t, k0, k1, ns, st, ti = mapped[1][:6]
             got = self._probe(hdr, gen, t, k0, k1, ns, st, ti, packed_keys, nid, COMMITTED_STATE)
             if got is not None:
                 self.probes += 1
                 return got
+        return None
+
+    def slots(self, nid: int, packed_keys: bytes) -> tuple[int, bool, np.ndarray] | None:
+        """For a read: (hit, clean, slots) where ``slots`` is ``(hit, 4)``
+        int64 (row, slab offset, size, checksum bits) of the leading keys
+        committed in DRAM, and ``clean`` is False when the scan stopped at a
+        block present elsewhere (HBM, SSD: only the daemon serves it). None:
+        ask the daemon. The slots hold only while the index does not change
+        under them: a reader copies, verifies the checksums, then asks
+        ``slots`` again and keeps the bytes only if the answer is the same."""
+        hdr = self.hdr
+        for _ in range(RETRIES):
+            if hdr[3]:
+                return None
+            gen = int(hdr[1])
+            mapped = self._mapped
+            if mapped is None or mapped[0] != gen:
+                mapped = self._remap(gen)
+                if mapped is None:
+                    continue
+            got = self._slots(hdr, gen, *mapped[1], packed_keys, nid, COMMITTED_STATE, DRAM_TIER)
+            if got is not None:
+                return got[0], got[1], np.frombuffer(got[2], dtype=np.int64).reshape(-1, 4)
         return None
 
     def _remap(self, gen: int) -> tuple[int, tuple[np.ndarray, ...]] | None:

@@ -248,8 +248,9 @@ def test_a_broken_socket_fails_the_call_then_grpc_takes_over(uds_daemon):
 def test_pipelined_commit_and_release_run_before_the_next_call(uds_daemon):
     """put sends its Commit and get_into its Release without waiting (issue
     18): the same client reads its writes at once, another client sees them
-    once the daemon took the Commit in, and nothing stays held."""
-    with Client(uds_daemon.target) as a, Client(uds_daemon.target) as b:
+    once the daemon took the Commit in, and nothing stays held. (Without
+    the shared index: its reads take no lease, so there is no Release.)"""
+    with Client(uds_daemon.target, shared_index=False) as a, Client(uds_daemon.target) as b:
         assert a.pipeline and a._fast is not None
         ns = _ns()
         keys = block_keys(ns, np.arange(16 * 4, dtype=np.uint32))
@@ -425,3 +426,74 @@ def test_shared_index_off_and_daemon_stop(make_daemon, tmp_path):
         assert shared.closed and not os.path.exists(path)  # readers stop; the files go
     finally:
         c.close()
+
+
+def test_get_into_reads_dram_blocks_without_a_lease(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 6, dtype=np.uint32))
+        data = [np.full(BS, i + 1, np.uint8) for i in range(6)]
+        assert c.put(ns, keys, data) == [KeyStatus.OK] * 6
+        c.flush()
+        raw = uds_daemon.store.raw
+        rows = uds_daemon.call(raw.index.find_committed, raw.namespace_id(ns, False),
+                               np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2))
+        assert (rows >= 0).all()
+        hits0 = raw.index.hits[rows].copy()
+        gets0 = raw.counters.gets
+        outs = [np.zeros(BS, np.uint8) for _ in range(7)]
+        other = block_keys(ns, np.arange(16, dtype=np.uint32) + 99)
+        assert c.get_into(ns, keys + other, outs) == [KeyStatus.OK] * 6 + [KeyStatus.MISS]
+        assert c.shared_reads == 1 and all(np.array_equal(o, d) for o, d in zip(outs, data))
+        assert not outs[6].any()
+        assert uds_daemon.call(uds_daemon.store.stats).tiers[0].pinned_bytes == 0  # no lease was taken
+        c.flush()  # the reads frame: counted as a get, the blocks as accessed (eviction sees the hit)
+        assert raw.counters.gets == gets0 + 1 and raw.counters.get_hit_blocks >= 6
+        assert (raw.index.hits[rows] == hits0 + 1).all()
+
+
+def test_a_read_that_races_a_change_or_fails_its_checksum_takes_the_lease_path(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+        data = [np.full(BS, i + 1, np.uint8) for i in range(3)]
+        c.put(ns, keys, data)
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        # the index named other slots after the copy than before it: the bytes are not kept
+        real = c._shared.slots
+        answers = iter([real, lambda nid, packed: (lambda r: (r[0], r[1], r[2] + 4096))(real(nid, packed))])
+        c._shared.slots = lambda nid, packed: next(answers)(nid, packed)
+        try:
+            assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3
+        finally:
+            c._shared.slots = real
+        assert c.shared_reads == 0 and all(np.array_equal(o, d) for o, d in zip(outs, data))
+        # a block whose bytes fail their checksum: the lease path answers CORRUPT and the daemon drops it
+        raw = uds_daemon.store.raw
+        row = int(raw.index.find_committed(raw.namespace_id(ns, False),
+                                           np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
+        uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
+        assert c.get_into(ns, keys, outs) == [KeyStatus.OK, KeyStatus.CORRUPT, KeyStatus.OK]
+        assert c.shared_reads == 0
+        assert c.lookup(ns, keys).hit_blocks == 1
+
+
+def test_reads_frames_only_for_namespaces_the_session_was_told(uds_daemon):
+    from kvstore.wire.frames import reads_frame
+
+    with Client(uds_daemon.target) as c:
+        keys = _fill(c, _ns(), 2)
+        gets0 = uds_daemon.store.counters.gets
+        raw = LookupSocketClient(uds_daemon.running.fast.path, c.session)
+        try:
+            raw.send_frame("Reads", reads_frame(0, 2, b"".join(keys)))
+            raw.send_frame("Reads", reads_frame(0, 2, b"x" * 5))
+            raw.flush()
+            assert raw.late_errors == 2
+            nid = raw.nsid(ns_pb(_ns()).SerializeToString(deterministic=True))
+            raw.send_frame("Reads", reads_frame(nid, 2, b"".join(keys)))
+            raw.flush()
+            assert raw.late_errors == 2
+        finally:
+            raw.close()
+        assert uds_daemon.store.counters.gets - gets0 == 1

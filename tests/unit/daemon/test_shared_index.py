@@ -159,3 +159,24 @@ def test_files_of_dead_daemons_are_swept(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     assert sweep_stale(str(tmp_path)) == 2
     assert sorted(os.listdir(tmp_path)) == sorted([f"kvstore-idx-{uid}-{os.getpid()}-cd.1", "unrelated"])
+
+
+def test_slots_give_dram_blocks_and_stop_at_one_elsewhere(shared):
+    store, lock, si, reader = shared
+    keys = block_keys(NS, np.arange(16 * 5, dtype=np.uint32))
+    _put(store, lock, keys)
+    with lock:
+        nid = store.namespace_id(NS, create=False)
+        rows = store.index.find_committed(nid, np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2))
+    hit, clean, slots = reader.slots(nid, b"".join(keys))
+    assert (hit, clean) == (5, True)
+    assert slots[:, 0].tolist() == rows.tolist()
+    assert slots[:, 1].tolist() == store.index.loc[rows].tolist()
+    assert slots[:, 2].tolist() == [4096] * 5
+    assert slots[:, 3].view(np.uint64).tolist() == store.index.csum[rows].tolist()
+    with lock:
+        store.index.tier[rows[3]] = 2  # as if on SSD: only the daemon can serve it (promotion)
+    hit, clean, _ = reader.slots(nid, b"".join(keys))
+    assert (hit, clean) == (3, False)
+    other = block_keys(NS, np.arange(16, dtype=np.uint32) + 50)
+    assert reader.slots(nid, b"".join(keys[:2] + other))[:2] == (2, True)  # a miss ends it cleanly
