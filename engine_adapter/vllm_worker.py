@@ -234,13 +234,23 @@ class WorkerSide:
         """Copy the leading verified whole blocks of ``m`` into ``rows``; how many."""
         ns = request_ns(base, m.adapter, m.salt)
         keys = split_keys(m.keys)
-        if c.slab is None:  # daemon on another host: inline bytes (checked by the daemon)
+        if c.slab is None or (c.reads_without_lease and not m.cluster):
+            # another host: inline bytes (checked by the daemon); same host with the daemon's
+            # shared index: get_into reads DRAM blocks without a lease (verified against the
+            # index before and after the copy; otherwise it takes a lease itself), and reports
+            # blocks failing their checksum as Acquire's path below does
+            t0 = time.perf_counter()
             try:
                 st = c.get_into(ns, keys, [rows[i] for i in range(len(keys))])
             except FAULT_TYPES as e:
                 self.link.fault("load", e)
                 return 0
-            return next((i for i, x in enumerate(st) if x is not KeyStatus.OK), len(st))
+            finally:
+                self.phases["copy"] += time.perf_counter() - t0
+            ok = next((i for i, x in enumerate(st) if x is not KeyStatus.OK), len(st))
+            if ok < len(st) and st[ok] is KeyStatus.CORRUPT:
+                log.warning("kvstore: a block of request %s failed its checksum; vLLM recomputes it", m.req_id)
+            return ok
         t0 = time.perf_counter()
         try:
             lease = c.acquire(ns, keys, cluster=m.cluster)

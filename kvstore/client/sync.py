@@ -397,6 +397,12 @@ class Client(ClientBase):
         self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
         return statuses
 
+    @property
+    def reads_without_lease(self) -> bool:
+        """Whether ``get_into`` may read DRAM blocks from the daemon's shared
+        index without a lease (same host, the daemon publishes it)."""
+        return self._shared is not None
+
     def _shared_read(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus] | None:
         """``get_into`` without a lease, when every present block of the
         prefix is in DRAM: the slots come from the daemon's shared index, the
