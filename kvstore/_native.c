@@ -923,6 +923,33 @@ kv_simd_target(PyObject *self, PyObject *unused)
 #define SI_EMPTY (-1)
 #define SI_MIX 0x9E3779B97F4A7C15ULL
 
+/* The row of key (a, b) in namespace ns32, or -1; -2 when a slot names a
+ * row past ``nrows`` (a torn read: the caller gives up). */
+static inline int64_t
+si_probe(const int32_t *table, Py_ssize_t tsize, const uint64_t *k0, const uint64_t *k1,
+         const uint32_t *nscol, Py_ssize_t nrows, uint64_t a, uint64_t b, uint32_t ns32)
+{
+    uint64_t mask = (uint64_t)tsize - 1;
+    uint64_t pos = (((a ^ ((uint64_t)ns32 * SI_MIX)) * SI_MIX) >> 29) & mask;
+    Py_ssize_t probes;
+    for (probes = 0; probes < tsize; probes++) {
+        int32_t r = __atomic_load_n(&table[pos], __ATOMIC_RELAXED);
+        if (r == SI_EMPTY) {
+            return -1;
+        }
+        if (r >= 0) {
+            if (r >= nrows) {
+                return -2;
+            }
+            if (k0[r] == a && k1[r] == b && nscol[r] == ns32) {
+                return r;
+            }
+        }
+        pos = (pos + 1) & mask;
+    }
+    return -1;
+}
+
 static int
 si_header(PyObject *obj, Py_buffer *v, int writable)
 {
@@ -1026,8 +1053,8 @@ kv_shared_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const uint32_t *nscol = (const uint32_t *)nsb.buf;
         const uint8_t *state = (const uint8_t *)stb.buf, *tier = (const uint8_t *)tib.buf;
         const unsigned char *q = (const unsigned char *)qb.buf;
-        Py_ssize_t tsize = tb.len / 4, nrows = k0b.len / 8, n = qb.len / 16, i, probes, hit = 0;
-        uint64_t mask = (uint64_t)tsize - 1, s1, s2;
+        Py_ssize_t tsize = tb.len / 4, nrows = k0b.len / 8, n = qb.len / 16, i, hit = 0;
+        uint64_t s1, s2;
         uint32_t ns32 = (uint32_t)ns;
         unsigned char small[256], *out = small;
         PyObject *tiers;
@@ -1053,26 +1080,13 @@ kv_shared_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto raced;
         }
         for (i = 0; i < n; i++) {
-            uint64_t a, b, pos;
-            int64_t found = -1;
+            uint64_t a, b;
+            int64_t found;
             memcpy(&a, q + 16 * i, 8);
             memcpy(&b, q + 16 * i + 8, 8);
-            pos = (((a ^ ((uint64_t)ns32 * SI_MIX)) * SI_MIX) >> 29) & mask;
-            for (probes = 0; probes < tsize; probes++) {
-                int32_t r = __atomic_load_n(&table[pos], __ATOMIC_RELAXED);
-                if (r == SI_EMPTY) {
-                    break;
-                }
-                if (r >= 0) {
-                    if (r >= nrows) {
-                        goto raced;  /* a torn read: the row is past what we mapped */
-                    }
-                    if (k0[r] == a && k1[r] == b && nscol[r] == ns32) {
-                        found = r;
-                        break;
-                    }
-                }
-                pos = (pos + 1) & mask;
+            found = si_probe(table, tsize, k0, k1, nscol, nrows, a, b, ns32);
+            if (found == -2) {
+                goto raced;  /* a torn read: the row is past what we mapped */
             }
             if (found < 0 || state[found] != (uint8_t)committed) {
                 break;
@@ -1162,8 +1176,8 @@ kv_shared_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const uint32_t *size = (const uint32_t *)b[8].buf;
         const uint64_t *csum = (const uint64_t *)b[9].buf;
         const unsigned char *q = (const unsigned char *)b[10].buf;
-        Py_ssize_t tsize = b[1].len / 4, nrows = b[2].len / 8, n = b[10].len / 16, i, probes, hit = 0;
-        uint64_t mask = (uint64_t)tsize - 1, s1, s2;
+        Py_ssize_t tsize = b[1].len / 4, nrows = b[2].len / 8, n = b[10].len / 16, i, hit = 0;
+        uint64_t s1, s2;
         uint32_t ns32 = (uint32_t)ns;
         int clean = 1;
         PyObject *slots;
@@ -1191,27 +1205,14 @@ kv_shared_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto raced;
         }
         for (i = 0; i < n; i++) {
-            uint64_t a, bb, pos;
-            int64_t found = -1;
+            uint64_t a, bb;
+            int64_t found;
             memcpy(&a, q + 16 * i, 8);
             memcpy(&bb, q + 16 * i + 8, 8);
-            pos = (((a ^ ((uint64_t)ns32 * SI_MIX)) * SI_MIX) >> 29) & mask;
-            for (probes = 0; probes < tsize; probes++) {
-                int32_t r = __atomic_load_n(&table[pos], __ATOMIC_RELAXED);
-                if (r == SI_EMPTY) {
-                    break;
-                }
-                if (r >= 0) {
-                    if (r >= nrows) {
-                        Py_DECREF(slots);
-                        goto raced;
-                    }
-                    if (k0[r] == a && k1[r] == bb && nscol[r] == ns32) {
-                        found = r;
-                        break;
-                    }
-                }
-                pos = (pos + 1) & mask;
+            found = si_probe(table, tsize, k0, k1, nscol, nrows, a, bb, ns32);
+            if (found == -2) {
+                Py_DECREF(slots);
+                goto raced;
             }
             if (found < 0 || state[found] != (uint8_t)committed) {
                 break;
