@@ -210,9 +210,7 @@ class Client(ClientBase):
         fast = self._fast
         packed = pack_keys(keys, check=True)
         if fast is not None and fits_frame(len(packed) + 1024):
-            wire = self._ns_wire.get(ns)
-            if wire is None:
-                wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
+            wire = self._wire_of(ns)
             if self._shared is not None:
                 got = self._shared_lookup(fast, wire, packed)
                 if got is not None:
@@ -242,23 +240,28 @@ class Client(ClientBase):
         a lookup); this client's own pipelined Commits land first
         (read-your-writes); what was answered here is counted in a tally."""
         shared = self._shared
-        if shared is None:
+        nid = self._nid(fast, wire) if shared is not None else None
+        if shared is None or nid is None:
             return None
-        nid = self._nid(fast, wire)
-        if nid is None:
-            return None
-        if "Commit" in fast.owed:  # our own puts land first (read-your-writes)
-            self.flush()
         got = shared.lookup(nid, packed)
         if got is not None:
             self._count(nid, len(packed) // 16, got[0], got[1])
         return got
 
+    def _wire_of(self, ns: Namespace) -> bytes:
+        """The namespace's serialized message (made once per namespace)."""
+        wire = self._ns_wire.get(ns)
+        if wire is None:
+            wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
+        return wire
+
     def _nid(self, fast: LookupSocketClient, wire: bytes) -> int | None:
         """The daemon's id of a namespace (asked once over the socket: an
         nsid frame, where the session's tenant is checked; a namespace the
         daemon has no id for yet is asked again after ``NSID_RETRY_S``), or
-        None. The daemon's refusal raises, as the lookup would."""
+        None. The daemon's refusal raises, as the lookup would. Before a
+        probe of the shared index: this client's own pipelined Commits land
+        first (read-your-writes)."""
         ent = self._nids.get(wire)
         if ent is None or (ent[0] == NO_NSID and time.monotonic() >= ent[1]):
             try:
@@ -268,7 +271,11 @@ class Client(ClientBase):
             except OSError:
                 return None  # the caller's socket path reports it
             ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
-        return None if ent[0] == NO_NSID else ent[0]
+        if ent[0] == NO_NSID:
+            return None
+        if "Commit" in fast.owed:
+            self.flush()
+        return ent[0]
 
     def _count(self, nid: int, blocks: int, hit: int, tiers: bytes) -> None:
         """Tally a lookup answered from the shared index; the tally goes to
@@ -419,14 +426,9 @@ class Client(ClientBase):
         packed = pack_keys(keys, check=True)
         if not fits_frame(len(packed) + 64):
             return None
-        wire = self._ns_wire.get(ns)
-        if wire is None:
-            wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
-        nid = self._nid(fast, wire)
+        nid = self._nid(fast, self._wire_of(ns))
         if nid is None:
             return None
-        if "Commit" in fast.owed:  # our own puts land first (read-your-writes)
-            self.flush()
         first = shared.slots(nid, packed)
         if first is None or not first[1]:
             return None

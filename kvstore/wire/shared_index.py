@@ -115,22 +115,10 @@ class SharedIndexReader:
     def lookup(self, nid: int, packed_keys: bytes) -> tuple[int, bytes] | None:
         """(hit blocks, one wire Tier byte per hit) of the chain ``packed_keys``
         in namespace ``nid``, or None (ask the daemon)."""
-        hdr = self.hdr
-        for _ in range(RETRIES):
-            if hdr[3]:
-                return None
-            gen = int(hdr[1])
-            mapped = self._mapped
-            if mapped is None or mapped[0] != gen:
-                mapped = self._remap(gen)
-                if mapped is None:
-                    continue
-            t, k0, k1, ns, st, ti = mapped[1][:6]
-            got = self._probe(hdr, gen, t, k0, k1, ns, st, ti, packed_keys, nid, COMMITTED_STATE)
-            if got is not None:
-                self.probes += 1
-                return got
-        return None
+        got = self._attempt(lambda hdr, gen, a: self._probe(hdr, gen, *a[:6], packed_keys, nid, COMMITTED_STATE))
+        if got is not None:
+            self.probes += 1
+        return got
 
     def slots(self, nid: int, packed_keys: bytes) -> tuple[int, bool, np.ndarray] | None:
         """For a read: (hit, clean, slots) where ``slots`` is ``(hit, 4)``
@@ -140,6 +128,16 @@ class SharedIndexReader:
         ask the daemon. The slots hold only while the index does not change
         under them: a reader copies, verifies the checksums, then asks
         ``slots`` again and keeps the bytes only if the answer is the same."""
+        got = self._attempt(lambda hdr, gen, a: self._slots(hdr, gen, *a, packed_keys, nid, COMMITTED_STATE,
+                                                            DRAM_TIER))
+        if got is None:
+            return None
+        return got[0], got[1], np.frombuffer(got[2], dtype=np.int64).reshape(-1, 4)
+
+    def _attempt(self, probe: Any) -> Any:
+        """``probe(header, gen, arrays)`` on the current generation's arrays
+        (mapped anew when it changed), up to ``RETRIES`` times while it
+        answers None; None when the daemon stopped or every try raced."""
         hdr = self.hdr
         for _ in range(RETRIES):
             if hdr[3]:
@@ -150,9 +148,9 @@ class SharedIndexReader:
                 mapped = self._remap(gen)
                 if mapped is None:
                     continue
-            got = self._slots(hdr, gen, *mapped[1], packed_keys, nid, COMMITTED_STATE, DRAM_TIER)
+            got = probe(hdr, gen, mapped[1])
             if got is not None:
-                return got[0], got[1], np.frombuffer(got[2], dtype=np.int64).reshape(-1, 4)
+                return got
         return None
 
     def _remap(self, gen: int) -> tuple[int, tuple[np.ndarray, ...]] | None:
