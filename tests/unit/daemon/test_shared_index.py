@@ -124,12 +124,8 @@ def test_torn_rows_are_refused_not_followed():
         native.shared_lookup(hdr, 0, np.full(31, -1, np.int32), *cols, b"k" * 16, 0, 2)  # not a power of two
 
 
-def test_close_stops_readers_and_removes_the_files():
-    store = TieredStore(StoreConfig(dram_bytes=64 << 20))
-    lock = StoreLock()
-    si = SharedIndex(store, lock)
-    si.start()
-    reader = SharedIndexReader(si.path)
+def test_close_stops_readers_and_removes_the_files(shared):
+    store, lock, si, reader = shared
     keys = block_keys(NS, np.arange(16 * 2, dtype=np.uint32))
     _put(store, lock, keys)
     nid = store.namespace_id(NS, create=False)
@@ -139,9 +135,9 @@ def test_close_stops_readers_and_removes_the_files():
     assert not [n for n in os.listdir(wire.SHM_DIR) if n.startswith(si.prefix)]
     assert lock.on_take is None and lock.on_give is None
     with lock:  # the store goes on working without it
+        _put(store, lock, block_keys(NS, np.arange(16 * 3000, dtype=np.uint32) + 5))  # growth: plain arrays now
         assert store.lookup(NS, keys).hit_blocks == 2
-    reader.close()
-    store.close()
+    assert not [n for n in os.listdir(wire.SHM_DIR) if n.startswith(si.prefix)]
 
 
 def test_reader_refuses_what_is_not_a_header(tmp_path):
