@@ -47,6 +47,7 @@ import mmap
 import os
 import re
 import struct
+import time
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,10 @@ COMMITTED_STATE = 2
 DRAM_TIER = 1
 """``TierKind.DRAM`` (tiers/base.py; a test keeps them equal)."""
 RETRIES = 4
-"""Probes tried before a lookup goes to the daemon."""
+"""Probes tried at least before a lookup goes to the daemon ..."""
+SPIN_S = 100e-6
+"""... and for how long they go on while the daemon holds its store lock
+(a round trip to the daemon costs more, and waits for that lock too)."""
 FILE_NAME = re.compile(r"kvstore-idx-[0-9]+-[0-9]+-[0-9a-f]+(\.hdr|\.[0-9]+)")
 """What the daemon names its files (anything else in a header is refused)."""
 TALLY = struct.Struct("<IIQQQQQ")
@@ -107,6 +111,8 @@ class SharedIndexReader:
         self._mapped: tuple[int, tuple[np.ndarray, ...]] | None = None
         self.probes = 0
         """Lookups answered here (a test and the benchmark read it)."""
+        self.raced = 0
+        """Probes given up after ``SPIN_S`` of racing the daemon's changes."""
 
     @property
     def closed(self) -> bool:
@@ -136,22 +142,30 @@ class SharedIndexReader:
 
     def _attempt(self, probe: Any) -> Any:
         """``probe(header, gen, arrays)`` on the current generation's arrays
-        (mapped anew when it changed), up to ``RETRIES`` times while it
-        answers None; None when the daemon stopped or every try raced."""
+        (mapped anew when it changed), again while it answers None (at least
+        ``RETRIES`` times, then for ``SPIN_S``); None when the daemon
+        stopped or every try raced."""
         hdr = self.hdr
-        for _ in range(RETRIES):
+        tries, until = 0, 0.0
+        while True:
             if hdr[3]:
                 return None
             gen = int(hdr[1])
             mapped = self._mapped
             if mapped is None or mapped[0] != gen:
                 mapped = self._remap(gen)
-                if mapped is None:
-                    continue
-            got = probe(hdr, gen, mapped[1])
-            if got is not None:
-                return got
-        return None
+            if mapped is not None:
+                got = probe(hdr, gen, mapped[1])
+                if got is not None:
+                    return got
+            tries += 1
+            if tries >= RETRIES:
+                now = time.perf_counter()
+                if not until:
+                    until = now + SPIN_S
+                elif now >= until:
+                    self.raced += 1
+                    return None
 
     def _remap(self, gen: int) -> tuple[int, tuple[np.ndarray, ...]] | None:
         """Map the files of generation ``gen`` (None: it changed meanwhile, or
