@@ -249,6 +249,16 @@ def serve_seconds(tdir: str, cap: int, namespace: Namespace, key: bytes, crash: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        # a SIGKILLed daemon leaves its slab and shared-index files in /dev/shm (its
+        # successor on the same directory, or any daemon's next start for the index,
+        # would reclaim them): this bench removes its own
+        uid = os.getuid()
+        for name in os.listdir("/dev/shm"):
+            if name.startswith((f"kvstore-{uid}-{proc.pid}-", f"kvstore-idx-{uid}-{proc.pid}-")):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
     return wall, cpu
 
 

@@ -47,14 +47,21 @@ def state_path(ident: str) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (also when it belongs to another user)."""
+    """Whether a process with this pid exists (also when it belongs to another
+    user) and is not a zombie (killed, not yet reaped by its parent: its
+    files are as good as abandoned)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def reclaim_predecessor(ident: str, configured: str = "") -> str | None:

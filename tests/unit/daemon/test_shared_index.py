@@ -176,3 +176,22 @@ def test_slots_give_dram_blocks_and_stop_at_one_elsewhere(shared):
     assert (hit, clean) == (3, False)
     other = block_keys(NS, np.arange(16, dtype=np.uint32) + 50)
     assert reader.slots(nid, b"".join(keys[:2] + other))[:2] == (2, True)  # a miss ends it cleanly
+
+
+def test_a_zombie_daemon_counts_as_gone(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from kvstore.daemon.slab_owner import pid_alive
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while pid_alive(p.pid) and time.monotonic() < deadline:  # exited, not reaped: a zombie
+        time.sleep(0.01)
+    assert not pid_alive(p.pid)
+    uid = os.getuid()
+    (tmp_path / f"kvstore-idx-{uid}-{p.pid}-ab.hdr").write_bytes(b"x")
+    assert sweep_stale(str(tmp_path)) == 1
+    p.wait()
+    assert pid_alive(os.getpid())
