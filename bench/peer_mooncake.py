@@ -356,7 +356,7 @@ class Ours:
             raise RuntimeError("the client did not map the daemon's slab (no shared-memory path)")
         if self.client._fast is None:
             raise RuntimeError("the client did not connect to the daemon's same-host socket")
-        if self.client._shared is None:
+        if not self.client.reads_without_lease:
             raise RuntimeError("the client did not map the daemon's shared index (lookups would be round trips)")
         self.grpc_client = Client(target, use_shm=True, fast_lookup=False)  # Lookup over gRPC, for reference
         # Lookup answered by the daemon over the same-host socket (a round trip), for reference
@@ -426,13 +426,13 @@ class Ours:
         ns = self.ns("exist")
         c = {"shared": self.client, "socket": self.socket_client, "grpc": self.grpc_client}[via]
         hit = c.lookup(ns, keys[:n]).hit_blocks
-        probes = c._shared.probes if c._shared is not None else 0
+        probes = c.shared_lookups
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
             c.lookup(ns, keys[:n])
             times.append(time.perf_counter() - t0)
-        self.fallbacks = calls - (c._shared.probes - probes) if via == "shared" else 0
+        self.fallbacks = calls - (c.shared_lookups - probes) if via == "shared" else 0
         if 2 * self.fallbacks > calls:
             raise RuntimeError(f"{self.fallbacks} of {calls} lookups of {n} keys were not answered from the "
                                "shared index: the median would not be its figure")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, cast
@@ -28,9 +27,10 @@ from typing import Any, Iterator, Sequence, cast
 import grpc
 import numpy as np
 
-from kvstore.buffers import as_u8, as_u8_writable, pack_keys
+from kvstore.buffers import as_u8, pack_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
+from kvstore.client.shared import SharedPath
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
@@ -38,8 +38,8 @@ from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, Pol
 from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
                                   policy_from_pb, resize_from_pb, stats_from_pb)
 from kvstore.wire.convert import ns_pb
-from kvstore.wire.frames import NO_NSID, fits_frame, reads_frame, tally_frame
-from kvstore.wire.shared_index import TALLY, SharedIndexReader
+from kvstore.wire.frames import fits_frame
+from kvstore.wire.shared_index import SharedIndexReader
 from kvstore.wire.shm import host_identity
 from kvstore.wire.status import error_from_rpc
 from proto import kvstore_pb2 as pb
@@ -77,16 +77,9 @@ class Client(ClientBase):
         self.admin = pb_grpc.AdminStub(self.channel)
         self._keepalive: Any = None
         self.pipeline = pipeline
-        self._shared: SharedIndexReader | None = None
-        """The daemon's shared index, when it publishes one (same host)."""
-        self._nids: dict[bytes, tuple[int, float]] = {}
-        """Namespace wire bytes -> (daemon's id or NO_NSID, when to ask again)."""
-        self._tally: dict[int, list[int]] = {}
-        self._tally_n = 0
-        self._tally_t = 0.0
-        self._tally_lock = threading.Lock()
-        self.shared_reads = 0
-        """``get_into`` calls served from the shared index without a lease."""
+        self._shared: SharedPath | None = None
+        """Lookups and lease-free reads from the daemon's shared index, when
+        it publishes one (same host; kvstore/client/shared.py)."""
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -103,7 +96,7 @@ class Client(ClientBase):
                     weakref.finalize(self, _settle_quietly, self._fast)
                     if shared_index and self._fast.shared_path:
                         try:
-                            self._shared = SharedIndexReader(self._fast.shared_path)
+                            self._shared = SharedPath(SharedIndexReader(self._fast.shared_path))
                         except OSError as e:
                             log.info("shared index %s unusable (%s): lookups go to the daemon",
                                      self._fast.shared_path, e)
@@ -118,7 +111,7 @@ class Client(ClientBase):
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         fast = self._fast
-        if fast is not None and (fast.owed or self._tally_n):  # our pipelined calls run before this one
+        if fast is not None and (fast.owed or self.tally_pending):  # our pipelined calls run before this one
             self.flush()
         try:
             return method(request, metadata=self._md(), timeout=timeout or self.timeout)
@@ -173,7 +166,7 @@ class Client(ClientBase):
     def flush(self) -> None:
         """Wait until the daemon has run every call this client sent without
         waiting (the ``Commit`` of its puts, the ``Release`` of its gets)."""
-        if self._tally_n:
+        if self.tally_pending:
             self._send_tally()
         fast = self._fast
         if fast is not None:
@@ -207,18 +200,13 @@ class Client(ClientBase):
 
     # ----------------------------------------------------------- queries
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        fast = self._fast
         packed = pack_keys(keys, check=True)
+        wire = self._wire_of(ns) if self._fast is not None else b""
+        got = self._shared_lookup(self._fast, wire, packed) if self._shared is not None and self._fast else None
+        if got is not None:
+            return lookup_from_values(*got)
+        fast = self._fast  # (still there unless the shared path found the socket broken)
         if fast is not None and fits_frame(len(packed) + 1024):
-            wire = self._wire_of(ns)
-            if self._shared is not None:
-                got = self._shared_lookup(fast, wire, packed)
-                if got is not None:
-                    return lookup_from_values(*got)
-                fast = self._fast
-                if fast is None:
-                    return lookup_from_pb(self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns),
-                                                                                       keys_packed=packed)))
             try:
                 hit, tiers = fast.lookup(wire, packed)
                 return lookup_from_values(hit, tiers)
@@ -233,19 +221,37 @@ class Client(ClientBase):
         r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=packed))
         return lookup_from_pb(r)
 
+    @property
+    def tally_pending(self) -> int:
+        """Lookups answered from the shared index not yet told the daemon (sent every 256, 0.1 s, or at flush)."""
+        return self._shared.pending if self._shared is not None else 0
+
+    @property
+    def shared_reads(self) -> int:
+        """``get_into`` calls served from the shared index without a lease."""
+        return self._shared.reads if self._shared is not None else 0
+
+    @property
+    def shared_lookups(self) -> int:
+        """Lookups answered from the daemon's shared index (no round trip)."""
+        return self._shared.reader.probes if self._shared is not None else 0
+
+    def _shared_nid(self, shared: SharedPath, fast: LookupSocketClient, wire: bytes) -> int | None:
+        """A namespace's id to probe with (None: ask the daemon), our own Commits landed (read-your-writes)."""
+        nid = shared.nid(fast, wire)
+        if nid is not None and "Commit" in fast.owed:
+            self.flush()
+        return nid
+
     def _shared_lookup(self, fast: LookupSocketClient, wire: bytes, packed: bytes) -> tuple[int, bytes] | None:
-        """``lookup`` from the daemon's shared index (kvstore/wire/shared_index.py),
-        or None (ask the daemon). The namespace's id comes from the daemon
-        once (an nsid frame: the session's tenant is checked there, as for
-        a lookup); this client's own pipelined Commits land first
-        (read-your-writes); what was answered here is counted in a tally."""
+        """``lookup`` from the daemon's shared index, or None (ask the daemon)."""
         shared = self._shared
-        nid = self._nid(fast, wire) if shared is not None else None
+        nid = self._shared_nid(shared, fast, wire) if shared is not None else None
         if shared is None or nid is None:
             return None
         got = shared.lookup(nid, packed)
-        if got is not None:
-            self._count(nid, len(packed) // 16, got[0], got[1])
+        if shared.tally_due():
+            self._send_tally()
         return got
 
     def _wire_of(self, ns: Namespace) -> bytes:
@@ -255,61 +261,20 @@ class Client(ClientBase):
             wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
         return wire
 
-    def _nid(self, fast: LookupSocketClient, wire: bytes) -> int | None:
-        """The daemon's id of a namespace (asked once over the socket: an
-        nsid frame, where the session's tenant is checked; a namespace the
-        daemon has no id for yet is asked again after ``NSID_RETRY_S``), or
-        None. The daemon's refusal raises, as the lookup would. Before a
-        probe of the shared index: this client's own pipelined Commits land
-        first (read-your-writes)."""
-        ent = self._nids.get(wire)
-        if ent is None or (ent[0] == NO_NSID and time.monotonic() >= ent[1]):
-            try:
-                nid = fast.nsid(wire)
-            except KVStoreError:  # the daemon's answer: the same as the lookup's would be
-                raise
-            except OSError:
-                return None  # the caller's socket path reports it
-            ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
-        if ent[0] == NO_NSID:
-            return None
-        if "Commit" in fast.owed:
-            self.flush()
-        return ent[0]
-
-    def _count(self, nid: int, blocks: int, hit: int, tiers: bytes) -> None:
-        """Tally a lookup answered from the shared index; the tally goes to
-        the daemon every ``TALLY_EVERY`` lookups, ``TALLY_SECONDS`` or flush."""
-        now = time.monotonic()
-        with self._tally_lock:
-            t = self._tally.get(nid)
-            if t is None:
-                t = self._tally[nid] = [0, 0, 0, 0, 0, 0]
-            t[0] += 1
-            t[1] += blocks
-            if hit:
-                t[2] += hit
-                t[3] += tiers.count(1)  # wire Tier values: TierKind + 1
-                t[4] += tiers.count(2)
-                t[5] += tiers.count(3)
-            self._tally_n += 1
-            if self._tally_n == 1:
-                self._tally_t = now
-            due = self._tally_n >= TALLY_EVERY or now - self._tally_t >= TALLY_SECONDS
-        if due:
-            self._send_tally()
+    def _send_frame(self, name: str, frame: bytes | None) -> None:
+        """A frame of the shared path, sent without waiting (dropped when the socket is gone: it only counts)."""
+        fast = self._fast
+        if frame is None or fast is None:
+            return
+        try:
+            fast.send_frame(name, frame)
+        except OSError as e:
+            self._socket_failed(name, e)
 
     def _send_tally(self) -> None:
-        with self._tally_lock:
-            tally, self._tally, self._tally_n = self._tally, {}, 0
-        fast = self._fast
-        if not tally or fast is None:
-            return
-        recs = b"".join(TALLY.pack(nid, *t) for nid, t in tally.items())
-        try:
-            fast.send_frame("Tally", tally_frame(recs))
-        except OSError as e:
-            self._socket_failed("Tally", e)
+        shared = self._shared
+        if shared is not None:
+            self._send_frame("Tally", shared.take_tally())
 
     def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
         """Lookup in cluster mode (docs/cluster.md): where each block is and
@@ -406,53 +371,23 @@ class Client(ClientBase):
 
     @property
     def reads_without_lease(self) -> bool:
-        """Whether ``get_into`` may read DRAM blocks from the daemon's shared
-        index without a lease (same host, the daemon publishes it)."""
+        """Whether ``get_into`` may read DRAM blocks from the daemon's shared index without a lease."""
         return self._shared is not None
 
     def _shared_read(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus] | None:
-        """``get_into`` without a lease, when every present block of the
-        prefix is in DRAM: the slots come from the daemon's shared index, the
-        copy out verifies each block's checksum, and the slots are looked up
-        again after it: the bytes are kept only if the index still names the
-        same rows, places and checksums (a block evicted, moved or replaced
-        meanwhile, a checksum that fails, a size that does not fit: None,
-        and the caller takes the lease path, which also reports corruption).
-        The daemon is told what was read (a ``reads`` frame, not waited for):
-        it counts the get and the blocks' accesses as an Acquire's."""
+        """``get_into`` without a lease from the shared index (``SharedPath.read``), or None (take a lease)."""
         shared, fast = self._shared, self._fast
         if shared is None or fast is None or self.slab is None:
             return None
         packed = pack_keys(keys, check=True)
         if not fits_frame(len(packed) + 64):
             return None
-        nid = self._nid(fast, self._wire_of(ns))
-        if nid is None:
+        nid = self._shared_nid(shared, fast, self._wire_of(ns))
+        got = shared.read(nid, packed, outs, self.slab, self.copy_threads) if nid is not None else None
+        if got is None:
             return None
-        first = shared.slots(nid, packed)
-        if first is None or not first[1]:
-            return None
-        hit, _, slots = first
-        n = len(keys)
-        dsts = [as_u8_writable(outs[i]) for i in range(hit)]
-        if any(d.size != int(slots[i, 2]) for i, d in enumerate(dsts)):
-            return None  # the lease path answers INVALID for it
-        if hit:
-            if not all(self.slab.covers(int(o), int(z)) for o, z in zip(slots[:, 1].tolist(), slots[:, 2].tolist())):
-                return None
-            srcs = [self._view(int(o), int(z)) for o, z in zip(slots[:, 1].tolist(), slots[:, 2].tolist())]
-            ok = verify_many(dsts, srcs, slots[:, 3].view(np.uint64).tolist(), self.copy_threads)
-            if not ok.all():
-                return None
-            again = shared.slots(nid, packed[: 16 * hit])
-            if again is None or again[0] != hit or not np.array_equal(again[2], slots):
-                return None
-        self.shared_reads += 1
-        try:
-            fast.send_frame("Reads", reads_frame(nid, n, packed[: 16 * hit]))
-        except OSError as e:
-            self._socket_failed("Reads", e)
-        return [KeyStatus.OK] * hit + [KeyStatus.MISS] * (n - hit)
+        self._send_frame("Reads", got[1])
+        return got[0]
 
     def _report_bad(self, ns: Namespace, keys: list[bytes]) -> None:
         """Tell the daemon which blocks failed their checksum here, so it
@@ -601,14 +536,6 @@ class Client(ClientBase):
     def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
         return policy_from_pb(r)
-
-
-NSID_RETRY_S = 0.5
-"""How soon to ask again for the id of a namespace the daemon has none for yet."""
-TALLY_EVERY = 256
-"""Lookups answered from the shared index before their tally is sent."""
-TALLY_SECONDS = 0.1
-"""... or seconds since the first of them (the daemon's counters lag by at most this)."""
 
 
 def _settle_quietly(fast: LookupSocketClient) -> None:

@@ -18,6 +18,7 @@ Everything runs on the daemon's event loop (the store is single-threaded);
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -581,25 +582,16 @@ def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | N
     the tail is dropped first through its reservation record. Under the
     store lock as one step (``store.holds`` is the store's own object, not
     a locked method)."""
-    lock = getattr(store, "store_lock", None)
-    if lock is None:
-        return _commit_prefix_locked(store, handle, keep, checksums)
-    with lock:
-        return _commit_prefix_locked(store, handle, keep, checksums)
-
-
-def _commit_prefix_locked(store: Any, handle: str, keep: int, checksums: np.ndarray | None) -> int:
-    n = store.holds.reserved_blocks(handle)
-    if n is None:
-        return 0
-    if keep <= 0:
-        store.abort(handle, FETCH_OWNER)
-        return 0
-    store.holds.truncate(handle, FETCH_OWNER, keep)
-    sums = None
-    if checksums is not None and checksums.size >= n:
-        sums = checksums[:n].tolist()
-    res = store.commit(handle, FETCH_OWNER, sums)
+    with getattr(store, "store_lock", contextlib.nullcontext()):
+        n = store.holds.reserved_blocks(handle)
+        if n is None:
+            return 0
+        if keep <= 0:
+            store.abort(handle, FETCH_OWNER)
+            return 0
+        store.holds.truncate(handle, FETCH_OWNER, keep)
+        sums = checksums[:n].tolist() if checksums is not None and checksums.size >= n else None
+        res = store.commit(handle, FETCH_OWNER, sums)
     return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
 
 

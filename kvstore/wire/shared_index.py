@@ -52,6 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import checksum
+
 SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
 MAGIC = int.from_bytes(b"KVIDX001", "little")
@@ -78,14 +80,10 @@ hit blocks, and the hit blocks in HBM, DRAM and SSD."""
 
 
 def load_native() -> Any:
-    """``kvstore._native`` when built (the probe is native only), else None."""
-    if os.environ.get("NO_KVSTORE_NATIVE", "") not in ("", "0"):
-        return None
-    try:
-        from kvstore import _native
-    except ImportError:
-        return None
-    return _native if hasattr(_native, "shared_slots") else None
+    """The native helper when built with the probes (they are native only),
+    else None (``kvstore.checksum.load_native``: also None with ``NO_KVSTORE_NATIVE=1``)."""
+    native = checksum.load_native()
+    return native if native is not None and hasattr(native, "shared_slots") else None
 
 
 class SharedIndexReader:

@@ -51,7 +51,7 @@ def test_fast_lookup_answers_like_grpc(uds_daemon):
             assert a == b
         assert fast.lookup(ns, keys).hit_blocks == 40 and fast.lookup(ns, keys).tiers == [TierKind.DRAM] * 40
         # the same-host client answered its lookups from the daemon's shared index ...
-        assert fast._shared is not None and fast._shared.probes == 7
+        assert fast._shared is not None and fast.shared_lookups == 7
         # ... and each is counted by the store like a gRPC one once its tally is sent
         fast.flush()
         assert uds_daemon.store.counters.lookups - before == 12
@@ -348,7 +348,7 @@ def test_lookups_from_the_shared_index_read_their_own_writes(uds_daemon):
             assert c.lookup(ns, keys).hit_blocks == 3
             c.remove(ns, keys[1:2])
             assert c.lookup(ns, keys).hit_blocks == 1
-        assert c._shared.probes == 40
+        assert c.shared_lookups == 40
 
 
 def test_shared_index_tallies_count_like_daemon_lookups(uds_daemon):
@@ -361,7 +361,7 @@ def test_shared_index_tallies_count_like_daemon_lookups(uds_daemon):
         blocks0 = counters.lookup_blocks
         for n in (1, 5, 10):
             assert c.lookup(ns, keys[:n] + [b"\x01" * 16]).hit_blocks == n
-        assert c._shared.probes == 3
+        assert c.shared_lookups == 3
         st = c.stats()  # a gRPC call: the pending tally goes first
         assert (st.lookups, st.hit_blocks) == (before[0] + 3, before[1] + 16)
         assert counters.lookup_blocks - blocks0 == 19
@@ -405,7 +405,7 @@ def test_another_tenants_namespace_is_never_read_from_the_shared_index(make_daem
         with pytest.raises(PermissionDenied):
             b.lookup(_ns("acme"), keys)
         assert b.lookup(_ns("beta"), keys).hit_blocks == 0  # beta's own namespace: nothing there
-        assert b._shared is not None and b._shared.probes == 0
+        assert b._shared is not None and b.shared_lookups == 0
 
 
 def test_shared_index_off_and_daemon_stop(make_daemon, tmp_path):
@@ -421,7 +421,7 @@ def test_shared_index_off_and_daemon_stop(make_daemon, tmp_path):
     try:
         keys = _fill(c, _ns(), 3)
         assert c.lookup(_ns(), keys).hit_blocks == 3
-        shared = c._shared
+        shared = c._shared.reader
         d2.stop()
         assert shared.closed and not os.path.exists(path)  # readers stop; the files go
     finally:
@@ -460,13 +460,14 @@ def test_a_read_that_races_a_change_or_fails_its_checksum_takes_the_lease_path(u
         c.put(ns, keys, data)
         outs = [np.zeros(BS, np.uint8) for _ in keys]
         # the index named other slots after the copy than before it: the bytes are not kept
-        real = c._shared.slots
+        reader = c._shared.reader
+        real = reader.slots
         answers = iter([real, lambda nid, packed: (lambda r: (r[0], r[1], r[2] + 4096))(real(nid, packed))])
-        c._shared.slots = lambda nid, packed: next(answers)(nid, packed)
+        reader.slots = lambda nid, packed: next(answers)(nid, packed)
         try:
             assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3
         finally:
-            c._shared.slots = real
+            reader.slots = real
         assert c.shared_reads == 0 and all(np.array_equal(o, d) for o, d in zip(outs, data))
         # a block whose bytes fail their checksum: the lease path answers CORRUPT and the daemon drops it
         raw = uds_daemon.store.raw
