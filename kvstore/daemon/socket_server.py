@@ -28,6 +28,14 @@ therefore send a call without waiting for its answer (its ``Commit`` and
 ``Release``) and read that answer later: it always runs before the client's
 next call.
 
+The shared index (kvstore/daemon/shared_index.py) is published here when
+the socket opens (``share_index``) and its header's path goes back in the
+hello answer. Its clients then send three more frames: ``nsid`` (a
+namespace's id, after the same namespace and tenant checks as a Lookup),
+``tally`` (lookups they answered themselves, counted as the daemon counts
+its own) and ``reads`` (blocks they read without a lease: a get, and the
+blocks' accesses); the last two only for ids this connection was told.
+
 Who may use it: the socket is created mode 0600, either beside
 ``server.unix_socket`` or in a private directory (mode 0700) of the
 daemon's user (``default_path``); ``server.lookup_socket = "off"`` disables
