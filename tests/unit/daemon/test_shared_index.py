@@ -19,6 +19,7 @@ from kvstore.daemon.shared_index import SharedIndex, sweep_stale
 from kvstore.keys import Namespace, block_keys
 from kvstore.wire import shared_index as wire
 from kvstore.wire.shared_index import SharedIndexReader
+from tiers.base import TierKind
 
 pytestmark = pytest.mark.skipif(wire.load_native() is None, reason="kvstore._native is not built")
 
@@ -55,6 +56,7 @@ def _both(store: TieredStore, lock: StoreLock, reader: SharedIndexReader, keys: 
 
 def test_layout_matches_the_index():
     assert wire.COMMITTED_STATE == int(BlockState.COMMITTED)
+    assert wire.DRAM_TIER == int(TierKind.DRAM)
     assert tuple(n for n, _ in wire.ARRAYS[1:]) == SHARED_COLUMNS
 
 
