@@ -168,8 +168,7 @@ class Holds:
         if rows.size and self.hbm is not None:
             rows = self.hbm.for_reader(rows, tier)
         if rows.size == 0:
-            self.counters.gets += 1
-            self.counters.get_blocks += n
+            self._count_get(n, rows)
             return res
         idx = self.index
         idx.pins[rows] += 1
@@ -183,28 +182,27 @@ class Holds:
         res.offsets[:hit] = idx.loc[rows]
         res.lengths[:hit] = idx.size[rows]
         res.checksums[:hit] = idx.csum[rows]
-        self.placement.served(rows)
-        c = self.counters
-        c.gets += 1
-        c.get_blocks += n
-        c.get_hit_blocks += int(rows.size)
-        c.get_bytes += int(idx.size[rows].sum())
+        self._count_get(n, rows)
         return res
 
-    def count_reads(self, nid: int, keys: KeysLike, asked: int) -> int:
-        """Count a read a client made from the slab without a lease (the
-        shared index, kvstore/wire/shared_index.py) as ``acquire`` counts
-        one, and its blocks as accessed. Returns the blocks still present."""
-        idx = self.index
-        rows = idx.find_committed(nid, keys_to_array(keys))
-        rows = rows[rows >= 0]
+    def _count_get(self, asked: int, rows: np.ndarray) -> None:
+        """Count one get of ``asked`` keys that served ``rows`` (touched:
+        eviction sees the access)."""
         if rows.size:
             self.placement.served(rows)
         c = self.counters
         c.gets += 1
         c.get_blocks += max(int(asked), int(rows.size))
         c.get_hit_blocks += int(rows.size)
-        c.get_bytes += int(idx.size[rows].sum()) if rows.size else 0
+        c.get_bytes += int(self.index.size[rows].sum()) if rows.size else 0
+
+    def count_reads(self, nid: int, keys: KeysLike, asked: int) -> int:
+        """Count a read a client made from the slab without a lease (the
+        shared index, kvstore/wire/shared_index.py) as ``acquire`` counts
+        one, and its blocks as accessed. Returns the blocks still present."""
+        rows = self.index.find_committed(nid, keys_to_array(keys))
+        rows = rows[rows >= 0]
+        self._count_get(asked, rows)
         return int(rows.size)
 
     def _mappable_prefix(self, rows: np.ndarray, promote: bool) -> np.ndarray:
