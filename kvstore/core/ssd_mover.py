@@ -190,7 +190,11 @@ class SsdMover:
         self.pending.pop(bytes(digest), None)
 
     def _ssd_room(self, nbytes: int, count: int, protect: np.ndarray) -> np.ndarray:
-        """Up to ``count`` SSD ids, evicting SSD blocks (no cached children)."""
+        """Up to ``count`` SSD ids, evicting SSD blocks (no cached children),
+        then dropping the SSD copies of DRAM blocks. ``protect`` rows keep
+        theirs: blocks being written, and DRAM blocks about to leave DRAM for
+        their copy (a copy taken from under them would leave an SSD row with
+        no SSD id)."""
         st = self.placement
         idx = st.index
         got = [self.tier.allocate(nbytes, count)]
@@ -208,6 +212,8 @@ class SsdMover:
                 st.drop(victims, DropReason.EVICTED)
             else:
                 copies = rows[(idx.tier[rows] == T_DRAM) & (idx.ssd_loc[rows] >= 0)]
+                if protect.size:
+                    copies = copies[~np.isin(copies, protect)]
                 if copies.size == 0:
                     break
                 victims = select_victims(idx, st.policy, copies, count - n)
@@ -218,10 +224,11 @@ class SsdMover:
             n += more.size
         return np.concatenate(got)
 
-    def _write(self, rows: np.ndarray, evict: bool = True) -> np.ndarray:
+    def _write(self, rows: np.ndarray, evict: bool = True, keep_copies: np.ndarray | None = None) -> np.ndarray:
         """Write DRAM blocks ``rows`` (one size) to SSD; returns the SSD ids
         (-1 where there was no room or the write failed). ``evict`` False:
-        into free SSD space only."""
+        into free SSD space only. ``keep_copies``: rows whose SSD copies must
+        not be dropped to make room (``_ssd_room``)."""
         st = self.placement
         idx = st.index
         out = np.full(rows.size, NO_LOC, dtype=np.int64)
@@ -234,12 +241,13 @@ class SsdMover:
             names = {int(n): json.dumps(st.namespaces.get(int(n)).to_dict(), sort_keys=True) for n in np.unique(idx.ns[rows])}
             keep = np.fromiter((names[int(n)] not in blocked for n in idx.ns[rows]), bool, rows.size)
             if not keep.all():
-                out[keep] = self._write(rows[keep], evict)
+                out[keep] = self._write(rows[keep], evict, keep_copies)
                 return out
         nbytes = int(idx.size[rows[0]])
         idx.pins[rows] += 1  # in flight: not evicted, not reused
         try:
-            locs = self._ssd_room(nbytes, rows.size, rows) if evict else self.tier.allocate(nbytes, rows.size)
+            protect = rows if keep_copies is None else np.concatenate([rows, keep_copies])
+            locs = self._ssd_room(nbytes, rows.size, protect) if evict else self.tier.allocate(nbytes, rows.size)
             k = locs.size
             if k == 0:
                 return out
@@ -288,7 +296,7 @@ class SsdMover:
             to_write = rest[admit]
             cold = rest[~admit]
             if to_write.size:
-                ids = self._write(to_write)
+                ids = self._write(to_write, keep_copies=has_copy)
                 written = to_write[ids >= 0]
                 idx.ssd_loc[written] = ids[ids >= 0]
                 has_copy = np.concatenate([has_copy, written])

@@ -242,3 +242,22 @@ TieredStoreMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("KVSTORE_HYPOTHESIS_EXAMPLES", "150")) // 2, stateful_step_count=50,
     deadline=None)
 TestTieredStoreMachine = TieredStoreMachine.TestCase
+
+
+def test_a_demoted_block_keeps_the_ssd_copy_it_leaves_dram_for():
+    """Found by the machine above: making SSD room for one DRAM victim
+    dropped the SSD copy of another victim about to move there on it,
+    leaving an SSD row with no SSD id (ssd_mover._ssd_room now spares it)."""
+    m = TieredStoreMachine()
+    try:
+        for _ in range(7):
+            m.background(steps=1)
+        for step in ((0, 4, 0), (3, 5, 0), None, (0, 3, 1), (0, 6, 0), None, (3, 5, 1)):
+            if step is None:
+                m.background(steps=1)
+            else:
+                m.put(c=step[0], hi=step[1], lo=0, n=step[2])
+            m.accounting_is_exact()
+            m.lookups_never_skip_a_parent()
+    finally:
+        m.teardown()
