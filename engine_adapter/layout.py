@@ -29,6 +29,7 @@ from typing import Any, Sequence, Union
 import numpy as np
 import torch
 
+from kvstore.client.sinks import LayerScatter
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, KVLayout
 
@@ -243,3 +244,35 @@ def scatter_blocks(layers: list[torch.Tensor], srcs: list[torch.Tensor], ids: np
         for a, b in zip(starts[:-1], starts[1:]):
             i, r, n = int(ids[a]), int(rows[a]), b - a
             t[i:i + n].copy_(src[r:r + n])
+
+
+def scatter_layout(originals: list[torch.Tensor], layers: list[torch.Tensor], at: int,
+                   layer_bytes: int, block_bytes: int, threads: int = 2) -> LayerScatter | None:
+    """How this rank's shard of a stored block (bytes ``[at, at + L *
+    layer_bytes)``, layer-major) lands in the engine's KV tensors, for reads
+    that put each block in place (``kvstore.client.sinks``): one piece per
+    layer when a block of the block-major view ``layers[i]`` is contiguous,
+    one per K/V half when the view is the transpose of a ``[2, blocks, ...]``
+    tensor. None (the caller stages and scatters) for device tensors, a
+    non-contiguous tensor, or any other layout."""
+    pieces: list[tuple[int, int, int, int, int]] = []
+    dsts = []
+    for i, (o, t) in enumerate(zip(originals, layers)):
+        if o.device.type != "cpu" or not o.is_contiguous() or o.dim() < 1 or t.shape[0] < 1:
+            return None
+        item = o.element_size()
+        origin = o.data_ptr()
+        first = t[0]
+        src = at + i * layer_bytes
+        stride = int(t.stride(0)) * item
+        if first.is_contiguous():
+            pieces.append((src, layer_bytes, i, t.data_ptr() - origin, stride))
+        elif first.dim() >= 1 and 0 < first.shape[0] <= 4 and all(first[k].is_contiguous()
+                                                                  for k in range(first.shape[0])):
+            part = layer_bytes // first.shape[0]
+            for k in range(first.shape[0]):
+                pieces.append((src + k * part, part, i, first[k].data_ptr() - origin, stride))
+        else:
+            return None
+        dsts.append(o.detach().view(torch.uint8).reshape(-1).numpy())
+    return LayerScatter(block_bytes, np.asarray(pieces, dtype=np.int64), dsts, threads)

@@ -8,11 +8,15 @@ Under tensor parallelism (TP = k) it is the k ranks' shards back to back in
 present only when all its shards are, and eviction drops them together: the
 daemon knows only whole blocks.
 
-- **Load** (every rank on its own; no collective): ``Acquire`` per request
-  -> each whole block copied out of the daemon's shared-memory slab into a
-  pooled staging buffer, fused with its xxh3_64 check -> ``Release`` -> one
-  ``index_copy_`` per layer for the whole batch, from this rank's shard of
-  the staged blocks. A block that fails (checksum, wrong size, gone since
+- **Load** (every rank on its own; no collective): ``Client.get_into`` per
+  request (DRAM blocks read without a lease through the daemon's shared
+  index, else under an ``Acquire``/``Release`` lease) -> each whole block
+  copied out of the daemon's shared-memory slab fused with its xxh3_64
+  check, and this rank's shard placed straight into the layer tensors
+  (``kvstore.client.sinks.ScatterSink``: a block that fails reaches no
+  page). Layouts ``scatter_layout`` cannot place (device tensors) stage
+  the checked blocks in a pooled buffer first, then copy them in with one
+  ``copy_`` per run of consecutive blocks per layer. A block that fails (checksum, wrong size, gone since
   the lookup, daemon error) is reported through
   ``get_block_ids_with_load_errors`` with every later block of the same
   request. vLLM merges the ranks' reports (the union, ``KVOutputAggregator``)
@@ -40,7 +44,7 @@ import numpy as np
 import torch
 import xxhash
 
-from engine_adapter.layout import scatter_blocks
+from engine_adapter.layout import scatter_blocks, scatter_layout
 from engine_adapter.tp import PLAN_OK, LocalGroup, Plan, TorchDistGroup, TPGroup
 from engine_adapter.vllm_common import (
     FAULT_TYPES,
@@ -55,8 +59,9 @@ from engine_adapter.vllm_common import (
     request_ns,
     split_keys,
 )
-from kvstore.checksum import copy_many, verify_many
+from kvstore.checksum import copy_many
 from kvstore.client import Client, Reservation
+from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
 
@@ -73,8 +78,9 @@ WIRE_DECISIONS = ("unspecified", "local", "fetch", "recompute")
 LOAD_PHASES = ("setup", "acquire", "copy", "release", "scatter")
 """Phases of a step's loads, timed into its ``load_step`` record: the
 staging buffer and the daemon connection (made on first use), the Acquire
-call, the verified copies out of the slab, sending the Release, and the
-copies into vLLM's KV tensors."""
+call, the verified copies out of the slab (straight into vLLM's KV tensors
+when ``scatter_layout`` places them), sending the Release, and the copies
+from staging into the KV tensors (0 when there is no staging)."""
 
 
 def slab_identity(client: Client | None) -> int:
@@ -118,6 +124,10 @@ class WorkerSide:
         self.block_bytes = 0
         """A stored block: ``tp * shard_bytes``."""
         self.staging = torch.empty(0, dtype=torch.uint8)
+        self.scatter: LayerScatter | None = None
+        """Where a verified read puts this rank's shard of a block straight
+        into the KV tensors (CPU layouts ``scatter_layout`` knows); None:
+        loads stage whole blocks and copy them in afterwards."""
         self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
         """Seconds of the current step's loads in each of ``LOAD_PHASES``."""
         self.load_errors: set[int] = set()
@@ -143,6 +153,7 @@ class WorkerSide:
         kcc = self.kv_cache_config
         num_blocks = int(kcc.num_blocks) if kcc is not None else None
         layers = []
+        originals = list(kv_caches.values())
         for name, t in kv_caches.items():
             if num_blocks is not None and t.shape[0] != num_blocks and t.dim() > 1 and t.shape[1] == num_blocks:
                 t = t.transpose(0, 1)  # [2, num_blocks, ...] (K/V outermost) -> block-major
@@ -166,8 +177,11 @@ class WorkerSide:
         self.layer_bytes = int(np.prod(shape)) * dtype.itemsize
         self.shard_bytes = self.layer_bytes * len(layers)
         self.block_bytes = self.shard_bytes * self.tp
-        log.info("kvstore connector: %d layers, block %s %s, %d bytes per stored block (%d per rank, TP=%d)",
-                 len(layers), shape, dtype, self.block_bytes, self.shard_bytes, self.tp)
+        self.scatter = scatter_layout(originals, layers, self.rank * self.shard_bytes, self.layer_bytes,
+                                      self.block_bytes)
+        log.info("kvstore connector: %d layers, block %s %s, %d bytes per stored block (%d per rank, TP=%d); "
+                 "loads %s", len(layers), shape, dtype, self.block_bytes, self.shard_bytes, self.tp,
+                 "straight into the KV tensors" if self.scatter is not None else "staged, then copied in")
 
     def stage(self, n: int, width: int, at: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A pooled ``[n, width]`` uint8 buffer and per-layer typed views of
@@ -193,8 +207,9 @@ class WorkerSide:
         self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
         rank = self.rank
         total = sum(len(m.block_ids) for m in meta.loads)
-        raw, typed = self.stage(total, self.block_bytes, rank * self.shard_bytes)  # whole blocks, checked whole
-        rows = raw.numpy()
+        place = self.scatter  # blocks straight into the KV tensors, else staged and copied in below
+        raw, typed = self.stage(total, self.block_bytes, rank * self.shard_bytes) if place is None else (None, [])
+        rows = raw.numpy() if raw is not None else np.empty((0, 0), np.uint8)
         good_ids: list[int] = []
         good_rows: list[int] = []
         row = 0
@@ -202,7 +217,9 @@ class WorkerSide:
         self.phases["setup"] = time.perf_counter() - t0
         for m in meta.loads:
             n = len(m.block_ids)
-            ok = self.load_one(c, base, m, rows[row:row + n]) if c is not None else 0
+            sink: BlockSink = place.sink(m.block_ids) if place is not None else \
+                BufferSink([rows[row + i] for i in range(n)])
+            ok = self.load_one(c, base, m, sink) if c is not None else 0
             good_ids += m.block_ids[:ok]
             good_rows += range(row, row + ok)
             self.load_errors.update(m.block_ids[ok:])
@@ -216,7 +233,7 @@ class WorkerSide:
             if c is not None and self.link.current is None:
                 c = None  # a fault closed it: the rest are failures too
         t1 = time.perf_counter()
-        if good_ids:
+        if good_ids and place is None:
             scatter_blocks(self.layers, typed, np.asarray(good_ids, dtype=np.int64),
                            np.asarray(good_rows, dtype=np.int64))
         t2 = time.perf_counter()
@@ -230,18 +247,19 @@ class WorkerSide:
                          ms=round((t2 - t0) * 1000, 3),
                          **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()})
 
-    def load_one(self, c: Client, base: Namespace, m: BlockMove, rows: np.ndarray) -> int:
-        """Copy the leading verified whole blocks of ``m`` into ``rows``; how many."""
+    def load_one(self, c: Client, base: Namespace, m: BlockMove, sink: BlockSink) -> int:
+        """Copy the leading verified whole blocks of ``m`` into ``sink``
+        (staging rows, or the KV tensors themselves); how many."""
         ns = request_ns(base, m.adapter, m.salt)
         keys = split_keys(m.keys)
         if c.slab is None or (c.reads_without_lease and not m.cluster):
-            # another host: inline bytes (checked by the daemon); same host with the daemon's
-            # shared index: get_into reads DRAM blocks without a lease (verified against the
-            # index before and after the copy; otherwise it takes a lease itself), and reports
-            # blocks failing their checksum as Acquire's path below does
+            # another host: inline bytes (checked by the daemon, and against its checksums here);
+            # same host with the daemon's shared index: get_into reads DRAM blocks without a lease
+            # (verified against the index before and after the copy; otherwise it takes a lease
+            # itself), and reports blocks failing their checksum as Acquire's path below does
             t0 = time.perf_counter()
             try:
-                st = c.get_into(ns, keys, [rows[i] for i in range(len(keys))])
+                st = c.get_into(ns, keys, sink)
             except FAULT_TYPES as e:
                 self.link.fault("load", e)
                 return 0
@@ -265,8 +283,8 @@ class WorkerSide:
             hit = lease.hit_blocks
             sizes_ok = [int(x) == self.block_bytes for x in lease.lengths[:hit]]
             hit = sizes_ok.index(False) if False in sizes_ok else hit
-            good = verify_many([rows[i] for i in range(hit)], [lease.views[i] for i in range(hit)],
-                               lease.checksums[:hit]) if hit else np.zeros(0, bool)
+            good = sink.write(range(hit), [lease.views[i] for i in range(hit)],
+                              lease.checksums[:hit]) if hit else np.zeros(0, bool)
         except FAULT_TYPES as e:
             self.link.fault("load", e)
             return 0

@@ -27,7 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "verify_many"]
+__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "run_split", "verify_many",
+           "verify_scatter"]
 
 
 def load_native() -> ModuleType | None:
@@ -164,6 +165,45 @@ def copy_verify(dst: Any, src: Any, expected: int) -> bool:
     return copy_checksum(dst, src) == expected
 
 
+PIECE_FIELDS: Final = 5
+"""Columns of a ``verify_scatter`` piece row: source offset, length,
+destination (index into ``dsts``), base and stride in that destination."""
+
+
+def verify_scatter(src: Any, expected: int, scratch: Any, pieces: Any, dsts: tuple[Any, ...], index: int) -> bool:
+    """Copy block ``src`` into ``scratch`` (private, at least as long) with
+    the fused copy of :func:`copy_verify`; only when its checksum equals
+    ``expected``, copy pieces of those checked bytes to their places: row
+    ``(off, length, d, base, stride)`` of ``pieces`` (int64, ``(n, 5)``)
+    writes ``scratch[off : off + length]`` at byte ``base + index * stride``
+    of ``dsts[d]``. Every place is checked first (ValueError); on a mismatch
+    nothing but ``scratch`` is written and the result is False. The bytes
+    placed are the bytes hashed, even if another process rewrites ``src``."""
+    if not isinstance(expected, (int, np.integer)):
+        raise TypeError(f"expected must be an int checksum, not {type(expected).__name__}")
+    if _native is not None:
+        return bool(_native.verify_scatter(_native_arg(src, "src"), int(expected), scratch,
+                                           np.ascontiguousarray(pieces, dtype=np.int64), dsts, int(index)))
+    s = _as_bytes(src, "src")
+    scr = _as_bytes(scratch, "scratch")
+    rows = np.asarray(pieces, dtype=np.int64).reshape(-1, PIECE_FIELDS)
+    outs = [_as_bytes(d, "dsts[i]") for d in dsts]
+    if index < 0:
+        raise ValueError("index must be >= 0")
+    if scr.nbytes < s.nbytes:
+        raise ValueError(f"scratch of {scr.nbytes} bytes for a block of {s.nbytes}")
+    for r, (off, length, d, base, stride) in enumerate(rows.tolist()):
+        if (min(off, length, d, base, stride) < 0 or off + length > s.nbytes or d >= len(outs)
+                or base + index * stride + length > outs[d].nbytes):
+            raise ValueError(f"piece {r} does not fit its source or destination")
+    if not copy_verify(scr[: s.nbytes], s, int(expected)):
+        return False
+    for off, length, d, base, stride in rows.tolist():
+        at = base + index * stride
+        outs[d][at : at + length] = scr[off : off + length]
+    return True
+
+
 # ---------------------------------------------------------------- batches
 _POOL: Any = None
 _PARALLEL_MIN_BYTES: Final = 4 << 20
@@ -234,6 +274,13 @@ def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.nda
 
     _run_parts(run, _split(n, nbytes, threads))
     return ok
+
+
+def run_split(run: Any, n: int, nbytes: int, threads: int) -> None:
+    """``run(a, b)`` over contiguous ranges of ``range(n)``, one range per
+    thread when the batch of ``nbytes`` is large enough to pay (the batch
+    helpers above split the same way); the calling thread runs the first."""
+    _run_parts(run, _split(n, nbytes, threads))
 
 
 def _run_parts(run: Any, parts: list[tuple[int, int]]) -> None:

@@ -12,6 +12,7 @@ import grpc
 
 from kvstore.buffers import as_u8, pack_keys
 from kvstore.client.base import ClientBase
+from kvstore.client.sinks import BlockSink, as_sink
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import DaemonStats, LookupResult
@@ -102,23 +103,20 @@ class AsyncClient(ClientBase):
         c = await self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
         return self._merge_commit(statuses, c)
 
-    async def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+    async def get_into(self, ns: Namespace, keys: Sequence[bytes],
+                       outs: Sequence[Buffer] | BlockSink) -> list[KeyStatus]:
         keys = list(keys)
         if len(outs) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         if self.slab is None:
-            statuses = [KeyStatus.MISS] * len(keys)
-            try:
-                async for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=keys), metadata=self._md(),
-                                                 timeout=self.timeout):
-                    self._apply_chunk(chunk, outs, statuses)
-            except grpc.RpcError as e:
-                raise error_from_rpc(e) from None
-            return statuses
+            if isinstance(outs, BlockSink):
+                parts, sums = self._inline_parts(outs)
+                return self._inline_done(outs, parts, sums, await self._get_inline(ns, keys, parts, sums))
+            return await self._get_inline(ns, keys, outs)
         r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True),
                                                                    promote=True))
         try:
-            statuses = self._read_slots(r, outs)
+            statuses = self._read_slots(r, as_sink(outs, self.copy_threads))
         finally:
             if r.lease_id:
                 await self._call(self.stub.Release, pb.ReleaseRequest(lease_id=r.lease_id))
@@ -128,6 +126,17 @@ class AsyncClient(ClientBase):
                 await self._call(self.stub.ReportCorrupt, pb.ReportCorruptRequest(ns=ns_pb(ns), keys=bad))
             except KVStoreError:
                 pass
+        return statuses
+
+    async def _get_inline(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer],
+                          sums: dict[int, int] | None = None) -> list[KeyStatus]:
+        statuses = [KeyStatus.MISS] * len(keys)
+        try:
+            async for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=keys), metadata=self._md(),
+                                             timeout=self.timeout):
+                self._apply_chunk(chunk, outs, statuses, sums)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
         return statuses
 
     async def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:

@@ -14,7 +14,8 @@ import grpc
 import numpy as np
 
 from kvstore.buffers import as_u8, as_u8_writable, pack_keys
-from kvstore.checksum import copy_many, verify_many
+from kvstore.checksum import copy_many
+from kvstore.client.sinks import BlockSink
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
 from kvstore.results import HbmRegion
@@ -165,26 +166,26 @@ class ClientBase:
         committed = iter(KeyStatus(int(x.status)) for x in c.results)
         return [next(committed) if s is KeyStatus.OK else s for s in statuses]
 
-    def _read_slots(self, r: pb.AcquireResponse, outs: Sequence[Buffer]) -> list[KeyStatus]:
-        """Copy acquired blocks out of the slab, verifying checksums."""
+    def _read_slots(self, r: pb.AcquireResponse, sink: BlockSink) -> list[KeyStatus]:
+        """Copy acquired blocks out of the slab into ``sink``, verifying checksums."""
         sa = r.slots
         statuses = [KeyStatus(x) for x in sa.status]
         todo = []
         for i in range(int(r.hit_blocks)):
-            if as_u8_writable(outs[i]).size != sa.length[i]:
+            if sink.size_of(i) != sa.length[i]:
                 statuses[i] = KeyStatus.INVALID
             else:
                 todo.append(i)
-        ok = verify_many([as_u8_writable(outs[i]) for i in todo],
-                         [self._view(sa.offset[i], sa.length[i]) for i in todo],
-                         [sa.checksum[i] for i in todo], self.copy_threads)
+        ok = sink.write(todo, [self._view(sa.offset[i], sa.length[i]) for i in todo],
+                        [sa.checksum[i] for i in todo])
         for i, good in zip(todo, ok.tolist()):
             if not good:
                 statuses[i] = KeyStatus.CORRUPT
         return statuses
 
     @staticmethod
-    def _apply_chunk(chunk: pb.GetChunk, outs: Sequence[Buffer], statuses: list[KeyStatus]) -> None:
+    def _apply_chunk(chunk: pb.GetChunk, outs: Sequence[Buffer], statuses: list[KeyStatus],
+                     sums: dict[int, int] | None = None) -> None:
         i = chunk.index
         statuses[i] = KeyStatus(int(chunk.status))
         if chunk.status != pb.STATUS_OK:
@@ -194,6 +195,25 @@ class ClientBase:
             statuses[i] = KeyStatus.INVALID
             return
         dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+        if sums is not None:
+            sums[i] = int(chunk.checksum)
+
+    @staticmethod
+    def _inline_parts(sink: BlockSink) -> tuple[list[np.ndarray], dict[int, int]]:
+        """Buffers an inline get into a sink assembles the blocks in (their
+        checksums go in the dict), before ``_inline_done`` hands them over."""
+        return [np.empty(sink.size_of(i), np.uint8) for i in range(len(sink))], {}
+
+    @staticmethod
+    def _inline_done(sink: BlockSink, parts: list[np.ndarray], sums: dict[int, int],
+                     statuses: list[KeyStatus]) -> list[KeyStatus]:
+        """Hand the assembled blocks to the sink, checked against the checksums the daemon sent."""
+        todo = [i for i, s in enumerate(statuses) if s is KeyStatus.OK and i in sums]
+        ok = sink.write(todo, [parts[i] for i in todo], [sums[i] for i in todo])
+        for i, good in zip(todo, ok.tolist()):
+            if not good:
+                statuses[i] = KeyStatus.CORRUPT
+        return statuses
 
     @staticmethod
     def _statuses(results: Any) -> list[KeyStatus]:

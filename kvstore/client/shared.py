@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-
 import numpy as np
 
-from kvstore.buffers import as_u8_writable
-from kvstore.checksum import verify_many
+from kvstore.client.sinks import BlockSink
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import KeyStatus, KVStoreError
 from kvstore.wire.frames import NO_NSID, reads_frame, tally_frame
 from kvstore.wire.shared_index import TALLY, SharedIndexReader
 from kvstore.wire.shm import SlabMapping
-from tiers.base import Buffer
 
 NSID_RETRY_S = 0.5
 """How soon to ask again for the id of a namespace the daemon has none for yet."""
@@ -107,15 +103,16 @@ class SharedPath:
         return tally_frame(b"".join(TALLY.pack(nid, *t) for nid, t in tally.items()))
 
     # --------------------------------------------------------------- read
-    def read(self, nid: int, packed: bytes, outs: Sequence[Buffer], slab: SlabMapping,
-             copy_threads: int) -> tuple[list[KeyStatus], bytes] | None:
+    def read(self, nid: int, packed: bytes, sink: BlockSink,
+             slab: SlabMapping) -> tuple[list[KeyStatus], bytes] | None:
         """``get_into`` without a lease, when every present block of the
         prefix is in DRAM: the slots come from the shared index, the copy out
-        verifies each block's checksum, and the slots are looked up again
-        after it: the bytes are kept only if the index still names the same
-        rows, places and checksums (a block evicted, moved or replaced
-        meanwhile; a checksum that fails; a size that does not fit: None, and
-        the caller takes the lease path, which also reports corruption).
+        (into ``sink``) verifies each block's checksum, and the slots are
+        looked up again after it: the bytes are kept only if the index still
+        names the same rows, places and checksums (a block evicted, moved or
+        replaced meanwhile; a checksum that fails; a size that does not fit:
+        None, and the caller takes the lease path, which writes the sink
+        again and also reports corruption).
         Returns the statuses and the ``reads`` frame that tells the daemon
         (it counts the get, and the blocks' accesses as an Acquire's)."""
         first = self.reader.slots(nid, packed)
@@ -123,13 +120,12 @@ class SharedPath:
             return None
         hit, _, slots = first
         n = len(packed) // 16
-        dsts = [as_u8_writable(outs[i]) for i in range(hit)]
         offsets, sizes = slots[:, 1].tolist(), slots[:, 2].tolist()
-        if any(d.size != z for d, z in zip(dsts, sizes)) or not all(map(slab.covers, offsets, sizes)):
+        if any(sink.size_of(i) != z for i, z in enumerate(sizes)) or not all(map(slab.covers, offsets, sizes)):
             return None  # (the lease path answers INVALID for a size that does not fit)
         if hit:
             srcs = [slab.buf[o : o + z] for o, z in zip(offsets, sizes)]
-            if not verify_many(dsts, srcs, slots[:, 3].view(np.uint64).tolist(), copy_threads).all():
+            if not sink.write(range(hit), srcs, slots[:, 3].view(np.uint64).tolist()).all():
                 return None
             again = self.reader.slots(nid, packed[: 16 * hit])
             if again is None or again[0] != hit or not np.array_equal(again[2], slots):

@@ -146,3 +146,12 @@ class LookupSocketClient:
         """Wait for every pipelined call's answer."""
         with self.lock:
             self._settle()
+
+
+def settle_quietly(fast: LookupSocketClient) -> None:
+    """At exit (or when a Client is collected): wait for the answers of its
+    pipelined calls, so they ran before its session ends."""
+    try:
+        fast.flush()
+    except (OSError, KVStoreError):
+        pass

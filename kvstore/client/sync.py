@@ -31,7 +31,8 @@ from kvstore.buffers import as_u8, pack_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
 from kvstore.client.shared import SharedPath
-from kvstore.client.socket import LookupSocketClient
+from kvstore.client.sinks import BlockSink, as_sink
+from kvstore.client.socket import LookupSocketClient, settle_quietly
 from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
 from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, PolicyChange, ResizeResult
@@ -93,7 +94,7 @@ class Client(ClientBase):
                 except (OSError, KVStoreError) as e:
                     log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
                 else:  # a process that exits without close() still lands its last pipelined Commit
-                    weakref.finalize(self, _settle_quietly, self._fast)
+                    weakref.finalize(self, settle_quietly, self._fast)
                     if shared_index and self._fast.shared_path:
                         try:
                             self._shared = SharedPath(SharedIndexReader(self._fast.shared_path))
@@ -323,13 +324,18 @@ class Client(ClientBase):
         return out
 
     # --------------------------------------------------------------- get
-    def get_into(self, ns: Namespace, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
-        """Copy the leading present blocks into ``outs``; one status per key."""
+    def get_into(self, ns: Namespace, keys: Sequence[bytes],
+                 outs: Sequence[Buffer] | BlockSink) -> list[KeyStatus]:
+        """Copy the leading present blocks into ``outs`` (one buffer per key,
+        or a ``kvstore.client.sinks`` sink); one status per key."""
         keys = list(keys)
         if len(outs) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         if self.slab is not None:
-            return self._get_shm(ns, keys, outs)
+            return self._get_shm(ns, keys, as_sink(outs, self.copy_threads))
+        if isinstance(outs, BlockSink):
+            parts, sums = self._inline_parts(outs)
+            return self._inline_done(outs, parts, sums, self._get_inline(ns, keys, parts, sums))
         return self._get_inline(ns, keys, outs)
 
     def get(self, ns: Namespace, keys: Sequence[bytes]) -> list[np.ndarray | None]:
@@ -354,15 +360,15 @@ class Client(ClientBase):
             b[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
-    def _get_shm(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+    def _get_shm(self, ns: Namespace, keys: list[bytes], sink: BlockSink) -> list[KeyStatus]:
         if self._shared is not None and self._fast is not None:
-            read = self._shared_read(ns, keys, outs)
+            read = self._shared_read(ns, keys, sink)
             if read is not None:
                 return read
         r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True),
                                                      promote=True))
         try:
-            statuses = self._read_slots(r, outs)
+            statuses = self._read_slots(r, sink)
         finally:
             if r.lease_id:
                 self._send("Release", pb.ReleaseRequest(lease_id=r.lease_id))
@@ -374,7 +380,7 @@ class Client(ClientBase):
         """Whether ``get_into`` may read DRAM blocks from the daemon's shared index without a lease."""
         return self._shared is not None
 
-    def _shared_read(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus] | None:
+    def _shared_read(self, ns: Namespace, keys: list[bytes], sink: BlockSink) -> list[KeyStatus] | None:
         """``get_into`` without a lease from the shared index (``SharedPath.read``), or None (take a lease)."""
         shared, fast = self._shared, self._fast
         if shared is None or fast is None or self.slab is None:
@@ -383,7 +389,7 @@ class Client(ClientBase):
         if not fits_frame(len(packed) + 64):
             return None
         nid = self._shared_nid(shared, fast, self._wire_of(ns))
-        got = shared.read(nid, packed, outs, self.slab, self.copy_threads) if nid is not None else None
+        got = shared.read(nid, packed, sink, self.slab) if nid is not None else None
         if got is None:
             return None
         self._send_frame("Reads", got[1])
@@ -406,10 +412,11 @@ class Client(ClientBase):
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
 
-    def _get_inline(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer]) -> list[KeyStatus]:
+    def _get_inline(self, ns: Namespace, keys: list[bytes], outs: Sequence[Buffer],
+                    sums: dict[int, int] | None = None) -> list[KeyStatus]:
         statuses = [KeyStatus.MISS] * len(keys)
         for _, chunk in self._stream_get(ns, keys):
-            self._apply_chunk(chunk, outs, statuses)
+            self._apply_chunk(chunk, outs, statuses, sums)
         return statuses
 
     # ------------------------------------------------ two-phase, low level
@@ -536,15 +543,6 @@ class Client(ClientBase):
     def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
         return policy_from_pb(r)
-
-
-def _settle_quietly(fast: LookupSocketClient) -> None:
-    """At exit (or when a Client is collected): wait for the answers of its
-    pipelined calls, so they ran before its session ends."""
-    try:
-        fast.flush()
-    except (OSError, KVStoreError):
-        pass
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_adapter.layout import block_runs, scatter_blocks
+from engine_adapter.layout import block_runs, scatter_blocks, scatter_layout
 
 
 def test_runs_break_where_ids_or_rows_jump():
@@ -34,3 +34,61 @@ def test_scatter_matches_index_copy(ids, rows):
     scatter_blocks(layers, srcs, np.asarray(ids, dtype=np.int64), np.asarray(rows, dtype=np.int64))
     for got, exp in zip(layers, want):
         assert torch.equal(got, exp)
+
+
+# ---------------------------------------------- loads straight into the layers
+def _stored_blocks(n: int, block_bytes: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("kv_first", [False, True])
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_scatter_sink_places_what_staging_and_scatter_place(kv_first, tp, rank):
+    """Blocks read through ``scatter_layout``'s sink land in the layers
+    exactly as staged whole blocks copied in with ``scatter_blocks`` do:
+    layouts [blocks, 2, ...] and [2, blocks, ...] (vLLM's K/V-first CPU
+    layout, registered as its block-major transpose), any rank's shard."""
+    from kvstore.checksum import checksum
+
+    nb, shape = 10, (2, 4, 2, 8)  # K/V, tokens, heads, head size (bfloat16)
+    origs = [torch.zeros(2, nb, *shape[1:], dtype=torch.bfloat16) if kv_first else
+             torch.zeros(nb, *shape, dtype=torch.bfloat16) for _ in range(3)]
+    layers = [o.transpose(0, 1) if kv_first else o for o in origs]
+    layer_bytes = int(np.prod(shape)) * 2
+    shard = 3 * layer_bytes
+    blocks = _stored_blocks(4, tp * shard)
+    ids = [7, 2, 3, 9]
+    place = scatter_layout(origs, layers, rank * shard, layer_bytes, tp * shard)
+    assert place is not None
+    sink = place.sink(ids)
+    assert len(sink) == 4 and sink.size_of(0) == tp * shard
+    ok = sink.write(range(4), list(blocks), [checksum(b) for b in blocks])
+    assert ok.all()
+    # the staged path: this rank's shard of each block, typed per layer, copied in
+    want = [torch.zeros_like(t) for t in layers]
+    rows = torch.from_numpy(blocks.copy())[:, rank * shard:(rank + 1) * shard].contiguous().view(4, 3, layer_bytes)
+    typed = [rows[:, i].contiguous().view(torch.bfloat16).view(4, *shape) for i in range(3)]
+    scatter_blocks(want, typed, np.asarray(ids, dtype=np.int64), np.arange(4, dtype=np.int64))
+    for got, exp in zip(layers, want):  # (as bits: random bytes make NaNs)
+        assert torch.equal(got.contiguous().view(torch.int16), exp.contiguous().view(torch.int16))
+        assert got[ids].view(torch.int16).any()
+
+
+def test_scatter_sink_leaves_a_failed_block_out():
+    from kvstore.checksum import checksum
+
+    origs = [torch.zeros(6, 2, 4, 8, dtype=torch.float16) for _ in range(2)]
+    lb = 2 * 4 * 8 * 2
+    place = scatter_layout(origs, origs, 0, lb, 2 * lb)
+    blocks = _stored_blocks(2, 2 * lb)
+    sums = [checksum(b) for b in blocks]
+    sums[1] ^= 1
+    assert place.sink([1, 4]).write([0, 1], list(blocks), sums).tolist() == [True, False]
+    assert all(o[1].any() and not o[4].any() for o in origs)
+
+
+def test_scatter_layout_declines_what_it_cannot_place():
+    t = torch.zeros(4, 3, 8, dtype=torch.float32)
+    assert scatter_layout([t[:, :, ::2]], [t[:, :, ::2]], 0, 48, 48) is None  # not contiguous
+    o = torch.zeros(2, 3, 4, dtype=torch.float32)  # a block's elements strided apart: no rule covers it
+    assert scatter_layout([o], [o.permute(2, 1, 0)], 0, 24, 24) is None

@@ -195,3 +195,55 @@ def test_no_kvstore_native_selects_the_fallback() -> None:
                          cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "True", str(xxhash.xxh3_64_intdigest(b"abc"))]
+
+
+# ------------------------------------------------------------ verify_scatter
+def _pieces(*rows: tuple[int, int, int, int, int]) -> np.ndarray:
+    return np.array(rows, dtype=np.int64).reshape(-1, cks.PIECE_FIELDS)
+
+
+@pytest.mark.parametrize("n", [300, 4096, 3 * 4096 + 5, 1 << 20])
+def test_verify_scatter_places_the_checked_bytes(n: int, impl: str) -> None:
+    """Pieces of a checked block land at base + index * stride of their
+    destination; bytes no piece names are hashed but go nowhere."""
+    src = np.random.default_rng(n).integers(0, 256, size=n, dtype=np.uint8)
+    a, b = np.zeros((6, 128), np.uint8), np.zeros(6 * 64 + 32, np.uint8)
+    pieces = _pieces((0, 128, 0, 0, 128), (n - 64, 32, 1, 32, 64), (n - 32, 32, 1, 0, 64))
+    scratch = np.empty(n, np.uint8)
+    assert cks.verify_scatter(src, cks.checksum(src), scratch, pieces, (a, b), 4) is True
+    assert np.array_equal(a[4], src[:128]) and not a[[0, 1, 2, 3, 5]].any()
+    assert np.array_equal(b[4 * 64 : 4 * 64 + 32], src[n - 32 :])
+    assert np.array_equal(b[4 * 64 + 32 : 5 * 64], src[n - 64 : n - 32])
+    assert np.count_nonzero(b[: 4 * 64]) == 0 and np.count_nonzero(b[5 * 64 :]) == 0
+
+
+def test_verify_scatter_writes_nothing_on_a_mismatch(impl: str) -> None:
+    src = np.random.default_rng(3).integers(1, 256, size=8192, dtype=np.uint8)
+    a = np.zeros((4, 8192), np.uint8)
+    assert cks.verify_scatter(src, cks.checksum(src) ^ 1, np.empty(8192, np.uint8),
+                              _pieces((0, 8192, 0, 0, 8192)), (a,), 2) is False
+    assert not a.any()
+
+
+@pytest.mark.parametrize("rows,index", [
+    ([(0, 4097, 0, 0, 0)], 0),        # past the end of the block
+    ([(-1, 10, 0, 0, 0)], 0),         # negative offset
+    ([(0, 10, 1, 0, 0)], 0),          # no such destination
+    ([(0, 64, 0, 0, 64)], 16),        # slot 16 of a 16-slot destination
+    ([(0, 64, 0, 1000, 0)], 0),       # base past the destination
+    ([(0, 64, 0, 0, 1 << 62)], 3),    # stride * index would overflow
+])
+def test_verify_scatter_refuses_a_place_outside_its_buffers(rows: list[tuple[int, ...]], index: int,
+                                                            impl: str) -> None:
+    src = np.random.default_rng(5).integers(0, 256, size=4096, dtype=np.uint8)
+    a = np.zeros(16 * 64, np.uint8)
+    with pytest.raises(ValueError):
+        cks.verify_scatter(src, cks.checksum(src), np.empty(4096, np.uint8), _pieces(*rows), (a,), index)
+    assert not a.any()
+
+
+def test_verify_scatter_needs_a_scratch_as_long_as_the_block(impl: str) -> None:
+    src = np.ones(4096, np.uint8)
+    with pytest.raises(ValueError):
+        cks.verify_scatter(src, cks.checksum(src), np.empty(4095, np.uint8), _pieces((0, 1, 0, 0, 0)),
+                           (np.zeros(4, np.uint8),), 0)

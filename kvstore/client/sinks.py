@@ -1,0 +1,148 @@
+"""Where a verified read puts the blocks it reads (issue 18, goal 4).
+
+``Client.get_into`` copies each block out of the slab and checks its
+XXH3-64 on the way. By default the blocks land in the caller's buffers
+(``BufferSink``). An engine whose KV cache is split per layer would then
+copy each block a second time, from those buffers into its layers. A
+``ScatterSink`` puts the checked bytes there directly: each block is copied
+(and hashed) into a small private scratch buffer that stays in cache, and
+only when its checksum matches are its pieces copied to their places in the
+engine's arrays (``kvstore.checksum.verify_scatter``). A block that fails
+leaves the engine's arrays untouched.
+
+A sink answers two questions: the size block ``i`` must have
+(``size_of``), and "copy and check these blocks" (``write``: one bool per
+block, False for a checksum mismatch).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from kvstore.buffers import as_u8_writable
+from kvstore.checksum import PIECE_FIELDS, run_split, verify_many, verify_scatter
+from kvstore.errors import InvalidArgument
+from tiers.base import Buffer
+
+__all__ = ["BlockSink", "BufferSink", "LayerScatter", "ScatterSink", "as_sink"]
+
+
+@runtime_checkable
+class BlockSink(Protocol):
+    """Where a verified read of ``len(sink)`` blocks puts them."""
+
+    def __len__(self) -> int: ...
+
+    def size_of(self, i: int) -> int:
+        """The byte size block ``i`` must have (a block of another size is not read)."""
+        ...
+
+    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int]) -> np.ndarray:
+        """Copy ``srcs[j]`` (block ``idx[j]``) to its place, checking its
+        XXH3-64 against ``expected[j]``; a bool per block (False: mismatch)."""
+        ...
+
+
+class BufferSink:
+    """One caller buffer per block (``get_into``'s ``outs``)."""
+
+    def __init__(self, outs: Sequence[Buffer], threads: int = 2) -> None:
+        self.outs = outs
+        self.threads = threads
+        self._views: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.outs)
+
+    def _view(self, i: int) -> np.ndarray:
+        v = self._views.get(i)
+        if v is None:
+            v = self._views[i] = as_u8_writable(self.outs[i])
+        return v
+
+    def size_of(self, i: int) -> int:
+        return int(self._view(i).size)
+
+    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int]) -> np.ndarray:
+        return verify_many([self._view(i) for i in idx], srcs, expected, self.threads)
+
+
+class LayerScatter:
+    """How a whole stored block maps onto an engine's arrays, set up once.
+
+    ``pieces`` (int64, ``(n, 5)``): rows ``(offset in the block, length,
+    destination, base, stride)``: block bytes ``[offset, offset + length)``
+    go to ``dsts[destination]`` at byte ``base + slot * stride``, where
+    ``slot`` is the engine's block id. ``dsts``: writable byte buffers (a
+    layer's whole KV tensor each). Bytes of the block no piece names (another
+    rank's shard) are still hashed: the checksum covers the whole block."""
+
+    def __init__(self, block_bytes: int, pieces: Any, dsts: Sequence[Any], threads: int = 2) -> None:
+        rows = np.ascontiguousarray(pieces, dtype=np.int64).reshape(-1, PIECE_FIELDS)
+        if block_bytes <= 0:
+            raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
+        if rows.size and (int(rows[:, :5].min()) < 0 or int((rows[:, 0] + rows[:, 1]).max()) > block_bytes
+                          or int(rows[:, 2].max()) >= len(dsts)):
+            raise InvalidArgument("a piece lies outside the block or names no destination")
+        self.block_bytes = int(block_bytes)
+        self.pieces = rows
+        self.dsts = tuple(dsts)
+        self.threads = max(1, int(threads))
+        self._scratch: list[np.ndarray] = []
+        """Free scratch buffers (one per thread that copies at once): reused, so they stay mapped and cached."""
+
+    def sink(self, slots: Sequence[int]) -> "ScatterSink":
+        """A sink for a read of ``len(slots)`` blocks: block ``i`` goes to engine block ``slots[i]``."""
+        return ScatterSink(self, slots)
+
+    def take_scratch(self) -> np.ndarray:
+        try:
+            return self._scratch.pop()  # (list.pop/append are atomic: threads share the pool)
+        except IndexError:
+            return np.empty(self.block_bytes, dtype=np.uint8)
+
+    def give_scratch(self, buf: np.ndarray) -> None:
+        self._scratch.append(buf)
+
+
+class ScatterSink:
+    """One read's blocks, straight into the engine's arrays (``LayerScatter.sink``)."""
+
+    def __init__(self, layout: LayerScatter, slots: Sequence[int]) -> None:
+        self.layout = layout
+        self.slots = [int(s) for s in slots]
+        if any(s < 0 for s in self.slots):
+            raise InvalidArgument("engine block ids must be >= 0")
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def size_of(self, i: int) -> int:
+        return self.layout.block_bytes
+
+    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int]) -> np.ndarray:
+        lay = self.layout
+        n = len(idx)
+        ok = np.zeros(n, dtype=bool)
+        exp = [int(x) for x in expected]
+        slots = [self.slots[i] for i in idx]
+
+        def run(a: int, b: int) -> None:
+            scratch = lay.take_scratch()
+            try:
+                for j in range(a, b):
+                    ok[j] = verify_scatter(srcs[j], exp[j], scratch, lay.pieces, lay.dsts, slots[j])
+            finally:
+                lay.give_scratch(scratch)
+
+        run_split(run, n, n * lay.block_bytes, lay.threads)
+        return ok
+
+
+def as_sink(outs: Sequence[Buffer] | BlockSink, threads: int) -> BlockSink:
+    """``outs`` as a sink: a sink as it is, buffers as a ``BufferSink``."""
+    if isinstance(outs, BlockSink):
+        return outs
+    return BufferSink(outs, threads)

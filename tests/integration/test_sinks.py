@@ -1,0 +1,73 @@
+"""Reads into a sink (kvstore.client.sinks): ``get_into`` puts checked
+blocks straight where a ``LayerScatter`` says, through each of its paths
+(the shared index without a lease, a lease, inline bytes from another host),
+and a block failing its checksum reaches no destination."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import PIECE_FIELDS
+from kvstore.client import Client
+from kvstore.client.sinks import LayerScatter
+from kvstore.errors import KeyStatus
+from kvstore.keys import Namespace, block_keys
+
+BS = 8192
+HALF = BS // 2
+
+
+@pytest.fixture
+def uds_daemon(make_daemon, tmp_path):
+    return make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"))
+
+
+def _layout() -> tuple[LayerScatter, list[np.ndarray]]:
+    """Two destinations of 8 slots: the first half of a block goes to
+    layer 0, the second to layer 1."""
+    layers = [np.zeros((8, HALF), np.uint8) for _ in range(2)]
+    pieces = np.array([(0, HALF, 0, 0, HALF), (HALF, HALF, 1, 0, HALF)], np.int64).reshape(-1, PIECE_FIELDS)
+    return LayerScatter(BS, pieces, layers), layers
+
+
+@pytest.mark.parametrize("how", ["shared", "lease", "inline"])
+def test_get_into_a_sink_places_blocks_through_every_path(uds_daemon, how):
+    kw = {"shared": {}, "lease": {"shared_index": False}, "inline": {"use_shm": False}}[how]
+    with Client(uds_daemon.target, **kw) as c:
+        ns = Namespace(tenant="t", model_id="m", block_size=16)
+        keys = block_keys(ns, np.arange(16 * 4, dtype=np.uint32))
+        data = [np.random.default_rng(i).integers(0, 256, BS, dtype=np.uint8) for i in range(3)]
+        assert c.put(ns, keys[:3], data) == [KeyStatus.OK] * 3
+        place, layers = _layout()
+        slots = [5, 0, 6, 2]
+        assert c.get_into(ns, keys, place.sink(slots)) == [KeyStatus.OK] * 3 + [KeyStatus.MISS]
+        assert c.shared_reads == (1 if how == "shared" else 0)
+        for d, s in zip(data, slots):
+            assert np.array_equal(layers[0][s], d[:HALF]) and np.array_equal(layers[1][s], d[HALF:])
+        assert not layers[0][[1, 3, 4, 7, 2]].any()  # slot 2 was the missing block's
+
+
+def test_a_corrupt_block_reaches_no_destination(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        ns = Namespace(tenant="t", model_id="m", block_size=16)
+        keys = block_keys(ns, np.arange(16 * 2, dtype=np.uint32))
+        c.put(ns, keys, [np.full(BS, 7, np.uint8), np.full(BS, 9, np.uint8)])
+        c.flush()
+        raw = uds_daemon.store.raw
+        row = int(raw.index.find_committed(raw.namespace_id(ns, False), np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
+        uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
+        place, layers = _layout()
+        assert c.get_into(ns, keys, place.sink([1, 3])) == [KeyStatus.OK, KeyStatus.CORRUPT]
+        assert (layers[0][1] == 7).all() and not layers[0][3].any() and not layers[1][3].any()
+        assert c.lookup(ns, keys).hit_blocks == 1  # reported: the daemon dropped it
+
+
+def test_a_sink_of_another_block_size_reads_nothing(uds_daemon):
+    with Client(uds_daemon.target) as c:
+        ns = Namespace(tenant="t", model_id="m", block_size=16)
+        keys = block_keys(ns, np.arange(16, dtype=np.uint32))
+        c.put(ns, keys, [np.ones(2 * BS, np.uint8)])
+        place, layers = _layout()
+        assert c.get_into(ns, keys, place.sink([0])) == [KeyStatus.INVALID]
+        assert not layers[0].any() and not layers[1].any()
