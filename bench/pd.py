@@ -50,7 +50,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import httpx  # noqa: E402
+from tests.support.procs import start_group, stop_group  # noqa: E402
 from benchlib import Report, free_port, percentile, wait_serving  # noqa: E402
 
 VLLM_PY = os.environ.get("KVSTORE_VLLM_PY") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -130,11 +130,11 @@ class Fleet:
             raise SystemExit("bench/pd.py needs etcd (Debian's etcd-server)")
         cport, pport = free_port(), free_port()
         c, p = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
-        self.etcd = subprocess.Popen([exe, "--name", "b", "--data-dir", os.path.join(self.work, "etcd"),
-                                      "--listen-client-urls", c, "--advertise-client-urls", c,
-                                      "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
-                                      "--initial-cluster", f"b={p}", "--log-level", "error"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.etcd = start_group([exe, "--name", "b", "--data-dir", os.path.join(self.work, "etcd"),
+                                 "--listen-client-urls", c, "--advertise-client-urls", c,
+                                 "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
+                                 "--initial-cluster", f"b={p}", "--log-level", "error"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(self.etcd)
         for n in ("a", "b"):
             port = free_port()
@@ -145,7 +145,7 @@ class Fleet:
                          "KVSTORE_CLUSTER_ETCD_ENDPOINT": f"127.0.0.1:{cport}",
                          "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms"})
             log = open(os.path.join(self.work, f"daemon-{n}.log"), "wb")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], env=denv,
+            self.procs.append(start_group([sys.executable, "-m", "kvstore", "serve"], env=denv,
                                                stdout=subprocess.DEVNULL, stderr=log))
         for t in self.daemons.values():
             wait_serving(t, 120, self.procs)
@@ -159,7 +159,7 @@ class Fleet:
                    "kv_connector_extra_config": {"target": self.daemons[n], "cluster": True,
                                                  "stats_path": self.stats_path(n)}}
             log = open(os.path.join(self.work, f"vllm-{n}.log"), "wb")
-            self.procs.append(subprocess.Popen(
+            self.procs.append(start_group(  # its own process group: the engine core goes with it
                 [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--served-model-name",
                  "tiny", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1",
                  "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
@@ -177,14 +177,9 @@ class Fleet:
             httpx.post(f"{url}/reset_prefix_cache", timeout=30)
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        """SIGTERM every process group (a vLLM server's engine core is in its
+        server's), then SIGKILL what is left."""
+        stop_group(list(reversed(self.procs)))
 
 
 def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:

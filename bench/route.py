@@ -60,6 +60,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import httpx
+from tests.support.procs import start_group, stop_group  # noqa: E402
 from benchlib import Report, free_port, percentile, wait_serving
 
 VLLM_PY = os.environ.get("KVSTORE_VLLM_PY") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
@@ -154,7 +155,7 @@ class Fleet:
             port = free_port()
             self.daemons[n] = f"127.0.0.1:{port}"
             log = open(os.path.join(self.work, f"daemon-{n}.log"), "wb")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--port", str(port),
+            self.procs.append(start_group([sys.executable, "-m", "kvstore", "serve", "--port", str(port),
                                                 "--metrics-port", "0", "--dram", "256MiB"],
                                                env=env, stdout=log, stderr=subprocess.STDOUT))
         for n, t in self.daemons.items():
@@ -169,7 +170,7 @@ class Fleet:
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"target": self.daemons[n]}}
             log = open(os.path.join(self.work, f"vllm-{n}.log"), "wb")
-            self.procs.append(subprocess.Popen(
+            self.procs.append(start_group(  # its own process group: the engine core goes with it
                 [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--served-model-name",
                  "tiny", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1",
                  "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
@@ -197,14 +198,9 @@ class Fleet:
             httpx.post(f"{url}/reset_prefix_cache", timeout=30)
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        """SIGTERM every process group (a vLLM server's engine core is in its
+        server's), then SIGKILL what is left."""
+        stop_group(list(reversed(self.procs)))
 
 
 def start_router(fleet: Fleet, policy: str, slos: list[float], tps: float) -> tuple[subprocess.Popen[bytes], str]:
