@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+
 import numpy as np
 
 from kvstore.client.sinks import BlockSink

@@ -83,7 +83,7 @@ class LayerScatter:
         rows = np.ascontiguousarray(pieces, dtype=np.int64).reshape(-1, PIECE_FIELDS)
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
-        if rows.size and (int(rows[:, :5].min()) < 0 or int((rows[:, 0] + rows[:, 1]).max()) > block_bytes
+        if rows.size and (int(rows.min()) < 0 or int((rows[:, 0] + rows[:, 1]).max()) > block_bytes
                           or int(rows[:, 2].max()) >= len(dsts)):
             raise InvalidArgument("a piece lies outside the block or names no destination")
         self.block_bytes = int(block_bytes)
