@@ -6,14 +6,18 @@ trip, and keeps what the daemon must still be told: the namespace ids it
 was given (an ``nsid`` frame each, where the session's tenant is checked),
 the lookups it answered (sent as ``tally`` frames) and the reads it made
 (a ``reads`` frame each). It sends nothing itself: ``kvstore.client.sync.Client``
-owns the socket, settles its own pipelined ``Commit``s before a probe
-(read-your-writes) and sends the frames this class builds.
+owns the socket and sends the frames this class builds. Read-your-writes:
+a probe that comes back short while the client has ``Commit``s in flight
+(pipelined, their answers unread) is made again once those have landed
+(``again``); a full answer needs no wait, since a commit only ever adds
+blocks.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -46,6 +50,9 @@ class SharedPath:
         self._since = 0.0
         self.reads = 0
         """Reads served here without a lease."""
+        self.lookups = 0
+        """Lookups answered here (a probe made again after the client's own
+        commits landed is still one lookup)."""
 
     def nid(self, fast: LookupSocketClient, wire: bytes) -> int | None:
         """The daemon's id of a namespace (asked once over ``fast``; a
@@ -64,11 +71,16 @@ class SharedPath:
         return None if ent[0] == NO_NSID else ent[0]
 
     # ------------------------------------------------------------- lookup
-    def lookup(self, nid: int, packed: bytes) -> tuple[int, bytes] | None:
+    def lookup(self, nid: int, packed: bytes, again: Callable[[], bool] | None = None) -> tuple[int, bytes] | None:
         """(hit blocks, wire Tier bytes) of the chain, counted for the next
-        tally; None: ask the daemon."""
+        tally; None: ask the daemon. ``again``: called when the probe comes
+        back short; True (it waited for the client's own commits) probes
+        once more."""
         got = self.reader.lookup(nid, packed)
+        if got is not None and got[0] < len(packed) // 16 and again is not None and again():
+            got = self.reader.lookup(nid, packed)
         if got is not None:
+            self.lookups += 1
             self._count(nid, len(packed) // 16, got[0], got[1])
         return got
 
@@ -104,8 +116,8 @@ class SharedPath:
         return tally_frame(b"".join(TALLY.pack(nid, *t) for nid, t in tally.items()))
 
     # --------------------------------------------------------------- read
-    def read(self, nid: int, packed: bytes, sink: BlockSink,
-             slab: SlabMapping) -> tuple[list[KeyStatus], bytes] | None:
+    def read(self, nid: int, packed: bytes, sink: BlockSink, slab: SlabMapping,
+             again: Callable[[], bool] | None = None) -> tuple[list[KeyStatus], bytes] | None:
         """``get_into`` without a lease, when every present block of the
         prefix is in DRAM: the slots come from the shared index, the copy out
         (into ``sink``) verifies each block's checksum, and the slots are
@@ -115,12 +127,15 @@ class SharedPath:
         None, and the caller takes the lease path, which writes the sink
         again and also reports corruption).
         Returns the statuses and the ``reads`` frame that tells the daemon
-        (it counts the get, and the blocks' accesses as an Acquire's)."""
+        (it counts the get, and the blocks' accesses as an Acquire's).
+        ``again`` as for ``lookup``."""
+        n = len(packed) // 16
         first = self.reader.slots(nid, packed)
+        if first is not None and first[0] < n and again is not None and again():
+            first = self.reader.slots(nid, packed)
         if first is None or not first[1]:
             return None
         hit, _, slots = first
-        n = len(packed) // 16
         offsets, sizes = slots[:, 1].tolist(), slots[:, 2].tolist()
         if any(sink.size_of(i) != z for i, z in enumerate(sizes)) or not all(map(slab.covers, offsets, sizes)):
             return None  # (the lease path answers INVALID for a size that does not fit)
@@ -128,8 +143,8 @@ class SharedPath:
             srcs = [slab.buf[o : o + z] for o, z in zip(offsets, sizes)]
             if not sink.write(range(hit), srcs, slots[:, 3].view(np.uint64).tolist()).all():
                 return None
-            again = self.reader.slots(nid, packed[: 16 * hit])
-            if again is None or again[0] != hit or not np.array_equal(again[2], slots):
+            after = self.reader.slots(nid, packed[: 16 * hit])
+            if after is None or after[0] != hit or not np.array_equal(after[2], slots):
                 return None
         self.reads += 1
         return [KeyStatus.OK] * hit + [KeyStatus.MISS] * (n - hit), reads_frame(nid, n, packed[: 16 * hit])

@@ -235,22 +235,24 @@ class Client(ClientBase):
     @property
     def shared_lookups(self) -> int:
         """Lookups answered from the daemon's shared index (no round trip)."""
-        return self._shared.reader.probes if self._shared is not None else 0
+        return self._shared.lookups if self._shared is not None else 0
 
-    def _shared_nid(self, shared: SharedPath, fast: LookupSocketClient, wire: bytes) -> int | None:
-        """A namespace's id to probe with (None: ask the daemon), our own Commits landed (read-your-writes)."""
-        nid = shared.nid(fast, wire)
-        if nid is not None and "Commit" in fast.owed:
-            self.flush()
-        return nid
+    def _own_commits(self) -> bool:
+        """Read-your-writes for a shared-index probe that came back short:
+        wait for this client's pipelined Commits; whether there were any."""
+        fast = self._fast
+        if fast is None or "Commit" not in fast.owed:
+            return False
+        self.flush()
+        return True
 
     def _shared_lookup(self, fast: LookupSocketClient, wire: bytes, packed: bytes) -> tuple[int, bytes] | None:
         """``lookup`` from the daemon's shared index, or None (ask the daemon)."""
         shared = self._shared
-        nid = self._shared_nid(shared, fast, wire) if shared is not None else None
+        nid = shared.nid(fast, wire) if shared is not None else None
         if shared is None or nid is None:
             return None
-        got = shared.lookup(nid, packed)
+        got = shared.lookup(nid, packed, self._own_commits)
         if shared.tally_due():
             self._send_tally()
         return got
@@ -388,8 +390,8 @@ class Client(ClientBase):
         packed = pack_keys(keys, check=True)
         if not fits_frame(len(packed) + 64):
             return None
-        nid = self._shared_nid(shared, fast, self._wire_of(ns))
-        got = shared.read(nid, packed, sink, self.slab) if nid is not None else None
+        nid = shared.nid(fast, self._wire_of(ns))
+        got = shared.read(nid, packed, sink, self.slab, self._own_commits) if nid is not None else None
         if got is None:
             return None
         self._send_frame("Reads", got[1])
