@@ -12,7 +12,7 @@ import grpc
 
 from kvstore.buffers import as_u8, pack_keys
 from kvstore.client.base import ClientBase
-from kvstore.client.sinks import BlockSink, as_sink
+from kvstore.client.sinks import BlockSink, as_sink, is_sink
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import DaemonStats, LookupResult
@@ -109,7 +109,7 @@ class AsyncClient(ClientBase):
         if len(outs) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         if self.slab is None:
-            if isinstance(outs, BlockSink):
+            if is_sink(outs):
                 parts, sums = self._inline_parts(outs)
                 return self._inline_done(outs, parts, sums, await self._get_inline(ns, keys, parts, sums))
             return await self._get_inline(ns, keys, outs)

@@ -31,7 +31,7 @@ from kvstore.buffers import as_u8, pack_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
 from kvstore.client.shared import SharedPath
-from kvstore.client.sinks import BlockSink, as_sink
+from kvstore.client.sinks import BlockSink, as_sink, is_sink
 from kvstore.client.socket import LookupSocketClient, settle_quietly
 from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
@@ -335,7 +335,7 @@ class Client(ClientBase):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         if self.slab is not None:
             return self._get_shm(ns, keys, as_sink(outs, self.copy_threads))
-        if isinstance(outs, BlockSink):
+        if is_sink(outs):
             parts, sums = self._inline_parts(outs)
             return self._inline_done(outs, parts, sums, self._get_inline(ns, keys, parts, sums))
         return self._get_inline(ns, keys, outs)
