@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,10 +63,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import httpx  # noqa: E402
-from tests.support.procs import start_group, stop_group  # noqa: E402
-from benchlib import Report, free_port, percentile, wait_serving  # noqa: E402
+from benchlib import Report, free_port, percentile  # noqa: E402
+from fleet import BenchFleet  # noqa: E402
 
-VLLM_PY = os.environ.get("KVSTORE_VLLM_PY") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
+from tests.support.procs import start_group  # noqa: E402
+
 BLOCK = 128
 BLOCK_BYTES = 2 * 4 * 2 * 64 * BLOCK * 4  # the tiny Llama: K+V x 4 layers x 2 KV heads x 64 x 128 tokens x fp32
 CLASSES = ("long", "short")
@@ -100,31 +101,12 @@ class Words:
 
 
 @dataclass
-class Fleet:
-    work: str
-    model: str = ""
+class Fleet(BenchFleet):
+    """The two backends' daemons form a cluster (etcd) and fetch from each other."""
+
     etcd: subprocess.Popen[bytes] | None = None
-    daemons: dict[str, str] = field(default_factory=dict)
-    urls: dict[str, str] = field(default_factory=dict)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def stats_path(self, n: str) -> str:
-        return os.path.join(self.work, f"{n}.jsonl")
-
-    def records(self, n: str) -> list[dict[str, Any]]:
-        try:
-            with open(self.stats_path(n)) as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except FileNotFoundError:
-            return []
 
     def start(self) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "PYTHONPATH": ROOT, "VLLM_NO_USAGE_STATS": "1", "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-        self.model = os.path.join(self.work, "tiny")
-        subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm", "tiny_model.py"), self.model], check=True,
-                       env=env, capture_output=True, timeout=600)
         exe = shutil.which("etcd")
         if exe is None:
             raise SystemExit("bench/pd.py needs etcd (Debian's etcd-server)")
@@ -136,50 +118,11 @@ class Fleet:
                                  "--initial-cluster", f"b={p}", "--log-level", "error"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(self.etcd)
-        for n in ("a", "b"):
-            port = free_port()
-            self.daemons[n] = f"127.0.0.1:{port}"
-            denv = {k: v for k, v in env.items() if not k.startswith("KVSTORE_")}
-            denv.update({"KVSTORE_SERVER_PORT": str(port), "KVSTORE_METRICS_PORT": "0",
-                         "KVSTORE_DRAM_CAPACITY": "512MiB", "KVSTORE_CLUSTER_MODE": "etcd", "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true",
-                         "KVSTORE_CLUSTER_ETCD_ENDPOINT": f"127.0.0.1:{cport}",
-                         "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms"})
-            log = open(os.path.join(self.work, f"daemon-{n}.log"), "wb")
-            self.procs.append(start_group([sys.executable, "-m", "kvstore", "serve"], env=denv,
-                                               stdout=subprocess.DEVNULL, stderr=log))
-        for t in self.daemons.values():
-            wait_serving(t, 120, self.procs)
-        ncpu = os.cpu_count() or 1
-        for core, n in enumerate(("a", "b")):
-            port = free_port()
-            self.urls[n] = f"http://127.0.0.1:{port}"
-            benv = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core % ncpu) if ncpu >= 2 else "nobind"}
-            ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm",
-                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"target": self.daemons[n], "cluster": True,
-                                                 "stats_path": self.stats_path(n)}}
-            log = open(os.path.join(self.work, f"vllm-{n}.log"), "wb")
-            self.procs.append(start_group(  # its own process group: the engine core goes with it
-                [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--served-model-name",
-                 "tiny", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1",
-                 "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
-                env=benv, stdout=log, stderr=subprocess.STDOUT))
-        for n, url in self.urls.items():
-            wait_http(url, self.procs, 1200, f"vLLM {n}")
-
-    def reset(self) -> None:
-        from kvstore.client import Client
-
-        for t in self.daemons.values():
-            with Client(t, use_shm=False, session=False) as c:
-                c.clear()
-        for url in self.urls.values():
-            httpx.post(f"{url}/reset_prefix_cache", timeout=30)
-
-    def stop(self) -> None:
-        """SIGTERM every process group (a vLLM server's engine core is in its
-        server's), then SIGKILL what is left."""
-        stop_group(list(reversed(self.procs)))
+        env = {k: v for k, v in self.env().items() if not k.startswith("KVSTORE_")}
+        env.update({"KVSTORE_DRAM_CAPACITY": "512MiB", "KVSTORE_CLUSTER_MODE": "etcd",
+                    "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true",
+                    "KVSTORE_CLUSTER_ETCD_ENDPOINT": f"127.0.0.1:{cport}", "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms"})
+        self.launch([], {"cluster": True}, env)
 
 
 def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:

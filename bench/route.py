@@ -50,7 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -60,10 +60,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import httpx
-from tests.support.procs import start_group, stop_group  # noqa: E402
-from benchlib import Report, free_port, percentile, wait_serving
+from benchlib import Report, free_port, percentile
+from fleet import BenchFleet
 
-VLLM_PY = os.environ.get("KVSTORE_VLLM_PY") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 CLASSES = ("A", "B", "C")
 BLOCK = 128
 CHAT_FREE_VOCAB = (3, 1000)
@@ -136,71 +135,9 @@ def make_trace(p: Params) -> list[Req]:
 
 # ------------------------------------------------------------------ processes
 
-@dataclass
-class Fleet:
-    work: str
-    model: str = ""
-    daemons: dict[str, str] = field(default_factory=dict)
-    urls: dict[str, str] = field(default_factory=dict)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
+class Fleet(BenchFleet):
     def start(self) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "PYTHONPATH": ROOT, "VLLM_NO_USAGE_STATS": "1", "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-        self.model = os.path.join(self.work, "tiny")
-        subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm", "tiny_model.py"), self.model], check=True,
-                       env=env, capture_output=True, timeout=600)
-        for n in ("a", "b"):
-            port = free_port()
-            self.daemons[n] = f"127.0.0.1:{port}"
-            log = open(os.path.join(self.work, f"daemon-{n}.log"), "wb")
-            self.procs.append(start_group([sys.executable, "-m", "kvstore", "serve", "--port", str(port),
-                                                "--metrics-port", "0", "--dram", "256MiB"],
-                                               env=env, stdout=log, stderr=subprocess.STDOUT))
-        for n, t in self.daemons.items():
-            wait_serving(t, 60, self.procs)
-        for core, n in enumerate(("a", "b")):
-            port = free_port()
-            self.urls[n] = f"http://127.0.0.1:{port}"
-            ncpu = os.cpu_count() or 1
-            # one core each (as two machines would be), when there are two
-            benv = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core % ncpu) if ncpu >= 2 else "nobind"}
-            ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm",
-                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"target": self.daemons[n]}}
-            log = open(os.path.join(self.work, f"vllm-{n}.log"), "wb")
-            self.procs.append(start_group(  # its own process group: the engine core goes with it
-                [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--served-model-name",
-                 "tiny", "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1",
-                 "--port", str(port), "--kv-transfer-config", json.dumps(ktc)],
-                env=benv, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 1200
-        for n, url in self.urls.items():
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                    raise RuntimeError(f"vLLM {n} did not start (logs in {self.work})")
-                time.sleep(1.0)
-
-    def reset(self) -> None:
-        """Every policy starts cold: daemons cleared, vLLM prefix caches reset."""
-        from kvstore.client import Client
-
-        for t in self.daemons.values():
-            with Client(t, use_shm=False, session=False) as c:
-                c.clear()
-        for url in self.urls.values():
-            httpx.post(f"{url}/reset_prefix_cache", timeout=30)
-
-    def stop(self) -> None:
-        """SIGTERM every process group (a vLLM server's engine core is in its
-        server's), then SIGKILL what is left."""
-        stop_group(list(reversed(self.procs)))
+        self.launch(["--dram", "256MiB"], {}, stats=False)
 
 
 def start_router(fleet: Fleet, policy: str, slos: list[float], tps: float) -> tuple[subprocess.Popen[bytes], str]:

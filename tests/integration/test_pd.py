@@ -25,7 +25,6 @@ inside them; not done here (docs/pd.md).
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import random
@@ -54,10 +53,16 @@ from router.server import build_app  # noqa: E402
 from tests.faults.faultlib import free_port  # noqa: E402
 from tests.integration.conftest import wait_healthy, wait_until  # noqa: E402
 from tests.integration.etcd_fixture import Etcd  # noqa: E402
-from tests.support.procs import start_group, stop_group  # noqa: E402
+from tests.support.procs import stop_group  # noqa: E402
+from tests.support.vllm_servers import (  # noqa: E402
+    kv_transfer_config,
+    make_tiny_model,
+    records,
+    start_server,
+    wait_servers,
+)
 from tests.unit.router.fakes import ServerThread  # noqa: E402
-from tests.vllm.conftest import HERE as VLLM_TESTS  # noqa: E402
-from tests.vllm.conftest import VLLM_PY, require_vllm, vllm_env  # noqa: E402
+from tests.vllm.conftest import require_vllm  # noqa: E402
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -119,9 +124,7 @@ class Cluster:
     def __init__(self, work: str) -> None:
         self.work = work
         self.etcd = Etcd()
-        self.model = os.path.join(work, "tiny")
-        subprocess.run([VLLM_PY, os.path.join(VLLM_TESTS, "tiny_model.py"), self.model], check=True,
-                       env=vllm_env(), capture_output=True, timeout=600)
+        self.model = make_tiny_model(os.path.join(work, "tiny"))
         self.nodes = {"a": Node(work, "a", self.etcd.endpoint), "b": Node(work, "b", self.etcd.endpoint),
                       "c": Node(work, "c", self.etcd.endpoint, peer_bandwidth_gbps="0.001", probe_links="false")}
         for n in self.nodes.values():
@@ -132,19 +135,10 @@ class Cluster:
         self.ports = {e: free_port() for e in roles}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for e, (node, role) in roles.items():
-            ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm",
-                   "kv_role": role, "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"target": self.nodes[node].target, "cluster": True,
-                                                 "stats_path": self.stats_path(e)}}
-            log = open(os.path.join(work, f"vllm-{e}.log"), "wb")
-            self.procs[e] = start_group(
-                [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                 "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
-                 "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.ports[e]),
-                 "--kv-transfer-config", json.dumps(ktc)],
-                env=vllm_env(VLLM_CPU_OMP_THREADS_BIND="nobind"), stdout=log, stderr=subprocess.STDOUT)
-        for e in self.procs:
-            wait_until(lambda e=e: self.up(e), timeout=1200, what=f"vLLM {e} to serve")
+            ktc = kv_transfer_config(role, target=self.nodes[node].target, cluster=True,
+                                     stats_path=self.stats_path(e))
+            self.procs[e] = start_server(self.model, self.ports[e], ktc, self.log_path(e))
+        wait_servers({e: (self.url(e), p, self.log_path(e)) for e, p in self.procs.items()}, 1200)
         model = ModelSpec("tiny", self.model, block_size=BLOCK, kv_dtype="float32", dtype="float32", device="cpu",
                           kv_cache_layout="LBHNC")
         backends = {e: BackendSpec(e, self.url(e), self.nodes[node].target) for e, (node, _) in roles.items()}
@@ -167,21 +161,11 @@ class Cluster:
     def url(self, e: str) -> str:
         return f"http://127.0.0.1:{self.ports[e]}"
 
-    def up(self, e: str) -> bool:
-        if self.procs[e].poll() is not None:
-            with open(os.path.join(self.work, f"vllm-{e}.log"), "rb") as f:
-                raise AssertionError(f"vLLM {e} exited:\n{f.read()[-4000:].decode(errors='replace')}")
-        try:
-            return httpx.get(f"{self.url(e)}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def log_path(self, e: str) -> str:
+        return os.path.join(self.work, f"vllm-{e}.log")
 
     def records(self, e: str) -> list[dict[str, Any]]:
-        try:
-            with open(self.stats_path(e)) as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except FileNotFoundError:
-            return []
+        return records(self.stats_path(e))
 
     def keys(self, prompt: str) -> list[bytes]:
         return request_tokens(self.svcs["fast"].models["tiny"], Endpoint.COMPLETIONS, {"prompt": prompt}).keys

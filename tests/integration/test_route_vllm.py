@@ -43,10 +43,10 @@ from router.config import (
 from router.prompts import Endpoint, request_tokens
 from router.server import build_app
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
-from tests.support.procs import group_alive, kill_group, start_group, stop_group
+from tests.support.procs import group_alive, kill_group, stop_group
+from tests.support.vllm_servers import kv_transfer_config, make_tiny_model, start_server, wait_servers
 from tests.unit.router.fakes import CHAT_TEMPLATE, ServerThread
-from tests.vllm.conftest import HERE as VLLM_TESTS
-from tests.vllm.conftest import VLLM_PY, require_vllm, vllm_env
+from tests.vllm.conftest import require_vllm
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -66,9 +66,7 @@ def _free_port() -> int:
 class Fleet:
     def __init__(self, work: str) -> None:
         self.work = work
-        self.model = os.path.join(work, "tiny")
-        subprocess.run([VLLM_PY, os.path.join(VLLM_TESTS, "tiny_model.py"), self.model], check=True,
-                       env=vllm_env(), capture_output=True, timeout=600)
+        self.model = make_tiny_model(os.path.join(work, "tiny"))
         cfg_path = os.path.join(self.model, "tokenizer_config.json")
         with open(cfg_path) as f:
             tc = json.load(f)
@@ -81,18 +79,9 @@ class Fleet:
         self.ports = {n: _free_port() for n in self.daemons}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for n, d in self.daemons.items():
-            ktc = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "engine_adapter.vllm",
-                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"target": d.target, "stats_path": f"{work}/{n}.jsonl"}}
-            log = open(os.path.join(work, f"vllm-{n}.log"), "wb")
-            self.procs[n] = start_group(
-                [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                 "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "2048",
-                 "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.ports[n]),
-                 "--kv-transfer-config", json.dumps(ktc)],
-                env=vllm_env(VLLM_CPU_OMP_THREADS_BIND="nobind"), stdout=log, stderr=subprocess.STDOUT)
-        for n in self.procs:
-            wait_until(lambda n=n: self._up(n), timeout=900, what=f"vLLM {n} to serve")
+            ktc = kv_transfer_config(target=d.target, stats_path=f"{work}/{n}.jsonl")
+            self.procs[n] = start_server(self.model, self.ports[n], ktc, self.log_path(n))
+        wait_servers({n: (self.url(n), p, self.log_path(n)) for n, p in self.procs.items()}, 900)
         self.cfg = RouterConfig(
             listen="127.0.0.1:0",
             backends=tuple(BackendSpec(n, self.url(n), self.daemons[n].target) for n in ("a", "b")),
@@ -110,14 +99,8 @@ class Fleet:
     def url(self, n: str) -> str:
         return f"http://127.0.0.1:{self.ports[n]}"
 
-    def _up(self, n: str) -> bool:
-        if self.procs[n].poll() is not None:
-            with open(os.path.join(self.work, f"vllm-{n}.log"), "rb") as f:
-                raise AssertionError(f"vLLM {n} exited:\n{f.read()[-4000:].decode(errors='replace')}")
-        try:
-            return httpx.get(f"{self.url(n)}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def log_path(self, n: str) -> str:
+        return os.path.join(self.work, f"vllm-{n}.log")
 
     def post(self, body: dict[str, Any], path: str = "/v1/completions", headers: dict[str, str] = AUTH
              ) -> httpx.Response:

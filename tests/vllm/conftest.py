@@ -11,17 +11,9 @@ from typing import Any
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+from tests.support.vllm_servers import VLLM_PY, make_tiny_model, vllm_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def vllm_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "PYTHONPATH": ROOT, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
-    env.update(extra)
-    return env
 
 
 def require_vllm() -> None:
@@ -33,10 +25,7 @@ def require_vllm() -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny Llama, built once per session with the vLLM environment's python."""
     require_vllm()
-    out = str(tmp_path_factory.mktemp("tiny-llama"))
-    subprocess.run([VLLM_PY, os.path.join(HERE, "tiny_model.py"), out], check=True, env=vllm_env(),
-                   capture_output=True, timeout=600)
-    return out
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def run_phase(spec: dict[str, Any], workdir: str, name: str, timeout: float = 600, **env: str) -> dict[str, Any]:
