@@ -58,18 +58,13 @@ sys.path.insert(0, ROOT)
 from benchlib import Report  # noqa: E402
 
 from kvstore.tools.demo import InProcessDaemon  # noqa: E402
+from tests.support.vllm_servers import VLLM_PY, make_tiny_model, vllm_env  # noqa: E402
 
-VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 TESTS = os.path.join(ROOT, "tests", "vllm")
 
 
 def env(in_process: bool) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ROOT,
-              "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
-    if in_process:
-        e["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return e
+    return vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0") if in_process else vllm_env()
 
 
 def phase(spec: dict, work: str, name: str, in_process: bool, extra: dict[str, str] | None = None) -> dict:
@@ -231,8 +226,7 @@ def main() -> None:
     prompts = [[rng.randrange(3, 1024) for _ in range(args.tokens)] for _ in range(reps)]
     warm = [[rng.randrange(3, 1024) for _ in range(args.tokens)] for _ in range(2)]
     work = tempfile.mkdtemp(prefix="bench-vllm-")
-    subprocess.run([VLLM_PY, os.path.join(TESTS, "tiny_model.py"), f"{work}/model"], env=env(True), check=True,
-                   capture_output=True)
+    make_tiny_model(f"{work}/model")
     daemon = InProcessDaemon({"dram.capacity": "1GiB"})
     got: dict[int, dict] = {}
     try:
