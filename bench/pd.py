@@ -67,6 +67,7 @@ from benchlib import Report, free_port, percentile  # noqa: E402
 from fleet import BenchFleet  # noqa: E402
 
 from tests.support.procs import start_group  # noqa: E402
+from tests.support.vllm_servers import wait_servers  # noqa: E402
 
 BLOCK = 128
 BLOCK_BYTES = 2 * 4 * 2 * 64 * BLOCK * 4  # the tiny Llama: K+V x 4 layers x 2 KV heads x 64 x 128 tokens x fp32
@@ -123,19 +124,6 @@ class Fleet(BenchFleet):
                     "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true",
                     "KVSTORE_CLUSTER_ETCD_ENDPOINT": f"127.0.0.1:{cport}", "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms"})
         self.launch([], {"cluster": True}, env)
-
-
-def wait_http(url: str, procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"{what} did not start")
-        time.sleep(0.5)
 
 
 def ttft_of(url: str, prompt: str, *, store: bool = True, n: int = 1) -> float:
@@ -295,11 +283,12 @@ def start_router(fleet: Fleet, mode: str) -> tuple[subprocess.Popen[bytes], str]
     path = os.path.join(fleet.work, f"router-{mode}.toml")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    log = open(os.path.join(fleet.work, f"router-{mode}.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "router", "--config", path, "--log-level", "warning"],
-                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
+    log_path = os.path.join(fleet.work, f"router-{mode}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "router", "--config", path, "--log-level", "warning"],
+                                env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url, [proc], 120, f"router {mode}")
+    wait_servers({f"router {mode}": (url, proc, log_path)}, 120)
     return proc, url
 
 

@@ -63,6 +63,8 @@ import httpx
 from benchlib import Report, free_port, percentile
 from fleet import BenchFleet
 
+from tests.support.vllm_servers import wait_servers
+
 CLASSES = ("A", "B", "C")
 BLOCK = 128
 CHAT_FREE_VOCAB = (3, 1000)
@@ -156,33 +158,25 @@ def start_router(fleet: Fleet, policy: str, slos: list[float], tps: float) -> tu
     path = os.path.join(fleet.work, f"router-{policy}.toml")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    log = open(os.path.join(fleet.work, f"router-{policy}.log"), "wb")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.Popen([sys.executable, "-m", "router", "--config", path, "--log-level", "warning"], env=env,
-                         stdout=log, stderr=subprocess.STDOUT)
-    return p, f"http://127.0.0.1:{port}"
+    log_path = os.path.join(fleet.work, f"router-{policy}.log")
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, "-m", "router", "--config", path, "--log-level", "warning"],
+                             env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_servers({f"router {policy}": (url, p, log_path)}, 120)
+    return p, url
 
 
 def start_vllm_router(fleet: Fleet, binary: str, policy: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    log = open(os.path.join(fleet.work, f"vllm-router-{policy}.log"), "wb")
-    p = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *fleet.urls.values(),
-                          "--policy", policy, "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
-    return p, f"http://127.0.0.1:{port}"
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], path: str = "/health") -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router at {url} exited ({proc.returncode})")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"router at {url} did not answer {path}")
+    log_path = os.path.join(fleet.work, f"vllm-router-{policy}.log")
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                              *fleet.urls.values(), "--policy", policy, "--log-level", "warning"],
+                             stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_servers({f"vllm-router {policy}": (url, p, log_path)}, 120)
+    return p, url
 
 
 # ------------------------------------------------------------------ load
@@ -325,10 +319,8 @@ def main() -> int:
             fleet.reset()
             if pol.startswith("vr:"):
                 proc, url = start_vllm_router(fleet, args.vllm_router, pol[3:])
-                wait_http(url, proc, "/health")
             else:
                 proc, url = start_router(fleet, pol, slos, tps)
-                wait_http(url, proc)
             try:
                 res = asyncio.run(drive(url, trace))
                 f = summarize(res, slos, p.duration_s)

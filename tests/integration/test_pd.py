@@ -138,7 +138,7 @@ class Cluster:
             ktc = kv_transfer_config(role, target=self.nodes[node].target, cluster=True,
                                      stats_path=self.stats_path(e))
             self.procs[e] = start_server(self.model, self.ports[e], ktc, self.log_path(e))
-        wait_servers({e: (self.url(e), p, self.log_path(e)) for e, p in self.procs.items()}, 1200)
+        wait_servers({f"vLLM {e}": (self.url(e), p, self.log_path(e)) for e, p in self.procs.items()}, 1200)
         model = ModelSpec("tiny", self.model, block_size=BLOCK, kv_dtype="float32", dtype="float32", device="cpu",
                           kv_cache_layout="LBHNC")
         backends = {e: BackendSpec(e, self.url(e), self.nodes[node].target) for e, (node, _) in roles.items()}

@@ -81,7 +81,7 @@ class Fleet:
         for n, d in self.daemons.items():
             ktc = kv_transfer_config(target=d.target, stats_path=f"{work}/{n}.jsonl")
             self.procs[n] = start_server(self.model, self.ports[n], ktc, self.log_path(n))
-        wait_servers({n: (self.url(n), p, self.log_path(n)) for n, p in self.procs.items()}, 900)
+        wait_servers({f"vLLM {n}": (self.url(n), p, self.log_path(n)) for n, p in self.procs.items()}, 900)
         self.cfg = RouterConfig(
             listen="127.0.0.1:0",
             backends=tuple(BackendSpec(n, self.url(n), self.daemons[n].target) for n in ("a", "b")),

@@ -65,11 +65,11 @@ def start_server(model: str, port: int, ktc: dict[str, Any], log_path: str, env:
 
 
 def server_up(url: str, proc: subprocess.Popen[bytes], log_path: str) -> bool:
-    """Whether the server answers ``/health``; raises, with its log's tail,
-    when it has exited."""
+    """Whether the HTTP server at ``url`` (vLLM, a router) answers
+    ``/health`` with 200; raises, with its log's tail, when it has exited."""
     if proc.poll() is not None:
         with open(log_path, "rb") as f:
-            raise RuntimeError(f"vLLM at {url} exited ({proc.returncode}):\n"
+            raise RuntimeError(f"the server at {url} exited ({proc.returncode}):\n"
                                f"{f.read()[-4000:].decode(errors='replace')}")
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -78,14 +78,14 @@ def server_up(url: str, proc: subprocess.Popen[bytes], log_path: str) -> bool:
 
 
 def wait_servers(servers: dict[str, tuple[str, subprocess.Popen[bytes], str]], timeout: float) -> None:
-    """Wait until every server ``name -> (url, process, log path)`` is up
-    (vLLM on two shared cores takes minutes); raise when one exits or the
-    time is over."""
+    """Wait until every server ``name -> (url, process, log path)`` answers
+    ``/health`` (vLLM on two shared cores takes minutes); raise when one
+    exits or the time is over."""
     deadline = time.monotonic() + timeout
     for name, (url, proc, log_path) in servers.items():
         while not server_up(url, proc, log_path):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM {name} did not start within {timeout:.0f} s (log: {log_path})")
+                raise RuntimeError(f"{name} did not start within {timeout:.0f} s (log: {log_path})")
             time.sleep(0.5)
 
 
