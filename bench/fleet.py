@@ -17,6 +17,7 @@ from benchlib import free_port, wait_serving
 
 from tests.support.procs import start_group, stop_group
 from tests.support.vllm_servers import (
+    ROOT,
     kv_transfer_config,
     make_tiny_model,
     records,
@@ -85,6 +86,28 @@ class BenchFleet:
             self.procs.append(proc)
             servers[f"vLLM {n}"] = (self.urls[n], proc, log_path)
         wait_servers(servers, 1200)
+
+    def start_router(self, name: str, settings: list[str], tables: list[str], block_size: int
+                     ) -> tuple[subprocess.Popen[bytes], str]:
+        """``kvstore route`` in front of the fleet (both backends, the tiny
+        model): ``settings`` are top-level TOML lines, ``tables`` more
+        sections; returns once it answers ``/health``."""
+        port = free_port()
+        lines = [f'listen = "127.0.0.1:{port}"', *settings]
+        for n in NAMES:
+            lines += ["[[backend]]", f'name = "{n}"', f'url = "{self.urls[n]}"', f'daemon = "{self.daemons[n]}"']
+        lines += ["[[model]]", 'name = "tiny"', f'path = "{self.model}"', f"block_size = {block_size}",
+                  'kv_dtype = "float32"', 'dtype = "float32"', 'device = "cpu"', 'kv_cache_layout = "LBHNC"', *tables]
+        path = os.path.join(self.work, f"router-{name}.toml")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        log_path = os.path.join(self.work, f"router-{name}.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "router", "--config", path, "--log-level", "warning"],
+                                    env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        wait_servers({f"router {name}": (url, proc, log_path)}, 120)
+        return proc, url
 
     def reset(self) -> None:
         """Start cold: daemons cleared, vLLM prefix caches reset."""

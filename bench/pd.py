@@ -67,7 +67,6 @@ from benchlib import Report, free_port, percentile  # noqa: E402
 from fleet import BenchFleet  # noqa: E402
 
 from tests.support.procs import start_group  # noqa: E402
-from tests.support.vllm_servers import wait_servers  # noqa: E402
 
 BLOCK = 128
 BLOCK_BYTES = 2 * 4 * 2 * 64 * BLOCK * 4  # the tiny Llama: K+V x 4 layers x 2 KV heads x 64 x 128 tokens x fp32
@@ -272,24 +271,8 @@ async def drive(url: str, trace: list[Req]) -> list[Result]:
 
 
 def start_router(fleet: Fleet, mode: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    lines = [f'listen = "127.0.0.1:{port}"', "admission = false", "health_interval = 0.5"]
-    for n in ("a", "b"):
-        lines += ["[[backend]]", f'name = "{n}"', f'url = "{fleet.urls[n]}"', f'daemon = "{fleet.daemons[n]}"']
-    lines += ["[[model]]", 'name = "tiny"', f'path = "{fleet.model}"', f"block_size = {BLOCK}",
-              'kv_dtype = "float32"', 'dtype = "float32"', 'device = "cpu"', 'kv_cache_layout = "LBHNC"']
-    if mode == "pd":
-        lines += ["[pd]", 'prefill = ["a"]', 'decode = ["b"]', "visible_timeout = 1.0"]
-    path = os.path.join(fleet.work, f"router-{mode}.toml")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    log_path = os.path.join(fleet.work, f"router-{mode}.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "router", "--config", path, "--log-level", "warning"],
-                                env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_servers({f"router {mode}": (url, proc, log_path)}, 120)
-    return proc, url
+    pd = ["[pd]", 'prefill = ["a"]', 'decode = ["b"]', "visible_timeout = 1.0"] if mode == "pd" else []
+    return fleet.start_router(mode, ["admission = false", "health_interval = 0.5"], pd, BLOCK)
 
 
 def summarize(res: list[Result], slo_ttft: list[float], slo_tpot: float, duration: float) -> dict[str, float]:

@@ -143,28 +143,13 @@ class Fleet(BenchFleet):
 
 
 def start_router(fleet: Fleet, policy: str, slos: list[float], tps: float) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
     kind, _, admission = policy.partition("+")
-    lines = [f'listen = "127.0.0.1:{port}"', f'policy = "{kind}"', f"admission = {str(bool(admission)).lower()}",
-             "health_interval = 1.0", "[predictor]", f"prefill_tokens_per_s = {tps}", "prefill_overhead_s = 0.02",
-             "decode_penalty_s = 0.02"]
-    for n in ("a", "b"):
-        lines += ["[[backend]]", f'name = "{n}"', f'url = "{fleet.urls[n]}"', f'daemon = "{fleet.daemons[n]}"']
-    lines += ["[[model]]", 'name = "tiny"', f'path = "{fleet.model}"', f"block_size = {BLOCK}",
-              'kv_dtype = "float32"', 'dtype = "float32"', 'device = "cpu"', 'kv_cache_layout = "LBHNC"']
+    settings = [f'policy = "{kind}"', f"admission = {str(bool(admission)).lower()}", "health_interval = 1.0"]
+    tables = ["[predictor]", f"prefill_tokens_per_s = {tps}", "prefill_overhead_s = 0.02", "decode_penalty_s = 0.02"]
     for c, s in zip(CLASSES, slos):
-        lines += ["[[class]]", f'name = "{c}"', f"ttft_slo = {s}"]
-        lines += ["[[api_key]]", f'key = "k{c}"', f'tenant = "t{c}"', f'class = "{c}"']
-    path = os.path.join(fleet.work, f"router-{policy}.toml")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    log_path = os.path.join(fleet.work, f"router-{policy}.log")
-    with open(log_path, "wb") as log:
-        p = subprocess.Popen([sys.executable, "-m", "router", "--config", path, "--log-level", "warning"],
-                             env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_servers({f"router {policy}": (url, p, log_path)}, 120)
-    return p, url
+        tables += ["[[class]]", f'name = "{c}"', f"ttft_slo = {s}"]
+        tables += ["[[api_key]]", f'key = "k{c}"', f'tenant = "t{c}"', f'class = "{c}"']
+    return fleet.start_router(policy, settings, tables, BLOCK)
 
 
 def start_vllm_router(fleet: Fleet, binary: str, policy: str) -> tuple[subprocess.Popen[bytes], str]:
