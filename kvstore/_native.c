@@ -10,6 +10,8 @@
  *       pass over memory (see "Fused copy + checksum" below).
  *   copy_verify(dst, src, expected) -> bool
  *       The same fused copy; returns whether the checksum equals expected.
+ *   copy_checksum_many(dsts, srcs, sums) -> None
+ *       copy_checksum over a batch, the GIL released once for all of it.
  *   simd_target() -> str
  *       The XXH3 kernel this process uses ("avx512", "avx2", "sse2", ...).
  *   seq_begin(header) / seq_end(header)
@@ -46,6 +48,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 /* Keep the vendored xxHash symbols out of the module's dynamic symbol table. */
 #if defined(__GNUC__) || defined(__clang__)
@@ -322,7 +325,8 @@ kv_chain_xxh3(const unsigned char *seed, const unsigned char *tokens,
  * second read of src, which another process may be rewriting), src is read
  * from RAM once, and a large dst is written once without the read-for-
  * ownership that ordinary stores cost.  A software prefetch KV_PREFETCH bytes
- * ahead keeps memory busy while the core hashes.  Measured on a 2-core AMD
+ * ahead keeps memory busy while the core hashes.  (KV_NT_MIN below: the
+ * threshold follows the machine's last-level cache.)  Measured on a 2-core AMD
  * EPYC (1 MiB L2): copying 256 MiB in 1 MiB pieces took ~25 ms this way,
  * against ~41 ms for "memcpy a 64 KiB chunk, then stream-hash it from dst"
  * (any chunk size from 16 KiB to 1 MiB), ~35 ms for np.copyto in 1 MiB
@@ -335,7 +339,18 @@ kv_chain_xxh3(const unsigned char *seed, const unsigned char *tokens,
 #define KV_XXH_BLOCK      (KV_XXH_STRIPE * KV_XXH_STRIPES)        /* 1024 */
 #define KV_XXH_LASTACC    7            /* XXH_SECRET_LASTACC_START */
 #define KV_PREFETCH       4096
-#define KV_NT_MIN         (1024 * 1024)
+#define KV_NT_FLOOR       (1024 * 1024)
+
+/* Copies of at least kv_nt_min bytes use non-temporal stores.  Set at import
+ * (kv_select_nt_min): half the last-level cache, at least KV_NT_FLOOR, as
+ * glibc's memcpy sizes its own non-temporal threshold from the shared cache.
+ * A block put now is often read back soon (a get of the same prefix, the
+ * next request's load); streaming it past a cache that would have held it
+ * makes that read come from RAM.  Measured on the 2-core Intel box of
+ * docs/performance.md (480 MiB L3): 8 x 1 MiB copied then read back took
+ * 959 + 1158 us with non-temporal stores, 874 + 738 us without. */
+static size_t kv_nt_min = KV_NT_FLOOR;
+#define KV_NT_MIN kv_nt_min
 
 typedef XXH64_hash_t (*kv_fused_fn)(unsigned char *dst, const unsigned char *src,
                                     size_t len, int nontemporal);
@@ -729,7 +744,8 @@ PyDoc_STRVAR(copy_checksum_doc,
 "Copy src into dst (same byte length, dst writable, both C-contiguous,\n"
 "identical or disjoint) and return XXH3-64 of the bytes written, in one\n"
 "pass: each 1 KiB block is hashed on its way from src to dst, and copies of\n"
-"1 MiB or more use non-temporal stores.");
+"NONTEMPORAL_MIN bytes or more (half the last-level cache, at least 1 MiB)\n"
+"use non-temporal stores.");
 
 static PyObject *
 kv_copy_checksum(PyObject *self, PyObject *args)
@@ -787,6 +803,94 @@ kv_copy_verify(PyObject *self, PyObject *args)
     }
     h = kv_copy_hash_release(&dst, &src, kv_fused, -1);
     return PyBool_FromLong((unsigned long long)h == expected);
+}
+
+
+PyDoc_STRVAR(copy_checksum_many_doc,
+"copy_checksum_many(dsts, srcs, sums) -> None\n"
+"\n"
+"copy_checksum over a batch: dsts[i] <- srcs[i] for every i, with the\n"
+"XXH3-64 of each block written to sums[i] (a writable buffer of n uint64).\n"
+"Every pair is checked as copy_checksum checks it before anything is\n"
+"copied; the GIL is released once for the whole batch (not once per\n"
+"block, which makes two threads copying small blocks queue on it).");
+
+static PyObject *
+kv_copy_checksum_many(PyObject *self, PyObject *args)
+{
+    PyObject *dst_seq, *src_seq, *sums_obj, *dsts = NULL, *srcs = NULL;
+    Py_buffer sums, *views = NULL;
+    Py_ssize_t n, got = 0, i;
+    size_t total = 0;
+    unsigned long long *out;
+    (void)self;
+
+    if (!PyArg_ParseTuple(args, "OOO:copy_checksum_many", &dst_seq, &src_seq,
+                          &sums_obj)) {
+        return NULL;
+    }
+    if (kv_get_rw(sums_obj, &sums, "sums") < 0) {
+        return NULL;
+    }
+    dsts = PySequence_Fast(dst_seq, "dsts must be a sequence");
+    srcs = dsts ? PySequence_Fast(src_seq, "srcs must be a sequence") : NULL;
+    if (srcs == NULL) {
+        goto done;
+    }
+    n = PySequence_Fast_GET_SIZE(dsts);
+    if (PySequence_Fast_GET_SIZE(srcs) != n || sums.len != n * 8) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd dsts, %zd srcs and %zd bytes of sums (8 per block)",
+                     n, PySequence_Fast_GET_SIZE(srcs), sums.len);
+        goto done;
+    }
+    views = PyMem_Malloc(sizeof(Py_buffer) * 2 * (size_t)(n ? n : 1));
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (got = 0; got < n; got++) {
+        if (kv_copy_args(PySequence_Fast_GET_ITEM(dsts, got),
+                         PySequence_Fast_GET_ITEM(srcs, got),
+                         &views[2 * got], &views[2 * got + 1]) < 0) {
+            break;
+        }
+        total += (size_t)views[2 * got].len;
+    }
+    if (got == n) {
+        out = (unsigned long long *)sums.buf;
+        if (total >= KV_NOGIL_MIN) {
+            Py_BEGIN_ALLOW_THREADS
+            for (i = 0; i < n; i++) {
+                size_t len = (size_t)views[2 * i].len;
+                out[i] = (unsigned long long)kv_copy_hash_with(
+                    kv_fused, (unsigned char *)views[2 * i].buf,
+                    (const unsigned char *)views[2 * i + 1].buf, len, len >= KV_NT_MIN);
+            }
+            Py_END_ALLOW_THREADS
+        } else {
+            for (i = 0; i < n; i++) {
+                size_t len = (size_t)views[2 * i].len;
+                out[i] = (unsigned long long)kv_copy_hash_with(
+                    kv_fused, (unsigned char *)views[2 * i].buf,
+                    (const unsigned char *)views[2 * i + 1].buf, len, len >= KV_NT_MIN);
+            }
+        }
+    }
+    for (i = 0; i < got; i++) {
+        PyBuffer_Release(&views[2 * i]);
+        PyBuffer_Release(&views[2 * i + 1]);
+    }
+
+done:
+    PyMem_Free(views);
+    Py_XDECREF(dsts);
+    Py_XDECREF(srcs);
+    PyBuffer_Release(&sums);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 
@@ -1393,6 +1497,182 @@ s0:
 }
 
 
+PyDoc_STRVAR(verify_scatter_many_doc,
+"verify_scatter_many(srcs, expected, scratch, pieces, dsts, indices, ok) -> None\n"
+"\n"
+"verify_scatter over a batch: block srcs[i] (checksum expected[i], a buffer\n"
+"of uint64) goes to its places at engine block indices[i] (a buffer of\n"
+"int64 >= 0); ok[i] (a writable buffer of uint8) is set to whether it\n"
+"matched.  Every place of every block is bounds-checked before anything is\n"
+"written, the destinations' buffers are taken once for the batch, and the\n"
+"GIL is released once for all of it.");
+
+static PyObject *
+kv_verify_scatter_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer exp, scr, pcs, idx, okb;
+    Py_buffer *db = NULL, *sb = NULL;
+    PyObject *dsts, *srcs = NULL;
+    Py_ssize_t nd = 0, n, got = 0, gots = 0, np_, r, i;
+    const int64_t *pc, *ix;
+    const unsigned long long *ev;
+    unsigned char *okp;
+    int64_t lo_i = 0, hi_i = 0;
+    Py_ssize_t maxlen = 0;
+    int fail = 1;
+    (void)self;
+
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "verify_scatter_many takes 7 arguments");
+        return NULL;
+    }
+    dsts = args[4];
+    if (!PyTuple_Check(dsts) || PyTuple_GET_SIZE(dsts) > KV_SCATTER_MAX_DSTS) {
+        PyErr_SetString(PyExc_TypeError, "dsts must be a tuple of at most 4096 writable buffers");
+        return NULL;
+    }
+    if (kv_get_ro(args[1], &exp, "expected") < 0) {
+        return NULL;
+    }
+    if (kv_get_rw(args[2], &scr, "scratch") < 0) {
+        goto e0;
+    }
+    if (kv_get_ro(args[3], &pcs, "pieces") < 0) {
+        goto e1;
+    }
+    if (kv_get_ro(args[5], &idx, "indices") < 0) {
+        goto e2;
+    }
+    if (kv_get_rw(args[6], &okb, "ok") < 0) {
+        goto e3;
+    }
+    srcs = PySequence_Fast(args[0], "srcs must be a sequence");
+    if (srcs == NULL) {
+        goto e4;
+    }
+    n = PySequence_Fast_GET_SIZE(srcs);
+    if (exp.len != n * 8 || idx.len != n * 8 || okb.len != n) {
+        PyErr_Format(PyExc_ValueError, "%zd blocks: expected, indices and ok must hold 8, 8 and 1 "
+                     "bytes per block", n);
+        goto e5;
+    }
+    if (pcs.len % (5 * 8)) {
+        PyErr_SetString(PyExc_ValueError, "pieces must be rows of 5 int64");
+        goto e5;
+    }
+    ix = (const int64_t *)idx.buf;
+    for (i = 0; i < n; i++) {
+        if (ix[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "indices must be >= 0");
+            goto e5;
+        }
+        if (i == 0 || ix[i] < lo_i) {
+            lo_i = ix[i];
+        }
+        if (i == 0 || ix[i] > hi_i) {
+            hi_i = ix[i];
+        }
+    }
+    sb = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    nd = PyTuple_GET_SIZE(dsts);
+    db = PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
+    if (sb == NULL || db == NULL) {
+        PyErr_NoMemory();
+        goto e6;
+    }
+    for (gots = 0; gots < n; gots++) {
+        if (kv_get_ro(PySequence_Fast_GET_ITEM(srcs, gots), &sb[gots], "srcs[i]") < 0) {
+            goto e6;
+        }
+        if (sb[gots].len > maxlen) {
+            maxlen = sb[gots].len;
+        }
+        if ((const char *)scr.buf < (const char *)sb[gots].buf + sb[gots].len &&
+            (const char *)sb[gots].buf < (const char *)scr.buf + sb[gots].len) {
+            PyErr_SetString(PyExc_ValueError, "scratch overlaps a src");
+            gots++;
+            goto e6;
+        }
+    }
+    if (scr.len < maxlen) {
+        PyErr_Format(PyExc_ValueError, "scratch of %zd bytes for a block of %zd", scr.len, maxlen);
+        goto e6;
+    }
+    for (got = 0; got < nd; got++) {
+        if (kv_get_rw(PyTuple_GET_ITEM(dsts, got), &db[got], "dsts[i]") < 0) {
+            goto e6;
+        }
+    }
+    pc = (const int64_t *)pcs.buf;
+    np_ = pcs.len / (5 * 8);
+    for (i = 0; i < n; i++) {  /* every piece of every block fits its source */
+        for (r = 0; r < np_; r++) {
+            int64_t off = pc[5 * r], len = pc[5 * r + 1];
+            if (off < 0 || len < 0 || off > sb[i].len || len > sb[i].len - off) {
+                PyErr_Format(PyExc_ValueError, "piece %zd does not fit block %zd", r, i);
+                goto e6;
+            }
+        }
+    }
+    for (r = 0; r < np_; r++) {  /* ... and its destination at the lowest and highest index */
+        int64_t len = pc[5 * r + 1], d = pc[5 * r + 2], base = pc[5 * r + 3], stride = pc[5 * r + 4];
+        const char *lo, *hi;
+        if (d < 0 || d >= nd || base < 0 || stride < 0 || len < 0 || base > db[d].len ||
+            len > db[d].len - base || (hi_i > 0 && stride > (db[d].len - base - len) / hi_i)) {
+            PyErr_Format(PyExc_ValueError, "piece %zd does not fit its destination", r);
+            goto e6;
+        }
+        lo = (const char *)db[d].buf + base + lo_i * stride;
+        hi = (const char *)db[d].buf + base + hi_i * stride + len;
+        if (lo < (const char *)scr.buf + maxlen && (const char *)scr.buf < hi) {
+            PyErr_SetString(PyExc_ValueError, "a destination overlaps scratch");
+            goto e6;
+        }
+    }
+    ev = (const unsigned long long *)exp.buf;
+    okp = (unsigned char *)okb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) {
+        XXH64_hash_t h = kv_copy_hash_with(kv_fused, (unsigned char *)scr.buf,
+                                           (const unsigned char *)sb[i].buf, (size_t)sb[i].len, 0);
+        okp[i] = (unsigned long long)h == ev[i];
+        if (okp[i]) {
+            for (r = 0; r < np_; r++) {
+                memcpy((char *)db[pc[5 * r + 2]].buf + pc[5 * r + 3] + ix[i] * pc[5 * r + 4],
+                       (const char *)scr.buf + pc[5 * r], (size_t)pc[5 * r + 1]);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    fail = 0;
+e6:
+    for (r = 0; r < got; r++) {
+        PyBuffer_Release(&db[r]);
+    }
+    for (r = 0; r < gots; r++) {
+        PyBuffer_Release(&sb[r]);
+    }
+    PyMem_Free(db);
+    PyMem_Free(sb);
+e5:
+    Py_DECREF(srcs);
+e4:
+    PyBuffer_Release(&okb);
+e3:
+    PyBuffer_Release(&idx);
+e2:
+    PyBuffer_Release(&pcs);
+e1:
+    PyBuffer_Release(&scr);
+e0:
+    PyBuffer_Release(&exp);
+    if (fail) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+
 static PyMethodDef kv_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))kv_chain_keys,
      METH_VARARGS | METH_KEYWORDS, chain_keys_doc},
@@ -1401,6 +1681,8 @@ static PyMethodDef kv_methods[] = {
      copy_checksum_doc},
     {"copy_verify", (PyCFunction)kv_copy_verify, METH_VARARGS,
      copy_verify_doc},
+    {"copy_checksum_many", (PyCFunction)kv_copy_checksum_many, METH_VARARGS,
+     copy_checksum_many_doc},
     {"_copy_checksum_with", (PyCFunction)kv_copy_checksum_with, METH_VARARGS,
      copy_checksum_with_doc},
     {"kernels", (PyCFunction)kv_kernels, METH_NOARGS, kernels_doc},
@@ -1413,6 +1695,8 @@ static PyMethodDef kv_methods[] = {
      shared_slots_doc},
     {"verify_scatter", (PyCFunction)(void (*)(void))kv_verify_scatter, METH_FASTCALL,
      verify_scatter_doc},
+    {"verify_scatter_many", (PyCFunction)(void (*)(void))kv_verify_scatter_many, METH_FASTCALL,
+     verify_scatter_many_doc},
     {NULL, NULL, 0, NULL}
 };
 
@@ -1430,12 +1714,30 @@ static struct PyModuleDef kv_module = {
     NULL, NULL, NULL, NULL
 };
 
+static void
+kv_select_nt_min(void)
+{
+    long llc = -1;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    if (llc <= 0) {
+        llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    }
+#endif
+    if (llc > 0 && (size_t)llc / 2 > KV_NT_FLOOR) {
+        kv_nt_min = (size_t)llc / 2;
+    }
+}
+
 PyMODINIT_FUNC
 PyInit__native(void)
 {
     PyObject *m;
 
     kv_select_fused();
+    kv_select_nt_min();
     m = PyModule_Create(&kv_module);
     if (m == NULL) {
         return NULL;
@@ -1445,7 +1747,7 @@ PyInit__native(void)
 #endif
     if (PyModule_AddIntConstant(m, "XXH_VERSION", XXH_VERSION_NUMBER) < 0 ||
         PyModule_AddIntConstant(m, "MAX_BLOCK_SIZE", KV_MAX_BLOCK_SIZE) < 0 ||
-        PyModule_AddIntConstant(m, "NONTEMPORAL_MIN", KV_NT_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "NONTEMPORAL_MIN", (long)kv_nt_min) < 0 ||
         PyModule_AddStringConstant(m, "COPY_KERNEL", kv_fused_name) < 0) {
         Py_DECREF(m);
         return NULL;

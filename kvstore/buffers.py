@@ -30,6 +30,8 @@ def as_u8(buf: Buffer) -> np.ndarray:
 def as_u8_writable(buf: Buffer) -> np.ndarray:
     """A flat uint8 view of ``buf`` that writes through to it (no copy)."""
     if isinstance(buf, np.ndarray):
+        if buf.ndim == 1 and buf.dtype == np.uint8:
+            return buf  # already one (the common case: a slice of a byte array)
         return buf.reshape(-1).view(np.uint8)
     return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Final
 
@@ -28,7 +29,7 @@ import numpy.typing as npt
 import xxhash
 
 __all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "run_split", "verify_many",
-           "verify_scatter"]
+           "verify_scatter", "verify_scatter_many"]
 
 
 def load_native() -> ModuleType | None:
@@ -192,16 +193,48 @@ def verify_scatter(src: Any, expected: int, scratch: Any, pieces: Any, dsts: tup
         raise ValueError("index must be >= 0")
     if scr.nbytes < s.nbytes:
         raise ValueError(f"scratch of {scr.nbytes} bytes for a block of {s.nbytes}")
-    for r, (off, length, d, base, stride) in enumerate(rows.tolist()):
-        if (min(off, length, d, base, stride) < 0 or off + length > s.nbytes or d >= len(outs)
-                or base + index * stride + length > outs[d].nbytes):
-            raise ValueError(f"piece {r} does not fit its source or destination")
+    _check_pieces(s.nbytes, rows, outs, index)
     if not copy_verify(scr[: s.nbytes], s, int(expected)):
         return False
     for off, length, d, base, stride in rows.tolist():
         at = base + index * stride
         outs[d][at : at + length] = scr[off : off + length]
     return True
+
+
+def _check_pieces(nbytes: int, rows: np.ndarray, outs: Sequence[Any], index: int) -> None:
+    """The fallback's bounds check of every place of one block (ValueError)."""
+    for r, (off, length, d, base, stride) in enumerate(rows.tolist()):
+        if (min(off, length, d, base, stride) < 0 or off + length > nbytes or d >= len(outs)
+                or base + index * stride + length > outs[d].nbytes):
+            raise ValueError(f"piece {r} does not fit its source or destination")
+
+
+def verify_scatter_many(srcs: Sequence[Any], expected: Sequence[int], scratch: Any, pieces: Any,
+                        dsts: tuple[Any, ...], indices: Sequence[int]) -> np.ndarray:
+    """:func:`verify_scatter` of each ``srcs[i]`` (checksum ``expected[i]``)
+    at engine block ``indices[i]``; a bool per block. With the native helper
+    it is one call: every place of every block is checked before anything is
+    written and the GIL is released once for the batch."""
+    n = len(srcs)
+    if _native is None:
+        rows = np.asarray(pieces, dtype=np.int64).reshape(-1, PIECE_FIELDS)
+        outs = [_as_bytes(d, "dsts[i]") for d in dsts]
+        for x, i in zip(srcs, indices):  # every block's places first, as the native helper does
+            if int(i) < 0:
+                raise ValueError("index must be >= 0")
+            _check_pieces(_as_bytes(x, "srcs[i]").nbytes, rows, outs, int(i))
+        return np.asarray([verify_scatter(x, int(e), scratch, pieces, dsts, int(i))
+                           for x, e, i in zip(srcs, expected, indices)], dtype=bool).reshape(n)
+    try:
+        want = np.ascontiguousarray(np.asarray(expected, dtype=np.uint64))
+    except OverflowError:
+        raise ValueError("expected must be an XXH3-64 checksum in [0, 2**64)") from None
+    ok = np.zeros(n, dtype=np.uint8)
+    _native.verify_scatter_many([_native_arg(s, "srcs[i]") for s in srcs], want, scratch,
+                                np.ascontiguousarray(pieces, dtype=np.int64), dsts,
+                                np.ascontiguousarray(np.asarray(indices, dtype=np.int64)), ok)
+    return ok.view(bool)
 
 
 # ---------------------------------------------------------------- batches
@@ -239,6 +272,10 @@ def copy_many(dsts: Any, srcs: Any, threads: int = 2) -> np.ndarray:
     nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
 
     def run(a: int, b: int) -> None:
+        if _native is not None:  # one call, one GIL release, per part
+            _native.copy_checksum_many([_native_arg(d, "dsts[i]") for d in dsts[a:b]],
+                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], out[a:b])
+            return
         for i in range(a, b):
             out[i] = copy_checksum(dsts[i], srcs[i])
 
@@ -264,8 +301,16 @@ def checksum_many(bufs: Any, threads: int = 2) -> np.ndarray:
 def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.ndarray:
     """``copy_verify`` over a batch; returns a bool mask (False: mismatch)."""
     n = len(srcs)
-    ok = np.empty(n, dtype=bool)
+    if _native is not None:
+        try:
+            want = np.asarray(expected, dtype=np.uint64)
+        except OverflowError:
+            raise ValueError("expected must be an XXH3-64 checksum in [0, 2**64)") from None
+        if want.shape != (n,):
+            raise ValueError(f"{want.size} checksums for {n} blocks")
+        return copy_many(dsts, srcs, threads) == want
     exp = [int(x) for x in expected]
+    ok = np.empty(n, dtype=bool)
     nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
 
     def run(a: int, b: int) -> None:

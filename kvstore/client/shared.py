@@ -10,18 +10,24 @@ owns the socket and sends the frames this class builds. Read-your-writes:
 a probe that comes back short while the client has ``Commit``s in flight
 (pipelined, their answers unread) is made again once those have landed
 (``again``); a full answer needs no wait, since a commit only ever adds
-blocks.
+blocks. Before it waits, a read looks in ``OwnWrites``: blocks this client
+has just written whose ``Commit`` is still in flight are read from the
+slots it wrote them to, checked against the checksums it computed while
+writing them, so a get right after a put does not wait for the put's
+``Commit`` (issue 18).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.client.sinks import BlockSink
+from kvstore.client.sinks import BlockSink, sizes_of, write_with
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import KeyStatus, KVStoreError
 from kvstore.wire.frames import NO_NSID, reads_frame, tally_frame
@@ -34,6 +40,71 @@ TALLY_EVERY = 256
 """Lookups answered from the shared index before their tally is sent."""
 TALLY_SECONDS = 0.1
 """... or seconds since the first of them (the daemon's counters lag by at most this)."""
+
+
+@dataclass(slots=True)
+class _Written:
+    """One put whose ``Commit`` was sent without waiting."""
+
+    wire: bytes
+    """The namespace's serialized message."""
+    packed: bytes
+    """Its keys, 16 bytes each."""
+    slots: np.ndarray
+    """``(n, 3)`` int64: offset in ``buf``, size and checksum bits of each block."""
+    buf: np.ndarray
+    """Where the blocks are: the slab (reserved slots) or the staging ring (a write-behind put)."""
+    seq: int
+    """The Commit's number on the same-host socket (``LookupSocketClient.sent``)."""
+
+
+class OwnWrites:
+    """Where the blocks of this client's puts in flight are (their
+    ``Commit``, or write-behind ``put`` frame, not yet answered; at most
+    ``limit`` puts, newest kept), so that its own reads need not wait for
+    them.
+
+    Why reading them is safe: a write-behind put's bytes sit in the
+    client's staging ring, which it reuses only after the put is answered.
+    A reserved slot belongs to the client's reservation, and nobody else
+    writes it, until the daemon has run the ``Commit``; after that the block
+    may be evicted and its slot reused, but the reader checks every block
+    against the checksum this client computed while writing it, so a slot
+    that changed is a mismatch and the read then goes the ordinary way
+    (waiting for the commits). Only puts whose every block got a DRAM slot
+    are kept."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.recent: deque[_Written] = deque(maxlen=limit)
+
+    def add(self, wire: bytes, packed: bytes, offsets: list[int] | np.ndarray, sizes: list[int] | int,
+            csums: list[int], buf: np.ndarray, seq: int) -> None:
+        slots = np.empty((len(offsets), 3), dtype=np.int64)
+        slots[:, 0] = offsets
+        slots[:, 1] = sizes
+        slots[:, 2] = np.asarray(csums, dtype=np.uint64).view(np.int64)
+        self.recent.append(_Written(wire, packed, slots, buf, seq))
+
+    def find(self, wire: bytes, keys: bytes,
+             in_flight: Callable[[int], bool]) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(slots, buf)`` of ``keys``, a run of consecutive keys of one put
+        in flight in namespace ``wire``: ``slots`` ``(n, 3)`` (offset in
+        ``buf``, size, checksum bits). None when they are not (the put was
+        answered, or the keys span puts)."""
+        for w in reversed(self.recent):
+            if not in_flight(w.seq):
+                break  # this put's commit and every older one were answered
+            if w.wire != wire:
+                continue
+            pos = w.packed.find(keys)
+            while pos > 0 and pos % 16:
+                pos = w.packed.find(keys, pos + 1)
+            if pos >= 0:
+                return w.slots[pos // 16 : pos // 16 + len(keys) // 16], w.buf
+        return None
+
+    def clear(self) -> None:
+        self.recent.clear()
 
 
 class SharedPath:
@@ -50,6 +121,10 @@ class SharedPath:
         self._since = 0.0
         self.reads = 0
         """Reads served here without a lease."""
+        self.own_blocks = 0
+        """Blocks of those reads that came from the client's own puts in flight (``OwnWrites``)."""
+        self._reads: list[bytes] = []
+        self._reads_since = 0.0
         self.lookups = 0
         """Lookups answered here (a probe made again after the client's own
         commits landed is still one lookup)."""
@@ -69,6 +144,13 @@ class SharedPath:
                 return None
             ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
         return None if ent[0] == NO_NSID else ent[0]
+
+    def known(self, wire: bytes) -> None:
+        """The namespace exists in the daemon now (this client's Reserve made
+        it): forget that it had no id, so the next use asks again."""
+        ent = self._nids.get(wire)
+        if ent is not None and ent[0] == NO_NSID:
+            del self._nids[wire]
 
     # ------------------------------------------------------------- lookup
     def lookup(self, nid: int, packed: bytes, again: Callable[[], bool] | None = None) -> tuple[int, bytes] | None:
@@ -106,6 +188,31 @@ class SharedPath:
         (``TALLY_EVERY`` of them, or ``TALLY_SECONDS`` since the first)."""
         return self.pending >= TALLY_EVERY or (self.pending > 0 and time.monotonic() - self._since >= TALLY_SECONDS)
 
+    def queue_reads(self, frame: bytes) -> None:
+        """Keep a read's ``reads`` frame to send with the next ones (a
+        system call and a daemon wake-up per get saved; the daemon's counts
+        and the blocks' accesses lag by at most ``TALLY_EVERY`` reads or
+        ``TALLY_SECONDS``, as lookups' do)."""
+        with self._lock:
+            if not self._reads:
+                self._reads_since = time.monotonic()
+            self._reads.append(frame)
+
+    @property
+    def reads_pending(self) -> int:
+        """Reads whose ``reads`` frames are not sent yet."""
+        return len(self._reads)
+
+    def reads_due(self) -> bool:
+        return bool(self._reads) and (len(self._reads) >= TALLY_EVERY
+                                      or time.monotonic() - self._reads_since >= TALLY_SECONDS)
+
+    def take_reads(self) -> list[bytes]:
+        """The queued ``reads`` frames (the caller's to send from now on)."""
+        with self._lock:
+            out, self._reads = self._reads, []
+        return out
+
     def take_tally(self) -> bytes | None:
         """The tally frame of every lookup answered here since the last one
         (None: none); the counts are the caller's to send from now on."""
@@ -117,7 +224,9 @@ class SharedPath:
 
     # --------------------------------------------------------------- read
     def read(self, nid: int, packed: bytes, sink: BlockSink, slab: SlabMapping,
-             again: Callable[[], bool] | None = None) -> tuple[list[KeyStatus], bytes] | None:
+             again: Callable[[], bool] | None = None,
+             own: Callable[[bytes], tuple[np.ndarray, np.ndarray] | None] | None = None
+             ) -> list[KeyStatus] | None:
         """``get_into`` without a lease, when every present block of the
         prefix is in DRAM: the slots come from the shared index, the copy out
         (into ``sink``) verifies each block's checksum, and the slots are
@@ -126,28 +235,47 @@ class SharedPath:
         replaced meanwhile; a checksum that fails; a size that does not fit:
         None, and the caller takes the lease path, which writes the sink
         again and also reports corruption).
-        Returns the statuses and the ``reads`` frame that tells the daemon
-        (it counts the get, and the blocks' accesses as an Acquire's).
-        ``again`` as for ``lookup``."""
+        Returns the statuses; the ``reads`` frame that tells the daemon (it
+        counts the get, and the blocks' accesses as an Acquire's) is queued
+        (``queue_reads``).
+        ``again`` as for ``lookup``; before it, ``own`` (``OwnWrites.find``
+        for this namespace) may give the slots of the keys after the hit:
+        blocks of this client's own puts in flight, read the same way."""
         n = len(packed) // 16
         first = self.reader.slots(nid, packed)
-        if first is not None and first[0] < n and again is not None and again():
+        mine = None
+        if first is not None and first[1] and first[0] < n and own is not None:
+            mine = own(packed[16 * first[0] :])
+        if mine is None and first is not None and first[0] < n and again is not None and again():
             first = self.reader.slots(nid, packed)
         if first is None or not first[1]:
             return None
         hit, _, slots = first
-        offsets, sizes = slots[:, 1].tolist(), slots[:, 2].tolist()
-        if any(sink.size_of(i) != z for i, z in enumerate(sizes)) or not all(map(slab.covers, offsets, sizes)):
+        got = slots[:, 1:] if mine is None else np.concatenate((slots[:, 1:], mine[0]))
+        done = int(got.shape[0])
+        offsets, sizes = got[:, 0].tolist(), got[:, 1].tolist()
+        if sizes_of(sink, done) != sizes or not all(map(slab.covers, offsets[:hit], sizes[:hit])):
             return None  # (the lease path answers INVALID for a size that does not fit)
-        if hit:
-            srcs = [slab.buf[o : o + z] for o, z in zip(offsets, sizes)]
-            if not sink.write(range(hit), srcs, slots[:, 3].view(np.uint64).tolist()).all():
+        if done:
+            bufs = [slab.buf] * hit + ([mine[1]] * (done - hit) if mine is not None else [])
+            srcs = [b[o : o + z] for b, o, z in zip(bufs, offsets, sizes)]
+            sums = got[:, 2].view(np.uint64).tolist()
+            if mine is not None and mine[1] is not slab.buf:
+                # a write-behind put in flight: the daemon is copying these very blocks on the
+                # other core now, so a second thread here would only wait for a core
+                good = write_with(sink, 1, range(done), srcs, sums)
+            else:
+                good = sink.write(range(done), srcs, sums)
+            if not good.all():
                 return None
+        if hit:
             after = self.reader.slots(nid, packed[: 16 * hit])
             if after is None or after[0] != hit or not np.array_equal(after[2], slots):
                 return None
         self.reads += 1
-        return [KeyStatus.OK] * hit + [KeyStatus.MISS] * (n - hit), reads_frame(nid, n, packed[: 16 * hit])
+        self.own_blocks += done - hit
+        self.queue_reads(reads_frame(nid, n, packed[: 16 * done]))
+        return [KeyStatus.OK] * done + [KeyStatus.MISS] * (n - done)
 
     def close(self) -> None:
         self.reader.close()

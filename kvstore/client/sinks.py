@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from kvstore.buffers import as_u8_writable
-from kvstore.checksum import PIECE_FIELDS, run_split, verify_many, verify_scatter
+from kvstore.checksum import PIECE_FIELDS, run_split, verify_many, verify_scatter_many
 from kvstore.errors import InvalidArgument
 from tiers.base import Buffer
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = ["BlockSink", "BufferSink", "LayerScatter", "ScatterSink", "as_sink", "is_sink"]
+__all__ = ["BlockSink", "BufferSink", "LayerScatter", "ScatterSink", "as_sink", "is_sink", "sizes_of", "write_with"]
 
 
 @runtime_checkable
@@ -44,7 +44,9 @@ class BlockSink(Protocol):
 
     def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int]) -> np.ndarray:
         """Copy ``srcs[j]`` (block ``idx[j]``) to its place, checking its
-        XXH3-64 against ``expected[j]``; a bool per block (False: mismatch)."""
+        XXH3-64 against ``expected[j]``; a bool per block (False: mismatch).
+        (kvstore's own sinks also take ``threads``: at most that many
+        threads for this write, see ``write_with``.)"""
         ...
 
 
@@ -68,8 +70,13 @@ class BufferSink:
     def size_of(self, i: int) -> int:
         return int(self._view(i).size)
 
-    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int]) -> np.ndarray:
-        return verify_many([self._view(i) for i in idx], srcs, expected, self.threads)
+    def sizes(self, n: int) -> list[int]:
+        """``size_of`` of the first ``n`` blocks."""
+        return [int(self._view(i).size) for i in range(n)]
+
+    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int],
+              threads: int | None = None) -> np.ndarray:
+        return verify_many([self._view(i) for i in idx], srcs, expected, threads or self.threads)
 
 
 class LayerScatter:
@@ -125,7 +132,11 @@ class ScatterSink:
     def size_of(self, i: int) -> int:
         return self.layout.block_bytes
 
-    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int]) -> np.ndarray:
+    def sizes(self, n: int) -> list[int]:
+        return [self.layout.block_bytes] * n
+
+    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int],
+              threads: int | None = None) -> np.ndarray:
         lay = self.layout
         n = len(idx)
         ok = np.zeros(n, dtype=bool)
@@ -134,14 +145,29 @@ class ScatterSink:
 
         def run(a: int, b: int) -> None:
             scratch = lay.take_scratch()
-            try:
-                for j in range(a, b):
-                    ok[j] = verify_scatter(srcs[j], exp[j], scratch, lay.pieces, lay.dsts, slots[j])
+            try:  # one native call per thread's part (one GIL release), not one per block
+                ok[a:b] = verify_scatter_many(srcs[a:b], exp[a:b], scratch, lay.pieces, lay.dsts, slots[a:b])
             finally:
                 lay.give_scratch(scratch)
 
-        run_split(run, n, n * lay.block_bytes, lay.threads)
+        run_split(run, n, n * lay.block_bytes, threads or lay.threads)
         return ok
+
+
+def sizes_of(sink: BlockSink, n: int) -> list[int]:
+    """``sink.size_of(i)`` for ``i < n`` (in one call for kvstore's own sinks)."""
+    if isinstance(sink, (BufferSink, ScatterSink)):
+        return sink.sizes(n)
+    return [sink.size_of(i) for i in range(n)]
+
+
+def write_with(sink: BlockSink, threads: int, idx: Sequence[int], srcs: Sequence[Any],
+               expected: Sequence[int]) -> np.ndarray:
+    """``sink.write`` on at most ``threads`` threads (kvstore's own sinks;
+    another sink writes as it does)."""
+    if isinstance(sink, (BufferSink, ScatterSink)):
+        return sink.write(idx, srcs, expected, threads)
+    return sink.write(idx, srcs, expected)
 
 
 def is_sink(outs: object) -> TypeIs[BlockSink]:

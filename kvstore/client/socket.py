@@ -7,7 +7,10 @@ Calls whose answer the caller does not need at once (``send``: the
 ``Commit`` of a put, the ``Release`` of a get) are sent without waiting;
 their answers are read before the next call's (the daemon runs a
 connection's calls in order, so they have run by then) or by ``flush``.
-A pipelined call that failed is logged and counted in ``late_errors``.
+A pipelined call that failed is logged and counted in ``late_errors``; a
+write-behind put (``put`` frames, kvstore.client.staging) whose blocks the
+daemon could not store (no room, a parent gone) counts them in
+``late_rejected``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import logging
 import socket
 import threading
 
-from kvstore.errors import KVStoreError, NotFound
+from kvstore.errors import KeyStatus, KVStoreError, NotFound
 from kvstore.wire import frames
 from kvstore.wire.status import code_from_value, error_for
 
@@ -40,6 +43,12 @@ class LookupSocketClient:
         """Methods sent with ``send`` whose answers are still unread."""
         self.late_errors = 0
         """Pipelined calls the daemon answered with an error."""
+        self.late_rejected = 0
+        """Blocks of write-behind puts the daemon answered other than OK or EXISTS."""
+        self.sent = 0
+        """Frames sent without waiting so far: the n-th one's answer is unread while ``settled < n``."""
+        self.settled = 0
+        """Answers of frames sent without waiting that have been read."""
         try:
             self.sock.connect(path)
             self.sock.sendall(frames.hello_frame(session, token))
@@ -82,11 +91,18 @@ class LookupSocketClient:
         """Read the answers owed to pipelined calls (lock held)."""
         while self.owed:
             name = self.owed.pop(0)
+            self.settled += 1
             try:
-                self._answer()
+                body = self._answer()
             except KVStoreError as e:
                 self.late_errors += 1
                 log.warning("%s sent without waiting failed: %s", name, e)
+                continue
+            if name == "Put":
+                bad = len(body) - 1 - body.count(KeyStatus.OK, 1) - body.count(KeyStatus.EXISTS, 1)
+                if bad:
+                    self.late_rejected += bad
+                    log.info("a write-behind put could not store %d of its %d blocks", bad, len(body) - 1)
 
     def lookup(self, ns_wire: bytes, packed_keys: bytes) -> tuple[int, bytes]:
         """(hit_blocks, one Tier value byte per hit block)."""
@@ -113,15 +129,37 @@ class LookupSocketClient:
             body = self._answer()
         return int(frames.NSID.unpack_from(body)[1])
 
-    def send_frame(self, name: str, msg: bytes) -> None:
+    def stage(self) -> tuple[int, str]:
+        """This connection's staging file for write-behind puts: (size, path)."""
+        with self.lock:
+            self.sock.sendall(frames.stage_frame())
+            if self.owed:
+                self._settle()
+            body = self._answer()
+        _, size = frames.STAGE_OK.unpack_from(body)
+        return int(size), bytes(body[frames.STAGE_OK.size :]).decode()
+
+    def send_frames(self, name: str, msgs: list[bytes]) -> None:
+        """Several whole frames in one write, none waited for (as ``send_frame``)."""
+        with self.lock:
+            if len(self.owed) + len(msgs) > MAX_OWED:
+                self._settle()
+            self.sock.sendall(b"".join(msgs))
+            self.owed += [name] * len(msgs)
+            self.sent += len(msgs)
+
+    def send_frame(self, name: str, msg: bytes) -> int:
         """A whole frame sent without waiting (its answer is read like a
         ``send``'s). With many answers owed, those are read first (they
-        were sent long ago: the socket's buffers stay small)."""
+        were sent long ago: the socket's buffers stay small). Returns its
+        number (see ``sent``)."""
         with self.lock:
             if len(self.owed) >= MAX_OWED:
                 self._settle()
             self.sock.sendall(msg)
             self.owed.append(name)
+            self.sent += 1
+            return self.sent
 
     def call(self, name: str, request: bytes) -> bytes:
         """One of ``frames.CALLS``: the serialized request in, the serialized
@@ -134,13 +172,20 @@ class LookupSocketClient:
             body = self._answer()
         return bytes(body[1:])
 
-    def send(self, name: str, request: bytes) -> None:
+    def send(self, name: str, request: bytes) -> int:
         """One of ``frames.CALLS`` without waiting for its answer (read
-        before the next call's, or by ``flush``)."""
+        before the next call's, or by ``flush``). Returns its number (see
+        ``sent``)."""
         msg = frames.call_frame(name, request)
         with self.lock:
             self.sock.sendall(msg)
             self.owed.append(name)
+            self.sent += 1
+            return self.sent
+
+    def in_flight(self, seq: int) -> bool:
+        """Whether the answer of the ``seq``-th frame sent without waiting is still unread."""
+        return self.settled < seq
 
     def flush(self) -> None:
         """Wait for every pipelined call's answer."""

@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, cast
 
 import grpc
@@ -30,9 +29,11 @@ import numpy as np
 from kvstore.buffers import as_u8, pack_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
-from kvstore.client.shared import SharedPath
+from kvstore.client.holds import Lease, Reservation
+from kvstore.client.shared import OwnWrites, SharedPath
 from kvstore.client.sinks import BlockSink, as_sink, is_sink
 from kvstore.client.socket import LookupSocketClient, settle_quietly
+from kvstore.client.staging import WriteBehind
 from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
 from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, PolicyChange, ResizeResult
@@ -58,7 +59,7 @@ class Client(ClientBase):
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
-                 pipeline: bool = True, shared_index: bool = True) -> None:
+                 pipeline: bool = True, shared_index: bool = True, write_behind: bool = True) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` and the
         shared-memory path's control calls over its same-host socket
         (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
@@ -69,7 +70,10 @@ class Client(ClientBase):
         has taken in the ``Commit`` (microseconds later). ``shared_index``
         (with that socket): answer ``lookup`` from the daemon's shared index
         when it publishes one (kvstore/wire/shared_index.py), without a
-        round trip."""
+        round trip. ``write_behind`` (with the shared index and ``pipeline``):
+        a small put is copied into a staging ring and sent without waiting
+        (kvstore/client/staging.py); blocks the daemon then cannot store
+        are counted in ``late_rejected``."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
@@ -81,6 +85,9 @@ class Client(ClientBase):
         self._shared: SharedPath | None = None
         """Lookups and lease-free reads from the daemon's shared index, when
         it publishes one (same host; kvstore/client/shared.py)."""
+        self._own = OwnWrites()
+        """This client's puts whose Commit is in flight, for its own reads (kvstore/client/shared.py)."""
+        self._wb = WriteBehind(self._own, write_behind)
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -112,7 +119,8 @@ class Client(ClientBase):
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         fast = self._fast
-        if fast is not None and (fast.owed or self.tally_pending):  # our pipelined calls run before this one
+        if fast is not None and (fast.owed or self.tally_pending):
+            # (our pipelined calls, and the counts we owe, go before this one)
             self.flush()
         try:
             return method(request, metadata=self._md(), timeout=timeout or self.timeout)
@@ -135,17 +143,18 @@ class Client(ClientBase):
             return getattr(pb, name + "Response").FromString(data)
         return self._call(getattr(self.stub, name), request)
 
-    def _send(self, name: str, request: Any) -> None:
+    def _send(self, name: str, request: Any) -> int:
         """A control call whose answer is not needed now: over the same-host
         socket without waiting (``pipeline``; a failure is logged when its
-        answer is read), else an ordinary call."""
+        answer is read), else an ordinary call. Returns the frame's number
+        on the socket (``LookupSocketClient.sent``), 0 when it was answered."""
         fast = self._fast
         body = request.SerializeToString() if fast is not None and self.pipeline else b""
         if fast is None or not self.pipeline or not fits_frame(len(body)):
             self._unary(name, request)
-            return
+            return 0
         try:
-            fast.send(name, body)
+            return fast.send(name, body)
         except OSError as e:
             raise self._socket_failed(name, e) from None
 
@@ -156,6 +165,7 @@ class Client(ClientBase):
         call may have run)."""
         log.warning("same-host socket failed (%s): calls go over gRPC", e)
         self._shared = None
+        self._wb.close()  # (its staging ring belongs to the same-host connection)
         if self._fast is not None:
             self._fast.close()
             self._fast = None
@@ -168,7 +178,7 @@ class Client(ClientBase):
         """Wait until the daemon has run every call this client sent without
         waiting (the ``Commit`` of its puts, the ``Release`` of its gets)."""
         if self.tally_pending:
-            self._send_tally()
+            self._send_counts()
         fast = self._fast
         if fast is not None:
             try:
@@ -177,10 +187,12 @@ class Client(ClientBase):
                 log.warning("fast socket failed (%s): control calls go over gRPC", e)
                 fast.close()
                 self._fast = None
+                self._wb.close()  # (its staging ring belongs to the same-host connection)
 
     def close(self) -> None:
         if self._fast is not None:
             self.flush()
+        self._wb.close()  # (its staging ring belongs to the same-host connection)
         if self._fast is not None:
             self._fast.close()
             self._fast = None
@@ -223,14 +235,25 @@ class Client(ClientBase):
         return lookup_from_pb(r)
 
     @property
+    def late_rejected(self) -> int:
+        """Blocks of write-behind puts that answered OK here but that the daemon could not store."""
+        return self._fast.late_rejected if self._fast is not None else 0
+
+    @property
     def tally_pending(self) -> int:
-        """Lookups answered from the shared index not yet told the daemon (sent every 256, 0.1 s, or at flush)."""
-        return self._shared.pending if self._shared is not None else 0
+        """Lookups and reads served from the shared index not yet told the
+        daemon (sent every 256, 0.1 s, before any other call, or at flush)."""
+        return self._shared.pending + self._shared.reads_pending if self._shared is not None else 0
 
     @property
     def shared_reads(self) -> int:
         """``get_into`` calls served from the shared index without a lease."""
         return self._shared.reads if self._shared is not None else 0
+
+    @property
+    def own_write_reads(self) -> int:
+        """Blocks ``get_into`` read from this client's own puts whose Commit was still in flight."""
+        return self._shared.own_blocks if self._shared is not None else 0
 
     @property
     def shared_lookups(self) -> int:
@@ -239,9 +262,10 @@ class Client(ClientBase):
 
     def _own_commits(self) -> bool:
         """Read-your-writes for a shared-index probe that came back short:
-        wait for this client's pipelined Commits; whether there were any."""
+        wait for this client's pipelined Commits and write-behind puts;
+        whether there were any."""
         fast = self._fast
-        if fast is None or "Commit" not in fast.owed:
+        if fast is None or ("Commit" not in fast.owed and "Put" not in fast.owed):
             return False
         self.flush()
         return True
@@ -254,7 +278,7 @@ class Client(ClientBase):
             return None
         got = shared.lookup(nid, packed, self._own_commits)
         if shared.tally_due():
-            self._send_tally()
+            self._send_counts()
         return got
 
     def _wire_of(self, ns: Namespace) -> bytes:
@@ -264,20 +288,20 @@ class Client(ClientBase):
             wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
         return wire
 
-    def _send_frame(self, name: str, frame: bytes | None) -> None:
-        """A frame of the shared path, sent without waiting (dropped when the socket is gone: it only counts)."""
-        fast = self._fast
-        if frame is None or fast is None:
+    def _send_counts(self) -> None:
+        """Tell the daemon, in one write without waiting, the lookups and the
+        reads served from the shared index since last time (dropped when the
+        socket is gone: they only count)."""
+        shared, fast = self._shared, self._fast
+        if shared is None or fast is None:
             return
-        try:
-            fast.send_frame(name, frame)
-        except OSError as e:
-            self._socket_failed(name, e)
-
-    def _send_tally(self) -> None:
-        shared = self._shared
-        if shared is not None:
-            self._send_frame("Tally", shared.take_tally())
+        tally = shared.take_tally()
+        msgs = ([tally] if tally else []) + shared.take_reads()
+        if msgs:
+            try:
+                fast.send_frames("Tally/Reads", msgs)
+            except OSError as e:
+                self._socket_failed("Tally/Reads", e)
 
     def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
         """Lookup in cluster mode (docs/cluster.md): where each block is and
@@ -304,7 +328,13 @@ class Client(ClientBase):
     def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                  parent: bytes | None) -> list[KeyStatus]:
         srcs = [as_u8(p) for p in payloads]
-        r = self._unary("Reserve", self._reserve_request(ns, keys, srcs, parent))
+        staged = self._put_staged(ns, keys, srcs, parent)
+        if staged is not None:
+            return staged
+        req = self._reserve_request(ns, keys, srcs, parent)
+        r = self._unary("Reserve", req)
+        if self._shared is not None:
+            self._shared.known(self._wire_of(ns))  # the namespace exists now: ask for its id again
         if not r.reservation_id:
             return [KeyStatus(x) for x in r.slots.status]
         try:
@@ -314,9 +344,25 @@ class Client(ClientBase):
             raise
         commit = pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums)
         if self.pipeline and self._fast is not None:
-            self._send("Commit", commit)
+            seq = self._send("Commit", commit)
+            sa = r.slots
+            if seq and self._shared is not None and self.slab is not None and not any(sa.status) and \
+                    all(t == TierKind.DRAM + 1 for t in sa.tier):
+                self._own.add(self._wire_of(ns), req.keys_packed, list(sa.offset), list(sa.length), csums,
+                              self.slab.buf, seq)
             return statuses
         return self._merge_commit(statuses, self._unary("Commit", commit))
+
+    def _put_staged(self, ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
+                    parent: bytes | None) -> list[KeyStatus] | None:
+        """A write-behind put (``WriteBehind.put``), or None: put through ``Reserve``."""
+        wb, fast, shared = self._wb, self._fast, self._shared
+        if not self.pipeline or fast is None or shared is None:
+            return None
+        try:
+            return wb.put(fast, shared, self._wire_of(ns), keys, srcs, parent, self.copy_threads, self.flush)
+        except OSError as e:
+            raise self._socket_failed("Put", e) from None
 
     def _put_inline(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
                     parent: bytes | None) -> list[KeyStatus]:
@@ -390,12 +436,14 @@ class Client(ClientBase):
         packed = pack_keys(keys, check=True)
         if not fits_frame(len(packed) + 64):
             return None
-        nid = shared.nid(fast, self._wire_of(ns))
-        got = shared.read(nid, packed, sink, self.slab, self._own_commits) if nid is not None else None
-        if got is None:
-            return None
-        self._send_frame("Reads", got[1])
-        return got[0]
+        wire = self._wire_of(ns)
+        nid = shared.nid(fast, wire)
+        own = self._own
+        got = shared.read(nid, packed, sink, self.slab, self._own_commits,
+                          lambda tail: own.find(wire, tail, fast.in_flight)) if nid is not None else None
+        if got is not None and shared.reads_due():
+            self._send_counts()
+        return got
 
     def _report_bad(self, ns: Namespace, keys: list[bytes]) -> None:
         """Tell the daemon which blocks failed their checksum here, so it
@@ -545,54 +593,3 @@ class Client(ClientBase):
     def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
         return policy_from_pb(r)
-
-
-@dataclass(slots=True)
-class Reservation:
-    """Slots reserved for new blocks: write ``length`` bytes at ``offset`` of
-    each OK key, then ``Client.commit``."""
-
-    reservation_id: str
-    statuses: list[KeyStatus]
-    offsets: list[int]
-    lengths: list[int]
-    tiers: list[TierKind | None] = field(default_factory=list)
-    """Tier of each slot (HBM: write through Client.hbm_view)."""
-    device: int = 0
-    """CUDA device of the HBM slots."""
-
-
-class Lease:
-    """Pinned blocks a shared-memory client reads in place: the first
-    ``hit_blocks`` keys, at ``offsets``/``lengths`` in the slab."""
-
-    def __init__(self, client: Client, lease_id: str, hit_blocks: int, views: list[np.ndarray | None],
-                 checksums: list[int], offsets: list[int] | None = None, lengths: list[int] | None = None) -> None:
-        self.client = client
-        self.lease_id = lease_id
-        self.hit_blocks = hit_blocks
-        self.views = views
-        self.checksums = checksums
-        self.offsets = offsets or []
-        self.lengths = lengths or []
-        self.tiers: list[TierKind] = [TierKind.DRAM] * hit_blocks
-        self.fetched_blocks = 0
-        """Cluster acquire: blocks this call fetched from a peer first (docs/cluster.md)."""
-        self.decision = 0
-        """Cluster acquire: the wire ``ChainDecision`` taken (0 unspecified, 1 local, 2 fetch, 3 recompute)."""
-        self._released = not lease_id
-
-    def release(self, wait: bool = True) -> None:
-        """Unpin the blocks; the views must not be read after this.
-        ``wait=False`` does not wait for the daemon's answer (see
-        ``Client.release_lease``)."""
-        if not self._released:
-            self._released = True
-            self.views = [None] * len(self.views)
-            self.client.release_lease(self.lease_id, wait)
-
-    def __enter__(self) -> "Lease":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

@@ -24,6 +24,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import secrets
 from typing import Any
 
@@ -38,8 +39,9 @@ from kvstore.wire.shared_index import (ARRAYS, FILE_NAME, HEADER_BYTES, MAGIC, N
 log = logging.getLogger("kvstore.daemon.shared_index")
 
 
-def sweep_stale(shm_dir: str = SHM_DIR) -> int:
-    """Remove shared-index files of this user's daemons that are gone."""
+def sweep_stale(shm_dir: str = SHM_DIR, pattern: re.Pattern[str] = FILE_NAME) -> int:
+    """Remove shared-index files (or other files named by ``pattern``,
+    ``kvstore-<what>-<uid>-<pid>-...``) of this user's daemons that are gone."""
     uid = str(os.getuid())
     removed = 0
     try:
@@ -47,7 +49,7 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> int:
     except OSError:
         return 0
     for name in names:
-        if not FILE_NAME.fullmatch(name):
+        if not pattern.fullmatch(name):
             continue
         parts = name.split("-")
         if parts[2] != uid or pid_alive(int(parts[3])):

@@ -36,6 +36,16 @@ namespace's id, after the same namespace and tenant checks as a Lookup),
 its own) and ``reads`` (blocks they read without a lease: a get, and the
 blocks' accesses); the last two only for ids this connection was told.
 
+Write-behind puts (issue 18): a ``stage`` frame gives the connection a
+staging file of its own (``STAGING_BYTES``, mode 0600 in ``/dev/shm``,
+unlinked once the client has mapped it, i.e. at its first ``put`` frame,
+or when the connection closes). A ``put`` frame names blocks the client
+copied there; the daemon runs ``Reserve`` (DRAM slots), copies the blocks
+from staging into them and runs ``Commit``, through the same servicer
+methods as the calls above, so a put either lands whole or not at all and a
+client that dies mid-batch leaves nothing reserved. At most
+``MAX_STAGED`` connections hold a staging file at a time.
+
 Who may use it: the socket is created mode 0600, either beside
 ``server.unix_socket`` or in a private directory (mode 0700) of the
 daemon's user (``default_path``); ``server.lookup_socket = "off"`` disables
@@ -49,26 +59,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
+import re
 import secrets
 import stat
 import tempfile
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
 
 from kvstore.daemon.auth import Principal
-from kvstore.daemon.shared_index import SharedIndex
+from kvstore.daemon.shared_index import SharedIndex, sweep_stale
 from kvstore.daemon.slab_owner import pid_alive
 from kvstore.daemon.rpc import Aborted, LocalContext, rpc
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
 from kvstore.wire import frames
 from kvstore.wire.convert import MAX_KEYS
 from kvstore.wire.frames import CALLS, MAX_FRAME
 from kvstore.wire.shared_index import TALLY
 from proto import kvstore_pb2 as pb
+from tiers.base import TierKind
+from tiers.dram import SHM_DIR
 
 if TYPE_CHECKING:
     from kvstore.daemon.state import DaemonState
@@ -79,6 +93,14 @@ log = logging.getLogger("kvstore.daemon.socket_server")
 
 MAX_TALLY = 4096
 """Namespaces in one tally frame."""
+STAGING_BYTES = 16 << 20
+"""Size of a connection's staging file for write-behind puts."""
+MAX_STAGED = 32
+"""Connections that may hold a staging file at a time (32 x 16 MiB of shared memory at most)."""
+STAGE_NAME = re.compile(r"kvstore-stage-[0-9]+-[0-9]+-[0-9a-f]+")
+"""Staging files' names in ``/dev/shm`` (uid, daemon pid): those of dead daemons are removed at start."""
+DRAM_WIRE = int(TierKind.DRAM) + 1
+"""The wire ``Tier`` value that asks ``Reserve`` for DRAM slots."""
 _REQUESTS = tuple(getattr(pb, name + "Request") for name in CALLS)
 """Request message class of each of ``CALLS``."""
 
@@ -176,6 +198,45 @@ async def fast_lookup(d: "DaemonState", body: bytes, context: LocalContext, who:
     return frames.answer_frame(res.hit_blocks, (res.tier_codes.astype(np.uint8) + 1).tobytes())
 
 
+class Staging:
+    """A connection's staging file: ``/dev/shm``, created ``O_EXCL`` with
+    mode 0600 and mapped; the client maps it by path."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.path: str | None = os.path.join(SHM_DIR, f"kvstore-stage-{os.getuid()}-{os.getpid()}-"
+                                                      f"{secrets.token_hex(6)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self._map, dtype=np.uint8)
+        self.buf[::4096] = 0  # its pages exist and are mapped here from the start (no fault on a put's path)
+
+    def unlink(self) -> None:
+        """Remove the file's name (the mappings stay)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def close(self) -> None:
+        self.unlink()
+        self.buf = np.zeros(0, dtype=np.uint8)
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a copy still holds a view; unmapped when it goes
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: a hello frame, then calls, answered in order."""
 
@@ -191,6 +252,8 @@ class _Connection(asyncio.Protocol):
         self.closing = False
         self.nids: set[int] = set()
         """Namespace ids this connection was told (nsid frames): the only ones it may tally."""
+        self.staging: Staging | None = None
+        """Its staging file for write-behind puts, once asked for (a stage frame)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -201,6 +264,13 @@ class _Connection(asyncio.Protocol):
         self.closing = True
         if self.waiting is not None:
             self.waiting.cancel()
+        self.drop_staging()
+
+    def drop_staging(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+            self.server.staged -= 1
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -210,6 +280,8 @@ class _Connection(asyncio.Protocol):
         self.closing = True
         if self.transport is not None:
             self.transport.close()
+        if self.waiting is None:  # (else the call in flight may still copy from it: connection_lost drops it)
+            self.drop_staging()
 
     def pump(self) -> None:
         """Answer every complete frame in the buffer, in order, in one write;
@@ -262,9 +334,19 @@ class _Connection(asyncio.Protocol):
             return self.tally(body)
         if mark == frames.READS_MARK:
             return self.reads(body)
+        if mark == frames.STAGE_MARK:
+            return self.stage()
         if mark == frames.NSID_MARK:
             coro = fast_nsid(self.daemon, body, self.lookups)
             wrap = self.nsid_answer
+        elif mark == frames.PUT_MARK:
+            try:
+                put = self.parse_put(body)
+            except KVStoreError as e:
+                return _error(grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, InvalidArgument)
+                              else grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            coro = self.put_staged(put)
+            wrap = _put_answer
         elif frames.is_call(body):
             op = frames.call_method_id(body) - 1
             if not 0 <= op < len(CALLS):
@@ -288,6 +370,68 @@ class _Connection(asyncio.Protocol):
         self.waiting = value
         value.add_done_callback(lambda t: self.resumed(t, wrap))
         return None
+
+    def stage(self) -> bytes:
+        """A stage frame: this connection's staging file (made once)."""
+        if self.staging is None:
+            if self.server.staged >= MAX_STAGED:
+                return _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{MAX_STAGED} connections hold a staging file already: put through Reserve")
+            try:
+                self.staging = Staging(STAGING_BYTES)
+            except OSError as e:
+                return _error(grpc.StatusCode.UNAVAILABLE, f"no staging file: {e}")
+            self.server.staged += 1
+        st = self.staging
+        if st.path is None:
+            return _error(grpc.StatusCode.FAILED_PRECONDITION, "the staging file was mapped already")
+        return frames.frame(frames.STAGE_OK.pack(frames.OK, st.size) + st.path.encode())
+
+    def parse_put(self, body: bytes) -> frames.PutFrame:
+        """A put frame, checked against this connection's staging file
+        before anything is reserved."""
+        st = self.staging
+        if st is None:
+            raise Unavailable("put frame without a staging file (send a stage frame first)")
+        st.unlink()  # the client mapped it before it wrote this put: nobody else may open it now
+        put = frames.parse_put(body)
+        n, size = len(put.keys) // 16, put.block_bytes
+        if not 0 < n <= MAX_KEYS or size <= 0:
+            raise InvalidArgument(f"put of {n} blocks of {size} bytes")
+        if put.offset < 0 or put.offset + n * size > st.size:
+            raise InvalidArgument(f"put of {n} x {size} bytes at staging offset {put.offset} overruns the "
+                                  f"{st.size}-byte staging file")
+        return put
+
+    async def put_staged(self, put: frames.PutFrame) -> list[int]:
+        """Reserve DRAM slots, copy the blocks from staging into them,
+        commit: the servicer's own Reserve and Commit (the same checks,
+        metrics and tenant shares as those calls over this socket)."""
+        d: Any = self.daemon  # (the servicer: DaemonState and its KVStore methods)
+        ctx = self.calls
+        r = await d.Reserve(pb.ReserveRequest(ns=pb.Namespace.FromString(put.ns_wire), keys_packed=put.keys,
+                                              parent=put.parent, block_bytes=put.block_bytes,
+                                              tier=cast(Any, DRAM_WIRE)), ctx)
+        sa = r.slots
+        statuses = list(sa.status)
+        if not r.reservation_id:
+            return statuses
+        ok = [i for i, x in enumerate(statuses) if x == 0]
+        st, size, at = self.staging, put.block_bytes, put.offset
+        try:
+            if st is None:
+                raise Unavailable("the connection closed")
+            dram = d.store.dram
+            for i in ok:
+                np.copyto(dram.view(int(sa.offset[i]), size), st.buf[at + i * size : at + (i + 1) * size])
+        except BaseException:
+            await d.Abort(pb.AbortRequest(reservation_id=r.reservation_id), ctx)
+            raise
+        c = await d.Commit(pb.CommitRequest(reservation_id=r.reservation_id,
+                                            checksums=[put.checksums[i] for i in ok]), ctx)
+        for i, res in zip(ok, c.results):
+            statuses[i] = int(res.status)
+        return statuses
 
     def nsid_answer(self, nid: int) -> bytes:
         if nid != frames.NO_NSID:
@@ -363,6 +507,10 @@ def share_index(d: "DaemonState") -> SharedIndex | None:
     return shared
 
 
+def _put_answer(statuses: list[int]) -> bytes:
+    return frames.frame(bytes([frames.OK]) + bytes(statuses))
+
+
 def _proto_answer(resp: Any) -> bytes:
     return frames.reply_frame(resp.SerializeToString())
 
@@ -381,6 +529,8 @@ class LookupSocketServer:
         self.conns: set[_Connection] = set()
         self.shared: SharedIndex | None = None
         """The shared index (kvstore/daemon/shared_index.py), when published."""
+        self.staged = 0
+        """Connections holding a staging file."""
 
     async def start(self) -> None:
         if os.path.exists(self.path):
@@ -388,6 +538,7 @@ class LookupSocketServer:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_unix_server(lambda: _Connection(self), path=self.path)
         os.chmod(self.path, 0o600)
+        sweep_stale(SHM_DIR, STAGE_NAME)  # staging files a crashed daemon left before their first put
         self.shared = share_index(self.daemon)
 
     async def stop(self) -> None:

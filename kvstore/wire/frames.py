@@ -18,7 +18,18 @@ Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
     tally ok  u32 len | u8 0
     reads     u32 len | u16 0xFFFC | u32 nid | u32 keys asked | keys read (n x 16 bytes)
     reads ok  u32 len | u8 0
+    stage     u32 len | u16 0xFFFB
+    stage ok  u32 len | u8 0 | u64 staging bytes | staging file path (UTF-8)
+    put       u32 len | u16 0xFFFA | u16 ns_len | u8 has_parent | u8 0 | u32 n | u32 block bytes
+                      | u64 staging offset | Namespace message (protobuf) | parent key (16 bytes, if any)
+                      | keys (n x 16 bytes) | checksums (n x u64)
+    put ok    u32 len | u8 0 | n x u8 KeyStatus
     error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
+
+``stage`` and ``put`` are the write-behind put (issue 18): the daemon gives
+the connection a private staging file, the client copies a small batch
+into it and sends a ``put`` frame without waiting; the daemon reserves,
+copies the blocks from staging into their slots and commits, as one call.
 
 ``nsid``, ``tally`` and ``reads`` serve clients that answer lookups, and
 read DRAM blocks, from the daemon's shared index
@@ -65,6 +76,14 @@ TALLY_MARK = b"\xff\xfd"
 """A tally frame's first two bytes."""
 READS_MARK = b"\xff\xfc"
 """A reads frame's first two bytes."""
+STAGE_MARK = b"\xff\xfb"
+"""A stage frame's first two bytes."""
+PUT_MARK = b"\xff\xfa"
+"""A put frame's first two bytes."""
+PUT = struct.Struct("<HBxIIQ")
+"""A put frame's fixed fields after the mark: ns_len, has_parent, n, block bytes, staging offset."""
+STAGE_OK = struct.Struct("<BQ")
+"""Status byte and staging size of a stage answer (the path follows)."""
 READS = struct.Struct("<II")
 """Namespace id and keys asked, at the front of a reads frame (after the mark)."""
 MAX_NS_WIRE = 0xFF00
@@ -132,6 +151,52 @@ def reads_frame(nid: int, asked: int, packed_keys: bytes) -> bytes:
     """The blocks a client read from the slab itself (``packed_keys``, the
     hit prefix of ``asked`` keys)."""
     return HEADER.pack(2 + READS.size + len(packed_keys)) + READS_MARK + READS.pack(nid, asked) + packed_keys
+
+
+def stage_frame() -> bytes:
+    return HEADER.pack(2) + STAGE_MARK
+
+
+def put_frame(ns_wire: bytes, parent: bytes | None, packed_keys: bytes, block_bytes: int, offset: int,
+              checksums: bytes) -> bytes:
+    """A write-behind put of ``len(packed_keys) // 16`` blocks of
+    ``block_bytes``, back to back in the staging file from ``offset``;
+    ``checksums``: their xxh3_64 values as little-endian u64."""
+    if len(ns_wire) >= MAX_NS_WIRE:
+        raise InvalidArgument("namespace message too long")
+    head = PUT.pack(len(ns_wire), 1 if parent else 0, len(packed_keys) // 16, block_bytes, offset)
+    body_len = 2 + PUT.size + len(ns_wire) + (16 if parent else 0) + len(packed_keys) + len(checksums)
+    return b"".join((HEADER.pack(body_len), PUT_MARK, head, ns_wire, parent or b"", packed_keys, checksums))
+
+
+@dataclass(slots=True, frozen=True)
+class PutFrame:
+    """A parsed put frame."""
+
+    ns_wire: bytes
+    parent: bytes
+    keys: bytes
+    block_bytes: int
+    offset: int
+    checksums: list[int]
+
+
+def parse_put(body: bytes) -> PutFrame:
+    """A put frame's fields; InvalidArgument when its lengths do not add up."""
+    if len(body) < 2 + PUT.size:
+        raise InvalidArgument("short put frame")
+    nslen, has_parent, n, size, offset = PUT.unpack_from(body, 2)
+    at = 2 + PUT.size
+    plen = 16 if has_parent else 0
+    if len(body) != at + nslen + plen + 24 * n:
+        raise InvalidArgument(f"put frame of {len(body)} bytes does not hold {n} keys and checksums")
+    ns_wire = body[at : at + nslen]
+    at += nslen
+    parent = body[at : at + plen]
+    at += plen
+    keys = body[at : at + 16 * n]
+    sums = struct.unpack_from(f"<{n}Q", body, at + 16 * n)
+    return PutFrame(ns_wire, parent, keys, size, offset, list(sums))
 
 
 def tally_frame(records: bytes) -> bytes:

@@ -351,23 +351,25 @@ def test_lookups_from_the_shared_index_read_their_own_writes(uds_daemon):
         assert c.shared_lookups == 40
 
 
-def test_a_full_answer_does_not_wait_for_commits_in_flight(uds_daemon):
+@pytest.mark.parametrize("write_behind", [False, True], ids=["commit", "write-behind"])
+def test_a_full_answer_does_not_wait_for_commits_in_flight(uds_daemon, write_behind):
     """Read-your-writes costs a wait only when a probe comes back short: a
     prefix already all there is answered (looked up, read) while the
-    client's own Commit of other blocks is still unanswered; a probe of the
-    blocks being committed sees them (waiting for the Commit when it has
-    not landed yet)."""
-    with Client(uds_daemon.target) as c:
+    client's own Commit (or write-behind put) of other blocks is still
+    unanswered; a probe of the blocks being committed sees them (waiting
+    for the Commit when it has not landed yet)."""
+    sent = "Put" if write_behind else "Commit"
+    with Client(uds_daemon.target, write_behind=write_behind) as c:
         ns = _ns()
         a = _fill(c, ns, 4)
         assert c.lookup(ns, a).hit_blocks == 4  # (asks the namespace's id: a call, which settles)
         b = block_keys(ns, np.arange(16 * 3, dtype=np.uint32) + np.uint32(5000))
         assert c.put(ns, b, [np.ones(BS, np.uint8)] * 3) == [KeyStatus.OK] * 3
-        assert "Commit" in c._fast.owed
+        assert sent in c._fast.owed
         assert c.lookup(ns, a).hit_blocks == 4
         outs = [np.full(BS, 9, np.uint8) for _ in a]
         assert c.get_into(ns, a, outs) == [KeyStatus.OK] * 4 and not any(o.any() for o in outs)
-        assert "Commit" in c._fast.owed  # neither waited for it
+        assert sent in c._fast.owed  # neither waited for it
         assert c.lookup(ns, b).hit_blocks == 3  # (waited for the Commit unless it had landed already)
         outs = [np.zeros(BS, np.uint8) for _ in b]
         c.put(ns, b[:1] + [b"\x07" * 16], [np.ones(BS, np.uint8)] * 2)  # b[0] EXISTS; one new block in flight

@@ -131,3 +131,27 @@ def test_a_closed_socket_is_an_os_error_not_an_answer() -> None:
     c.close()
     t.join(30)
     assert not issubclass(ConnectionError, Unavailable)
+
+
+def test_own_writes_find_runs_of_one_put_in_flight_only():
+    from kvstore.client.shared import OwnWrites
+
+    own = OwnWrites(limit=2)
+    buf = np.zeros(64, np.uint8)
+    keys = b"".join(bytes([i]) * 16 for i in range(4))
+    own.add(b"ns", keys, [0, 8, 16, 24], 8, [1, 2, 3, 2**64 - 1], buf, seq=1)
+    live = {1}
+    in_flight = live.__contains__
+    slots, where = own.find(b"ns", keys[16:48], in_flight)
+    assert where is buf and slots.tolist() == [[8, 8, 2], [16, 8, 3]]
+    assert own.find(b"ns", keys[48:], in_flight)[0][0, 2] == -1  # checksum bits as int64
+    assert own.find(b"other", keys[:16], in_flight) is None
+    assert own.find(b"ns", keys[8:24], in_flight) is None  # not on a key boundary
+    assert own.find(b"ns", keys + b"\x09" * 16, in_flight) is None  # runs past the put
+    live.clear()
+    assert own.find(b"ns", keys[:16], in_flight) is None  # its answer was read: the daemon has it
+    own.add(b"ns", b"\x05" * 16, [32], 8, [5], buf, seq=2)
+    own.add(b"ns", b"\x06" * 16, [40], 8, [6], buf, seq=3)
+    live.update({2, 3})
+    assert own.find(b"ns", b"\x06" * 16, in_flight) is not None
+    assert len(own.recent) == 2

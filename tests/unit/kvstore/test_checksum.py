@@ -242,6 +242,31 @@ def test_verify_scatter_refuses_a_place_outside_its_buffers(rows: list[tuple[int
     assert not a.any()
 
 
+def test_verify_scatter_many_equals_one_call_per_block(impl: str) -> None:
+    """A batch places exactly what one call per block would, skips a block
+    that fails its checksum, and checks every place of every block (the
+    highest index included) before it writes anything."""
+    rng = np.random.default_rng(7)
+    srcs = [rng.integers(0, 256, size=512, dtype=np.uint8) for _ in range(5)]
+    sums = [cks.checksum(x) for x in srcs]
+    sums[3] ^= 1
+    pieces = _pieces((0, 256, 0, 0, 256), (256, 256, 1, 0, 256))
+    idx = [4, 0, 7, 2, 5]
+    a, b = np.zeros((8, 256), np.uint8), np.zeros((8, 256), np.uint8)
+    ok = cks.verify_scatter_many(srcs, sums, np.empty(512, np.uint8), pieces, (a, b), idx)
+    assert ok.tolist() == [True, True, True, False, True]
+    a1, b1 = np.zeros_like(a), np.zeros_like(b)
+    for x, e, i in zip(srcs, sums, idx):
+        cks.verify_scatter(x, e, np.empty(512, np.uint8), pieces, (a1, b1), i)
+    assert np.array_equal(a, a1) and np.array_equal(b, b1) and not a[2].any()
+    with pytest.raises(ValueError):  # block index 8 does not fit: nothing at all is written
+        cks.verify_scatter_many(srcs[:2], [cks.checksum(x) for x in srcs[:2]], np.empty(512, np.uint8), pieces,
+                                (np.zeros((8, 256), np.uint8), c := np.zeros((8, 256), np.uint8)), [1, 8])
+    assert not c.any()
+    with pytest.raises(ValueError):
+        cks.verify_scatter_many(srcs[:1], [-1], np.empty(512, np.uint8), pieces, (a, b), [0])
+
+
 def test_verify_scatter_needs_a_scratch_as_long_as_the_block(impl: str) -> None:
     src = np.ones(4096, np.uint8)
     with pytest.raises(ValueError):

@@ -73,3 +73,17 @@ def test_reply_and_error_frames() -> None:
 def test_limits() -> None:
     assert frames.MAX_FRAME >= 2 + 0xFFFF + 16 * 65536
     assert frames.MAX_HELLO == 8192
+
+
+def test_put_frame_round_trips_and_refuses_lengths_that_do_not_add_up():
+    keys = bytes(range(32))
+    msg = frames.put_frame(b"ns", b"p" * 16, keys, 4096, 8192, struct.pack("<2Q", 7, 2**64 - 1))
+    body = msg[4:]
+    assert struct.unpack("<I", msg[:4])[0] == len(body) and body[:2] == frames.PUT_MARK
+    put = frames.parse_put(body)
+    assert (put.ns_wire, put.parent, put.keys, put.block_bytes, put.offset, put.checksums) == \
+        (b"ns", b"p" * 16, keys, 4096, 8192, [7, 2**64 - 1])
+    assert frames.parse_put(frames.put_frame(b"ns", None, keys, 1, 0, b"\0" * 16)[4:]).parent == b""
+    for bad in (body[:-1], body + b"x", body[:5]):
+        with pytest.raises(InvalidArgument):
+            frames.parse_put(bad)

@@ -1,0 +1,144 @@
+"""The client's side of write-behind puts (issue 18): a staging file the
+daemon gave this connection (kvstore.daemon.socket_server: ``stage`` and
+``put`` frames), used as a ring.
+
+A small put copies its blocks into the ring (fused with their xxh3_64
+checksums), sends one ``put`` frame without waiting and returns; the
+daemon reserves, copies and commits. No round trip is on the put's path.
+Until the frame's answer is read, its bytes stay in the ring untouched, so
+this client's own reads of those blocks are served from there
+(``OwnWrites``, kvstore/client/shared.py). The ring wraps only after every
+put in it has been answered (``flush``).
+
+Which puts go this way: at most half the staging file (8 MiB), blocks of
+one size, in a namespace the client has an id for, whose parent it can see
+stored. Such a put answers EXISTS for the leading blocks the shared index
+already holds and OK for the rest at once; a block the daemon then cannot
+store (no room; its parent evicted meanwhile) is logged and counted in
+``Client.late_rejected``. Other puts answer from ``Reserve``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore.buffers import pack_keys
+from kvstore.checksum import copy_many
+from kvstore.client.shared import OwnWrites, SharedPath
+from kvstore.client.socket import LookupSocketClient
+from kvstore.errors import KeyStatus, KVStoreError
+from kvstore.wire.frames import fits_frame, put_frame
+from kvstore.wire.shm import SlabMapping
+
+log = logging.getLogger("kvstore.client")
+
+
+class StagingRing:
+    """A mapped staging file handed out front to back."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.mapping = SlabMapping(path, size)
+        self.size = self.mapping.size
+        self.head = 0
+        self.mapping.buf[::4096] = 0  # map every page now, not one fault per page on the first puts
+
+    @property
+    def buf(self) -> np.ndarray:
+        return self.mapping.buf
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a put of ``nbytes`` goes through the ring (at most half of it)."""
+        return 0 < nbytes <= self.size // 2
+
+    def place(self, nbytes: int, settle: Callable[[], None]) -> int:
+        """The offset of ``nbytes`` free bytes. When they do not fit before
+        the end, ``settle`` (wait for every put in flight) and start over."""
+        if self.head + nbytes > self.size:
+            settle()
+            self.head = 0
+        at = self.head
+        self.head += nbytes
+        return at
+
+    def close(self) -> None:
+        self.mapping.close()
+
+
+class WriteBehind:
+    """One client's write-behind puts: its connection's staging ring
+    (asked for on first use) and the puts it sends through it."""
+
+    def __init__(self, own: OwnWrites, enabled: bool = True) -> None:
+        self.own = own
+        self.ring: StagingRing | None = None
+        self.failed = not enabled
+        """Off, or no staging file (the daemon refused one, the socket broke): put through Reserve."""
+
+    def put(self, fast: LookupSocketClient, shared: SharedPath, wire: bytes, keys: list[bytes],
+            srcs: list[np.ndarray], parent: bytes | None, threads: int,
+            settle: Callable[[], None]) -> list[KeyStatus] | None:
+        """Copy the blocks into the ring and send one ``put`` frame without
+        waiting; None when this put should go through ``Reserve`` instead.
+        The shared index says which leading blocks are stored already
+        (EXISTS, as Reserve would answer: all of them, and nothing is sent)
+        and whether the parent is (else Reserve answers PARENT_MISSING, or
+        finds it after all). ``settle`` waits for every put in flight (the
+        ring wraps); a socket that fails raises OSError."""
+        n = len(srcs)
+        size = srcs[0].size if n else 0
+        if self.failed or not n or any(s.size != size for s in srcs):
+            return None
+        ring = self.ring if self.ring is not None else self._open(fast)
+        if ring is None or not ring.fits(n * size):
+            return None
+        packed = pack_keys(keys, check=True)
+        nid = shared.nid(fast, wire)
+        if nid is None or not fits_frame(len(wire) + len(packed) + 8 * n + 64):
+            return None  # (a namespace the daemon has no id for yet: Reserve makes it)
+        got = shared.reader.lookup(nid, packed)
+        if got is None:
+            return None
+        hit = got[0]
+        if hit == n:
+            return [KeyStatus.EXISTS] * n
+        if hit:
+            parent, packed, srcs = keys[hit - 1], packed[16 * hit :], srcs[hit:]
+        elif parent and not self._stored(fast, shared, nid, wire, parent):
+            return None
+        m = n - hit
+        at = ring.place(m * size, settle)
+        if self.ring is not ring:  # settling found the socket broken (and closed us)
+            return None
+        dsts = [ring.buf[at + i * size : at + (i + 1) * size] for i in range(m)]
+        csums = copy_many(dsts, srcs, threads)
+        seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()))
+        self.own.add(wire, packed, np.arange(at, at + m * size, size), size, csums.tolist(), ring.buf, seq)
+        return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
+
+    def _open(self, fast: LookupSocketClient) -> StagingRing | None:
+        """Ask the daemon for this connection's staging file (once) and map it."""
+        if self.failed:
+            return None
+        try:
+            size, path = fast.stage()
+            self.ring = StagingRing(path, size)
+        except (KVStoreError, OSError, ValueError) as e:
+            log.info("no write-behind puts (%s): puts go through Reserve", e)
+            self.failed = True
+        return self.ring
+
+    def _stored(self, fast: LookupSocketClient, shared: SharedPath, nid: int, wire: bytes, key: bytes) -> bool:
+        """Whether ``key`` is stored (the shared index) or in one of this client's puts in flight."""
+        got = shared.reader.lookup(nid, key)
+        return (got is not None and got[0] == 1) or self.own.find(wire, key, fast.in_flight) is not None
+
+    def close(self) -> None:
+        """No more write-behind puts (nor reads of puts in flight) on this connection."""
+        self.failed = True
+        self.own.clear()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None

@@ -1,0 +1,240 @@
+"""Write-behind puts and reads of a client's own puts in flight (issue 18):
+the ``stage``/``put`` frames of the same-host socket
+(kvstore/daemon/socket_server.py, kvstore/client/staging.py) and
+``OwnWrites`` (kvstore/client/shared.py), against a real daemon."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore.client import Client, ns_pb
+from kvstore.client.socket import LookupSocketClient
+from kvstore.daemon.socket_server import STAGING_BYTES
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
+from kvstore.keys import Namespace, block_keys
+from kvstore.wire import frames
+
+BS = 4096
+
+
+@pytest.fixture
+def uds_daemon(make_daemon, tmp_path):
+    return make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"), dram__capacity="64MiB")
+
+
+def _ns() -> Namespace:
+    return Namespace(tenant="t", model_id="wb", block_size=16)
+
+
+def _keys(ns: Namespace, n: int, start: int = 0) -> list[bytes]:
+    return block_keys(ns, np.arange(16 * n, dtype=np.uint32) + np.uint32(start))
+
+
+@contextmanager
+def _paused(d: Any) -> Iterator[None]:
+    """The daemon's loop is held (it reads no frame) inside the block."""
+    go, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        go.wait(30)
+
+    t = threading.Thread(target=d.call, args=(hold,))
+    t.start()
+    assert held.wait(30)
+    try:
+        yield
+    finally:
+        go.set()
+        t.join(30)
+
+
+def _ready(c: Client, ns: Namespace) -> None:
+    """Make the namespace and learn its id (a write-behind put needs it)."""
+    first = _keys(ns, 1, 1 << 20)
+    assert c.put(ns, first, [np.zeros(BS, np.uint8)]) == [KeyStatus.OK]
+    c.flush()
+    assert c.lookup(ns, first).hit_blocks == 1
+
+
+def test_a_write_behind_put_lands_and_its_writer_reads_it_at_once(uds_daemon):
+    with Client(uds_daemon.target) as a, Client(uds_daemon.target) as b:
+        ns = _ns()
+        _ready(a, ns)
+        keys = _keys(ns, 6)
+        data = [np.full(BS, i + 1, np.uint8) for i in range(6)]
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        owed = a.tally_pending
+        with _paused(uds_daemon):  # the put has not landed while the writer reads it
+            assert a.put(ns, keys, data) == [KeyStatus.OK] * 6
+            assert a._fast.owed == ["Put"]  # one frame, not waited for
+            assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 6
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+        assert a.own_write_reads == 6 and a._fast.owed == ["Put"]  # read from the staging ring
+        assert a.tally_pending == owed + 1  # its reads frame goes with later ones
+        assert a.lookup(ns, keys).hit_blocks == 6  # a short probe waits for the put (read-your-writes)
+        assert b.lookup(ns, keys).hit_blocks == 6
+        got = b.get(ns, keys)
+        assert all(g is not None and np.array_equal(g, d) for g, d in zip(got, data))
+        st = uds_daemon.call(uds_daemon.store.stats)
+        assert (st.leases, st.reservations) == (0, 0) and a.late_rejected == 0
+        # a chain continued from a stored parent, and a put of blocks already there
+        more = _keys(ns, 8)[6:]
+        assert a.put(ns, more, data[:2], parent=keys[-1]) == [KeyStatus.OK] * 2
+        assert a._fast.owed[-1] == "Put"
+        a.flush()
+        assert a.put(ns, keys[:3] + more, data[:5]) == [KeyStatus.EXISTS] * 5  # no call at all
+        assert a._fast.owed == []
+        assert b.lookup(ns, keys + more).hit_blocks == 8
+
+
+def test_what_write_behind_cannot_vouch_for_goes_through_reserve(uds_daemon):
+    """A missing parent, a namespace without an id yet, sizes that differ and
+    a put larger than half the staging ring are answered by Reserve (exact
+    statuses)."""
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = _keys(ns, 3)
+        assert c.put(ns, keys, [np.zeros(BS, np.uint8)] * 3) == [KeyStatus.OK] * 3
+        assert c._fast.owed == ["Commit"]  # a new namespace: Reserve made it
+        c.flush()
+        orphan = _keys(ns, 2, 9000)
+        assert c.put(ns, orphan, [np.zeros(BS, np.uint8)] * 2, parent=b"\x05" * 16) == \
+            [KeyStatus.PARENT_MISSING] * 2
+        wide = Namespace(tenant="t", model_id="wb-3MiB", block_size=16)
+        big = _keys(wide, 6)
+        blob = np.zeros(3 << 20, np.uint8)
+        assert STAGING_BYTES // 2 < 3 * blob.size
+        assert c.put(wide, big[:1], [blob]) == [KeyStatus.OK]
+        c.flush()
+        assert c.lookup(wide, big).hit_blocks == 1  # (learns the namespace's id)
+        assert c.put(wide, big[1:4], [blob] * 3, parent=big[0]) == [KeyStatus.OK] * 3  # over half the ring
+        assert c._fast.owed[-1] == "Commit"
+        assert c.put(wide, big[4:], [blob] * 2, parent=big[3]) == [KeyStatus.OK] * 2  # fits
+        assert c._fast.owed[-1] == "Put"
+        c.flush()
+        assert c.lookup(wide, big).hit_blocks == 6 and c.late_rejected == 0
+        mixed = _keys(ns, 2, 8000)
+        c.put(ns, mixed, [np.zeros(BS, np.uint8), np.zeros(2 * BS, np.uint8)])
+        assert c._fast.owed[-1:] != ["Put"]
+        with Client(uds_daemon.target, write_behind=False) as off:
+            off.put(ns, _keys(ns, 1, 6000), [np.zeros(BS, np.uint8)])
+            assert off._fast.owed == ["Commit"]
+
+
+def test_a_block_the_daemon_refuses_later_is_counted(uds_daemon):
+    """The namespace's blocks are 4 KiB; a write-behind put of 8 KiB blocks
+    answers OK at once, and the daemon's INVALID comes back as late_rejected."""
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        _ready(c, ns)
+        keys = _keys(ns, 3, 100)
+        assert c.put(ns, keys, [np.zeros(2 * BS, np.uint8)] * 3) == [KeyStatus.OK] * 3
+        assert c._fast.owed == ["Put"]
+        c.flush()
+        assert c.late_rejected == 3 and c._fast.late_errors == 0
+        assert c.lookup(ns, keys).hit_blocks == 0
+        assert uds_daemon.call(uds_daemon.store.stats).reservations == 0
+
+
+def test_staging_is_private_and_put_frames_are_checked(uds_daemon):
+    """The staging file is 0600 and loses its name at the first put; a put
+    frame that overruns it, lies about its length or comes before a stage
+    frame is refused with the right status, and nothing stored is lost."""
+    with Client(uds_daemon.target, write_behind=False) as c:
+        ns = _ns()
+        keys = _keys(ns, 4)
+        c.put(ns, keys, [np.ones(BS, np.uint8)] * 4)
+        c.flush()
+        wire = ns_pb(ns).SerializeToString(deterministic=True)
+        raw = LookupSocketClient(uds_daemon.running.fast.path, c.session)
+        try:
+            new = _keys(ns, 2, 500)
+            sums = b"\x00" * 16
+            raw.send_frame("Put", frames.put_frame(wire, None, b"".join(new), BS, 0, sums))
+            with pytest.raises(KVStoreError, match="FAILED_PRECONDITION.*staging"):
+                _answer(raw)
+            size, path = raw.stage()
+            assert size == STAGING_BYTES and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+            assert raw.stage() == (size, path)  # one per connection
+            for bad, what in (
+                    (frames.put_frame(wire, None, b"".join(new), BS, size - BS, sums), "overruns"),
+                    (frames.put_frame(wire, None, b"".join(new), BS, -1 & (2**64 - 1), sums), "overruns"),
+                    (frames.put_frame(wire, None, b"".join(new), 0, 0, sums), "blocks of 0 bytes"),
+                    (frames.put_frame(wire, None, b"".join(new), BS, 0, sums)[:-3], "does not hold")):
+                body = bad[4:]
+                raw.sock.sendall(struct.pack("<I", len(body)) + body)
+                with pytest.raises(InvalidArgument, match=what):
+                    _answer(raw)
+            assert not os.path.exists(path)  # unlinked at the first put frame: nobody else can open it
+            with pytest.raises(KVStoreError, match="FAILED_PRECONDITION.*mapped already"):
+                raw.stage()
+        finally:
+            raw.close()
+        assert c.lookup(ns, keys).hit_blocks == 4
+        assert uds_daemon.call(uds_daemon.store.stats).reservations == 0
+
+
+def _answer(raw: LookupSocketClient) -> None:
+    """Read one answer frame (raising its error)."""
+    with raw.lock:
+        if raw.owed:
+            raw.owed.pop(0)
+        raw._answer()
+
+
+def test_a_client_that_dies_mid_put_leaves_nothing(uds_daemon):
+    """Half a put frame, then the connection closes: nothing is reserved,
+    nothing stored, and the staging file is gone."""
+    with Client(uds_daemon.target, write_behind=False) as c:
+        ns = _ns()
+        _ready(c, ns)
+        wire = ns_pb(ns).SerializeToString(deterministic=True)
+        raw = LookupSocketClient(uds_daemon.running.fast.path, c.session)
+        _, path = raw.stage()
+        new = _keys(ns, 2, 300)
+        msg = frames.put_frame(wire, None, b"".join(new), BS, 0, b"\x00" * 16)
+        raw.sock.sendall(msg[: len(msg) // 2])
+        raw.close()
+        deadline = time.monotonic() + 30
+        while os.path.exists(path) and time.monotonic() < deadline:  # the daemon sees the close
+            time.sleep(0.01)
+        assert not os.path.exists(path)
+        assert c.lookup(ns, new).hit_blocks == 0
+        assert uds_daemon.call(uds_daemon.store.stats).reservations == 0
+
+
+def test_a_put_through_reserve_is_read_from_its_slots_before_its_commit_lands(uds_daemon):
+    with Client(uds_daemon.target, write_behind=False) as c, ExitStack() as stack:
+        ns = _ns()
+        _ready(c, ns)
+        keys = _keys(ns, 3, 40)
+        data = [np.full(BS, 9 - i, np.uint8) for i in range(3)]
+        fill = c._fill_slots
+
+        def fill_then_pause(*a: Any) -> Any:  # Reserve answered, slots written: hold the daemon before the Commit
+            got = fill(*a)
+            stack.enter_context(_paused(uds_daemon))
+            return got
+
+        c._fill_slots = fill_then_pause  # type: ignore[method-assign]
+        assert c.put(ns, keys, data) == [KeyStatus.OK] * 3
+        assert c._fast.owed == ["Commit"]
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3  # the daemon has not taken the Commit in
+        stack.close()
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data)) and c.own_write_reads == 3
+        c.flush()
+        assert c.lookup(ns, keys).hit_blocks == 3 and c._fast.late_errors == 0
+        # the answer read, those slots are the store's again: a read goes through the shared index
+        assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3 and c.own_write_reads == 3
