@@ -56,27 +56,30 @@ class BufferSink:
     def __init__(self, outs: Sequence[Buffer], threads: int = 2) -> None:
         self.outs = outs
         self.threads = threads
-        self._views: dict[int, np.ndarray] = {}
+        self._views: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.outs)
 
-    def _view(self, i: int) -> np.ndarray:
-        v = self._views.get(i)
-        if v is None:
-            v = self._views[i] = as_u8_writable(self.outs[i])
-        return v
+    def views(self) -> list[np.ndarray]:
+        """A flat uint8 view of every buffer (made once, at the first use)."""
+        if self._views is None:
+            self._views = [as_u8_writable(o) for o in self.outs]
+        return self._views
 
     def size_of(self, i: int) -> int:
-        return int(self._view(i).size)
+        return int(self.views()[i].size)
 
     def sizes(self, n: int) -> list[int]:
         """``size_of`` of the first ``n`` blocks."""
-        return [int(self._view(i).size) for i in range(n)]
+        return [v.size for v in self.views()[:n]]
 
     def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int],
               threads: int | None = None) -> np.ndarray:
-        return verify_many([self._view(i) for i in idx], srcs, expected, threads or self.threads)
+        views = self.views()
+        dsts = views[: len(idx)] if isinstance(idx, range) and idx.start == 0 and idx.step == 1 else \
+            [views[i] for i in idx]
+        return verify_many(dsts, srcs, expected, threads or self.threads)
 
 
 class LayerScatter:

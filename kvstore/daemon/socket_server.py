@@ -41,7 +41,9 @@ staging file of its own (``STAGING_BYTES``, mode 0600 in ``/dev/shm``,
 unlinked once the client has mapped it, i.e. at its first ``put`` frame,
 or when the connection closes). A ``put`` frame names blocks the client
 copied there; the daemon runs ``Reserve`` (DRAM slots), copies the blocks
-from staging into them and runs ``Commit``, through the same servicer
+from staging into them (hashing them on the way: a block that no longer
+matches the checksum the client sent fails the whole put, nothing stored)
+and runs ``Commit``, through the same servicer
 methods as the calls above, so a put either lands whole or not at all and a
 client that dies mid-batch leaves nothing reserved. At most
 ``MAX_STAGED`` connections hold a staging file at a time.
@@ -71,6 +73,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import numpy as np
 
+from kvstore.checksum import copy_many
 from kvstore.daemon.auth import Principal
 from kvstore.daemon.shared_index import SharedIndex, sweep_stale
 from kvstore.daemon.slab_owner import pid_alive
@@ -418,17 +421,20 @@ class _Connection(asyncio.Protocol):
             return statuses
         ok = [i for i, x in enumerate(statuses) if x == 0]
         st, size, at = self.staging, put.block_bytes, put.offset
+        want = [put.checksums[i] for i in ok]
         try:
             if st is None:
-                raise Unavailable("the connection closed")
+                raise Aborted(grpc.StatusCode.UNAVAILABLE, "the connection closed")
             dram = d.store.dram
-            for i in ok:
-                np.copyto(dram.view(int(sa.offset[i]), size), st.buf[at + i * size : at + (i + 1) * size])
+            got = copy_many([dram.view(int(sa.offset[i]), size) for i in ok],
+                            [st.buf[at + i * size : at + (i + 1) * size] for i in ok], dram.copy_threads)
+            if got.tolist() != want:  # the staging bytes changed after the client hashed them
+                raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
+                              "a block of the put does not match its checksum: the put is not stored")
         except BaseException:
             await d.Abort(pb.AbortRequest(reservation_id=r.reservation_id), ctx)
             raise
-        c = await d.Commit(pb.CommitRequest(reservation_id=r.reservation_id,
-                                            checksums=[put.checksums[i] for i in ok]), ctx)
+        c = await d.Commit(pb.CommitRequest(reservation_id=r.reservation_id, checksums=want), ctx)
         for i, res in zip(ok, c.results):
             statuses[i] = int(res.status)
         return statuses

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore.checksum import checksum
 from kvstore.client import Client, ns_pb
 from kvstore.client.socket import LookupSocketClient
 from kvstore.daemon.socket_server import STAGING_BYTES
@@ -238,3 +239,28 @@ def test_a_put_through_reserve_is_read_from_its_slots_before_its_commit_lands(ud
         assert c.lookup(ns, keys).hit_blocks == 3 and c._fast.late_errors == 0
         # the answer read, those slots are the store's again: a read goes through the shared index
         assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3 and c.own_write_reads == 3
+
+
+def test_a_put_whose_staging_bytes_do_not_match_their_checksums_stores_nothing(uds_daemon):
+    with Client(uds_daemon.target, write_behind=False) as c:
+        ns = _ns()
+        _ready(c, ns)
+        wire = ns_pb(ns).SerializeToString(deterministic=True)
+        raw = LookupSocketClient(uds_daemon.running.fast.path, c.session)
+        try:
+            _, path = raw.stage()
+            ring = np.memmap(path, dtype=np.uint8, mode="r+")
+            new = _keys(ns, 2, 700)
+            ring[: 2 * BS] = 5
+            good = int(checksum(ring[:BS]))
+            sums = struct.pack("<2Q", good, good ^ 1)  # the second block's checksum is wrong
+            raw.send_frame("Put", frames.put_frame(wire, None, b"".join(new), BS, 0, sums))
+            with pytest.raises(InvalidArgument, match="does not match its checksum"):
+                _answer(raw)
+            raw.send_frame("Put", frames.put_frame(wire, None, b"".join(new), BS, 0, struct.pack("<2Q", good, good)))
+            _answer(raw)  # the same blocks with the right checksums land
+            del ring
+        finally:
+            raw.close()
+        assert c.lookup(ns, new).hit_blocks == 2
+        assert uds_daemon.call(uds_daemon.store.stats).reservations == 0
