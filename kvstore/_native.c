@@ -25,9 +25,10 @@
  *                csum, keys, ns, committed, dram) -> (hit, clean, slots) | None
  *       The same probe for a read: rows, offsets, sizes and checksums of
  *       the leading keys committed in DRAM.
- *   verify_scatter(src, expected, scratch, pieces, dsts, index) -> bool
- *       A verified copy of one block whose pieces then go to an engine's
- *       per-layer arrays (the vLLM connector's load), only when it checks.
+ *   verify_scatter_many(srcs, expected, scratch, pieces, dsts, indices, ok)
+ *       Verified copies of blocks whose pieces then go to an engine's
+ *       per-layer arrays (the vLLM connector's load), each only when it
+ *       checks; one call, one GIL release, for the whole batch.
  *
  * Every function accepts any object exporting a C-contiguous buffer (bytes,
  * bytearray, memoryview, numpy arrays, ...) and releases the GIL around the
@@ -1363,149 +1364,22 @@ done:
 
 #define KV_SCATTER_MAX_DSTS 4096
 
-PyDoc_STRVAR(verify_scatter_doc,
-"verify_scatter(src, expected, scratch, pieces, dsts, index) -> bool\n"
-"\n"
-"Copy the block src into scratch (private, at least as long) with the fused\n"
-"copy+XXH3-64 of copy_verify; only when that equals expected, copy pieces of\n"
-"the checked bytes in scratch to their places: pieces is a C-contiguous\n"
-"int64 buffer of rows (src_offset, length, dst, base, stride), and row r\n"
-"writes scratch[src_offset : src_offset + length] to dsts[dst] at byte\n"
-"base + index * stride.  dsts: a tuple of writable buffers.  Every place is\n"
-"bounds-checked (ValueError) before anything is written; on a mismatch\n"
-"nothing but scratch is written and the result is False.  The bytes that\n"
-"reach dsts are the bytes hashed, even if another process rewrites src.");
-
-static PyObject *
-kv_verify_scatter(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    Py_buffer src, scr, pcs;
-    Py_buffer *db = NULL;
-    PyObject *dsts, *result = NULL;
-    unsigned long long expected;
-    long long index;
-    Py_ssize_t nd = 0, got = 0, np_, r;
-    const int64_t *pc;
-    XXH64_hash_t h = 0;
-    int ok = 0;
-    (void)self;
-
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "verify_scatter takes 6 arguments");
-        return NULL;
-    }
-    if (!PyLong_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "expected must be an int checksum");
-        return NULL;
-    }
-    expected = PyLong_AsUnsignedLongLong(args[1]);
-    if (expected == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "expected must be an XXH3-64 checksum in [0, 2**64)");
-        return NULL;
-    }
-    index = PyLong_AsLongLong(args[5]);
-    if (index == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (index < 0) {
-        PyErr_SetString(PyExc_ValueError, "index must be >= 0");
-        return NULL;
-    }
-    dsts = args[4];
-    if (!PyTuple_Check(dsts) || PyTuple_GET_SIZE(dsts) > KV_SCATTER_MAX_DSTS) {
-        PyErr_SetString(PyExc_TypeError, "dsts must be a tuple of at most 4096 writable buffers");
-        return NULL;
-    }
-    if (kv_get_ro(args[0], &src, "src") < 0) {
-        return NULL;
-    }
-    if (kv_get_rw(args[2], &scr, "scratch") < 0) {
-        goto s0;
-    }
-    if (kv_get_ro(args[3], &pcs, "pieces") < 0) {
-        goto s1;
-    }
-    if (scr.len < src.len) {
-        PyErr_Format(PyExc_ValueError, "scratch of %zd bytes for a block of %zd", scr.len, src.len);
-        goto s2;
-    }
-    if ((const char *)scr.buf < (const char *)src.buf + src.len &&
-        (const char *)src.buf < (const char *)scr.buf + src.len) {
-        PyErr_SetString(PyExc_ValueError, "scratch overlaps src");
-        goto s2;
-    }
-    if (pcs.len % (5 * 8)) {
-        PyErr_SetString(PyExc_ValueError, "pieces must be rows of 5 int64");
-        goto s2;
-    }
-    nd = PyTuple_GET_SIZE(dsts);
-    db = PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
-    if (db == NULL) {
-        PyErr_NoMemory();
-        goto s2;
-    }
-    for (got = 0; got < nd; got++) {
-        if (kv_get_rw(PyTuple_GET_ITEM(dsts, got), &db[got], "dsts[i]") < 0) {
-            goto s3;
-        }
-    }
-    pc = (const int64_t *)pcs.buf;
-    np_ = pcs.len / (5 * 8);
-    for (r = 0; r < np_; r++) {
-        int64_t off = pc[5 * r], len = pc[5 * r + 1], d = pc[5 * r + 2];
-        int64_t base = pc[5 * r + 3], stride = pc[5 * r + 4];
-        const char *lo, *hi;
-        if (off < 0 || len < 0 || off > src.len || len > src.len - off || d < 0 || d >= nd ||
-            base < 0 || stride < 0 || base > db[d].len || len > db[d].len - base ||
-            (index > 0 && stride > (db[d].len - base - len) / index)) {
-            PyErr_Format(PyExc_ValueError, "piece %zd does not fit its source or destination", r);
-            goto s3;
-        }
-        lo = (const char *)db[d].buf + base + index * stride;
-        hi = lo + len;
-        if (lo < (const char *)scr.buf + src.len && (const char *)scr.buf < hi) {
-            PyErr_SetString(PyExc_ValueError, "a destination overlaps scratch");
-            goto s3;
-        }
-    }
-    Py_BEGIN_ALLOW_THREADS
-    h = kv_copy_hash_with(kv_fused, (unsigned char *)scr.buf, (const unsigned char *)src.buf,
-                          (size_t)src.len, 0);
-    ok = (unsigned long long)h == expected;
-    if (ok) {
-        for (r = 0; r < np_; r++) {
-            int64_t off = pc[5 * r], len = pc[5 * r + 1], d = pc[5 * r + 2];
-            memcpy((char *)db[d].buf + pc[5 * r + 3] + index * pc[5 * r + 4],
-                   (const char *)scr.buf + off, (size_t)len);
-        }
-    }
-    Py_END_ALLOW_THREADS
-    result = PyBool_FromLong(ok);
-s3:
-    for (r = 0; r < got; r++) {
-        PyBuffer_Release(&db[r]);
-    }
-    PyMem_Free(db);
-s2:
-    PyBuffer_Release(&pcs);
-s1:
-    PyBuffer_Release(&scr);
-s0:
-    PyBuffer_Release(&src);
-    return result;
-}
-
-
 PyDoc_STRVAR(verify_scatter_many_doc,
 "verify_scatter_many(srcs, expected, scratch, pieces, dsts, indices, ok) -> None\n"
 "\n"
-"verify_scatter over a batch: block srcs[i] (checksum expected[i], a buffer\n"
-"of uint64) goes to its places at engine block indices[i] (a buffer of\n"
-"int64 >= 0); ok[i] (a writable buffer of uint8) is set to whether it\n"
-"matched.  Every place of every block is bounds-checked before anything is\n"
-"written, the destinations' buffers are taken once for the batch, and the\n"
-"GIL is released once for all of it.");
+"For each block srcs[i] (checksum expected[i], a buffer of uint64): copy it\n"
+"into scratch (private, at least as long) with the fused copy+XXH3-64 of\n"
+"copy_verify; only when that equals expected[i], copy pieces of the checked\n"
+"bytes in scratch to their places at engine block indices[i] (a buffer of\n"
+"int64 >= 0): pieces is a C-contiguous int64 buffer of rows (src_offset,\n"
+"length, dst, base, stride), and row r writes scratch[src_offset :\n"
+"src_offset + length] to dsts[dst] (a tuple of writable buffers) at byte\n"
+"base + index * stride.  ok[i] (a writable buffer of uint8) says whether\n"
+"block i matched.  Every place of every block is bounds-checked (ValueError)\n"
+"before anything is written; a block that does not match writes nothing\n"
+"but scratch.  The bytes that reach dsts are the bytes hashed, even if\n"
+"another process rewrites src.  The destinations' buffers are taken once\n"
+"for the batch, and the GIL is released once for all of it.");
 
 static PyObject *
 kv_verify_scatter_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1693,8 +1567,6 @@ static PyMethodDef kv_methods[] = {
      shared_lookup_doc},
     {"shared_slots", (PyCFunction)(void (*)(void))kv_shared_slots, METH_FASTCALL,
      shared_slots_doc},
-    {"verify_scatter", (PyCFunction)(void (*)(void))kv_verify_scatter, METH_FASTCALL,
-     verify_scatter_doc},
     {"verify_scatter_many", (PyCFunction)(void (*)(void))kv_verify_scatter_many, METH_FASTCALL,
      verify_scatter_many_doc},
     {NULL, NULL, 0, NULL}

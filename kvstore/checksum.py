@@ -182,9 +182,8 @@ def verify_scatter(src: Any, expected: int, scratch: Any, pieces: Any, dsts: tup
     placed are the bytes hashed, even if another process rewrites ``src``."""
     if not isinstance(expected, (int, np.integer)):
         raise TypeError(f"expected must be an int checksum, not {type(expected).__name__}")
-    if _native is not None:
-        return bool(_native.verify_scatter(_native_arg(src, "src"), int(expected), scratch,
-                                           np.ascontiguousarray(pieces, dtype=np.int64), dsts, int(index)))
+    if _native is not None:  # (the native helper does batches: a batch of one)
+        return bool(verify_scatter_many([src], [int(expected)], scratch, pieces, dsts, [int(index)])[0])
     s = _as_bytes(src, "src")
     scr = _as_bytes(scratch, "scratch")
     rows = np.asarray(pieces, dtype=np.int64).reshape(-1, PIECE_FIELDS)
