@@ -10,11 +10,11 @@ owns the socket and sends the frames this class builds. Read-your-writes:
 a probe that comes back short while the client has ``Commit``s in flight
 (pipelined, their answers unread) is made again once those have landed
 (``again``); a full answer needs no wait, since a commit only ever adds
-blocks. Before it waits, a read looks in ``OwnWrites``: blocks this client
-has just written whose ``Commit`` is still in flight are read from the
-slots it wrote them to, checked against the checksums it computed while
-writing them, so a get right after a put does not wait for the put's
-``Commit`` (issue 18).
+blocks. Before it waits, a read looks in ``OwnWrites``: blocks of this
+client's puts still in flight are read from where it wrote them (its
+staging ring, or the slots it reserved), checked against the checksums it
+computed while writing them, so a get right after a put does not wait for
+that put (issue 18).
 """
 
 from __future__ import annotations
@@ -254,7 +254,8 @@ class SharedPath:
         got = slots[:, 1:] if mine is None else np.concatenate((slots[:, 1:], mine[0]))
         done = int(got.shape[0])
         offsets, sizes = got[:, 0].tolist(), got[:, 1].tolist()
-        if sizes_of(sink, done) != sizes or not all(map(slab.covers, offsets[:hit], sizes[:hit])):
+        in_slab = done if mine is None or mine[1] is slab.buf else hit  # (ring offsets are the client's own)
+        if sizes_of(sink, done) != sizes or not all(map(slab.covers, offsets[:in_slab], sizes[:in_slab])):
             return None  # (the lease path answers INVALID for a size that does not fit)
         if done:
             bufs = [slab.buf] * hit + ([mine[1]] * (done - hit) if mine is not None else [])

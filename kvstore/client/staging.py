@@ -21,6 +21,7 @@ store (no room; its parent evicted meanwhile) is logged and counted in
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -76,6 +77,8 @@ class WriteBehind:
         self.ring: StagingRing | None = None
         self.failed = not enabled
         """Off, or no staging file (the daemon refused one, the socket broke): put through Reserve."""
+        self.lock = threading.Lock()
+        """One put at a time places, fills and sends (threads sharing a client)."""
 
     def put(self, fast: LookupSocketClient, shared: SharedPath, wire: bytes, keys: list[bytes],
             srcs: list[np.ndarray], parent: bytes | None, threads: int,
@@ -91,7 +94,8 @@ class WriteBehind:
         size = srcs[0].size if n else 0
         if self.failed or not n or any(s.size != size for s in srcs):
             return None
-        ring = self.ring if self.ring is not None else self._open(fast)
+        with self.lock:
+            ring = self.ring if self.ring is not None else self._open(fast)
         if ring is None or not ring.fits(n * size):
             return None
         packed = pack_keys(keys, check=True)
@@ -109,13 +113,14 @@ class WriteBehind:
         elif parent and not self._stored(fast, shared, nid, wire, parent):
             return None
         m = n - hit
-        at = ring.place(m * size, settle)
-        if self.ring is not ring:  # settling found the socket broken (and closed us)
-            return None
-        dsts = [ring.buf[at + i * size : at + (i + 1) * size] for i in range(m)]
-        csums = copy_many(dsts, srcs, threads)
-        seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()))
-        self.own.add(wire, packed, np.arange(at, at + m * size, size), size, csums.tolist(), ring.buf, seq)
+        with self.lock:
+            at = ring.place(m * size, settle)
+            if self.ring is not ring:  # settling found the socket broken (and closed us)
+                return None
+            dsts = [ring.buf[at + i * size : at + (i + 1) * size] for i in range(m)]
+            csums = copy_many(dsts, srcs, threads)
+            seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()))
+            self.own.add(wire, packed, np.arange(at, at + m * size, size), size, csums.tolist(), ring.buf, seq)
         return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
 
     def _open(self, fast: LookupSocketClient) -> StagingRing | None:

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kvstore.checksum import copy_many
 from kvstore.daemon.auth import Principal
@@ -398,6 +399,10 @@ class _Connection(asyncio.Protocol):
             raise Unavailable("put frame without a staging file (send a stage frame first)")
         st.unlink()  # the client mapped it before it wrote this put: nobody else may open it now
         put = frames.parse_put(body)
+        try:
+            pb.Namespace.FromString(put.ns_wire)
+        except DecodeError:
+            raise InvalidArgument("the put frame's namespace is not a Namespace message") from None
         n, size = len(put.keys) // 16, put.block_bytes
         if not 0 < n <= MAX_KEYS or size <= 0:
             raise InvalidArgument(f"put of {n} blocks of {size} bytes")
@@ -431,9 +436,12 @@ class _Connection(asyncio.Protocol):
             if got.tolist() != want:  # the staging bytes changed after the client hashed them
                 raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
                               "a block of the put does not match its checksum: the put is not stored")
-        except BaseException:
+        except BaseException as e:
             await d.Abort(pb.AbortRequest(reservation_id=r.reservation_id), ctx)
-            raise
+            if isinstance(e, (Aborted, asyncio.CancelledError)):
+                raise
+            log.exception("a staged put failed")
+            raise Aborted(grpc.StatusCode.INTERNAL, f"internal error in a staged put: {type(e).__name__}") from None
         c = await d.Commit(pb.CommitRequest(reservation_id=r.reservation_id, checksums=want), ctx)
         for i, res in zip(ok, c.results):
             statuses[i] = int(res.status)

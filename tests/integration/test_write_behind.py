@@ -172,7 +172,8 @@ def test_staging_is_private_and_put_frames_are_checked(uds_daemon):
                     (frames.put_frame(wire, None, b"".join(new), BS, size - BS, sums), "overruns"),
                     (frames.put_frame(wire, None, b"".join(new), BS, -1 & (2**64 - 1), sums), "overruns"),
                     (frames.put_frame(wire, None, b"".join(new), 0, 0, sums), "blocks of 0 bytes"),
-                    (frames.put_frame(wire, None, b"".join(new), BS, 0, sums)[:-3], "does not hold")):
+                    (frames.put_frame(wire, None, b"".join(new), BS, 0, sums)[:-3], "does not hold"),
+                    (frames.put_frame(b"\xff\xff\xff", None, b"".join(new), BS, 0, sums), "Namespace")):
                 body = bad[4:]
                 raw.sock.sendall(struct.pack("<I", len(body)) + body)
                 with pytest.raises(InvalidArgument, match=what):
