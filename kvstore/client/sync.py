@@ -86,7 +86,7 @@ class Client(ClientBase):
         """Lookups and lease-free reads from the daemon's shared index, when
         it publishes one (same host; kvstore/client/shared.py)."""
         self._own = OwnWrites()
-        """This client's puts whose Commit is in flight, for its own reads (kvstore/client/shared.py)."""
+        """This client's puts in flight (Commit or write-behind frame unanswered), for its own reads."""
         self._wb = WriteBehind(self._own, write_behind)
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
