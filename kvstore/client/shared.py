@@ -124,7 +124,6 @@ class SharedPath:
         self.own_blocks = 0
         """Blocks of those reads that came from the client's own puts in flight (``OwnWrites``)."""
         self._reads: list[bytes] = []
-        self._reads_since = 0.0
         self.lookups = 0
         """Lookups answered here (a probe made again after the client's own
         commits landed is still one lookup)."""
@@ -180,13 +179,15 @@ class SharedPath:
                 t[4] += tiers.count(2)
                 t[5] += tiers.count(3)
             self.pending += 1
-            if self.pending == 1:
+            if self.pending + len(self._reads) == 1:
                 self._since = now
 
     def tally_due(self) -> bool:
-        """Whether the lookups answered here should be told now
-        (``TALLY_EVERY`` of them, or ``TALLY_SECONDS`` since the first)."""
-        return self.pending >= TALLY_EVERY or (self.pending > 0 and time.monotonic() - self._since >= TALLY_SECONDS)
+        """Whether the lookups answered and the reads made here should be
+        told now (``TALLY_EVERY`` of them together, or ``TALLY_SECONDS``
+        since the first)."""
+        n = self.pending + len(self._reads)
+        return n >= TALLY_EVERY or (n > 0 and time.monotonic() - self._since >= TALLY_SECONDS)
 
     def queue_reads(self, frame: bytes) -> None:
         """Keep a read's ``reads`` frame to send with the next ones (a
@@ -194,18 +195,14 @@ class SharedPath:
         and the blocks' accesses lag by at most ``TALLY_EVERY`` reads or
         ``TALLY_SECONDS``, as lookups' do)."""
         with self._lock:
-            if not self._reads:
-                self._reads_since = time.monotonic()
             self._reads.append(frame)
+            if self.pending + len(self._reads) == 1:
+                self._since = time.monotonic()
 
     @property
     def reads_pending(self) -> int:
         """Reads whose ``reads`` frames are not sent yet."""
         return len(self._reads)
-
-    def reads_due(self) -> bool:
-        return bool(self._reads) and (len(self._reads) >= TALLY_EVERY
-                                      or time.monotonic() - self._reads_since >= TALLY_SECONDS)
 
     def take_reads(self) -> list[bytes]:
         """The queued ``reads`` frames (the caller's to send from now on)."""

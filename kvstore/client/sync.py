@@ -441,7 +441,7 @@ class Client(ClientBase):
         own = self._own
         got = shared.read(nid, packed, sink, self.slab, self._own_commits,
                           lambda tail: own.find(wire, tail, fast.in_flight)) if nid is not None else None
-        if got is not None and shared.reads_due():
+        if got is not None and shared.tally_due():
             self._send_counts()
         return got
 
