@@ -807,6 +807,21 @@ kv_copy_verify(PyObject *self, PyObject *args)
 }
 
 
+/* The fused copies of a batch: views holds (dst, src) pairs; no Python calls. */
+static void
+kv_copy_many_run(Py_buffer *views, Py_ssize_t n, unsigned long long *out)
+{
+    Py_ssize_t i;
+
+    for (i = 0; i < n; i++) {
+        size_t len = (size_t)views[2 * i].len;
+        out[i] = (unsigned long long)kv_copy_hash_with(kv_fused, (unsigned char *)views[2 * i].buf,
+                                                       (const unsigned char *)views[2 * i + 1].buf, len,
+                                                       len >= KV_NT_MIN);
+    }
+}
+
+
 PyDoc_STRVAR(copy_checksum_many_doc,
 "copy_checksum_many(dsts, srcs, sums) -> None\n"
 "\n"
@@ -862,20 +877,10 @@ kv_copy_checksum_many(PyObject *self, PyObject *args)
         out = (unsigned long long *)sums.buf;
         if (total >= KV_NOGIL_MIN) {
             Py_BEGIN_ALLOW_THREADS
-            for (i = 0; i < n; i++) {
-                size_t len = (size_t)views[2 * i].len;
-                out[i] = (unsigned long long)kv_copy_hash_with(
-                    kv_fused, (unsigned char *)views[2 * i].buf,
-                    (const unsigned char *)views[2 * i + 1].buf, len, len >= KV_NT_MIN);
-            }
+            kv_copy_many_run(views, n, out);
             Py_END_ALLOW_THREADS
         } else {
-            for (i = 0; i < n; i++) {
-                size_t len = (size_t)views[2 * i].len;
-                out[i] = (unsigned long long)kv_copy_hash_with(
-                    kv_fused, (unsigned char *)views[2 * i].buf,
-                    (const unsigned char *)views[2 * i + 1].buf, len, len >= KV_NT_MIN);
-            }
+            kv_copy_many_run(views, n, out);
         }
     }
     for (i = 0; i < got; i++) {
