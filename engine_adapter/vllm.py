@@ -120,7 +120,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     ``timeout`` (5 s per call), ``retry_interval``
     (1 s after a fault), ``load`` / ``save`` (true; ``kv_role``
     ``kv_consumer`` never saves, ``kv_producer`` never loads), ``use_shm`` (true;
-    false moves blocks as inline gRPC bytes), ``layout_tag`` (extra
+    false moves blocks as inline gRPC bytes), ``prefault`` (true: the
+    worker connects when the KV caches are registered and maps the slab's
+    resident pages then, off the first load's path), ``layout_tag`` (extra
     text in the layout schema), ``cluster`` (``"auto"``: lookups in cluster
     mode while the daemon has a cluster, so blocks a peer holds are fetched
     when the daemon's cost model says so; true / false), ``stats_path`` (append a JSON line per

@@ -374,6 +374,8 @@ class DaemonLink:
         self.timeout = float(extra.get("timeout", 5.0))
         self.retry_interval = float(extra.get("retry_interval", 1.0))
         self.use_shm = flag(extra, "use_shm")
+        self.prefault = flag(extra, "prefault") and role_name == "worker"
+        """The worker reads the slab: map its resident pages when it attaches."""
         self.stats_path = extra.get("stats_path") or None
         self.role_name = role_name
         self.current: Client | None = None
@@ -404,7 +406,8 @@ class DaemonLink:
                 return None
             try:
                 self.current = Client(self.target, token=self.token, token_file=self.token_file,
-                                      timeout=self.timeout, use_shm=self.use_shm, name=f"vllm-{self.role_name}")
+                                      timeout=self.timeout, use_shm=self.use_shm, name=f"vllm-{self.role_name}",
+                                      prefault=self.prefault)
             except FAULT_TYPES as e:
                 self.retry_at = time.monotonic() + self.retry_interval
                 self.fault("connect", e)
@@ -412,9 +415,15 @@ class DaemonLink:
         return self.current
 
     def record(self, **fields: Any) -> None:
-        if self.stats_path:
+        self.record_all([fields])
+
+    def record_all(self, recs: list[dict[str, Any]]) -> None:
+        """Append one line per record, in one write (a load step's lines
+        are written after its timing, in one go)."""
+        if self.stats_path and recs:
+            head = {"role": self.role_name, "pid": os.getpid()}
             with open(self.stats_path, "a") as f:
-                f.write(json.dumps({"role": self.role_name, "pid": os.getpid(), **fields}) + "\n")
+                f.write("".join(json.dumps({**head, **r}) + "\n" for r in recs))
 
     def close(self) -> None:
         if self.current is not None:

@@ -179,6 +179,8 @@ class WorkerSide:
         self.block_bytes = self.shard_bytes * self.tp
         self.scatter = scatter_layout(originals, layers, self.rank * self.shard_bytes, self.layer_bytes,
                                       self.block_bytes)
+        if self.link.prefault:  # connect now: the slab's resident pages get mapped before the first load
+            self.link.client()
         log.info("kvstore connector: %d layers, block %s %s, %d bytes per stored block (%d per rank, TP=%d); "
                  "loads %s", len(layers), shape, dtype, self.block_bytes, self.shard_bytes, self.tp,
                  "straight into the KV tensors" if self.scatter is not None else "staged, then copied in")
@@ -212,6 +214,7 @@ class WorkerSide:
         rows = raw.numpy() if raw is not None else np.empty((0, 0), np.uint8)
         good_ids: list[int] = []
         good_rows: list[int] = []
+        recs: list[dict[str, Any]] = []  # the stats lines, written once the step is timed
         row = 0
         c = self.link.client()
         self.phases["setup"] = time.perf_counter() - t0
@@ -227,8 +230,9 @@ class WorkerSide:
                 self.load_failed.add(m.req_id)
             self.link.stats["loaded_blocks"] += ok
             self.link.stats["failed_blocks"] += n - ok
-            self.link.record(event="load", rank=rank, req=m.req_id, planned_blocks=n, loaded_blocks=ok,
-                             ms=round((time.perf_counter() - t0) * 1000, 3))
+            if self.link.stats_path:
+                recs.append(dict(event="load", rank=rank, req=m.req_id, planned_blocks=n, loaded_blocks=ok,
+                                 ms=round((time.perf_counter() - t0) * 1000, 3)))
             row += n
             if c is not None and self.link.current is None:
                 c = None  # a fault closed it: the rest are failures too
@@ -241,11 +245,12 @@ class WorkerSide:
         # one line per step's loads: where the time went, scatter included
         # (bench/vllm.py reports each phase, and the bytes moved against a
         # memcpy of the same bytes)
-        self.link.record(event="load_step", rank=rank, reqs=len(meta.loads), planned_blocks=total,
-                         loaded_blocks=len(good_ids), bytes=len(good_ids) * self.shard_bytes,
-                         copied_bytes=len(good_ids) * self.block_bytes,
-                         ms=round((t2 - t0) * 1000, 3),
-                         **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()})
+        if self.link.stats_path:
+            recs.append(dict(event="load_step", rank=rank, reqs=len(meta.loads), planned_blocks=total,
+                             loaded_blocks=len(good_ids), bytes=len(good_ids) * self.shard_bytes,
+                             copied_bytes=len(good_ids) * self.block_bytes, ms=round((t2 - t0) * 1000, 3),
+                             **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()}))
+            self.link.record_all(recs)
 
     def load_one(self, c: Client, base: Namespace, m: BlockMove, sink: BlockSink) -> int:
         """Copy the leading verified whole blocks of ``m`` into ``sink``

@@ -214,9 +214,18 @@ def verify_scatter_many(srcs: Sequence[Any], expected: Sequence[int], scratch: A
     """:func:`verify_scatter` of each ``srcs[i]`` (checksum ``expected[i]``)
     at engine block ``indices[i]``; a bool per block. With the native helper
     it is one call: every place of every block is checked before anything is
-    written and the GIL is released once for the batch."""
+    written and the GIL is released once for the batch.
+
+    ``scratch=None`` (native helper only; the fallback stages as before):
+    no staging copy. Each block is copied straight to its places and hashed
+    there, 1 KiB at a time while the bytes are in L1, so the bytes placed are
+    still the bytes hashed; but a block that fails *has* written its places,
+    which the caller must then treat as garbage (an engine recomputes them).
+    Pieces must not overlap within the block (ValueError)."""
     n = len(srcs)
     if _native is None:
+        if scratch is None:
+            scratch = np.empty(max((_as_bytes(x, "srcs[i]").nbytes for x in srcs), default=0), dtype=np.uint8)
         rows = np.asarray(pieces, dtype=np.int64).reshape(-1, PIECE_FIELDS)
         outs = [_as_bytes(d, "dsts[i]") for d in dsts]
         for x, i in zip(srcs, indices):  # every block's places first, as the native helper does

@@ -59,6 +59,9 @@ class ClientBase:
         self.tls_ca = open(tls_ca_file, "rb").read() if tls_ca_file else None
         self.name = name
         self.use_shm = use_shm
+        self.prefault = False
+        """Map the slab's resident pages at attach, on a background thread
+        (``SlabMapping.prefault``): for long-lived engine clients."""
         self.timeout = timeout
         self.session = ""
         self.slab: SlabMapping | None = None
@@ -98,6 +101,8 @@ class ClientBase:
                 self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
             except OSError:
                 self.slab = None  # e.g. another container: fall back to inline bytes
+            if self.slab is not None and self.prefault:
+                self.slab.prefault_in_background()
         self.hbm_regions = [hbm_region_from_pb(m) for m in resp.hbm] if resp.same_host else []
         self._fast_path = resp.lookup_socket if resp.same_host else ""
 
@@ -108,6 +113,8 @@ class ClientBase:
             path, sid = self.slab.path, self.slab.slab_id
             self.slab.close()
             self.slab = SlabMapping(path, 0, sid)
+            if self.prefault:
+                self.slab.prefault_in_background()
         return self.slab.view(offset, length)
 
     # Request building and response handling shared by Client and AsyncClient:

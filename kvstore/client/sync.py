@@ -59,7 +59,8 @@ class Client(ClientBase):
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
-                 pipeline: bool = True, shared_index: bool = True, write_behind: bool = True) -> None:
+                 pipeline: bool = True, shared_index: bool = True, write_behind: bool = True,
+                 prefault: bool = False) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` and the
         shared-memory path's control calls over its same-host socket
         (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
@@ -73,8 +74,12 @@ class Client(ClientBase):
         round trip. ``write_behind`` (with the shared index and ``pipeline``):
         a small put is copied into a staging ring and sent without waiting
         (kvstore/client/staging.py); blocks the daemon then cannot store
-        are counted in ``late_rejected``."""
+        are counted in ``late_rejected``. ``prefault``: once the slab is
+        mapped, map its resident pages on a background thread
+        (``SlabMapping.prefault``), so the first read of an old block takes
+        no page faults; for a long-lived engine process."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
+        self.prefault = prefault
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
                         else grpc.insecure_channel(self.target, self._options()))

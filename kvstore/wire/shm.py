@@ -18,8 +18,14 @@ import hashlib
 import mmap
 import os
 import socket
+import threading
 
 import numpy as np
+
+try:
+    from kvstore import _native
+except ImportError:  # the pure-Python install: no prefault
+    _native = None  # type: ignore[assignment]
 
 
 def host_identity() -> str:
@@ -49,6 +55,24 @@ class SlabMapping:
         finally:
             os.close(fd)
         self.buf = np.frombuffer(self._map, dtype=np.uint8)
+
+    def prefault(self) -> int:
+        """Map the slab's resident pages in this process's page tables now
+        (``kvstore._native.populate_resident``), so that reading a block
+        stored before this client attached takes no page fault (about 60
+        faults, 0.15 ms, for 4 MB read by a fresh vLLM worker; measured in
+        docs/performance.md). Pages the daemon has not filled are left
+        alone. Returns the pages mapped (0 without the native helper)."""
+        buf = self.buf
+        if _native is None or not buf.size:
+            return 0
+        return int(_native.populate_resident(buf))
+
+    def prefault_in_background(self) -> threading.Thread:
+        """``prefault`` on a daemon thread (the native call releases the GIL)."""
+        t = threading.Thread(target=self.prefault, daemon=True, name="kvstore-prefault")
+        t.start()
+        return t
 
     def covers(self, offset: int, length: int) -> bool:
         return 0 <= offset and offset + length <= self.size

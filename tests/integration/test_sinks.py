@@ -23,12 +23,19 @@ def uds_daemon(make_daemon, tmp_path):
     return make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"))
 
 
-def _layout() -> tuple[LayerScatter, list[np.ndarray]]:
+def _layout(staged: bool = False) -> tuple[LayerScatter, list[np.ndarray]]:
     """Two destinations of 8 slots: the first half of a block goes to
     layer 0, the second to layer 1."""
     layers = [np.zeros((8, HALF), np.uint8) for _ in range(2)]
     pieces = np.array([(0, HALF, 0, 0, HALF), (HALF, HALF, 1, 0, HALF)], np.int64).reshape(-1, PIECE_FIELDS)
-    return LayerScatter(BS, pieces, layers), layers
+    return LayerScatter(BS, pieces, layers, staged=staged), layers
+
+
+def test_overlapping_pieces_force_a_staged_layout():
+    layers = [np.zeros((8, HALF), np.uint8) for _ in range(2)]
+    both = np.array([(0, HALF, 0, 0, HALF), (HALF - 1, HALF, 1, 0, HALF)], np.int64)
+    assert LayerScatter(BS, both, layers).staged
+    assert not _layout()[0].staged and _layout(staged=True)[0].staged
 
 
 @pytest.mark.parametrize("how", ["shared", "lease", "inline"])
@@ -48,7 +55,11 @@ def test_get_into_a_sink_places_blocks_through_every_path(uds_daemon, how):
         assert not layers[0][[1, 3, 4, 7, 2]].any()  # slot 2 was the missing block's
 
 
-def test_a_corrupt_block_reaches_no_destination(uds_daemon):
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_corrupt_block_is_never_reported_loaded(uds_daemon, staged):
+    """Staged: a corrupt block reaches no destination. Direct (the default):
+    its places may hold its bytes, but it is CORRUPT, never OK, so the
+    engine recomputes them; the block before it is placed either way."""
     with Client(uds_daemon.target) as c:
         ns = Namespace(tenant="t", model_id="m", block_size=16)
         keys = block_keys(ns, np.arange(16 * 2, dtype=np.uint32))
@@ -57,9 +68,11 @@ def test_a_corrupt_block_reaches_no_destination(uds_daemon):
         raw = uds_daemon.store.raw
         row = int(raw.index.find_committed(raw.namespace_id(ns, False), np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
         uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
-        place, layers = _layout()
+        place, layers = _layout(staged)
         assert c.get_into(ns, keys, place.sink([1, 3])) == [KeyStatus.OK, KeyStatus.CORRUPT]
-        assert (layers[0][1] == 7).all() and not layers[0][3].any() and not layers[1][3].any()
+        assert (layers[0][1] == 7).all() and (layers[1][1] == 7).all()
+        if staged:
+            assert not layers[0][3].any() and not layers[1][3].any()
         assert c.lookup(ns, keys).hit_blocks == 1  # reported: the daemon dropped it
 
 

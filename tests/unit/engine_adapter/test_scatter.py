@@ -74,17 +74,25 @@ def test_scatter_sink_places_what_staging_and_scatter_place(kv_first, tp, rank):
         assert got[ids].view(torch.int16).any()
 
 
-def test_scatter_sink_leaves_a_failed_block_out():
+@pytest.mark.parametrize("staged", [True, False])
+def test_scatter_sink_reports_a_failed_block(staged):
+    """A block failing its checksum is False (the connector then reports it
+    to vLLM, which recomputes it); only a staged layout also keeps its
+    places untouched."""
     from kvstore.checksum import checksum
 
     origs = [torch.zeros(6, 2, 4, 8, dtype=torch.float16) for _ in range(2)]
     lb = 2 * 4 * 8 * 2
     place = scatter_layout(origs, origs, 0, lb, 2 * lb)
+    assert place is not None and not place.staged  # vLLM's layouts load straight into the KV tensors
+    place.staged = staged
     blocks = _stored_blocks(2, 2 * lb)
     sums = [checksum(b) for b in blocks]
     sums[1] ^= 1
     assert place.sink([1, 4]).write([0, 1], list(blocks), sums).tolist() == [True, False]
-    assert all(o[1].any() and not o[4].any() for o in origs)
+    assert all(o[1].any() for o in origs)
+    if staged:
+        assert not any(o[4].any() for o in origs)
 
 
 def test_scatter_layout_declines_what_it_cannot_place():
