@@ -407,9 +407,9 @@ kv_stream_copy(unsigned char *dst, const unsigned char *src, size_t n)
  * copy).  Each 1 KiB chunk is copied straight to the place that holds it and
  * hashed there while it is in L1 -- or, with nt, loaded into an L1 bounce
  * buffer, hashed there and streamed to its place; a chunk that straddles
- * places (or lies in none: another rank's shard) goes through the bounce
- * buffer, and its placed parts are copied out of it.  The hashed bytes are
- * exactly the bytes placed.  Spans are sorted by source offset and do not
+ * places goes through the bounce buffer, and its placed parts are copied out
+ * of it; a chunk in no place (another rank's shard) is hashed where it lies,
+ * with no copy.  The hashed bytes are exactly the bytes placed.  Spans are sorted by source offset and do not
  * overlap.  ACC, ACC512 and SCRAMBLE are the vendored XXH3_accumulate_*,
  * XXH3_accumulate_512_* and XXH3_scrambleAcc_* of that set; TARGET is its
  * function attribute (empty for the baseline).  Requires
@@ -441,6 +441,9 @@ kv_place(const unsigned char *src, size_t off, size_t n, const kv_span *sp,
         }
         memcpy(d, src + off, n);
         return d;
+    }
+    if (k >= ns || sp[k].off >= off + n) {
+        return src + off;   /* no place holds it (another rank's shard): hashed where it lies */
     }
     memcpy(bounce, src + off, n);
     for (; k < ns && sp[k].off < off + n; k++) {

@@ -309,6 +309,26 @@ def test_direct_scatter_places_what_the_staged_one_does(n: int, impl: str) -> No
     assert np.array_equal(a0[mask], a1[mask])
 
 
+@pytest.mark.parametrize("n", [200, 4 * 1024 + 5, 4 * 1024 + 100, 64 * 1024])
+def test_direct_scatter_hashes_the_bytes_no_piece_names(n: int, impl: str) -> None:
+    """Chunks in no piece (another rank's shard) are hashed where they lie:
+    pieces that name only the head and the last few bytes, or only the last
+    three (the final stripe then reaches back into an unplaced chunk), still
+    check the whole block, and one flipped bit in the unplaced bytes fails it."""
+    src = np.random.default_rng(n).integers(0, 256, size=n, dtype=np.uint8)
+    good = cks.checksum(src)
+    for rows in (((0, 100, 0, 0, 0), (n - 5, 5, 0, 100, 0)), ((n - 3, 3, 0, 0, 0),)):
+        out = np.zeros(128, np.uint8)
+        assert cks.verify_scatter_many([src], [good], None, _pieces(*rows), (out,), [0]).tolist() == [True]
+        at = 0
+        for off, ln, _, _, _ in rows:
+            assert np.array_equal(out[at : at + ln], src[off : off + ln])
+            at += ln
+        bad = src.copy()
+        bad[n // 2] ^= 4
+        assert cks.verify_scatter_many([bad], [good], None, _pieces(*rows), (out,), [0]).tolist() == [False]
+
+
 def test_direct_scatter_refuses_overlapping_pieces(impl: str) -> None:
     src = np.arange(4096, dtype=np.uint64).view(np.uint8)[:4096]
     pieces = _pieces((0, 2048, 0, 0, 4096), (1024, 2048, 1, 0, 4096))
