@@ -7,6 +7,9 @@ Figures, all measured in one run on this machine:
 - ``lookup`` time for chains of 256 and 4,096 blocks;
 - batched put and get GB/s for 64 KiB, 1 MiB and 4 MiB blocks beside
   ``numpy.copyto`` of the same bytes (one contiguous batch: the strict baseline);
+- the first put into slab pages no block has used, sparse slab and
+  ``dram.populate``, beside the warm put, and the store's start time with
+  each (figures, no target);
 - index bytes per block at 1,000,000 and 10,000,000 blocks (1,000,000 only
   with ``--quick``), as ``tracemalloc`` sees them: everything the index
   allocates, growth slack included; target ≤ 64 at 10,000,000.
@@ -104,6 +107,39 @@ def bench_copy(rep: Report, repeats: int, total: int) -> None:
             rep.target(f"get {label} / memcpy", base / tget, 0.7)
 
 
+def bench_first_put(rep: Report, repeats: int, total: int) -> None:
+    """A put into slab pages no block has used yet (a new daemon's first
+    fills), with the slab sparse (the default) and with ``dram.populate``,
+    each beside a put into the same pages once used (the warm put the copy
+    figures above time); and what populating costs at start. 1 MiB blocks;
+    a new store (new slab) for each sample."""
+    ns = Namespace(tenant="t", model_id="m", block_size=16)
+    size, n = MIB, max(8, total // MIB)
+    src = np.random.default_rng(7).integers(0, 255, size=(n, size), dtype=np.uint8)
+    srcs = [src[i] for i in range(n)]
+    cap = n * size + 64 * MIB
+    for populate in (False, True):
+        first, warm, make = [], [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            st = TieredStore(StoreConfig(dram_bytes=cap, dram_populate=populate))
+            make.append(time.perf_counter() - t0)
+            with st:
+                t0 = time.perf_counter()
+                assert st.put(ns, [os.urandom(16) for _ in range(n)], srcs).ok
+                first.append(time.perf_counter() - t0)
+                st.clear()
+                t0 = time.perf_counter()
+                assert st.put(ns, [os.urandom(16) for _ in range(n)], srcs).ok
+                warm.append(time.perf_counter() - t0)
+        how = "populated" if populate else "sparse"
+        gb = n * size / 1e9
+        rep.figure(f"first_put_{how}_1MiB_GBps", gb / statistics.median(first), "GB/s (pages no block has used)")
+        rep.figure(f"warm_put_{how}_1MiB_GBps", gb / statistics.median(warm), "GB/s (the same pages again)")
+        rep.figure(f"first_put_{how}_vs_warm", statistics.median(warm) / statistics.median(first), "x")
+        rep.figure(f"store_start_{how}_{cap // MIB}MiB_s", statistics.median(make), "s (TieredStore created)")
+
+
 def build_index(n: int, step: int = 1 << 16) -> BlockIndex:
     """``n`` root blocks with random keys, inserted in batches of ``step``
     into an index that starts small (growth included, as a store grows it)."""
@@ -150,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_hashing(rep, repeats)
     bench_lookup(rep, repeats)
     bench_copy(rep, repeats, total=(64 if a.quick else 256) * MIB)
+    bench_first_put(rep, repeats, total=(64 if a.quick else 256) * MIB)
     for n in (1_000_000,) if a.quick else (1_000_000, 10_000_000):
         bench_index(rep, n)
     rep.emit(a.json)

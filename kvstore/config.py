@@ -185,6 +185,12 @@ class DramConfig(Section):
     """Slab page: the unit of memory that moves between size classes and that
     a resize adds or retires. Capped at the capacity; the largest block must
     fit in one page."""
+    populate: bool = False
+    """Back the whole slab with memory at start (and what a resize adds), as
+    an engine's pinned pool is: the daemon takes ``capacity`` at once, and no
+    put later pays for the host's page allocation (a first write into a
+    sparse slab runs at a fraction of a copy's speed). false: the slab is
+    backed page by page as blocks first land."""
 
     def _validate(self) -> None:
         if self.shm_name and not _SHM_NAME_RE.match(self.shm_name):

@@ -15,6 +15,13 @@ payload size rounded up to ``slot_align`` (4 KiB).
 
 Each copy in or out is fused with its xxh3_64 checksum (``kvstore.checksum``):
 the data is read from memory once.
+
+The file is sparse: tmpfs backs a page when it is first written, and that
+first write costs a page fault, an allocation and a zeroing per 4 KiB. With
+``populate`` (``dram.populate``) the whole slab is backed when it is created
+(and the pages a resize adds, before they hold anything): the daemon takes
+all of its memory at start, as an engine's pinned pool does, and no put pays
+for the host's allocation later.
 """
 
 from __future__ import annotations
@@ -47,17 +54,49 @@ class DramTier(PagedSlots):
 
     def __init__(self, capacity_bytes: int, *, name: str | None = None,
                  page_bytes: int = 16 << 20, slot_align: int = SLOT_ALIGN,
-                 slot_sizes: Sequence[int] = (), copy_threads: int = 2) -> None:
+                 slot_sizes: Sequence[int] = (), copy_threads: int = 2,
+                 populate: bool = False) -> None:
         self._init_slots(capacity_bytes, page_bytes, slot_align, slot_sizes)
         self.copy_threads = max(1, int(copy_threads))
+        self.populate = bool(populate)
         self.name = name or default_shm_name()
         self.path = os.path.join(SHM_DIR, self.name)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.fchmod(self._fd, 0o600)  # umask cannot widen it, but be explicit
-        os.ftruncate(self._fd, self._capacity)
-        self._map = mmap.mmap(self._fd, self._capacity)
+        try:
+            os.fchmod(self._fd, 0o600)  # umask cannot widen it, but be explicit
+            os.ftruncate(self._fd, self._capacity)
+            if self.populate:
+                self._back(0, self._capacity)
+            self._map = self._mmap(self._capacity)
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(self.path)
+            raise
         self.buf = np.frombuffer(self._map, dtype=np.uint8)
         self._closed = False
+
+    def _back(self, start: int, end: int) -> None:
+        """Have the host back bytes ``[start, end)`` of the slab file now
+        (``populate``): ``fallocate`` on tmpfs allocates and zeroes the pages
+        in one system call (and a full tmpfs is a clear error here, not a
+        SIGBUS at some later write). Called only before the range can hold a
+        block (at creation, or for the pages a resize adds, before they are
+        handed out), so nothing stored is ever overwritten. CapacityError
+        when the host cannot back it."""
+        if end <= start:
+            return
+        try:
+            os.posix_fallocate(self._fd, start, end - start)
+        except OSError as e:
+            raise CapacityError(f"dram.populate: the host cannot back the slab's bytes [{start}, {end}) "
+                                f"({e.strerror or e}); free /dev/shm or lower dram.capacity") from None
+
+    def _mmap(self, length: int) -> mmap.mmap:
+        """The slab mapped read/write; with ``populate`` its page table is
+        filled too (``MAP_POPULATE``), so the daemon's own writes into the
+        slab (write-behind puts, promotions, peer fetches) take no fault."""
+        populate = getattr(mmap, "MAP_POPULATE", 0) if self.populate else 0
+        return mmap.mmap(self._fd, length, flags=mmap.MAP_SHARED | populate)
 
     # ----------------------------------------------------------- properties
     @property
@@ -99,8 +138,10 @@ class DramTier(PagedSlots):
             new_cap = new_pages * self.page_bytes
             try:
                 os.ftruncate(self._fd, new_cap)
-                new_map = mmap.mmap(self._fd, new_cap)
-            except (OSError, ValueError, OverflowError) as e:
+                if self.populate:
+                    self._back(self._capacity, new_cap)
+                new_map = self._mmap(new_cap)
+            except (OSError, ValueError, OverflowError, CapacityError) as e:
                 try:
                     os.ftruncate(self._fd, self._capacity)
                 except OSError:

@@ -94,6 +94,9 @@ class StoreConfig:
     """Slab page size: the unit that moves between slot size classes."""
     dram_slot_sizes: tuple[int, ...] = ()
     """Slot size classes; empty: one class per payload size (4 KiB aligned)."""
+    dram_populate: bool = False
+    """Back the whole slab with memory when it is created (``DramTier``'s
+    ``populate``), not page by page as blocks first land."""
     shm_name: str | None = None
     """Name of the slab in /dev/shm (default: kvstore-<uid>-<pid>-<random>)."""
     policy: PolicyName = PolicyName.LRU
@@ -141,7 +144,8 @@ class TieredStore:
         self.ns_registry = Namespaces()
         self.counters = Counters()
         dram = DramTier(cfg.dram_bytes, name=cfg.shm_name, page_bytes=cfg.dram_page_bytes,
-                        slot_sizes=cfg.dram_slot_sizes, copy_threads=cfg.copy_threads)
+                        slot_sizes=cfg.dram_slot_sizes, copy_threads=cfg.copy_threads,
+                        populate=cfg.dram_populate)
         self.place = Placement(dram, policy, self.ns_registry, self.counters, verify_reads=cfg.verify_reads,
                                freq=FrequencySketch(cfg.dram_bytes >> 10) if cfg.dram_admission else None,
                                shares=shares)

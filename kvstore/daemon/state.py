@@ -203,6 +203,7 @@ def store_config(config: Config, shares: dict[str, float] | None = None) -> Stor
         dram_bytes=config.dram.capacity,
         dram_page_bytes=config.dram.page_size,
         dram_slot_sizes=tuple(config.dram.slot_sizes),
+        dram_populate=config.dram.populate,
         shm_name=config.dram.shm_name or None,
         policy=PolicyName(config.eviction.policy.value),
         dram_admission=config.eviction.dram_admission,

@@ -468,3 +468,14 @@ def test_replace_with_a_mapping_names_unknown_keys() -> None:
 def test_a_directory_is_not_a_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot be read"):
         load_config(tmp_path, env={})
+
+
+def test_dram_populate_reaches_the_store() -> None:
+    """``dram.populate`` (off by default) is read from the environment and
+    handed to the store that creates the slab."""
+    from kvstore.daemon.state import store_config
+
+    assert load_config(env={}).dram.populate is False
+    cfg = load_config(env={"KVSTORE_DRAM_POPULATE": "true"})
+    assert cfg.dram.populate is True and store_config(cfg).dram_populate is True
+    assert store_config(load_config(env={})).dram_populate is False

@@ -85,3 +85,49 @@ def test_bad_sizes_are_refused():
             t.footprint(B + 1)  # larger than a page
     finally:
         t.close()
+
+
+def test_populate_backs_the_whole_slab_and_what_a_resize_adds():
+    """``populate``: every byte of the slab is backed by memory when it is
+    created, and the pages a resize adds before they hold anything; without
+    it the file stays sparse until blocks land."""
+    cap = 64 * B
+    sparse = DramTier(cap, page_bytes=16 * B)
+    full = DramTier(cap, page_bytes=16 * B, populate=True)
+    try:
+        assert os.stat(sparse.path).st_blocks * 512 < cap
+        assert os.stat(full.path).st_blocks * 512 >= cap
+        loc = full.allocate(B, 1)
+        full.write(loc, [P(1)])
+        full.resize(2 * cap)
+        assert os.stat(full.path).st_blocks * 512 >= 2 * cap
+        out = bytearray(B)
+        assert full.read_into(loc, np.array([B]), np.array([checksum(P(1))], np.uint64), [out]).all()
+        assert bytes(out) == P(1)  # backing the added pages left the stored block alone
+    finally:
+        sparse.close()
+        full.close()
+
+
+def test_populate_that_the_host_cannot_back_is_a_clear_error(monkeypatch):
+    """A slab the host cannot back is refused at creation (CapacityError,
+    and no file is left behind); a resize it cannot back leaves the tier as
+    it was."""
+    def no_room(fd, off, n):
+        raise OSError(28, "No space left on device")
+
+    t = DramTier(16 * B, page_bytes=4 * B, populate=True)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(os, "posix_fallocate", no_room)
+            before = set(os.listdir("/dev/shm"))
+            with pytest.raises(CapacityError, match="dram.populate"):
+                DramTier(16 * B, page_bytes=4 * B, populate=True)
+            assert set(os.listdir("/dev/shm")) - before == set()
+            with pytest.raises(CapacityError, match="cannot grow"):
+                t.resize(32 * B)
+        assert t.capacity_bytes == 16 * B and os.stat(t.path).st_size == 16 * B
+        t.resize(32 * B)  # room again: it grows, backed
+        assert os.stat(t.path).st_blocks * 512 >= 32 * B
+    finally:
+        t.close()
