@@ -409,11 +409,11 @@ kv_stream_copy(unsigned char *dst, const unsigned char *src, size_t n)
  * buffer, hashed there and streamed to its place; a chunk that straddles
  * places goes through the bounce buffer, and its placed parts are copied out
  * of it; a chunk in no place (another rank's shard) is hashed where it lies,
- * with no copy.  The hashed bytes are exactly the bytes placed.  Spans are sorted by source offset and do not
- * overlap.  ACC, ACC512 and SCRAMBLE are the vendored XXH3_accumulate_*,
- * XXH3_accumulate_512_* and XXH3_scrambleAcc_* of that set; TARGET is its
- * function attribute (empty for the baseline).  Requires
- * len > KV_XXH_MIDSIZE_MAX.
+ * with no copy.  The hashed bytes are exactly the bytes placed.  Spans are
+ * sorted by source offset and do not overlap.  ACC, ACC512 and SCRAMBLE are
+ * the vendored XXH3_accumulate_*, XXH3_accumulate_512_* and
+ * XXH3_scrambleAcc_* of that set; TARGET is its function attribute (empty
+ * for the baseline).  Requires len > KV_XXH_MIDSIZE_MAX.
  */
 typedef struct {
     size_t off, len;
