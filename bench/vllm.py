@@ -35,7 +35,7 @@ TTFT kvstore / TTFT vLLM prefix cache <= 1.5. Issue 18 (goal 4): that ratio
 verified copies, Release, copies into vLLM's tensors) delivers bytes at >= 0.5x a
 memcpy of the same bytes measured here (``connector_load_vs_memcpy``).
 
-Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N] [--tp 1,2] [--in-process]
+Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N] [--tp 1,2] [--in-process] [--populate]
 """
 
 from __future__ import annotations
@@ -141,6 +141,20 @@ def report(rep: Report, tp: int, reps: int, tokens: int, got: dict) -> None:
             rep.figure(f"connector_save_shards_ms{sfx}{rs}",
                        ms([r["ms"] for r in recs if r["event"] == "save_shards" and r["rank"] == rank]), "ms")
     rep.figure(f"connector_save_ms{sfx}", ms([r["ms"] for r in recs if r["event"] == "save" and "ms" in r]), "ms")
+    # TP = 1 saves (rank 0's save_step records): Reserve, the copy of whole
+    # blocks into the slots (gathered from the KV tensors and hashed on the
+    # way, or staged first), Commit; the copy's rate against a memcpy of the
+    # same bytes. Into a sparse slab the copy also pays the host's page
+    # allocation for every new page (--populate: a slab backed at start)
+    saves = [r for r in recs if r["event"] == "save_step" and r["blocks"] > 0]
+    if saves:
+        for ph in ("reserve", "copy", "commit"):
+            rep.figure(f"connector_save_{ph}_ms{sfx}", ms([r[f"{ph}_ms"] for r in saves]), "ms")
+        rep.figure(f"connector_save_gathered{sfx}", sum(bool(r["gathered"]) for r in saves) / len(saves), "fraction")
+        nb = int(statistics.median(r["bytes"] for r in saves))
+        rate = statistics.median(r["bytes"] / (r["copy_ms"] / 1000) for r in saves if r["copy_ms"] > 0) / 1e9
+        rep.figure(f"connector_save_copy_GBps{sfx}", rate, "GB/s")
+        rep.figure(f"connector_save_copy_vs_memcpy{sfx}", rate / (nb / memcpy_seconds(nb) / 1e9), "x")
     # issue 18 goal 4: a step's whole load (Acquire, verified copies out of
     # the slab, Release sent, copies into vLLM's KV tensors), its phases,
     # and the bytes it delivered to this rank's KV tensors per second against
@@ -217,6 +231,8 @@ def main() -> None:
     ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes to measure (comma-separated; default 1,2)")
     ap.add_argument("--in-process", action="store_true",
                     help="engine core inside each vLLM process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    ap.add_argument("--populate", action="store_true",
+                    help="the daemon backs its slab at start (dram.populate): saves take no page faults")
     args = ap.parse_args()
     if not os.access(VLLM_PY, os.X_OK):
         sys.exit(f"no vLLM environment at {VLLM_PY}: run `make vllm-env`")
@@ -227,7 +243,7 @@ def main() -> None:
     warm = [[rng.randrange(3, 1024) for _ in range(args.tokens)] for _ in range(2)]
     work = tempfile.mkdtemp(prefix="bench-vllm-")
     make_tiny_model(f"{work}/model")
-    daemon = InProcessDaemon({"dram.capacity": "1GiB"})
+    daemon = InProcessDaemon({"dram.capacity": "1GiB", "dram.populate": bool(args.populate)})
     got: dict[int, dict] = {}
     try:
         for tp in tps:  # the namespace carries tp_size: each size misses the other's blocks
@@ -237,6 +253,7 @@ def main() -> None:
     rep = Report("vllm")
     rep.figure("prompt_tokens", args.tokens)
     rep.figure("repeats", reps)
+    rep.figure("dram_populate", int(args.populate))
     for tp in tps:
         report(rep, tp, reps, args.tokens, got[tp])
     rep.emit(args.json)

@@ -349,7 +349,10 @@ class WorkerSide:
         return (out or None), None
 
     def save(self, meta: KVStoreConnectorMetadata, base: Namespace) -> None:
-        """TP = 1: reserve, write whole blocks (checksums fused), commit."""
+        """TP = 1: reserve, write whole blocks (checksums fused: gathered
+        from the KV tensors straight into the slots where the layout allows,
+        else staged first), commit. One ``save_step`` stats line per step
+        says where the time went."""
         c = self.link.client()
         if c is None:
             return
@@ -369,8 +372,19 @@ class WorkerSide:
             self.link.stats["existing_blocks"] += sum(s is KeyStatus.EXISTS for s in resv.statuses)
             plans.append((m, resv, ok))
         n = sum(len(ok) for _, _, ok in plans)
+        t1 = time.perf_counter()
         csums = np.zeros(0, np.uint64)
-        if n:
+        lay = self.scatter
+        gathered = bool(n and lay is not None and not lay.staged)
+        if gathered and lay is not None:  # straight into the slots, hashed on the way: one pass, no staging
+            try:
+                dsts = [c.view(resv.offsets[i], resv.lengths[i]) for _, resv, ok in plans for i in ok]
+                got = lay.gather(dsts, [m.block_ids[i] for m, _, ok in plans for i in ok])
+            except FAULT_TYPES as e:
+                self.link.fault("save", e)
+                return  # the daemon reclaims the reservations of a lost session
+            csums = got if got is not None else csums
+        elif n:
             raw, typed = self.stage(n, self.block_bytes)
             ids = torch.tensor([m.block_ids[i] for m, _, ok in plans for i in ok], dtype=torch.int64)
             for t, dst in zip(self.layers, typed):
@@ -383,9 +397,15 @@ class WorkerSide:
                 self.link.fault("save", e)
                 return  # the daemon reclaims the reservations of a lost session
         j = 0
+        t2 = time.perf_counter()
         for m, resv, ok in plans:
             k, j = j, j + len(ok)
             self.finish(c, m, resv, m.req_id not in self.load_failed, csums[k:j].tolist(), t0)
+        if self.link.stats_path:
+            t3 = time.perf_counter()
+            self.link.record(event="save_step", rank=0, reqs=len(plans), blocks=n, bytes=n * self.block_bytes,
+                             gathered=gathered, ms=round((t3 - t0) * 1000, 3), reserve_ms=round((t1 - t0) * 1000, 3),
+                             copy_ms=round((t2 - t1) * 1000, 3), commit_ms=round((t3 - t2) * 1000, 3))
 
     def finish(self, c: Client, m: BlockMove, resv: Reservation, good: bool, csums: list[int] | None,
                t0: float) -> None:
@@ -480,6 +500,15 @@ class WorkerSide:
                 codes[i] = 0
         sel = np.flatnonzero(plan.write == 1)
         all_ids = np.asarray([b for m in saves for b in m.block_ids], np.int64)
+        lay = self.scatter
+        if lay is not None and not lay.staged:  # this rank's pieces straight into each slot
+            try:
+                lay.gather([c.view(int(plan.offsets[i]), self.block_bytes) for i in sel.tolist()],
+                           all_ids[sel], checksums=False)
+            except FAULT_TYPES as e:
+                self.link.fault("save", e)
+                codes[:] = 0
+            return codes
         raw, typed = self.stage(sel.shape[0], self.shard_bytes)
         ids = torch.from_numpy(all_ids[sel])
         for t, dst in zip(self.layers, typed):

@@ -515,6 +515,88 @@ KV_DEFINE_SCATTER(kv_scatter_default, , XXH3_accumulate, XXH3_accumulate_512,
                   XXH3_scrambleAcc)
 #endif
 
+/*
+ * The other way round, for saves: a block gathered from its places (an
+ * engine's per-layer KV arrays) into one contiguous slot, each 1 KiB of the
+ * slot hashed while it is in L1, right after its pieces were copied in.
+ * The checksum is that of the slot's bytes.  The spans name source
+ * pointers, are sorted by block offset, do not overlap and cover the whole
+ * block (the caller checks).  Requires len > KV_XXH_MIDSIZE_MAX.
+ */
+typedef struct {
+    size_t off, len;
+    const unsigned char *src;
+} kv_gspan;
+
+typedef XXH64_hash_t (*kv_gather_fn)(unsigned char *dst, size_t len, const kv_gspan *sp, size_t ns);
+
+static inline void
+kv_fill(unsigned char *dst, size_t off, size_t n, const kv_gspan *sp, size_t ns, size_t *cur)
+{
+    size_t k = *cur;
+    while (k < ns && sp[k].off + sp[k].len <= off) {
+        k++;
+    }
+    *cur = k;
+    for (; k < ns && sp[k].off < off + n; k++) {
+        size_t a = sp[k].off > off ? sp[k].off : off;
+        size_t b = sp[k].off + sp[k].len < off + n ? sp[k].off + sp[k].len : off + n;
+        memcpy(dst + a, sp[k].src + (a - sp[k].off), b - a);
+    }
+}
+
+#define KV_DEFINE_GATHER(NAME, TARGET, ACC, ACC512, SCRAMBLE)                 \
+static TARGET XXH64_hash_t                                                    \
+NAME(unsigned char *dst, size_t len, const kv_gspan *sp, size_t ns)           \
+{                                                                             \
+    XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;                    \
+    const xxh_u8 *secret = XXH3_kSecret;                                      \
+    const size_t nb_blocks = (len - 1) / KV_XXH_BLOCK;                        \
+    size_t n, off, cur = 0;                                                   \
+                                                                              \
+    for (n = 0; n < nb_blocks; n++) {                                         \
+        off = n * KV_XXH_BLOCK;                                               \
+        kv_fill(dst, off, KV_XXH_BLOCK, sp, ns, &cur);                        \
+        ACC(acc, dst + off, secret, KV_XXH_STRIPES);                          \
+        SCRAMBLE(acc, secret + KV_XXH_SECRET - KV_XXH_STRIPE);                \
+    }                                                                         \
+    off = nb_blocks * KV_XXH_BLOCK;                                           \
+    kv_fill(dst, off, len - off, sp, ns, &cur);                               \
+    ACC(acc, dst + off, secret, (len - off - 1) / KV_XXH_STRIPE);             \
+    ACC512(acc, dst + len - KV_XXH_STRIPE,                                    \
+           secret + KV_XXH_SECRET - KV_XXH_STRIPE - KV_XXH_LASTACC);          \
+    return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)len);                  \
+}
+
+#if KV_X86_64
+KV_DEFINE_GATHER(kv_gather_sse2, XXH_TARGET_SSE2, XXH3_accumulate_sse2,
+                 XXH3_accumulate_512_sse2, XXH3_scrambleAcc_sse2)
+#  if XXH_DISPATCH_AVX2
+KV_DEFINE_GATHER(kv_gather_avx2, XXH_TARGET_AVX2, XXH3_accumulate_avx2,
+                 XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2)
+#  endif
+#  if XXH_DISPATCH_AVX512
+KV_DEFINE_GATHER(kv_gather_avx512, XXH_TARGET_AVX512, XXH3_accumulate_avx512,
+                 XXH3_accumulate_512_avx512, XXH3_scrambleAcc_avx512)
+#  endif
+#else
+KV_DEFINE_GATHER(kv_gather_default, , XXH3_accumulate, XXH3_accumulate_512,
+                 XXH3_scrambleAcc)
+#endif
+
+/* A whole block gathered into dst and hashed on the way (any length). */
+static XXH64_hash_t
+kv_gather_hash(kv_gather_fn fn, unsigned char *dst, size_t len, const kv_gspan *sp, size_t ns)
+{
+    if (len <= KV_XXH_MIDSIZE_MAX) {
+        size_t cur = 0;
+        kv_fill(dst, 0, len, sp, ns, &cur);
+        return KV_XXH3_64(dst, len);
+    }
+    return fn(dst, len, sp, ns);
+}
+
+
 /* A whole block to its places, hashed on the way (any length). */
 static XXH64_hash_t
 kv_scatter_hash(kv_scatter_fn fn, const unsigned char *src, size_t len,
@@ -558,6 +640,7 @@ KV_DEFINE_FUSED(kv_fused_default, kv_scatter_default)
 /* Chosen once at import (kv_select_fused). */
 static kv_fused_fn kv_fused = NULL;
 static kv_scatter_fn kv_scatter = NULL;
+static kv_gather_fn kv_gather = NULL;
 static const char *kv_fused_name = "none";
 
 static void
@@ -567,11 +650,13 @@ kv_select_fused(void)
     int vec = XXH_featureTest();
     kv_fused = kv_fused_sse2;
     kv_scatter = kv_scatter_sse2;
+    kv_gather = kv_gather_sse2;
     kv_fused_name = "sse2";
 #  if XXH_DISPATCH_AVX2
     if (vec >= XXH_AVX2) {
         kv_fused = kv_fused_avx2;
         kv_scatter = kv_scatter_avx2;
+        kv_gather = kv_gather_avx2;
         kv_fused_name = "avx2";
     }
 #  endif
@@ -579,6 +664,7 @@ kv_select_fused(void)
     if (vec >= XXH_AVX512) {
         kv_fused = kv_fused_avx512;
         kv_scatter = kv_scatter_avx512;
+        kv_gather = kv_gather_avx512;
         kv_fused_name = "avx512";
     }
 #  endif
@@ -586,6 +672,7 @@ kv_select_fused(void)
 #else
     kv_fused = kv_fused_default;
     kv_scatter = kv_scatter_default;
+    kv_gather = kv_gather_default;
     kv_fused_name = "default";
 #endif
 }
@@ -1679,6 +1766,205 @@ e0:
 
 
 /* ------------------------------------------------------------------------ */
+/* Gathered save of blocks from an engine's per-layer arrays                 */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(gather_many_doc,
+"gather_many(dsts, pieces, srcs, indices, out) -> None\n"
+"\n"
+"The reverse of verify_scatter_many, for saves: block i is gathered into\n"
+"dsts[i] (a writable buffer, e.g. a reserved slot) from engine block\n"
+"indices[i] (a buffer of int64 >= 0): row (dst_offset, length, src, base,\n"
+"stride) of pieces (C-contiguous int64) copies srcs[src] (a tuple of\n"
+"buffers) at byte base + index * stride to dsts[i][dst_offset :\n"
+"dst_offset + length].  Non-empty pieces must not overlap in the block.\n"
+"out (a writable buffer of uint64, one per block) receives the XXH3-64 of\n"
+"each block's bytes, hashed 1 KiB at a time while in L1 right after they\n"
+"were gathered; the pieces must then cover every byte of every dsts[i].\n"
+"out None: copy only (e.g. one rank's shard of a slot).  Everything is\n"
+"bounds-checked (ValueError) before anything is written; the GIL is\n"
+"released once for the batch.");
+
+static PyObject *
+kv_gather_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer pcs, idx, outb;
+    Py_buffer *db = NULL, *sb = NULL;
+    PyObject *dsts = NULL, *srcs;
+    Py_ssize_t ns = 0, n, got = 0, gots = 0, np_, r, i, k;
+    const int64_t *pc, *ix;
+    int64_t lo_i = 0, hi_i = 0;
+    int fail = 1, want;
+    size_t end = 0;
+    kv_gspan *sp = NULL;
+    Py_ssize_t *ord = NULL, nsp = 0;
+    const char **lo = NULL, **hi = NULL;
+    (void)self;
+
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "gather_many takes 5 arguments");
+        return NULL;
+    }
+    srcs = args[2];
+    if (!PyTuple_Check(srcs) || PyTuple_GET_SIZE(srcs) > KV_SCATTER_MAX_DSTS) {
+        PyErr_SetString(PyExc_TypeError, "srcs must be a tuple of at most 4096 buffers");
+        return NULL;
+    }
+    want = args[4] != Py_None;
+    memset(&outb, 0, sizeof outb);
+    if (kv_get_ro(args[1], &pcs, "pieces") < 0) {
+        return NULL;
+    }
+    if (kv_get_ro(args[3], &idx, "indices") < 0) {
+        goto e1;
+    }
+    if (want && kv_get_rw(args[4], &outb, "out") < 0) {
+        goto e2;
+    }
+    dsts = PySequence_Fast(args[0], "dsts must be a sequence");
+    if (dsts == NULL) {
+        goto e3;
+    }
+    n = PySequence_Fast_GET_SIZE(dsts);
+    if (idx.len != n * 8 || (want && outb.len != n * 8)) {
+        PyErr_Format(PyExc_ValueError, "%zd blocks: indices and out must hold 8 bytes per block", n);
+        goto e4;
+    }
+    if (pcs.len % (5 * 8)) {
+        PyErr_SetString(PyExc_ValueError, "pieces must be rows of 5 int64");
+        goto e4;
+    }
+    ix = (const int64_t *)idx.buf;
+    for (i = 0; i < n; i++) {
+        if (ix[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "indices must be >= 0");
+            goto e4;
+        }
+        if (i == 0 || ix[i] < lo_i) {
+            lo_i = ix[i];
+        }
+        if (i == 0 || ix[i] > hi_i) {
+            hi_i = ix[i];
+        }
+    }
+    pc = (const int64_t *)pcs.buf;
+    np_ = pcs.len / (5 * 8);
+    db = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    ns = PyTuple_GET_SIZE(srcs);
+    sb = PyMem_Calloc((size_t)(ns ? ns : 1), sizeof(Py_buffer));
+    sp = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(kv_gspan));
+    ord = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(Py_ssize_t));
+    lo = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(char *));
+    hi = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(char *));
+    if (db == NULL || sb == NULL || sp == NULL || ord == NULL || lo == NULL || hi == NULL) {
+        PyErr_NoMemory();
+        goto e5;
+    }
+    for (got = 0; got < ns; got++) {
+        if (kv_get_ro(PyTuple_GET_ITEM(srcs, got), &sb[got], "srcs[i]") < 0) {
+            goto e5;
+        }
+    }
+    for (r = 0; r < np_; r++) {  /* every piece fits its source at the lowest and highest index */
+        int64_t off = pc[5 * r], len = pc[5 * r + 1], d = pc[5 * r + 2], base = pc[5 * r + 3];
+        int64_t stride = pc[5 * r + 4];
+        if (off < 0 || len < 0 || d < 0 || d >= ns || base < 0 || stride < 0 || base > sb[d].len ||
+            len > sb[d].len - base || (hi_i > 0 && stride > (sb[d].len - base - len) / hi_i)) {
+            PyErr_Format(PyExc_ValueError, "piece %zd does not fit its source", r);
+            goto e5;
+        }
+        lo[r] = (const char *)sb[d].buf + base + lo_i * stride;
+        hi[r] = (const char *)sb[d].buf + base + hi_i * stride + len;
+        if (len == 0) {
+            continue;
+        }
+        for (k = nsp; k > 0 && pc[5 * ord[k - 1]] > off; k--) {
+            ord[k] = ord[k - 1];
+        }
+        ord[k] = r;
+        nsp++;
+    }
+    for (r = 0; r < nsp; r++) {  /* in block order: no overlap; with hashing, no gap either */
+        int64_t off = pc[5 * ord[r]], len = pc[5 * ord[r] + 1];
+        if ((size_t)off < end || (want && (size_t)off != end)) {
+            PyErr_SetString(PyExc_ValueError, want ? "the pieces must cover the block once, with no gap "
+                            "and no overlap" : "pieces overlap in the block");
+            goto e5;
+        }
+        end = (size_t)(off + len);
+        sp[r].off = (size_t)off;
+        sp[r].len = (size_t)len;
+    }
+    for (gots = 0; gots < n; gots++) {
+        const char *a, *b;
+        if (kv_get_rw(PySequence_Fast_GET_ITEM(dsts, gots), &db[gots], "dsts[i]") < 0) {
+            goto e5;
+        }
+        if ((size_t)db[gots].len < end || (want && (size_t)db[gots].len != end)) {
+            PyErr_Format(PyExc_ValueError, "dsts[%zd] has %zd bytes; the pieces %s %zu", gots, db[gots].len,
+                         want ? "cover" : "reach", end);
+            gots++;
+            goto e5;
+        }
+        a = (const char *)db[gots].buf;
+        b = a + db[gots].len;
+        for (r = 0; r < np_; r++) {
+            if (pc[5 * r + 1] > 0 && a < hi[r] && lo[r] < b) {
+                PyErr_Format(PyExc_ValueError, "dsts[%zd] overlaps a source", gots);
+                gots++;
+                goto e5;
+            }
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) {
+        unsigned char *d = (unsigned char *)db[i].buf;
+        for (r = 0; r < nsp; r++) {
+            const int64_t *row = pc + 5 * ord[r];
+            sp[r].src = (const unsigned char *)sb[row[2]].buf + row[3] + ix[i] * row[4];
+        }
+        if (want) {
+            ((unsigned long long *)outb.buf)[i] =
+                (unsigned long long)kv_gather_hash(kv_gather, d, (size_t)db[i].len, sp, (size_t)nsp);
+        } else {
+            for (r = 0; r < nsp; r++) {
+                memcpy(d + sp[r].off, sp[r].src, sp[r].len);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    fail = 0;
+e5:
+    for (r = 0; r < gots; r++) {
+        PyBuffer_Release(&db[r]);
+    }
+    for (r = 0; r < got; r++) {
+        PyBuffer_Release(&sb[r]);
+    }
+    PyMem_Free(db);
+    PyMem_Free(sb);
+    PyMem_Free(sp);
+    PyMem_Free(ord);
+    PyMem_Free((void *)lo);
+    PyMem_Free((void *)hi);
+e4:
+    Py_DECREF(dsts);
+e3:
+    if (want) {
+        PyBuffer_Release(&outb);
+    }
+e2:
+    PyBuffer_Release(&idx);
+e1:
+    PyBuffer_Release(&pcs);
+    if (fail) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+
+/* ------------------------------------------------------------------------ */
 /* Page tables for the resident part of a shared mapping                     */
 /* ------------------------------------------------------------------------ */
 
@@ -1779,6 +2065,7 @@ static PyMethodDef kv_methods[] = {
      shared_slots_doc},
     {"verify_scatter_many", (PyCFunction)(void (*)(void))kv_verify_scatter_many, METH_FASTCALL,
      verify_scatter_many_doc},
+    {"gather_many", (PyCFunction)(void (*)(void))kv_gather_many, METH_FASTCALL, gather_many_doc},
     {"populate_resident", (PyCFunction)kv_populate_resident, METH_O, populate_resident_doc},
     {NULL, NULL, 0, NULL}
 };

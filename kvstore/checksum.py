@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "run_split", "verify_many",
-           "verify_scatter", "verify_scatter_many"]
+__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "gather_many", "run_split",
+           "verify_many", "verify_scatter", "verify_scatter_many"]
 
 
 def load_native() -> ModuleType | None:
@@ -243,6 +243,64 @@ def verify_scatter_many(srcs: Sequence[Any], expected: Sequence[int], scratch: A
                                 np.ascontiguousarray(pieces, dtype=np.int64), dsts,
                                 np.ascontiguousarray(np.asarray(indices, dtype=np.int64)), ok)
     return ok.view(bool)
+
+
+def gather_many(dsts: Sequence[Any], pieces: Any, srcs: tuple[Any, ...], indices: Sequence[int] | np.ndarray,
+                checksums: bool = True) -> np.ndarray | None:
+    """The reverse of :func:`verify_scatter_many`, for saves: block ``i`` is
+    gathered into ``dsts[i]`` (e.g. a reserved slot) from engine block
+    ``indices[i]``: row ``(off, length, s, base, stride)`` of ``pieces``
+    copies ``srcs[s]`` at byte ``base + indices[i] * stride`` to
+    ``dsts[i][off : off + length]``. Pieces must not overlap in the block.
+
+    ``checksums`` (the default): the pieces must cover every byte of every
+    ``dsts[i]``, and the XXH3-64 of each block is returned (uint64, one per
+    block). With the native helper each 1 KiB of the slot is hashed in L1
+    right after it was gathered: one pass over memory, where staging the
+    block first takes two. ``checksums=False``: copy only (one rank's
+    shard of a slot); returns None. Every place is checked (ValueError)
+    before anything is written."""
+    n = len(dsts)
+    rows = np.ascontiguousarray(pieces, dtype=np.int64).reshape(-1, PIECE_FIELDS)
+    idx = np.ascontiguousarray(np.asarray(indices, dtype=np.int64).reshape(n))
+    if _native is not None:
+        out = np.zeros(n, dtype=np.uint64) if checksums else None
+        _native.gather_many([_native_arg(d, "dsts[i]") for d in dsts], rows, tuple(_native_arg(s, "srcs[i]")
+                            for s in srcs), idx, out)
+        return out
+    outs = [_as_bytes(d, "dsts[i]") for d in dsts]
+    ins = [_as_bytes(s, "srcs[i]") for s in srcs]
+    if (idx < 0).any():
+        raise ValueError("indices must be >= 0")
+    live = rows[rows[:, 1] > 0]
+    live = live[np.argsort(live[:, 0], kind="stable")]
+    starts = live[:, 0].tolist()
+    ends = (live[:, 0] + live[:, 1]).tolist()
+    end = ends[-1] if ends else 0
+    if any(a < b for a, b in zip(starts[1:], ends)) or (checksums and (starts[:1] not in ([], [0]) or any(
+            a != b for a, b in zip(starts[1:], ends)))):
+        raise ValueError("the pieces must cover the block once, with no gap and no overlap" if checksums
+                         else "pieces overlap in the block")
+    lo, hi = (int(idx.min()), int(idx.max())) if n else (0, 0)
+    for r, (off, length, s, base, stride) in enumerate(rows.tolist()):
+        if (min(off, length, s, base, stride) < 0 or s >= len(ins)
+                or base + hi * stride + length > ins[s].nbytes):
+            raise ValueError(f"piece {r} does not fit its source")
+    spans = [(ins[s].__array_interface__["data"][0] + base + lo * stride,
+              ins[s].__array_interface__["data"][0] + base + hi * stride + length)
+             for off, length, s, base, stride in live.tolist()]
+    for i, d in enumerate(outs):
+        if d.nbytes < end or (checksums and d.nbytes != end):
+            raise ValueError(f"dsts[{i}] has {d.nbytes} bytes; the pieces {'cover' if checksums else 'reach'} {end}")
+        a = d.__array_interface__["data"][0]
+        if any(a < y and x < a + d.nbytes for x, y in spans):
+            raise ValueError(f"dsts[{i}] overlaps a source")
+    for d, at in zip(outs, idx.tolist()):
+        for off, length, s, base, stride in live.tolist():
+            d[off : off + length] = ins[s][base + at * stride : base + at * stride + length]
+    if not checksums:
+        return None
+    return np.asarray([xxhash.xxh3_64_intdigest(d.data) for d in outs], dtype=np.uint64).reshape(n)
 
 
 # ---------------------------------------------------------------- batches

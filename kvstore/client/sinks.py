@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from kvstore.buffers import as_u8_writable
-from kvstore.checksum import PIECE_FIELDS, run_split, verify_many, verify_scatter_many
+from kvstore.checksum import PIECE_FIELDS, gather_many, run_split, verify_many, verify_scatter_many
 from kvstore.errors import InvalidArgument
 from tiers.base import Buffer
 
@@ -123,6 +123,28 @@ class LayerScatter:
     def sink(self, slots: Sequence[int]) -> "ScatterSink":
         """A sink for a read of ``len(slots)`` blocks: block ``i`` goes to engine block ``slots[i]``."""
         return ScatterSink(self, slots)
+
+    def gather(self, dsts: Sequence[Any], slots: Sequence[int] | np.ndarray, checksums: bool = True,
+               threads: int | None = None) -> np.ndarray | None:
+        """The other way, for saves: engine block ``slots[i]`` gathered from
+        the arrays straight into ``dsts[i]`` (a reserved slot: the whole
+        stored block), with no staging copy
+        (``kvstore.checksum.gather_many``). ``checksums``: the pieces must
+        cover the whole block (TP = 1), and its XXH3-64s are returned, hashed
+        on the way; else only this layout's pieces of each slot are written
+        (one rank's shard) and None is returned. ValueError for overlapping
+        pieces (``staged`` layouts: stage the blocks instead)."""
+        n = len(dsts)
+        ids = np.asarray(slots, dtype=np.int64).reshape(n)
+        out = np.zeros(n, dtype=np.uint64) if checksums else None
+
+        def run(a: int, b: int) -> None:
+            got = gather_many(dsts[a:b], self.pieces, self.dsts, ids[a:b], checksums)
+            if out is not None and got is not None:
+                out[a:b] = got
+
+        run_split(run, n, n * self.block_bytes, threads or self.threads)
+        return out
 
     def take_scratch(self) -> np.ndarray:
         try:

@@ -84,3 +84,54 @@ def test_a_sink_of_another_block_size_reads_nothing(uds_daemon):
         place, layers = _layout()
         assert c.get_into(ns, keys, place.sink([0])) == [KeyStatus.INVALID]
         assert not layers[0].any() and not layers[1].any()
+
+
+def test_blocks_gathered_into_reserved_slots_read_back_through_every_path(uds_daemon):
+    """A save the connector's way: ``reserve``, ``LayerScatter.gather`` of
+    engine blocks straight into the slots (checksums on the way), ``commit``
+    with those checksums. The daemon keeps them (a wrong checksum would make
+    every read a miss), and each read path brings back the engine's bytes."""
+    place, layers = _layout()
+    rng = np.random.default_rng(11)
+    for layer in layers:
+        layer[:] = rng.integers(0, 256, layer.shape, dtype=np.uint8)
+    ns = Namespace(tenant="t", model_id="gather", block_size=16)
+    keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+    ids = [6, 1, 3]
+    with Client(uds_daemon.target) as c:
+        resv = c.reserve(ns, keys, BS)
+        assert resv.statuses == [KeyStatus.OK] * 3
+        sums = place.gather([c.view(o, n) for o, n in zip(resv.offsets, resv.lengths)], ids)
+        assert sums is not None
+        assert c.commit(resv, sums.tolist()) == [KeyStatus.OK] * 3
+    for kw in ({}, {"shared_index": False}, {"use_shm": False}):
+        with Client(uds_daemon.target, **kw) as c:
+            got = c.get(ns, keys)
+            for g, i in zip(got, ids):
+                assert g is not None
+                assert np.array_equal(g[:HALF], layers[0][i]) and np.array_equal(g[HALF:], layers[1][i])
+
+
+def test_shards_gathered_by_two_ranks_make_one_block(uds_daemon):
+    """TP = 2 the connector's way: each rank's layout names only its half of
+    the slot and gathers without checksums; the commit without checksums has
+    the daemon hash the whole slot, and a read returns both halves."""
+    rng = np.random.default_rng(12)
+    ranks = []
+    for r in range(2):
+        arr = rng.integers(0, 256, (8, HALF), dtype=np.uint8)
+        pieces = np.array([(r * HALF, HALF, 0, 0, HALF)], np.int64)
+        ranks.append((LayerScatter(BS, pieces, [arr]), arr))
+    ns = Namespace(tenant="t", model_id="gather-tp", block_size=16)
+    keys = block_keys(ns, np.arange(16 * 2, dtype=np.uint32))
+    ids = [4, 7]
+    with Client(uds_daemon.target) as c:
+        resv = c.reserve(ns, keys, BS)
+        slots = [c.view(o, n) for o, n in zip(resv.offsets, resv.lengths)]
+        for lay, _ in ranks:
+            assert lay.gather(slots, ids, checksums=False) is None
+        assert c.commit(resv) == [KeyStatus.OK] * 2
+        got = c.get(ns, keys)
+    for g, i in zip(got, ids):
+        assert g is not None
+        assert np.array_equal(g[:HALF], ranks[0][1][i]) and np.array_equal(g[HALF:], ranks[1][1][i])

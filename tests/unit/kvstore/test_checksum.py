@@ -340,3 +340,104 @@ def test_direct_scatter_refuses_overlapping_pieces(impl: str) -> None:
     else:  # the fallback always stages: overlapping pieces are fine there
         assert cks.verify_scatter_many([src], [cks.checksum(src)], None, pieces, (a, b), [0]).all()
         assert np.array_equal(b[:2048], src[1024:3072])
+
+
+# ------------------------------------------------------------ gather_many
+def _gather_case(n: int, seed: int) -> tuple[np.ndarray, tuple[np.ndarray, ...], list[int]]:
+    """Pieces that tile a block of ``n`` bytes from two arrays, out of order,
+    straddling the 1 KiB hashing chunks (the last one runs to the end)."""
+    q = n // 4
+    rows = [(q + 7, 2 * q - 7, 1, 5, 2 * q), (0, q + 7, 0, 0, q + 7), (3 * q, n - 3 * q, 0, 8 * (q + 7), n)]
+    rng = np.random.default_rng(seed)
+    srcs = (rng.integers(0, 256, size=8 * (q + 7) + 8 * n, dtype=np.uint8),
+            rng.integers(0, 256, size=5 + 8 * 2 * q, dtype=np.uint8))
+    return _pieces(*rows), srcs, [3, 0, 7, 2]
+
+
+def _gathered(pieces: np.ndarray, srcs: tuple[np.ndarray, ...], index: int, n: int) -> np.ndarray:
+    want = np.zeros(n, np.uint8)
+    for off, ln, s, base, stride in pieces.tolist():
+        want[off : off + ln] = srcs[s][base + index * stride : base + index * stride + ln]
+    return want
+
+
+@pytest.mark.parametrize("n", [100, 241, 1024, 1025, 4096 + 3, 65536 + 7, (1 << 20) + 63])
+def test_gather_many_fills_each_slot_and_returns_its_checksum(n: int, impl: str) -> None:
+    """Each block is gathered from its pieces into its slot, and the checksum
+    returned is XXH3-64 of exactly those bytes (so a block saved this way
+    verifies on every read path)."""
+    pieces, srcs, idx = _gather_case(n, n)
+    dsts = [np.full(n, 0xAB, np.uint8) for _ in idx]
+    sums = cks.gather_many(dsts, pieces, srcs, idx)
+    assert sums is not None and sums.dtype == np.uint64 and sums.shape == (4,)
+    for d, i, s in zip(dsts, idx, sums.tolist()):
+        want = _gathered(pieces, srcs, i, n)
+        assert np.array_equal(d, want)
+        assert s == xxhash.xxh3_64_intdigest(want.tobytes())
+
+
+def test_gather_many_without_checksums_writes_only_the_pieces(impl: str) -> None:
+    """``checksums=False`` (one TP rank's shard): the pieces' bytes land in
+    each slot, every other byte (another rank's) is left as it was."""
+    n = 8192
+    pieces = _pieces((4096, 2048, 0, 0, 2048), (6144, 2048, 1, 0, 2048))
+    rng = np.random.default_rng(2)
+    srcs = (rng.integers(0, 256, size=4 * 2048, dtype=np.uint8), rng.integers(0, 256, size=4 * 2048, dtype=np.uint8))
+    dsts = [np.full(n, 7, np.uint8) for _ in range(2)]
+    assert cks.gather_many(dsts, pieces, srcs, [3, 1], checksums=False) is None
+    for d, i in zip(dsts, (3, 1)):
+        assert (d[:4096] == 7).all()
+        assert np.array_equal(d[4096:6144], srcs[0][i * 2048 : (i + 1) * 2048])
+        assert np.array_equal(d[6144:], srcs[1][i * 2048 : (i + 1) * 2048])
+
+
+@pytest.mark.parametrize("rows,slot,index,checksums", [
+    ([(0, 100, 0, 0, 100), (150, 106, 0, 0, 0)], 256, 0, True),   # a gap: those slot bytes would be stale
+    ([(0, 200, 0, 0, 200), (100, 156, 0, 0, 0)], 256, 0, True),   # overlapping pieces
+    ([(0, 200, 0, 0, 200), (100, 156, 0, 0, 0)], 256, 0, False),  # ... with or without checksums
+    ([(0, 256, 0, 0, 256)], 255, 0, False),                        # a slot too short
+    ([(0, 128, 0, 0, 128)], 256, 0, True),                         # a slot longer than the block
+    ([(0, 256, 1, 0, 256)], 256, 0, True),                         # no such source
+    ([(0, 256, 0, 0, 256)], 256, 4, True),                         # engine block 4 of a 4-block source
+    ([(0, 256, 0, 0, 1 << 62)], 256, 3, True),                     # stride * index would overflow
+    ([(-1, 257, 0, 0, 256)], 256, 0, True),                        # negative offset
+])
+def test_gather_many_refuses_before_writing_anything(rows: list[tuple[int, ...]], slot: int, index: int,
+                                                     checksums: bool, impl: str) -> None:
+    src = np.random.default_rng(9).integers(1, 256, size=4 * 256, dtype=np.uint8)
+    good, bad = np.zeros(256, np.uint8), np.zeros(slot, np.uint8)
+    with pytest.raises(ValueError):
+        cks.gather_many([good, bad], _pieces(*rows), (src,), [0, index], checksums)
+    assert not good.any() and not bad.any()
+    with pytest.raises(ValueError):
+        cks.gather_many([good], _pieces((0, 256, 0, 0, 256)), (src,), [-1])
+
+
+def test_gather_many_refuses_a_slot_that_overlaps_a_source(impl: str) -> None:
+    buf = np.random.default_rng(4).integers(0, 256, size=4 * 512, dtype=np.uint8)
+    before = buf.copy()
+    with pytest.raises(ValueError, match="overlap"):
+        cks.gather_many([buf[1024:1536]], _pieces((0, 512, 0, 0, 512)), (buf,), [2])
+    assert np.array_equal(buf, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_scatter_gather_is_the_inverse_of_its_scatter(threads: int, impl: str) -> None:
+    """A block gathered by ``LayerScatter.gather`` (a save) and scattered
+    back by the same layout (a load) puts the engine's bytes back, and its
+    checksum is the one the load verifies."""
+    from kvstore.client.sinks import LayerScatter
+
+    layer, blocks, nl = 4096 + 32, 6, 3
+    rng = np.random.default_rng(threads)
+    arrays = [rng.integers(0, 256, size=blocks * layer, dtype=np.uint8) for _ in range(nl)]
+    pieces = _pieces(*[(i * layer, layer, i, 0, layer) for i in range(nl)])
+    lay = LayerScatter(nl * layer, pieces, arrays, threads=threads)
+    ids = [5, 0, 2, 3, 1, 4] * 40  # 240 blocks: past the two-thread split
+    slots = [np.zeros(nl * layer, np.uint8) for _ in ids]
+    sums = lay.gather(slots, ids, threads=threads)
+    assert sums is not None
+    back = [np.zeros_like(a) for a in arrays]
+    ok = cks.verify_scatter_many(slots[:blocks], sums[:blocks].tolist(), None, pieces, tuple(back), ids[:blocks])
+    assert ok.all()
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, back))
