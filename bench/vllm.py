@@ -141,16 +141,19 @@ def report(rep: Report, tp: int, reps: int, tokens: int, got: dict) -> None:
             rep.figure(f"connector_save_shards_ms{sfx}{rs}",
                        ms([r["ms"] for r in recs if r["event"] == "save_shards" and r["rank"] == rank]), "ms")
     rep.figure(f"connector_save_ms{sfx}", ms([r["ms"] for r in recs if r["event"] == "save" and "ms" in r]), "ms")
-    # TP = 1 saves (rank 0's save_step records): Reserve, the copy of whole
-    # blocks into the slots (gathered from the KV tensors and hashed on the
-    # way, or staged first), Commit; the copy's rate against a memcpy of the
-    # same bytes. Into a sparse slab the copy also pays the host's page
-    # allocation for every new page (--populate: a slab backed at start)
+    # TP = 1 saves (rank 0's save_step records): Reserve (sent before the
+    # forward: reading its answer), the copy of whole blocks into the slots
+    # (gathered from the KV tensors and hashed on the way, or staged first),
+    # Commit; the copy's rate against a memcpy of the same bytes. Into a
+    # sparse slab the copy also pays the host's page allocation for every
+    # new page (--populate: a slab backed at start)
     saves = [r for r in recs if r["event"] == "save_step" and r["blocks"] > 0]
     if saves:
         for ph in ("reserve", "copy", "commit"):
             rep.figure(f"connector_save_{ph}_ms{sfx}", ms([r[f"{ph}_ms"] for r in saves]), "ms")
         rep.figure(f"connector_save_gathered{sfx}", sum(bool(r["gathered"]) for r in saves) / len(saves), "fraction")
+        rep.figure(f"connector_save_reserved_ahead{sfx}",
+                   sum(bool(r.get("reserved_ahead")) for r in saves) / len(saves), "fraction")
         nb = int(statistics.median(r["bytes"] for r in saves))
         rate = statistics.median(r["bytes"] / (r["copy_ms"] / 1000) for r in saves if r["copy_ms"] > 0) / 1e9
         rep.figure(f"connector_save_copy_GBps{sfx}", rate, "GB/s")

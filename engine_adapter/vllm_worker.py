@@ -60,7 +60,7 @@ from engine_adapter.vllm_common import (
     split_keys,
 )
 from kvstore.checksum import copy_many
-from kvstore.client import Client, Reservation
+from kvstore.client import Client, PendingReservation, Reservation
 from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
@@ -135,6 +135,8 @@ class WorkerSide:
         """Requests with a block that failed to load in this step: their saves of this step are not stored."""
         self.stored: dict[str, list[tuple[int, int]]] = {}
         self.sent: set[str] = set()
+        self.ahead: tuple[list[BlockMove], Client, list[PendingReservation | None]] | None = None
+        """This step's save reservations, sent before the forward: (its saves, client, one per save)."""
 
     @property
     def rank(self) -> int:
@@ -198,6 +200,62 @@ class WorkerSide:
 
     # ------------------------------------------------------------ loads
     def start_load_kv(self, meta: Any) -> None:
+        try:
+            self.load_all(meta)
+        finally:  # the loads are done (or failed): this step's saves can reserve now
+            self.reserve_ahead(meta)
+
+    def reserve_ahead(self, meta: Any) -> None:
+        """Send this step's save reservations without waiting (rank 0 at
+        TP > 1), so the daemon reserves while vLLM computes the forward;
+        ``wait_for_save`` reads the answers (``Client.reserve_later``). At
+        TP = 1 a request whose load failed in this step reserves nothing: it
+        is not stored in this step (at TP > 1 the ranks' codes decide)."""
+        self.drop_ahead()
+        if (self.rank != 0 or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves or not self.layers
+                or self.ident.ns is None):
+            return
+        c = self.link.client()
+        if c is None or c.slab is None:
+            return
+        base = self.ident.ns
+        pending: list[PendingReservation | None] = []
+        for m in meta.saves:
+            if self.tp == 1 and m.req_id in self.load_failed:
+                pending.append(None)
+                continue
+            try:
+                pending.append(c.reserve_later(request_ns(base, m.adapter, m.salt), split_keys(m.keys),
+                                               self.block_bytes, parent=m.parent or None))
+            except FAULT_TYPES as e:
+                self.link.fault("save", e)  # closes the client: the daemon reclaims what it reserved
+                return
+        self.ahead = (meta.saves, c, pending)
+
+    def take_ahead(self, saves: list[BlockMove], c: Client) -> list[PendingReservation | None] | None:
+        """The reservations ``reserve_ahead`` sent for these saves, one per
+        save (None: its load failed), or None (reserve now)."""
+        if self.ahead is not None and self.ahead[0] is saves and self.ahead[1] is c:
+            pending, self.ahead = self.ahead[2], None
+            return pending
+        self.drop_ahead()
+        return None
+
+    def drop_ahead(self) -> None:
+        """Abort reservations sent ahead for a step whose saves never ran."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        _, c, pending = ahead
+        for p in pending:
+            try:
+                if p is not None and p.result().reservation_id:
+                    c.abort(p.result())
+            except FAULT_TYPES as e:
+                self.link.fault("save", e)
+                return
+
+    def load_all(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
             return
         base = self.ident.ns
@@ -360,11 +418,19 @@ class WorkerSide:
             self.save_inline(c, base, [m for m in meta.saves if m.req_id not in self.load_failed])
             return
         t0 = time.perf_counter()
+        pending = self.take_ahead(meta.saves, c)
+        ahead = pending is not None
         plans = []  # (move, reservation, indexes of OK keys)
-        for m in meta.saves:
-            ns = request_ns(base, m.adapter, m.salt)
+        for i, m in enumerate(meta.saves):
             try:
-                resv = c.reserve(ns, split_keys(m.keys), self.block_bytes, parent=m.parent or None)
+                if pending is not None:  # sent before the forward (reserve_ahead)
+                    p = pending[i]
+                    if p is None:  # its load failed: nothing reserved, nothing stored
+                        continue
+                    resv = p.result()
+                else:
+                    resv = c.reserve(request_ns(base, m.adapter, m.salt), split_keys(m.keys), self.block_bytes,
+                                     parent=m.parent or None)
             except FAULT_TYPES as e:
                 self.link.fault("save", e)
                 return
@@ -404,7 +470,8 @@ class WorkerSide:
         if self.link.stats_path:
             t3 = time.perf_counter()
             self.link.record(event="save_step", rank=0, reqs=len(plans), blocks=n, bytes=n * self.block_bytes,
-                             gathered=gathered, ms=round((t3 - t0) * 1000, 3), reserve_ms=round((t1 - t0) * 1000, 3),
+                             gathered=gathered, reserved_ahead=ahead, ms=round((t3 - t0) * 1000, 3),
+                             reserve_ms=round((t1 - t0) * 1000, 3),
                              copy_ms=round((t2 - t1) * 1000, 3), commit_ms=round((t3 - t2) * 1000, 3))
 
     def finish(self, c: Client, m: BlockMove, resv: Reservation, good: bool, csums: list[int] | None,
@@ -442,6 +509,7 @@ class WorkerSide:
         resvs: list[Reservation | None] = [None] * len(saves)
         plan = Plan.empty(n)
         c = self.link.client() if base is not None and self.layers else None
+        ahead = group.rank == 0 and self.ahead is not None and self.ahead[0] is saves
         if group.rank == 0 and c is not None and base is not None:
             plan = self.reserve_all(c, base, saves, resvs)
         try:
@@ -460,7 +528,7 @@ class WorkerSide:
             if group.rank == 0 and c is not None:  # a rank died mid-save: nothing becomes visible
                 self.abort_all(c, resvs)
             raise
-        self.link.record(event="save_shards", rank=group.rank, blocks=int(plan.count),
+        self.link.record(event="save_shards", rank=group.rank, blocks=int(plan.count), reserved_ahead=ahead,
                          ms=round((time.perf_counter() - t0) * 1000, 3))
         if group.rank == 0 and c is not None:
             for m, resv, code in zip(saves, resvs, codes.tolist()):
@@ -475,11 +543,14 @@ class WorkerSide:
             self.link.fault("save", "TP > 1 stores through the daemon's shared-memory slab (same host) only")
             return Plan.empty(n)
         offsets, write = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        pending = self.take_ahead(saves, c)
         j = 0
         for i, m in enumerate(saves):
             try:
-                resv = c.reserve(request_ns(base, m.adapter, m.salt), split_keys(m.keys), self.block_bytes,
-                                 parent=m.parent or None)
+                p = pending[i] if pending is not None else None
+                resv = p.result() if p is not None else \
+                    c.reserve(request_ns(base, m.adapter, m.salt), split_keys(m.keys), self.block_bytes,
+                              parent=m.parent or None)
             except FAULT_TYPES as e:
                 self.link.fault("save", e)  # closes the client: the daemon reclaims earlier reservations
                 return Plan.empty(n)

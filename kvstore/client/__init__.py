@@ -2,7 +2,7 @@
 typed results (``kvstore.results``)."""
 
 from kvstore.client.aio import AsyncClient
-from kvstore.client.sync import Client, Lease, Reservation
+from kvstore.client.sync import Client, Lease, PendingReservation, Reservation
 from kvstore.wire.convert import ns_pb
 
-__all__ = ["AsyncClient", "Client", "Lease", "Reservation", "ns_pb"]
+__all__ = ["AsyncClient", "Client", "Lease", "PendingReservation", "Reservation", "ns_pb"]

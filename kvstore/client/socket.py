@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 
-from kvstore.errors import KeyStatus, KVStoreError, NotFound
+from kvstore.errors import KeyStatus, KVStoreError, NotFound, Unavailable
 from kvstore.wire import frames
 from kvstore.wire.status import code_from_value, error_for
 
@@ -49,6 +49,10 @@ class LookupSocketClient:
         """Frames sent without waiting so far: the n-th one's answer is unread while ``settled < n``."""
         self.settled = 0
         """Answers of frames sent without waiting that have been read."""
+        self.keep: set[int] = set()
+        """Numbers of frames sent with ``send_kept`` whose answers are unread."""
+        self.kept: dict[int, bytes | KVStoreError] = {}
+        """Their answers once read (the response, or the daemon's error), until ``answer`` takes them."""
         try:
             self.sock.connect(path)
             self.sock.sendall(frames.hello_frame(session, token))
@@ -92,11 +96,20 @@ class LookupSocketClient:
         while self.owed:
             name = self.owed.pop(0)
             self.settled += 1
+            seq = self.settled
             try:
                 body = self._answer()
             except KVStoreError as e:
+                if seq in self.keep:  # the caller reads this error from ``answer``
+                    self.keep.discard(seq)
+                    self.kept[seq] = e
+                    continue
                 self.late_errors += 1
                 log.warning("%s sent without waiting failed: %s", name, e)
+                continue
+            if seq in self.keep:
+                self.keep.discard(seq)
+                self.kept[seq] = bytes(body[1:])
                 continue
             if name == "Put":
                 bad = len(body) - 1 - body.count(KeyStatus.OK, 1) - body.count(KeyStatus.EXISTS, 1)
@@ -182,6 +195,33 @@ class LookupSocketClient:
             self.owed.append(name)
             self.sent += 1
             return self.sent
+
+    def send_kept(self, name: str, request: bytes) -> int:
+        """``send``, but its answer is kept for ``answer`` (the caller works
+        meanwhile: the daemon answers while it does). Returns its number."""
+        msg = frames.call_frame(name, request)
+        with self.lock:
+            if len(self.owed) >= MAX_OWED:
+                self._settle()
+            self.sock.sendall(msg)
+            self.owed.append(name)
+            self.sent += 1
+            self.keep.add(self.sent)
+            return self.sent
+
+    def answer(self, seq: int) -> bytes:
+        """The serialized response to the ``seq``-th frame, sent with
+        ``send_kept`` (the answers owed before it are read first); its
+        error if the daemon refused it. Each answer is taken once."""
+        with self.lock:
+            if seq > self.settled:
+                self._settle()
+            got = self.kept.pop(seq, None)
+        if got is None:
+            raise Unavailable(f"no answer kept for frame {seq} on the same-host socket")
+        if isinstance(got, KVStoreError):
+            raise got
+        return got
 
     def in_flight(self, seq: int) -> bool:
         """Whether the answer of the ``seq``-th frame sent without waiting is still unread."""

@@ -50,7 +50,7 @@ from tiers.base import Buffer, TierKind
 
 log = logging.getLogger("kvstore.client")
 
-__all__ = ["DEFAULT_TARGET", "Client", "Lease", "Reservation", "error_from_rpc"]
+__all__ = ["DEFAULT_TARGET", "Client", "Lease", "PendingReservation", "Reservation", "error_from_rpc"]
 
 
 class Client(ClientBase):
@@ -508,7 +508,44 @@ class Client(ClientBase):
         HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
         req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
                                 block_bytes=block_bytes, tier=tier_field(tier))
-        r = self._unary("Reserve", req)
+        return self._reservation(self._unary("Reserve", req))
+
+    def reserve_later(self, ns: Namespace, keys: Sequence[bytes], block_bytes: int,
+                      parent: bytes | None = None) -> "PendingReservation":
+        """``reserve``, answered later: over the same-host socket (with
+        ``pipeline``) the request goes out now without waiting, the daemon
+        reserves while the caller works, and ``result()`` reads the answer
+        (an engine sends its step's save reservations before the forward
+        and writes the slots after it). Otherwise the plain ``reserve``,
+        done now. Reserved slots nobody commits are reclaimed as any
+        reservation is (Abort, the session's end, or expiry)."""
+        req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
+                                block_bytes=block_bytes)
+        fast = self._fast
+        if fast is not None and self.pipeline:
+            body = req.SerializeToString()
+            if fits_frame(len(body)):
+                try:
+                    return PendingReservation(self, fast.send_kept("Reserve", body), None)
+                except OSError as e:
+                    raise self._socket_failed("Reserve", e) from None
+        return PendingReservation(self, 0, self._reservation(self._unary("Reserve", req)))
+
+    def _reserved(self, seq: int) -> "Reservation":
+        """The answer to ``reserve_later``'s frame ``seq`` (PendingReservation.result)."""
+        fast = self._fast
+        if fast is None:  # the socket broke since: its session's reservations are the daemon's to reclaim
+            raise Unavailable("the same-host socket closed before the reservation was answered")
+        try:
+            data = fast.answer(seq)
+        except KVStoreError:
+            raise
+        except OSError as e:
+            raise self._socket_failed("Reserve", e) from None
+        return self._reservation(pb.ReserveResponse.FromString(data))
+
+    @staticmethod
+    def _reservation(r: Any) -> "Reservation":
         sa = r.slots
         return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length),
                            [TierKind(t - 1) if t else None for t in sa.tier], int(sa.device))
@@ -598,3 +635,21 @@ class Client(ClientBase):
     def admin_set_policy(self, name: str) -> PolicyChange:
         r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
         return policy_from_pb(r)
+
+
+class PendingReservation:
+    """A ``Client.reserve_later`` whose answer may not be read yet."""
+
+    __slots__ = ("_client", "_seq", "_done")
+
+    def __init__(self, client: Client, seq: int, done: Reservation | None) -> None:
+        self._client = client
+        self._seq = seq
+        self._done = done
+
+    def result(self) -> Reservation:
+        """The reservation (read from the socket at the first call); raises
+        what ``reserve`` would have."""
+        if self._done is None:
+            self._done = self._client._reserved(self._seq)
+        return self._done

@@ -524,3 +524,53 @@ def test_reads_frames_only_for_namespaces_the_session_was_told(uds_daemon):
         finally:
             raw.close()
         assert uds_daemon.store.counters.gets - gets0 == 1
+
+
+# ---------------------------------------------- Reserve answered later
+def test_reserve_later_answers_like_reserve_while_other_calls_run(uds_daemon):
+    """``reserve_later`` sends its Reserve without waiting; a lookup and a put
+    in between read their own answers, the reservation's answer is kept in
+    order for ``result()``, and its slots commit like ``reserve``'s."""
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+        pending = c.reserve_later(ns, keys, BS)
+        assert c._fast.owed == ["Reserve"]
+        other = block_keys(_ns("t"), np.arange(16 * 2, dtype=np.uint32) + 7)
+        assert c.lookup(ns, keys).hit_blocks == 0  # answered in order, after the Reserve's answer is kept
+        assert c.put(ns, other, [np.zeros(BS, np.uint8)] * 2) == [KeyStatus.OK] * 2
+        resv = pending.result()
+        assert pending.result() is resv  # read once
+        assert resv.statuses == [KeyStatus.OK] * 3 and resv.reservation_id
+        for i, (o, n) in enumerate(zip(resv.offsets, resv.lengths)):
+            c.view(o, n)[:] = i + 1
+        assert c.commit(resv) == [KeyStatus.OK] * 3
+        got = c.get(ns, keys)
+        assert [int(g[0]) for g in got] == [1, 2, 3]
+        assert c._fast.kept == {} and c._fast.keep == set() and c._fast.late_errors == 0
+
+
+def test_reserve_later_raises_the_daemons_error_from_result(uds_daemon):
+    """A Reserve the daemon refuses raises from ``result()`` (not at a later
+    call, and not counted as a late error); a parent that is not stored is a
+    status, as with ``reserve``."""
+    with Client(uds_daemon.target) as c:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 2, dtype=np.uint32))
+        bad = c.reserve_later(ns, keys, 0)  # block_bytes 0: InvalidArgument
+        orphan = c.reserve_later(ns, keys[1:], BS, parent=keys[0])
+        assert c.lookup(ns, keys).hit_blocks == 0
+        with pytest.raises(InvalidArgument):
+            bad.result()
+        assert orphan.result().statuses == [KeyStatus.PARENT_MISSING]
+        assert c._fast.late_errors == 0
+
+
+def test_reserve_later_without_the_socket_is_a_plain_reserve(uds_daemon):
+    with Client(uds_daemon.target, pipeline=False) as c:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 2, dtype=np.uint32))
+        pending = c.reserve_later(ns, keys, BS)
+        assert c._fast.owed == []  # already answered
+        resv = pending.result()
+        assert c.commit(resv) == [KeyStatus.OK] * 2

@@ -150,6 +150,13 @@ def test_cold_run_saves_the_prompt_blocks(runs) -> None:
     # default on GPU; the CPU platform turns it off) that token's id is
     # unknown when the step is planned, so the block goes as the finished
     # request's tail save (blocks kept until done); without it, in that step
+    # each save step sent its Reserves before the forward and read the
+    # answers after it, and gathered the blocks from the KV tensors straight
+    # into the slots (the CPU layout is one the scatter layout knows); the
+    # blocks a fresh process loads from them give the same tokens (below)
+    steps = _events(runs["a_stats"], "save_step")
+    assert steps and all(s["reserved_ahead"] and s["gathered"] for s in steps)
+    assert sum(s["blocks"] for s in steps) == 10
     tails = _events(runs["a_stats"], "tail")
     if _events(runs["a_stats"], "init")[0]["async_scheduling"]:
         assert [(t["first"], t["blocks"]) for t in tails] == [(2, 1)]

@@ -164,6 +164,8 @@ def test_tp2_saves_one_slot_per_block_with_both_shards(runs) -> None:
     assert sum(s["stored_blocks"] for s in saves) == len(P) // BLOCK == 7
     shards = _events(runs["a_stats"], "save_shards")
     assert {s["rank"] for s in shards} == {0, 1} and {s["blocks"] for s in shards} == {7}
+    # rank 0 sent the Reserve before the forward (reserve_ahead) and read its answer after
+    assert all(s["reserved_ahead"] for s in shards if s["rank"] == 0)
 
 
 def test_fresh_tp2_process_loads_every_shard_and_generates_the_same_tokens(runs) -> None:
