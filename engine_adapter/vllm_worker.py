@@ -487,7 +487,7 @@ class WorkerSide:
                                  stored_blocks=0, existing_blocks=0, aborted=True,
                                  ms=round((time.perf_counter() - t0) * 1000, 3))
                 return
-            done = c.commit(resv, csums)
+            done = c.commit(resv, csums, wait=False)  # runs before this worker's next call
         except FAULT_TYPES as e:
             self.link.fault("save", e)
             return

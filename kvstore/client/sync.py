@@ -550,12 +550,21 @@ class Client(ClientBase):
         return Reservation(r.reservation_id, [KeyStatus(x) for x in sa.status], list(sa.offset), list(sa.length),
                            [TierKind(t - 1) if t else None for t in sa.tier], int(sa.device))
 
-    def commit(self, reservation: "Reservation", checksums: Sequence[int] | None = None) -> list[KeyStatus]:
+    def commit(self, reservation: "Reservation", checksums: Sequence[int] | None = None,
+               wait: bool = True) -> list[KeyStatus]:
         """Make reserved blocks visible. Without ``checksums`` the daemon
-        computes them from the slab."""
-        c = self._unary("Commit", pb.CommitRequest(reservation_id=reservation.reservation_id,
-                                                          checksums=list(checksums or [])))
-        return self._merge_commit(reservation.statuses, c)
+        computes them from the slab. ``wait=False``: over the same-host
+        socket (``pipeline``) the ``Commit`` is sent without waiting, as
+        ``put`` sends its own: it runs before this client's next call, and
+        the statuses returned are the reservation's (a commit that fails
+        later, e.g. because its session ended, is logged and counted in
+        ``LookupSocketClient.late_errors``); else it waits."""
+        req = pb.CommitRequest(reservation_id=reservation.reservation_id, checksums=list(checksums or []))
+        fast = self._fast
+        if not wait and fast is not None and self.pipeline and fits_frame(req.ByteSize()):
+            self._send("Commit", req)  # (over the socket: conditions checked above)
+            return list(reservation.statuses)
+        return self._merge_commit(reservation.statuses, self._unary("Commit", req))
 
     def release_lease(self, lease_id: str, wait: bool = True) -> None:
         """Unpin a lease's blocks (``Lease.release`` calls this). ``wait=False``:

@@ -574,3 +574,29 @@ def test_reserve_later_without_the_socket_is_a_plain_reserve(uds_daemon):
         assert c._fast.owed == []  # already answered
         resv = pending.result()
         assert c.commit(resv) == [KeyStatus.OK] * 2
+
+
+def test_commit_without_waiting_runs_before_the_next_call(uds_daemon):
+    """``commit(wait=False)`` sends the Commit without waiting and answers the
+    reservation's statuses; the blocks are stored before the client's next
+    call runs. A pipelined commit the daemon refuses (its reservation was
+    aborted meanwhile) is counted, never raised, and stores nothing."""
+    with Client(uds_daemon.target) as c, Client(uds_daemon.target) as other:
+        ns = _ns()
+        keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+        first = c.reserve(ns, keys[:1], BS)
+        assert c.commit(first, wait=False) == [KeyStatus.OK]
+        resv = c.reserve(ns, keys, BS)  # the Commit ran before this Reserve: block 0 exists
+        assert resv.statuses == [KeyStatus.EXISTS, KeyStatus.OK, KeyStatus.OK]
+        assert c.commit(resv, wait=False) == [KeyStatus.EXISTS, KeyStatus.OK, KeyStatus.OK]
+        assert c._fast.owed == ["Commit"]
+        c.flush()
+        assert other.lookup(ns, keys).hit_blocks == 3
+        gone = c.reserve(ns, block_keys(ns, np.arange(16 * 4, dtype=np.uint32) + 3)[3:], BS, parent=keys[2])
+        with pytest.raises(PermissionDenied):  # (another session's reservation)
+            other.abort(gone)
+        c.abort(gone)
+        assert c.commit(gone, wait=False) == [KeyStatus.OK]
+        c.flush()
+        assert c._fast.late_errors == 1
+        assert uds_daemon.call(lambda: uds_daemon.store.stats().reservations) == 0
