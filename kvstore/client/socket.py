@@ -161,17 +161,19 @@ class LookupSocketClient:
             self.owed += [name] * len(msgs)
             self.sent += len(msgs)
 
-    def send_frame(self, name: str, msg: bytes) -> int:
+    def send_frame(self, name: str, msg: bytes, keep: bool = False) -> int:
         """A whole frame sent without waiting (its answer is read like a
-        ``send``'s). With many answers owed, those are read first (they
-        were sent long ago: the socket's buffers stay small). Returns its
-        number (see ``sent``)."""
+        ``send``'s; ``keep``: and kept for ``answer``). With many answers
+        owed, those are read first (they were sent long ago: the socket's
+        buffers stay small). Returns its number (see ``sent``)."""
         with self.lock:
             if len(self.owed) >= MAX_OWED:
                 self._settle()
             self.sock.sendall(msg)
             self.owed.append(name)
             self.sent += 1
+            if keep:  # (under the lock: no other thread's call can read the answer first)
+                self.keep.add(self.sent)
             return self.sent
 
     def call(self, name: str, request: bytes) -> bytes:
@@ -199,15 +201,7 @@ class LookupSocketClient:
     def send_kept(self, name: str, request: bytes) -> int:
         """``send``, but its answer is kept for ``answer`` (the caller works
         meanwhile: the daemon answers while it does). Returns its number."""
-        msg = frames.call_frame(name, request)
-        with self.lock:
-            if len(self.owed) >= MAX_OWED:
-                self._settle()
-            self.sock.sendall(msg)
-            self.owed.append(name)
-            self.sent += 1
-            self.keep.add(self.sent)
-            return self.sent
+        return self.send_frame(name, frames.call_frame(name, request), keep=True)
 
     def answer(self, seq: int) -> bytes:
         """The serialized response to the ``seq``-th frame, sent with
