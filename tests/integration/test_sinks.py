@@ -104,11 +104,12 @@ def test_blocks_gathered_into_reserved_slots_read_back_through_every_path(uds_da
         sums = place.gather([c.view(o, n) for o, n in zip(resv.offsets, resv.lengths)], ids)
         assert sums is not None
         assert c.commit(resv, sums.tolist()) == [KeyStatus.OK] * 3
-    for kw in ({}, {"shared_index": False}, {"use_shm": False}):
+    for kw in ({}, {"shared_index": False}, {"use_shm": False}):  # shared index, lease, inline bytes
         with Client(uds_daemon.target, **kw) as c:
-            got = c.get(ns, keys)
-            for g, i in zip(got, ids):
-                assert g is not None
+            outs = [np.zeros(BS, np.uint8) for _ in keys]
+            assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3
+            assert c.shared_reads == (1 if not kw else 0)
+            for g, i in zip(outs, ids):
                 assert np.array_equal(g[:HALF], layers[0][i]) and np.array_equal(g[HALF:], layers[1][i])
 
 
