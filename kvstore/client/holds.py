@@ -1,10 +1,12 @@
 """What the two-phase zero-copy calls of ``kvstore.client.sync.Client``
-hand back: a ``Reservation`` (``reserve`` -> write the slots -> ``commit``)
-and a ``Lease`` (``acquire`` -> read the slots -> ``release``)."""
+hand back: a ``Reservation`` (``reserve`` -> write the slots -> ``commit``;
+``reserve_later`` gives a ``PendingReservation`` first) and a ``Lease``
+(``acquire`` -> read the slots -> ``release``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -12,7 +14,7 @@ import numpy as np
 from kvstore.errors import KeyStatus
 from tiers.base import TierKind
 
-__all__ = ["Lease", "LeaseOwner", "Reservation"]
+__all__ = ["Lease", "LeaseOwner", "PendingReservation", "Reservation"]
 
 
 class LeaseOwner(Protocol):
@@ -34,6 +36,25 @@ class Reservation:
     """Tier of each slot (HBM: write through Client.hbm_view)."""
     device: int = 0
     """CUDA device of the HBM slots."""
+
+
+class PendingReservation:
+    """A ``Client.reserve_later`` whose answer may not be read yet."""
+
+    __slots__ = ("_answer", "_done")
+
+    def __init__(self, answer: Callable[[], Reservation] | None, done: Reservation | None = None) -> None:
+        self._answer = answer
+        self._done = done
+
+    def result(self) -> Reservation:
+        """The reservation (its answer read at the first call); raises what
+        ``reserve`` would have."""
+        if self._done is None:
+            if self._answer is None:
+                raise ValueError("a PendingReservation needs an answer or a reservation")
+            self._done, self._answer = self._answer(), None
+        return self._done
 
 
 class Lease:

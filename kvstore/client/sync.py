@@ -21,24 +21,24 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Iterator, Sequence
 
 import grpc
 import numpy as np
 
 from kvstore.buffers import as_u8, pack_keys
 from kvstore.checksum import verify_many
-from kvstore.client.base import DEFAULT_TARGET, ClientBase, tier_field
-from kvstore.client.holds import Lease, Reservation
+from kvstore.client.base import DEFAULT_TARGET, tier_field
+from kvstore.client.control import ControlCalls
+from kvstore.client.holds import Lease, PendingReservation, Reservation
 from kvstore.client.shared import OwnWrites, SharedPath
 from kvstore.client.sinks import BlockSink, as_sink, is_sink
 from kvstore.client.socket import LookupSocketClient, settle_quietly
 from kvstore.client.staging import WriteBehind
 from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
-from kvstore.results import ClusterLookup, DaemonStats, Event, LookupResult, PolicyChange, ResizeResult
-from kvstore.wire.answers import (cluster_lookup_from_pb, event_from_pb, lookup_from_pb, lookup_from_values,
-                                  policy_from_pb, resize_from_pb, stats_from_pb)
+from kvstore.results import LookupResult
+from kvstore.wire.answers import (lookup_from_pb, lookup_from_values)
 from kvstore.wire.convert import ns_pb
 from kvstore.wire.frames import fits_frame
 from kvstore.wire.shared_index import SharedIndexReader
@@ -53,7 +53,7 @@ log = logging.getLogger("kvstore.client")
 __all__ = ["DEFAULT_TARGET", "Client", "Lease", "PendingReservation", "Reservation", "error_from_rpc"]
 
 
-class Client(ClientBase):
+class Client(ControlCalls):
     """Synchronous client. Use as a context manager or call ``close()``."""
 
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
@@ -308,17 +308,6 @@ class Client(ClientBase):
             except OSError as e:
                 self._socket_failed("Tally/Reads", e)
 
-    def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
-        """Lookup in cluster mode (docs/cluster.md): where each block is and
-        whether to fetch or recompute what peers hold."""
-        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), cluster=True,
-                                                          to_hbm=to_hbm))
-        return cluster_lookup_from_pb(r)
-
-    def stats(self, include_namespaces: bool = True) -> DaemonStats:
-        r = self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))
-        return stats_from_pb(r)
-
     # --------------------------------------------------------------- put
     def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
             parent: bytes | None = None) -> list[KeyStatus]:
@@ -511,7 +500,7 @@ class Client(ClientBase):
         return self._reservation(self._unary("Reserve", req))
 
     def reserve_later(self, ns: Namespace, keys: Sequence[bytes], block_bytes: int,
-                      parent: bytes | None = None) -> "PendingReservation":
+                      parent: bytes | None = None) -> PendingReservation:
         """``reserve``, answered later: over the same-host socket (with
         ``pipeline``) the request goes out now without waiting, the daemon
         reserves while the caller works, and ``result()`` reads the answer
@@ -522,27 +511,25 @@ class Client(ClientBase):
         req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
                                 block_bytes=block_bytes)
         fast = self._fast
-        if fast is not None and self.pipeline:
-            body = req.SerializeToString()
-            if fits_frame(len(body)):
-                try:
-                    return PendingReservation(self, fast.send_kept("Reserve", body), None)
-                except OSError as e:
-                    raise self._socket_failed("Reserve", e) from None
-        return PendingReservation(self, 0, self._reservation(self._unary("Reserve", req)))
-
-    def _reserved(self, seq: int) -> "Reservation":
-        """The answer to ``reserve_later``'s frame ``seq`` (PendingReservation.result)."""
-        fast = self._fast
-        if fast is None:  # the socket broke since: its session's reservations are the daemon's to reclaim
-            raise Unavailable("the same-host socket closed before the reservation was answered")
+        body = req.SerializeToString() if fast is not None and self.pipeline else b""
+        if fast is None or not body or not fits_frame(len(body)):
+            return PendingReservation(None, self._reservation(self._unary("Reserve", req)))
         try:
-            data = fast.answer(seq)
-        except KVStoreError:
-            raise
+            seq = fast.send_kept("Reserve", body)
         except OSError as e:
             raise self._socket_failed("Reserve", e) from None
-        return self._reservation(pb.ReserveResponse.FromString(data))
+
+        def answer() -> Reservation:
+            if self._fast is not fast:  # the socket broke since: its session's reservations are the daemon's
+                raise Unavailable("the same-host socket closed before the reservation was answered")
+            try:
+                return self._reservation(pb.ReserveResponse.FromString(fast.answer(seq)))
+            except KVStoreError:
+                raise
+            except OSError as e:
+                raise self._socket_failed("Reserve", e) from None
+
+        return PendingReservation(answer)
 
     @staticmethod
     def _reservation(r: Any) -> "Reservation":
@@ -605,60 +592,3 @@ class Client(ClientBase):
         lease.fetched_blocks = int(r.fetched_blocks)
         lease.decision = int(r.decision)
         return lease
-
-    # ------------------------------------------------------------ others
-    def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
-        return self._statuses(self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys))).results)
-
-    def report_corrupt(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Tell the daemon these blocks failed their checksum on our side."""
-        return int(self._call(self.stub.ReportCorrupt, pb.ReportCorruptRequest(ns=ns_pb(ns), keys=list(keys))).dropped)
-
-    def clear(self, ns: Namespace | None = None) -> int:
-        req = pb.ClearRequest(ns=ns_pb(ns)) if ns is not None else pb.ClearRequest(all_namespaces=True)
-        return int(self._call(self.stub.Clear, req).removed)
-
-    def watch_events(self, after_seq: int = 0, ns: Namespace | None = None,
-                     timeout: float | None = None) -> Iterator[Event]:
-        """The daemon's events after ``after_seq`` (a GAP event first when some
-        were lost), until ``timeout`` seconds pass (None: for ever)."""
-        req = pb.WatchRequest(after_seq=after_seq)
-        if ns is not None:
-            req.ns.CopyFrom(ns_pb(ns))
-        try:
-            for ev in self.stub.WatchEvents(req, metadata=self._md(), timeout=timeout):
-                yield event_from_pb(ev)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return
-            raise error_from_rpc(e) from None
-
-    def admin_get_config(self) -> str:
-        return str(self._call(self.admin.GetConfig, pb.GetConfigRequest()).toml)
-
-    def admin_resize(self, tier: str, capacity_bytes: int) -> ResizeResult:
-        r = self._call(self.admin.ResizeTier, pb.ResizeTierRequest(
-            tier=cast(Any, int(TierKind.parse(tier)) + 1), capacity_bytes=capacity_bytes))
-        return resize_from_pb(r)
-
-    def admin_set_policy(self, name: str) -> PolicyChange:
-        r = self._call(self.admin.SetEvictionPolicy, pb.SetEvictionPolicyRequest(policy=name))
-        return policy_from_pb(r)
-
-
-class PendingReservation:
-    """A ``Client.reserve_later`` whose answer may not be read yet."""
-
-    __slots__ = ("_client", "_seq", "_done")
-
-    def __init__(self, client: Client, seq: int, done: Reservation | None) -> None:
-        self._client = client
-        self._seq = seq
-        self._done = done
-
-    def result(self) -> Reservation:
-        """The reservation (read from the socket at the first call); raises
-        what ``reserve`` would have."""
-        if self._done is None:
-            self._done = self._client._reserved(self._seq)
-        return self._done
