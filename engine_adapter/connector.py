@@ -41,12 +41,11 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-import xxhash
 from prometheus_client import Counter
 
 from engine_adapter.layout import KVTensors, PagedKVLayout, StagingPool
 from engine_adapter.results import ConnectorStats, LoadResult, LookupInfo, SaveResult
-from engine_adapter.tp import PLAN_FAULT, PLAN_OK, LocalGroup, Plan, TPGroup
+from engine_adapter.tp import PLAN_FAULT, PLAN_OK, LocalGroup, Plan, TPGroup, slab_identity
 from kvstore.checksum import checksum, copy_checksum, copy_verify
 from kvstore.client import Client, Lease, Reservation
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
@@ -68,16 +67,6 @@ _C_OK, _C_MISS, _C_CORRUPT, _C_INVALID = 1, 0, -1, -2
 _ABORTED = "a rank could not write its shards; the reservation was aborted"
 _CODE_STATUS = {_C_OK: KeyStatus.OK, _C_MISS: KeyStatus.MISS, _C_CORRUPT: KeyStatus.CORRUPT,
                 _C_INVALID: KeyStatus.INVALID}
-
-
-def _slab_identity(client: Client | None) -> int:
-    """A nonzero int64 naming the slab ``client`` maps (0: none)."""
-    slab = getattr(client, "slab", None)
-    if slab is None:
-        return 0
-    h = xxhash.xxh3_64_intdigest(f"{slab.path}|{slab.slab_id}".encode())
-    h = h - (1 << 64) if h >= 1 << 63 else h
-    return h or 1
 
 
 def _leading(codes: np.ndarray) -> int:
@@ -332,16 +321,16 @@ class KVConnector:
         # everything after it
         valid = np.zeros(n, np.int64)
         valid[:hit] = np.asarray(lease.lengths[:hit], np.int64) == self.block_bytes
-        return Plan(PLAN_OK, hit, _slab_identity(c), offsets, valid), lease, None
+        return Plan(PLAN_OK, hit, slab_identity(c), offsets, valid), lease, None
 
     def _mapped_client(self, slab: int) -> Client | None:
         """This rank's client, if it maps the slab the plan names (reconnecting once if not)."""
         c = self.client()
-        if c is not None and _slab_identity(c) != slab and self._own_client:
+        if c is not None and slab_identity(c) != slab and self._own_client:
             self.close()  # the daemon restarted (a new slab) since we mapped it
             self._retry_at = 0.0
             c = self.client()
-        if c is None or _slab_identity(c) != slab:
+        if c is None or slab_identity(c) != slab:
             return None
         return c
 
@@ -457,7 +446,7 @@ class KVConnector:
                     write = (statuses == int(KeyStatus.OK)).astype(np.int64)
                     offsets = np.zeros(m, np.int64)
                     offsets[write == 1] = np.asarray(resv.offsets, np.int64)[write == 1]
-                    plan = Plan(PLAN_OK, int(write.sum()), _slab_identity(c), offsets, write)
+                    plan = Plan(PLAN_OK, int(write.sum()), slab_identity(c), offsets, write)
                 except _FAULTS as e:
                     fault = self._fault("save", e)
         plan = plan.share(self.group, m)

@@ -33,10 +33,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+import xxhash
 
 from kvstore.errors import InvalidArgument
 
-__all__ = ["Collective", "LocalGroup", "Plan", "TPGroup", "TorchDistGroup", "head_slice", "shard_heads"]
+__all__ = ["Collective", "LocalGroup", "Plan", "TPGroup", "TorchDistGroup", "head_slice", "shard_heads",
+           "slab_identity"]
 
 
 @runtime_checkable
@@ -173,6 +175,18 @@ PLAN_OK = 1
 PLAN_FAULT = 0
 """Header status: the daemon could not be used; every rank treats it as a miss."""
 _HEADER = 3  # status, count, slab identity
+
+
+def slab_identity(client: Any) -> int:
+    """A nonzero int64 naming the slab ``client`` (a ``kvstore.client.Client``
+    or None) maps, 0 for none: a ``Plan`` carries it, so a rank never writes
+    at offsets reserved in another slab (a restarted daemon)."""
+    slab = getattr(client, "slab", None)
+    if slab is None:
+        return 0
+    h = xxhash.xxh3_64_intdigest(f"{slab.path}|{slab.slab_id}".encode())
+    h = h - (1 << 64) if h >= 1 << 63 else h
+    return h or 1
 
 
 @dataclass(slots=True)

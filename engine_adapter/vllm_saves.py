@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from engine_adapter.tp import PLAN_OK, Plan, TPGroup
+from engine_adapter.tp import PLAN_OK, Plan, TPGroup, slab_identity
 from engine_adapter.vllm_common import (
     FAULT_TYPES,
     BlockMove,
@@ -50,18 +49,7 @@ from kvstore.client.sinks import LayerScatter
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
 
-__all__ = ["SaveSide", "slab_identity"]
-
-
-def slab_identity(client: Client | None) -> int:
-    """A nonzero int64 naming the slab ``client`` maps (0: none), so a rank
-    never writes at offsets reserved in another slab (a restarted daemon)."""
-    slab = getattr(client, "slab", None)
-    if slab is None:
-        return 0
-    h = xxhash.xxh3_64_intdigest(f"{slab.path}|{slab.slab_id}".encode())
-    h = h - (1 << 64) if h >= 1 << 63 else h
-    return h or 1
+__all__ = ["SaveSide"]
 
 
 class SaveSide:
