@@ -13,7 +13,8 @@ process, the *fetcher*):
     serves views of the slab (``release`` after the send); the fetcher's
     alloc ``reserve``s slots in its own ``TieredStore`` and the blocks land
     straight in its slab, checksum-verified on arrival, then ``commit`` (with
-    the peer's checksums). Timed: reserve + fetch + verify + commit.
+    the peer's checksums). A sized fetch (one round trip), as a daemon asks
+    for a namespace it stores. Timed: reserve + fetch + verify + commit.
 (c) ``daemons``: the same through two ``kvstore serve`` daemons -- only when
     the daemon has a cluster section (else a note says why it is missing).
 (d) ``mooncake_te``: Mooncake's transfer engine in remote mode -- a holder
@@ -25,6 +26,9 @@ process, the *fetcher*):
     ``mooncake.engine`` in this Python or in ``--mooncake-venv``.
 (e) ``iperf3``: one TCP stream over loopback (``iperf3 -c 127.0.0.1 -n``
     4x the batch's bytes): the wire's limit on this host.
+(f) small fetches (1 and 4 blocks of 256 KiB) through (b), sized (one round
+    trip) and two-step alternating: the latency a round trip costs (a
+    figure, no target).
 
 Rounds alternate (a), (b), (c), (d), (e); the first round of each shape is a
 warm-up; each figure is the median of the rest (3 with ``--quick``, 9
@@ -83,6 +87,9 @@ free_port = _bench_module("benchlib").free_port
 
 MIB = 1 << 20
 SHAPES = ((1 * MIB, 64), (4 * MIB, 16))
+SMALL = ((256 << 10, 1), (256 << 10, 4))
+"""Small fetches (f): the latency of a sized fetch (one round trip) against
+the two-step one, through (b)'s client and peer."""
 OWNER = "bench-transport"
 TAG_REQ = 1 << 50
 
@@ -95,7 +102,7 @@ def namespace(size: int) -> Any:
     """One namespace per block size (a namespace has one block size)."""
     from kvstore.keys import Namespace
 
-    return Namespace(tenant="bench", model_id=f"transport-{size // MIB}MiB", block_size=16)
+    return Namespace(tenant="bench", model_id=f"transport-{size >> 10}KiB", block_size=16)
 
 
 def keys_for(size: int, n: int, salt: int = 0) -> Any:
@@ -122,7 +129,7 @@ async def peer_main() -> int:
     store = make_store(512 * MIB)
     rng = np.random.default_rng(3)
     views: dict[str, list[np.ndarray]] = {}
-    for size, n in SHAPES:
+    for size, n in SHAPES + SMALL:
         keys = keys_for(size, n)
         res = store.put(namespace(size), keys, [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)])
         assert res.ok, res.statuses[:3]
@@ -194,7 +201,7 @@ class Fetcher:
         await asyncio.gather(*recvs)
         return time.perf_counter() - t0
 
-    async def fetch(self, size: int, n: int) -> tuple[float, str]:
+    async def fetch(self, size: int, n: int, sized: bool = True) -> tuple[float, str]:
         ns = namespace(size)
         self.salt += 1
         keys = keys_for(size, n, salt=self.salt)
@@ -209,7 +216,7 @@ class Fetcher:
 
         t0 = time.perf_counter()
         r = await self.client.fetch(self.addrs["block"], json.dumps({"size": size, "n": n}).encode(),
-                                    n, alloc, 30.0)
+                                    n, alloc, 30.0, sizes=np.full(n, size, dtype=np.int64) if sized else None)
         err = r.error or ("" if r.ok.all() else f"{int((~r.ok).sum())} blocks not ok")
         if held.get("h"):
             if not err:
@@ -277,6 +284,20 @@ async def ucx_side(quick: bool, daemons: "Daemons | None", others: dict[str, Any
             figures[f"bare_ucxx_{lab}_GBps"] = gb / statistics.median(bare)
             figures[f"peer_fetch_{lab}_GBps"] = gb / statistics.median(fetch)
             figures[f"peer_fetch_{lab}_ms"] = statistics.median(fetch) * 1e3
+        for size, n in SMALL:  # (f): small fetches, sized and two-step alternating
+            lab = f"{n}x{size >> 10}KiB"
+            one, two = [], []
+            for r in range(3 * reps + 1):
+                t1, err1 = await f.fetch(size, n, sized=True)
+                t2, err2 = await f.fetch(size, n, sized=False)
+                if err1 or err2:
+                    raise RuntimeError(f"small fetch {lab}: {err1 or err2}")
+                if r:
+                    one.append(t1)
+                    two.append(t2)
+            figures[f"small_fetch_{lab}_ms"] = statistics.median(one) * 1e3
+            figures[f"small_fetch_{lab}_two_step_ms"] = statistics.median(two) * 1e3
+            figures[f"small_fetch_{lab}_time_vs_two_step"] = statistics.median(a / b for a, b in zip(one, two))
         figures["fetch_connects"] = float(f.client.connects)
         await f.close()
     finally:

@@ -7,20 +7,8 @@ destinations its ``alloc`` hands it and checks each block's XXH3-64 on arrival.
 The cluster layer (``transport/cluster.py``) encodes namespace, credential and
 keys in the header and pins/unpins blocks in the provider.
 
-Wire protocol (all tag messages on the one endpoint a client opens to a
-server's listener; ucxx hashes our tags with the endpoint's own tags, so two
-connections never match each other's messages)::
-
-    client -> server  REQUEST   TAG_REQ            preamble + header
-    server -> client  TABLE     _tag_tab(seq)      head + lengths[count] + checksums[count]
-    client -> server  GO        _tag_go(seq)       uint8 want[count]   (only if status OK and
-                                                                        some block is present)
-    server -> client  BLOCK i   _tag_blk(seq, i)   the region, received into alloc()'s view
-
-``seq`` is unique per client process, so the answers of concurrent fetches
-over one endpoint never mix.  The GO round trip lets the receiver say which
-blocks it has room for (``alloc`` may return ``None``), so nothing is sent
-that nobody receives.
+Wire protocol: ``transport/ucx_wire.py`` (the request, the table, the
+GO of the two-step fetch, the sized fetch's one round trip).
 
 Deadlines: every wait of a fetch is bounded by the caller's deadline; on a
 timeout or any transport error the pooled endpoint is aborted and dropped
@@ -57,26 +45,24 @@ import ipaddress
 import itertools
 import logging
 import os
-import struct
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Final, Sequence
+from typing import Any, Awaitable, Final
 
 import numpy as np
 
 from kvstore.checksum import checksum
 from kvstore.errors import InvalidArgument
+from transport import ucx_wire as wire
+from transport.ucx_wire import MAX_BLOCKS, MAX_HEADER, Alloc, FetchResult, Provider, Served
 
 __all__ = ["Alloc", "BlockClient", "BlockServer", "FetchResult", "Provider", "Served",
            "MAX_BLOCKS", "MAX_HEADER", "shutdown", "ucx_module"]
 
 log = logging.getLogger("kvstore.transport.ucx")
 
-MAX_HEADER: Final = 1 << 20
-"""Largest request header in bytes (the server's receive buffer per endpoint)."""
-MAX_BLOCKS: Final = 1 << 20
-"""Most blocks in one fetch."""
+_SEQ = itertools.count(1)  # unique per process: tags of concurrent fetches never collide
+
 CANCEL_GRACE_S: Final = 1.0
 """After aborting an endpoint, how long fetch waits for UCX to confirm every
 receive it posted has completed or been cancelled."""
@@ -101,74 +87,6 @@ def _tuning(opts: dict[str, str]) -> dict[str, str]:
         out["RNDV_SCHEME"] = "put_zcopy"
     return out
 
-
-_MAGIC: Final = b"KVB1"
-_PRE: Final = struct.Struct("<4sIQIId")  # magic, flags, seq, count, header length, timeout (s)
-_HEAD: Final = struct.Struct("<QII240s")  # seq, status, error length, error text
-ST_OK, ST_REFUSED, ST_INVALID, ST_FAILED = 0, 1, 2, 3
-_STATUS_WORD: Final = {ST_REFUSED: "refused", ST_INVALID: "invalid request", ST_FAILED: "failed"}
-
-_SEQ = itertools.count(1)  # unique per process: tags of concurrent fetches never collide
-_SEQ_MASK: Final = (1 << 37) - 1
-
-# Tags are ints below 2**61 - 1: ucxx mixes ``hash(tag)`` with the endpoint's
-# own tag, and ``hash`` of such an int is the int itself in every process
-# (``hash`` of str/bytes is salted per process; never use those here).
-TAG_REQ: Final = 4 << 57
-
-
-def _tag_tab(seq: int) -> int:
-    return (1 << 57) | (seq & _SEQ_MASK)
-
-
-def _tag_go(seq: int) -> int:
-    return (2 << 57) | (seq & _SEQ_MASK)
-
-
-def _tag_blk(seq: int, i: int) -> int:
-    return (3 << 57) | (i << 37) | (seq & _SEQ_MASK)
-
-
-# ------------------------------------------------------------------ types
-@dataclass(slots=True, frozen=True)
-class Served:
-    """What a provider hands the server for one request."""
-
-    lengths: np.ndarray
-    """int64 per requested block; 0 = absent on this peer."""
-    checksums: np.ndarray
-    """uint64 per block: XXH3-64 of the payload, as the sender's index has it."""
-    regions: list[memoryview]
-    """One per PRESENT block, in order: views over the sender's slab, no copies."""
-    release: Callable[[], None]
-    """Called exactly once when the send completed or failed (the provider unpins there)."""
-
-
-Provider = Callable[[bytes], Awaitable[Served]]
-"""Answers an opaque request header; may raise PermissionError / ValueError,
-which the client sees as ``FetchResult.error`` (all ``ok`` False)."""
-
-
-@dataclass(slots=True)
-class FetchResult:
-    ok: np.ndarray
-    """bool per requested block: arrived AND checksum verified."""
-    lengths: np.ndarray
-    """int64 per block as the peer reported (0 = absent)."""
-    nbytes: int
-    """Bytes of the blocks that arrived verified."""
-    seconds: float
-    error: str | None
-    """Whole-call failure (peer gone, deadline, refused); then ok is all False."""
-    corrupt: int = 0
-    """Blocks that arrived but failed the checksum."""
-    checksums: np.ndarray | None = None
-    """uint64 per block as the peer reported (valid where ``ok``): what the
-    receiver commits, so it need not hash the bytes again."""
-
-
-Alloc = Callable[[np.ndarray], Sequence["memoryview | None"]]
-"""Given per-block lengths, a destination per block (None = skip that block)."""
 
 
 # -------------------------------------------------------------- UCX setup
@@ -301,16 +219,24 @@ class BlockServer:
             _abort(ep)
             return
         self._eps.add(ep)
-        inbox = np.empty(_PRE.size + MAX_HEADER, dtype=np.uint8)
+        inbox = np.empty(wire.PRE.size + MAX_HEADER, dtype=np.uint8)
         try:
             while not self._closing:
-                await ep.recv(inbox, tag=TAG_REQ)
-                magic, _flags, seq, count, hlen, timeout = _PRE.unpack_from(inbox.data, 0)
-                if magic != _MAGIC or hlen > MAX_HEADER or count > MAX_BLOCKS:
+                await ep.recv(inbox, tag=wire.TAG_REQ)
+                magic, _flags, seq, count, hlen, timeout = wire.PRE.unpack_from(inbox.data, 0)
+                sized = magic == wire.MAGIC_SIZED
+                if ((magic != wire.MAGIC and not sized) or hlen > MAX_HEADER or count > MAX_BLOCKS
+                        or (sized and hlen + 8 * count > MAX_HEADER)):
                     log.warning("bad request preamble from a peer; closing its endpoint")
                     break
-                header = inbox[_PRE.size:_PRE.size + hlen].tobytes()
-                t = asyncio.ensure_future(self._answer(ep, seq, count, header, timeout))
+                header = inbox[wire.PRE.size:wire.PRE.size + hlen].tobytes()
+                posted = None
+                if sized:
+                    posted = inbox[wire.PRE.size + hlen:wire.PRE.size + hlen + 8 * count].copy().view(np.int64)
+                    if (posted < 0).any():
+                        log.warning("negative posted length from a peer; closing its endpoint")
+                        break
+                t = asyncio.ensure_future(self._answer(ep, seq, count, header, timeout, posted))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
         except Exception as e:  # noqa: BLE001 - peer closed or died: the normal end
@@ -319,33 +245,39 @@ class BlockServer:
             self._eps.discard(ep)
             _abort(ep)
 
-    async def _answer(self, ep: Any, seq: int, count: int, header: bytes, timeout: float) -> None:
+    async def _answer(self, ep: Any, seq: int, count: int, header: bytes, timeout: float,
+                      posted: np.ndarray | None = None) -> None:
         end = time.monotonic() + max(0.0, min(timeout, 3600.0)) + SERVER_SLACK_S
         served: Served | None = None
-        status, msg = ST_OK, ""
+        status, msg = wire.ST_OK, ""
         try:
             try:
                 served = await _provide(self._provider, header, end)
-                msg = _check_served(served, count)
-                status = ST_FAILED if msg else ST_OK
+                msg = wire.check_served(served, count)
+                status = wire.ST_FAILED if msg else wire.ST_OK
             except PermissionError as e:
-                status, msg = ST_REFUSED, str(e) or "permission denied"
+                status, msg = wire.ST_REFUSED, str(e) or "permission denied"
             except ValueError as e:
-                status, msg = ST_INVALID, str(e) or "invalid request"
+                status, msg = wire.ST_INVALID, str(e) or "invalid request"
             except asyncio.TimeoutError:
-                status, msg = ST_FAILED, "provider timed out"
+                status, msg = wire.ST_FAILED, "provider timed out"
             except Exception as e:  # noqa: BLE001 - reported to the peer, logged here
                 log.exception("block provider failed")
-                status, msg = ST_FAILED, f"provider error: {type(e).__name__}: {e}"
+                status, msg = wire.ST_FAILED, f"provider error: {type(e).__name__}: {e}"
             self.requests += 1
-            table = _table(seq, status, msg, served if status == ST_OK else None, count)
-            await _bounded(ep.send(table, tag=_tag_tab(seq)), end)
-            if status != ST_OK or served is None or not served.regions:
+            table = wire.table(seq, status, msg, served if status == wire.ST_OK else None, count)
+            if posted is not None:  # sized: the table and every posted block at once, no GO
+                await _bounded(asyncio.gather(ep.send(table, tag=wire.tag_tab(seq)),
+                                              *wire.sized_sends(ep, seq, posted, served if status == wire.ST_OK else None)),
+                               end)
+                return
+            await _bounded(ep.send(table, tag=wire.tag_tab(seq)), end)
+            if status != wire.ST_OK or served is None or not served.regions:
                 return
             want = np.zeros(count, dtype=np.uint8)
-            await _bounded(ep.recv(want, tag=_tag_go(seq)), end)
+            await _bounded(ep.recv(want, tag=wire.tag_go(seq)), end)
             present = np.flatnonzero(served.lengths > 0)
-            sends = [ep.send(served.regions[j], tag=_tag_blk(seq, int(i)))
+            sends = [ep.send(served.regions[j], tag=wire.tag_blk(seq, int(i)))
                      for j, i in enumerate(present) if want[i]]
             if sends:
                 await _bounded(asyncio.gather(*sends), end)
@@ -358,6 +290,7 @@ class BlockServer:
                     served.release()
                 except Exception:  # noqa: BLE001
                     log.exception("release() of a served batch failed")
+
 
 
 async def _provide(provider: Provider, header: bytes, end: float) -> Served:
@@ -381,30 +314,6 @@ def _release_late(task: asyncio.Future[Any]) -> None:
     except Exception:  # noqa: BLE001
         log.exception("release() of a late batch failed")
 
-
-def _check_served(s: Any, count: int) -> str:
-    if not isinstance(s, Served):
-        return f"provider returned {type(s).__name__}, not Served"
-    if len(s.lengths) != count or len(s.checksums) != count:
-        return f"provider answered {len(s.lengths)} blocks for a request of {count}"
-    present = np.asarray(s.lengths) > 0
-    if int(present.sum()) != len(s.regions):
-        return f"provider gave {len(s.regions)} regions for {int(present.sum())} present blocks"
-    for n, r in zip(np.asarray(s.lengths)[present], s.regions):
-        if r.nbytes != int(n):
-            return f"provider region of {r.nbytes} bytes for a block of {int(n)}"
-    return ""
-
-
-def _table(seq: int, status: int, msg: str, served: Served | None, count: int) -> np.ndarray:
-    out = np.zeros(_HEAD.size + 16 * count, dtype=np.uint8)
-    text = msg.encode("utf-8", "replace")[:240]
-    _HEAD.pack_into(out.data, 0, seq, status, len(text), text)
-    if served is not None:
-        body = out[_HEAD.size:]
-        body[: 8 * count].view(np.int64)[:] = np.asarray(served.lengths, dtype=np.int64)
-        body[8 * count:].view(np.uint64)[:] = np.asarray(served.checksums, dtype=np.uint64)
-    return out
 
 
 async def _bounded(aw: Awaitable[Any], end: float) -> Any:
@@ -474,14 +383,26 @@ class BlockClient:
             f.cancel()
 
     async def fetch(self, address: str, header: bytes, count: int, alloc: Alloc,
-                    deadline_s: float) -> FetchResult:
+                    deadline_s: float, *, sizes: np.ndarray | None = None) -> FetchResult:
         """Fetch ``count`` blocks named by ``header`` from the peer at ``address``
         into the views ``alloc`` returns; never raises for peer or transport
-        faults (they come back as ``error``)."""
+        faults (they come back as ``error``).
+
+        ``sizes`` (int64 per block, the length the caller expects): a sized
+        fetch, one round trip (module docstring). ``alloc`` is then called
+        with ``sizes`` before the request, and a block whose real length
+        differs is not received. Without it, ``alloc`` gets the peer's
+        lengths after a first round trip."""
         if not 0 <= count <= MAX_BLOCKS:
             raise InvalidArgument(f"count must be in [0, {MAX_BLOCKS}], got {count}")
         if len(header) > MAX_HEADER:
             raise InvalidArgument(f"header of {len(header)} bytes exceeds the limit of {MAX_HEADER}")
+        if sizes is not None:
+            sizes = np.asarray(sizes, dtype=np.int64)
+            if sizes.shape != (count,):
+                raise InvalidArgument(f"sizes has shape {sizes.shape}, not ({count},)")
+            if len(header) + 8 * count > MAX_HEADER:
+                sizes = None  # too many to post in one request: the two-step protocol
         t0 = time.monotonic()
         end = t0 + max(0.0, float(deadline_s))
         ok = np.zeros(count, dtype=bool)
@@ -499,23 +420,25 @@ class BlockClient:
         except Exception as e:  # noqa: BLE001 - peer unreachable
             return failed(f"connect to {address} failed: {type(e).__name__}: {e}")
         conn.fetches += 1
+        if sizes is not None:
+            return await self._fetch_sized(conn, header, count, alloc, sizes, t0, end, deadline_s)
         ep = conn.ep
         seq = next(_SEQ)
         posted: list[asyncio.Future[Any]] = []
         try:
-            table = np.empty(_HEAD.size + 16 * count, dtype=np.uint8)
-            trecv = asyncio.ensure_future(ep.recv(table, tag=_tag_tab(seq)))
+            table = np.empty(wire.HEAD.size + 16 * count, dtype=np.uint8)
+            trecv = asyncio.ensure_future(ep.recv(table, tag=wire.tag_tab(seq)))
             posted.append(trecv)
-            req = bytearray(_PRE.size + len(header))
-            _PRE.pack_into(req, 0, _MAGIC, 0, seq, count, len(header), max(0.0, end - time.monotonic()))
-            req[_PRE.size:] = header
-            await _bounded(ep.send(req, tag=TAG_REQ), end)
+            req = bytearray(wire.PRE.size + len(header))
+            wire.PRE.pack_into(req, 0, wire.MAGIC, 0, seq, count, len(header), max(0.0, end - time.monotonic()))
+            req[wire.PRE.size:] = header
+            await _bounded(ep.send(req, tag=wire.TAG_REQ), end)
             await _wait_all([trecv], end)
-            _seq, status, elen, etext = _HEAD.unpack_from(table.data, 0)
-            if status != ST_OK:
-                word = _STATUS_WORD.get(status, f"status {status}")
+            _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
+            if status != wire.ST_OK:
+                word = wire.STATUS_WORD.get(status, f"status {status}")
                 return failed(f"peer {address} {word}: {etext[:elen].decode('utf-8', 'replace')}")
-            body = table[_HEAD.size:]
+            body = table[wire.HEAD.size:]
             lengths[:] = body[: 8 * count].view(np.int64)
             sums = body[8 * count:].view(np.uint64).copy()
             present = np.flatnonzero(lengths > 0)
@@ -526,13 +449,13 @@ class BlockClient:
                 if len(dests) != count:
                     raise InvalidArgument(f"alloc returned {len(dests)} destinations for {count} blocks")
             except Exception as e:  # noqa: BLE001 - tell the peer to send nothing
-                await _bounded(ep.send(np.zeros(count, np.uint8), tag=_tag_go(seq)), end)
+                await _bounded(ep.send(np.zeros(count, np.uint8), tag=wire.tag_go(seq)), end)
                 return failed(f"alloc failed: {type(e).__name__}: {e}")
             want = np.zeros(count, dtype=np.uint8)
             verified: dict[int, bool] = {}
 
             async def one(i: int, dst: Any) -> None:
-                await ep.recv(dst, tag=_tag_blk(seq, i))
+                await ep.recv(dst, tag=wire.tag_blk(seq, i))
                 verified[i] = checksum(dst) == int(sums[i])
 
             for i in present.tolist():
@@ -540,7 +463,7 @@ class BlockClient:
                 if d is not None and d.nbytes == lengths[i] and not d.readonly:
                     want[i] = 1
                     posted.append(asyncio.ensure_future(one(i, d)))
-            await _bounded(ep.send(want, tag=_tag_go(seq)), end)
+            await _bounded(ep.send(want, tag=wire.tag_go(seq)), end)
             await _wait_all(posted, end)
             corrupt = 0
             for j, good in verified.items():
@@ -549,15 +472,86 @@ class BlockClient:
             nbytes = int(lengths[ok].sum())
             return FetchResult(ok, lengths, nbytes, time.monotonic() - t0, None, corrupt, sums)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
-            self._drop(conn)
-            unconfirmed = await _settle(posted)
-            if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-                msg = f"fetch from {address} missed its deadline of {deadline_s:g}s"
-            else:
-                msg = f"fetch from {address} failed: {type(e).__name__}: {e}"
-            if unconfirmed:
-                msg += f"; {unconfirmed} receives not confirmed cancelled: do not reuse the destinations"
-            return failed(msg)
+            return failed(await self._fault(conn, posted, e, deadline_s))
+
+    async def _fault(self, conn: _Conn, posted: list[asyncio.Future[Any]], e: BaseException,
+                     deadline_s: float) -> str:
+        """A fetch's deadline or transport fault: drop the endpoint, wait
+        until every receive it posted has ended; the error to report."""
+        self._drop(conn)
+        unconfirmed = await _settle(posted)
+        if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+            msg = f"fetch from {conn.address} missed its deadline of {deadline_s:g}s"
+        else:
+            msg = f"fetch from {conn.address} failed: {type(e).__name__}: {e}"
+        if unconfirmed:
+            msg += f"; {unconfirmed} receives not confirmed cancelled: do not reuse the destinations"
+        return msg
+
+    async def _fetch_sized(self, conn: _Conn, header: bytes, count: int, alloc: Alloc, sizes: np.ndarray,
+                           t0: float, end: float, deadline_s: float) -> FetchResult:
+        """``fetch`` with ``sizes``: alloc, then the request, then the
+        receives posted while the peer answers (module docstring)."""
+        lengths = np.zeros(count, dtype=np.int64)
+
+        def failed(msg: str) -> FetchResult:
+            return FetchResult(np.zeros(count, dtype=bool), lengths, 0, time.monotonic() - t0, msg)
+
+        try:
+            dests = alloc(sizes.copy())
+            if len(dests) != count:
+                raise InvalidArgument(f"alloc returned {len(dests)} destinations for {count} blocks")
+        except Exception as e:  # noqa: BLE001 - nothing was asked of the peer yet
+            return failed(f"alloc failed: {type(e).__name__}: {e}")
+        want = np.zeros(count, dtype=np.int64)
+        for i, d in enumerate(dests):
+            if d is not None and d.nbytes == sizes[i] > 0 and not d.readonly:
+                want[i] = d.nbytes
+        ep = conn.ep
+        seq = next(_SEQ)
+        table = np.empty(wire.HEAD.size + 16 * count, dtype=np.uint8)
+        answer: list[Any] = []  # (status, error text, checksums), once the table is read
+        verified: dict[int, bool] = {}
+
+        async def read_table() -> None:
+            await ep.recv(table, tag=wire.tag_tab(seq))
+            _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
+            body = table[wire.HEAD.size:]
+            if status == wire.ST_OK:
+                lengths[:] = body[: 8 * count].view(np.int64)
+            answer[:] = [status, etext[:elen], body[8 * count:].view(np.uint64).copy()]
+
+        trecv = asyncio.ensure_future(read_table())
+
+        async def one(i: int, dst: Any) -> None:
+            await ep.recv(dst, tag=wire.tag_blk(seq, i))
+            await trecv  # the checksums; a block counts only where the peer sent it
+            if answer[0] == wire.ST_OK and lengths[i] == want[i]:
+                verified[i] = checksum(dst) == int(answer[2][i])
+
+        posted: list[asyncio.Future[Any]] = [trecv]
+        try:
+            req = bytearray(wire.PRE.size + len(header) + 8 * count)
+            wire.PRE.pack_into(req, 0, wire.MAGIC_SIZED, 0, seq, count, len(header), max(0.0, end - time.monotonic()))
+            req[wire.PRE.size:wire.PRE.size + len(header)] = header
+            req[wire.PRE.size + len(header):] = want.tobytes()
+            sent = asyncio.ensure_future(ep.send(req, tag=wire.TAG_REQ))
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a fault is reported below
+            # posted after the request: the peer answers while these are set up
+            posted += [asyncio.ensure_future(one(i, dests[i])) for i in np.flatnonzero(want).tolist()]
+            await _wait_all([sent, *posted], end)
+        except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
+            return failed(await self._fault(conn, posted, e, deadline_s))
+        status, etext, sums = answer
+        if status != wire.ST_OK:
+            word = wire.STATUS_WORD.get(status, f"status {status}")
+            return failed(f"peer {conn.address} {word}: {etext.decode('utf-8', 'replace')}")
+        ok = np.zeros(count, dtype=bool)
+        corrupt = 0
+        for j, good in verified.items():
+            ok[j] = good
+            corrupt += not good
+        return FetchResult(ok, lengths, int(lengths[ok].sum()), time.monotonic() - t0, None, corrupt, sums)
 
 
 async def _wait_all(futs: list[asyncio.Future[Any]], end: float) -> None:

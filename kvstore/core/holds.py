@@ -324,6 +324,22 @@ class Holds:
             return 0
         return self.abort_rows(Hold(h.owner, h.ns, h.rows[keep:], h.deadline))
 
+    def commit_prefix(self, handle: str, owner: str, keep: int, checksums: Sequence[int] | None = None) -> int:
+        """Commit the first ``keep`` blocks of a reservation and abort the
+        rest (with their descendants), in one step. ``checksums``: one per
+        block granted (None, or too few: hashed here). Returns the blocks
+        committed; 0 when the reservation is not held."""
+        n = self.reserved_blocks(handle)
+        if n is None:
+            return 0
+        if keep <= 0:
+            self.abort(handle, owner)
+            return 0
+        self.truncate(handle, owner, keep)
+        sums = [int(c) for c in checksums[:n]] if checksums is not None and len(checksums) >= n else None
+        res = self.commit(handle, owner, sums)
+        return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
+
     def quarantine(self, handle: str) -> bool:
         """Forget a reservation without freeing its slots: they stay reserved
         for good (a transport could not confirm that no late bytes will land

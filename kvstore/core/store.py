@@ -509,6 +509,9 @@ class TieredStore:
     def abort(self, handle: str, owner: str) -> int:
         return self.holds.abort(handle, owner)
 
+    def commit_prefix(self, handle: str, owner: str, keep: int, checksums: Sequence[int] | None = None) -> int:
+        return self.holds.commit_prefix(handle, owner, keep, checksums)
+
     def acquire(self, ns: Namespace, keys: KeysLike, owner: str, ttl: float | None = None,
                 promote: bool = True, tier: TierKind | None = None) -> SlotResult:
         return self.holds.acquire(ns, keys, owner, ttl, promote, tier)

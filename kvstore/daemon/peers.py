@@ -18,7 +18,6 @@ Everything runs on the daemon's event loop (the store is single-threaded);
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -453,10 +452,15 @@ class ClusterNode:
                 dests[i] = memoryview(store.dram.view(int(res.offsets[i]), int(res.lengths[i])))
             return dests
 
+        # one round trip once this store knows the namespace's block size (fixed by
+        # its first block; never the directory's figure: docs/transport.md)
+        own = store.block_bytes(ns)
+        sizes = np.full(len(want), own, dtype=np.int64) if own else None
         t0 = time.perf_counter()
         try:
             res = await asyncio.wait_for(
-                self.block_client.fetch(m.block_address, header, len(want), alloc, self.cfg.fetch_timeout),
+                self.block_client.fetch(m.block_address, header, len(want), alloc, self.cfg.fetch_timeout,
+                                        sizes=sizes),
                 self.cfg.fetch_timeout + 5.0)
         except Exception as e:  # the transport must not hurt the caller: a miss
             log.warning("fetch of %d blocks from %s failed: %s", len(want), view.peer, e)
@@ -487,8 +491,8 @@ class ClusterNode:
             reserved += 1
         got = min(got, reserved)
         sums = res.checksums
-        done = _commit_prefix(store, held["handle"], got,
-                              None if sums is None else np.asarray(sums, dtype=np.uint64)[: len(rres.statuses)])
+        done = store.commit_prefix(held["handle"], FETCH_OWNER, got,
+                                   None if sums is None else np.asarray(sums, dtype=np.uint64)[: len(rres.statuses)])
         nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
         seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
         if done:
@@ -574,25 +578,6 @@ class ClusterNode:
         lengths = res.lengths.copy()
         lengths[present:] = 0
         return self._served(lengths, res.checksums.copy(), regions, release)
-
-
-def _commit_prefix(store: Any, handle: str, keep: int, checksums: np.ndarray | None) -> int:
-    """Commit the first ``keep`` blocks of a fetch reservation, abort the
-    rest (with their descendants). The store commits whole reservations;
-    the tail is dropped first through its reservation record. Under the
-    store lock as one step (``store.holds`` is the store's own object, not
-    a locked method)."""
-    with getattr(store, "store_lock", contextlib.nullcontext()):
-        n = store.holds.reserved_blocks(handle)
-        if n is None:
-            return 0
-        if keep <= 0:
-            store.abort(handle, FETCH_OWNER)
-            return 0
-        store.holds.truncate(handle, FETCH_OWNER, keep)
-        sums = checksums[:n].tolist() if checksums is not None and checksums.size >= n else None
-        res = store.commit(handle, FETCH_OWNER, sums)
-    return sum(1 for s in res.statuses[:keep] if s is KeyStatus.OK)
 
 
 __all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "transport_factory"]

@@ -4,7 +4,9 @@ daemons on their own loops in one process fetch from each other through a
 registry. It copies each served region into the destination the fetcher
 allocated and verifies its xxh3_64 as the real transport does; faults are
 switches: ``corrupt`` (flip a byte of the next N blocks), ``paused`` (never
-answer: a SIGSTOPped peer) and ``dead`` (refuse: a killed one)."""
+answer: a SIGSTOPped peer) and ``dead`` (refuse: a killed one). A sized
+fetch (``sizes=``) allocates before it asks, and a block whose length is
+not the one asked for is not copied, as in the real transport."""
 
 from __future__ import annotations
 
@@ -49,15 +51,21 @@ class FakeBlockServer:
 
 class FakeBlockClient:
     def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
-        pass
+        self.sized = 0
+        """Sized fetches asked for."""
 
     async def close(self) -> None:
         pass
 
     async def fetch(self, address: str, header: bytes, count: int,
-                    alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float) -> FetchResult:
+                    alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float, *,
+                    sizes: np.ndarray | None = None) -> FetchResult:
         t0 = time.perf_counter()
         none = np.zeros(count, bool)
+        dests: Sequence[memoryview | None] | None = None
+        if sizes is not None:
+            self.sized += 1
+            dests = alloc(np.asarray(sizes, np.int64).copy())
 
         def fail(msg: str) -> FetchResult:
             return FetchResult(none, np.zeros(count, np.int64), 0, time.perf_counter() - t0, msg)
@@ -78,7 +86,8 @@ class FakeBlockClient:
             ok = np.zeros(lengths.size, bool)
             if count == 0:
                 return FetchResult(ok, lengths, 0, time.perf_counter() - t0, None)
-            dests = alloc(lengths)
+            if dests is None:
+                dests = alloc(lengths)
             corrupt = 0
             nbytes = 0
             r = 0
@@ -88,7 +97,7 @@ class FakeBlockClient:
                 region = served.regions[r]
                 r += 1
                 d = dests[i]
-                if d is None:
+                if d is None or d.nbytes != lengths[i]:
                     continue
                 dst = np.frombuffer(d, np.uint8)
                 dst[:] = np.frombuffer(region, np.uint8)

@@ -192,6 +192,26 @@ def test_dead_and_paused_peers_are_misses_within_the_deadline(make_daemon):
     assert r.remote_blocks == 0 and r.decision == pb.CHAIN_DECISION_LOCAL
 
 
+def test_fetch_is_sized_once_the_namespace_has_a_size_here(make_daemon):
+    """A namespace this node has never stored: the fetch asks the peer's
+    lengths first (a first reservation fixes the namespace's block size, so
+    it must be the real one). Once it has a size here, the fetch asks in one
+    round trip, its slots reserved before the peer answers."""
+    a, b = static_pair(make_daemon)
+    keys = chain(4, seed=8)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 4, 10, "remote blocks visible")
+    transport = b.d.daemon.cluster.block_client
+    acq = b.acquire(keys[:2])
+    assert acq.fetched_blocks == 2 and transport.sized == 0
+    b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 2 and acq.hit_blocks == 4 and transport.sized == 1
+    b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+    assert b.get(keys) == payloads(keys)
+    assert b.d.call(lambda: b.d.store.stats().reservations) == 0
+
+
 def test_stale_directory_entry_is_a_clean_miss(make_daemon):
     a, b = static_pair(make_daemon)
     keys = chain(3, seed=6)

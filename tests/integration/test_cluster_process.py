@@ -149,6 +149,14 @@ def test_three_daemons_fetch_byte_exact_and_follow_the_link(procs):
     # b now holds them too: the directory names both holders
     r = c.lookup(keys)
     assert r.remote_blocks == 8 and {x.peer for x in r.locations} <= {a.target, b.target}
+    # the namespace has a block size on b now: its next fetch is the sized one (one round trip)
+    more = chain(5, seed=31)
+    a.put(more)
+    wait_until(lambda: b.lookup(more).remote_blocks == 5, 20, "the second chain published")
+    acq = b.acquire(more)
+    assert acq.fetched_blocks == 5 and acq.hit_blocks == 5
+    b.release(acq.lease_id)
+    assert b.get(more) == payloads(more)
 
 
 def test_sigkill_peer_is_a_miss_within_the_deadline(procs, etcd):  # noqa: F811

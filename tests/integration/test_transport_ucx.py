@@ -306,6 +306,136 @@ async def test_client_deadline_while_provider_is_slow_releases_once(peer, client
         pass
 
 
+# ------------------------------------------------------------ sized fetch
+def full(n: int, size: int) -> np.ndarray:
+    return np.full(n, size, dtype=np.int64)
+
+
+async def test_sized_fetch_allocates_first_and_receives_only_blocks_of_the_posted_size(peer, slab, client):
+    """One round trip: alloc runs before the peer is asked (its provider has
+    not run yet), with the sizes given. A block of another length than its
+    slot, an absent one and a skipped one are never written; a lying
+    checksum is caught; the endpoint stays."""
+    c = client
+    n, size = 6, 128 * KIB
+    d = Dest(n, size, skip=(4,))
+    sizes = full(n, size)
+    sizes[2] = size // 2
+    seen: list[tuple[list[int], int]] = []
+
+    def alloc(lengths: np.ndarray) -> list[memoryview | None]:
+        seen.append((lengths.tolist(), peer.stats()["served"]))
+        out = d.alloc(full(n, size))
+        out[2] = memoryview(d.view(2)[: size // 2])
+        return out
+
+    r = await c.fetch(peer.address, hdr(n=n, size=size, absent=[1], lie=[3]), n, alloc, 10.0, sizes=sizes)
+    assert seen == [(sizes.tolist(), 0)]
+    assert r.error is None
+    assert r.lengths.tolist() == [size, 0, size, size, size, size]  # the peer's own lengths
+    assert r.ok.tolist() == [True, False, False, False, False, True]
+    assert r.corrupt == 1 and r.nbytes == 2 * size
+    assert d.untouched(1) and d.untouched(2) and d.untouched(4)
+    for i in (0, 5):
+        assert np.array_equal(d.view(i), block(slab, i, size))
+    await poll(lambda: peer.stats()["released"] == 1)
+    d2 = Dest(3, 1 << 20)
+    r2 = await c.fetch(peer.address, hdr(n=3, size=1 << 20, off=99), 3, d2.alloc, 10.0, sizes=full(3, 1 << 20))
+    assert r2.ok.all() and c.connects == 1
+    assert all(np.array_equal(d2.view(i), block(slab, i, 1 << 20, 99)) for i in range(3))
+
+
+@pytest.mark.parametrize("flag,word", [("refuse", "refused"), ("invalid", "invalid")])
+async def test_sized_fetch_refused_ends_at_once_and_keeps_the_endpoint(peer, flag, word, client):
+    """The receives were posted before the answer: the peer completes each
+    with an empty message, so a refusal ends the fetch at once (not at its
+    deadline), writes nothing, and the endpoint stays."""
+    c = client
+    d = Dest(4, 64 * KIB)
+    t0 = time.monotonic()
+    r = await c.fetch(peer.address, hdr(n=4, size=64 * KIB, **{flag: True}), 4, d.alloc, 10.0,
+                      sizes=full(4, 64 * KIB))
+    assert time.monotonic() - t0 < 5.0
+    assert r.error is not None and word in r.error and not r.ok.any() and d.calls == 1
+    assert all(d.untouched(i) for i in range(4))
+    r2 = await c.fetch(peer.address, hdr(n=2, size=64 * KIB), 2, Dest(2, 64 * KIB).alloc, 10.0,
+                       sizes=full(2, 64 * KIB))
+    assert r2.ok.all() and c.connects == 1
+
+
+async def test_sized_fetch_paused_peer_fails_within_deadline_and_late_data_never_lands(peer, client):
+    """SIGSTOP before the request goes out (from inside alloc): the fetch
+    ends within its deadline and drops the endpoint; after SIGCONT the peer
+    answers into an aborted endpoint, releases its pin once, and the
+    destinations stay untouched."""
+    c = client
+    assert (await c.fetch(peer.address, hdr(n=1, size=KIB), 1, Dest(1, KIB).alloc, 10.0,
+                          sizes=full(1, KIB))).ok.all()
+    n, size = 16, 1 << 20
+    d = Dest(n, size)
+
+    def alloc_then_pause(lengths: np.ndarray) -> list[memoryview | None]:
+        peer.signal(signal.SIGSTOP)
+        return d.alloc(lengths)
+
+    try:
+        t0 = time.monotonic()
+        r = await c.fetch(peer.address, hdr(n=n, size=size), n, alloc_then_pause, 1.0, sizes=full(n, size))
+        assert r.error is not None and "deadline" in r.error, r.error
+        assert time.monotonic() - t0 < 1.0 + 1.5 and not r.ok.any()
+        assert c.pooled == []
+        snapshot = d.buf.copy()
+        peer.signal(signal.SIGCONT)
+        await poll(lambda: peer.stats()["released"] == 2)
+        assert np.array_equal(d.buf, snapshot)
+        r2 = await c.fetch(peer.address, hdr(n=2, size=size), 2, Dest(2, size).alloc, 10.0, sizes=full(2, size))
+        assert r2.ok.all() and c.connects == 2
+    finally:
+        peer.signal(signal.SIGCONT)
+
+
+async def test_sized_fetch_too_large_for_one_request_takes_two_steps(peer, slab, client, monkeypatch):
+    """Sizes that would not fit in the peer's request buffer: the two-step
+    protocol, so alloc runs after the peer answered, with its lengths."""
+    from transport import ucx
+
+    monkeypatch.setattr(ucx, "MAX_HEADER", 64)  # this process only: the peer keeps the real bound
+    c = client
+    n, size = 8, 64 * KIB
+    seen: list[int] = []
+    d = Dest(n, size)
+
+    def alloc(lengths: np.ndarray) -> list[memoryview | None]:
+        seen.append(peer.stats()["served"])
+        return d.alloc(lengths)
+
+    r = await c.fetch(peer.address, hdr(n=n, size=size), n, alloc, 10.0, sizes=full(n, size))
+    assert r.ok.all() and seen == [1]
+    assert all(np.array_equal(d.view(i), block(slab, i, size)) for i in range(n))
+    with pytest.raises(ValueError, match="shape"):
+        await c.fetch(peer.address, hdr(n=2, size=size), 2, alloc, 10.0, sizes=full(3, size))
+
+
+async def test_malformed_sized_requests_close_the_endpoint(peer, client):
+    """A negative posted length, or more posted lengths than the request
+    buffer holds: the peer closes that endpoint and serves nothing."""
+    import ucxx
+
+    from transport import ucx_wire as wire
+
+    host, port = peer.address.rsplit(":", 1)
+    for count, posted in ((2, [-1, 64]), (wire.MAX_HEADER // 8 + 1, [64, 64])):
+        ep = await ucxx.create_endpoint(host, int(port))
+        await poll(lambda: peer.stats()["endpoints"] == 1)
+        req = bytearray(wire.PRE.size + 16)
+        wire.PRE.pack_into(req, 0, wire.MAGIC_SIZED, 0, 1, count, 0, 1.0)
+        req[wire.PRE.size:] = np.asarray(posted, dtype=np.int64).tobytes()
+        await ep.send(req, tag=wire.TAG_REQ)
+        await poll(lambda: peer.stats()["endpoints"] == 0)
+        ep.abort()
+    assert peer.stats()["served"] == 0
+
+
 def test_a_peer_that_cannot_listen_exits_instead_of_hanging(peer):
     """UCX's notifier thread is not a daemon thread: a process whose start
     fails must still end (transport.ucx.shutdown in a finally)."""

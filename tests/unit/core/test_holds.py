@@ -189,3 +189,27 @@ def test_truncate_keeps_the_head_of_a_reservation_and_quarantine_keeps_its_slots
         used = st.dram.used_bytes
         assert holds.quarantine(other.handle) and not holds.quarantine(other.handle)
         assert st.dram.used_bytes == used and st.hold_counts() == (0, 0)  # leaked for good, never reused
+
+
+def test_commit_prefix_commits_the_head_with_given_checksums_and_aborts_the_rest(ns):
+    """The fetch path's last step: the blocks that arrived are committed
+    with the sender's checksums (not hashed again), the rest dropped."""
+    with make() as st:
+        keys = chain(b"c", 3)
+        res = st.reserve(ns, keys, BS, owner="f")
+        fill(st, res, keys[:2])
+        sums = [checksum(P(k)) for k in keys]
+        assert st.commit_prefix(res.handle, "f", 2, sums) == 2
+        assert st.lookup(ns, keys).hit_blocks == 2 and st.hold_counts() == (0, 0)
+        assert [bytes(p) for p in st.get(ns, keys[:2]).payloads] == [P(k) for k in keys[:2]]
+        # the checksums given are the ones kept: a wrong one makes that block a miss when read
+        more = chain(b"d", 2)
+        res = st.reserve(ns, more, BS, owner="f")
+        fill(st, res, more)
+        assert st.commit_prefix(res.handle, "f", 2, [checksum(P(more[0])), 12345]) == 2
+        got = st.get(ns, more)
+        assert got.statuses[0] is KeyStatus.OK and got.statuses[1] is not KeyStatus.OK
+        # keep 0 aborts; an unknown or finished reservation commits nothing
+        res = st.reserve(ns, chain(b"e", 1), BS, owner="f")
+        assert st.commit_prefix(res.handle, "f", 0) == 0 and st.hold_counts() == (0, 0)
+        assert st.commit_prefix(res.handle, "f", 1) == 0 and st.commit_prefix("r-nope", "f", 1) == 0

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from transport import ucx
-from transport.ucx import BlockClient, FetchResult, Served, _check_served, _table
+from transport import ucx_wire as wire
+from transport.ucx import BlockClient, FetchResult, Served
+from transport.ucx_wire import check_served, table
 
 
 def served(lengths: list[int], regions: list[memoryview] | None = None) -> Served:
@@ -21,10 +23,10 @@ def served(lengths: list[int], regions: list[memoryview] | None = None) -> Serve
 
 
 def test_tags_are_distinct_small_ints_that_hash_to_themselves():
-    tags = {ucx.TAG_REQ}
+    tags = {wire.TAG_REQ}
     for seq in (1, 2, (1 << 37) - 1):
-        tags |= {ucx._tag_tab(seq), ucx._tag_go(seq)}
-        tags |= {ucx._tag_blk(seq, i) for i in (0, 1, ucx.MAX_BLOCKS - 1)}
+        tags |= {wire.tag_tab(seq), wire.tag_go(seq)}
+        tags |= {wire.tag_blk(seq, i) for i in (0, 1, ucx.MAX_BLOCKS - 1)}
     assert len(tags) == 1 + 3 * 2 + 3 * 3
     for t in tags:
         # ucxx mixes hash(tag) into the endpoint tag: must be the same in every process
@@ -33,24 +35,24 @@ def test_tags_are_distinct_small_ints_that_hash_to_themselves():
 
 def test_table_round_trip_and_error_text_is_bounded():
     s = served([10, 0, 7])
-    t = _table(42, ucx.ST_OK, "", s, 3)
-    seq, status, elen, _ = ucx._HEAD.unpack_from(t, 0)
-    body = t[ucx._HEAD.size:]
+    t = table(42, wire.ST_OK, "", s, 3)
+    seq, status, elen, _ = wire.HEAD.unpack_from(t, 0)
+    body = t[wire.HEAD.size:]
     assert (seq, status, elen) == (42, 0, 0)
     assert body[:24].view(np.int64).tolist() == [10, 0, 7]
     assert body[24:].view(np.uint64).tolist() == [0, 1, 2]
-    t = _table(1, ucx.ST_REFUSED, "x" * 1000, None, 2)
-    _, status, elen, text = ucx._HEAD.unpack_from(t, 0)
-    assert status == ucx.ST_REFUSED and elen == 240 and text[:elen] == b"x" * 240
-    assert not t[ucx._HEAD.size:].any()  # no lengths leak out of a refused answer
+    t = table(1, wire.ST_REFUSED, "x" * 1000, None, 2)
+    _, status, elen, text = wire.HEAD.unpack_from(t, 0)
+    assert status == wire.ST_REFUSED and elen == 240 and text[:elen] == b"x" * 240
+    assert not t[wire.HEAD.size:].any()  # no lengths leak out of a refused answer
 
 
 def test_check_served_names_each_inconsistency():
-    assert _check_served(served([4, 0, 4]), 3) == ""
-    assert "not Served" in _check_served(object(), 1)
-    assert "answered 2 blocks" in _check_served(served([4, 4]), 3)
-    assert "2 regions for 1 present" in _check_served(served([4, 0], [memoryview(b"aaaa")] * 2), 2)
-    assert "region of 3 bytes" in _check_served(served([4], [memoryview(b"aaa")]), 1)
+    assert check_served(served([4, 0, 4]), 3) == ""
+    assert "not Served" in check_served(object(), 1)
+    assert "answered 2 blocks" in check_served(served([4, 4]), 3)
+    assert "2 regions for 1 present" in check_served(served([4, 0], [memoryview(b"aaaa")] * 2), 2)
+    assert "region of 3 bytes" in check_served(served([4], [memoryview(b"aaa")]), 1)
 
 
 def test_address_parsing():
@@ -133,3 +135,23 @@ def test_tuning_puts_rendezvous_only_without_shared_memory(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_RNDV_SCHEME", "auto")
     assert ucx._tuning({"NET_DEVICES": "lo"}) == {}
+
+
+def test_sized_sends_send_each_posted_block_or_an_empty_message():
+    """A sized request's answer: for every posted block, its region when it
+    is present at exactly the posted length, else an empty message (so the
+    receiver's posted receive completes); nothing for an unposted block."""
+
+    class Ep:
+        def send(self, buf, tag):
+            return bytes(buf), tag
+
+    regions = [memoryview(b"a" * 4), memoryview(b"b" * 8), memoryview(b"c" * 4)]
+    s = Served(np.array([4, 0, 8, 4, 0], np.int64), np.zeros(5, np.uint64), regions, lambda: None)
+    posted = np.array([4, 4, 4, 0, 0], np.int64)  # 1: absent there; 2: another length; 3, 4: not asked
+    got = wire.sized_sends(Ep(), 9, posted, s)
+    assert got == [(b"aaaa", wire.tag_blk(9, 0)), (b"", wire.tag_blk(9, 1)), (b"", wire.tag_blk(9, 2))]
+    posted = np.array([4, 0, 8, 4, 0], np.int64)
+    assert [b for b, _ in wire.sized_sends(Ep(), 9, posted, s)] == [b"aaaa", b"b" * 8, b"cccc"]
+    # a refused or failed request: every posted block gets the empty message
+    assert [b for b, _ in wire.sized_sends(Ep(), 9, posted, None)] == [b"", b"", b""]

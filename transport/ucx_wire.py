@@ -1,0 +1,163 @@
+"""The wire format of ``transport/ucx.py``'s block fetch: message layouts,
+tags, status codes, what a provider answers and what a fetch returns.
+Nothing here touches UCX; ``transport.ucx`` sends and receives these.
+
+Wire protocol (all tag messages on the one endpoint a client opens to a
+server's listener; ucxx hashes our tags with the endpoint's own tags, so two
+connections never match each other's messages)::
+
+    client -> server  REQUEST   TAG_REQ            preamble + header
+    server -> client  TABLE     tag_tab(seq)       head + lengths[count] + checksums[count]
+    client -> server  GO        tag_go(seq)        uint8 want[count]   (only if status OK and
+                                                                        some block is present)
+    server -> client  BLOCK i   tag_blk(seq, i)    the region, received into alloc()'s view
+
+``seq`` is unique per client process, so the answers of concurrent fetches
+over one endpoint never mix.  The GO round trip lets the receiver say which
+blocks it has room for (``alloc`` may return ``None``), so nothing is sent
+that nobody receives.
+
+**Sized fetch** (``fetch(..., sizes=...)``: the caller knows each block's
+length beforehand, as a daemon does for a namespace it stores): one round trip,
+no GO.  ``alloc`` runs before the request; the request (magic ``KVB2``)
+carries after the header the int64 length the client receives into for
+each block (0: none), and the client posts those receives while the server
+answers::
+
+    client -> server  REQUEST   TAG_REQ            preamble + header + posted[count]
+    server -> client  TABLE     tag_tab(seq)       as above
+    server -> client  BLOCK i   tag_blk(seq, i)    for every i with posted[i] > 0: the region
+                                                   if the status is OK, the block is present
+                                                   and its length is posted[i]; otherwise an
+                                                   empty message
+
+So every receive the client posted is completed by the server, whatever
+the answer, and nothing is sent that nobody receives.  A block whose length
+differs from the posted one is not sent (``ok`` False, ``lengths`` gives
+its real length).  A server older than this protocol closes the endpoint
+on ``KVB2``: the fetch fails (a miss).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Final, Sequence
+
+import numpy as np
+
+__all__ = ["Alloc", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC", "MAGIC_SIZED",
+           "PRE", "HEAD", "ST_OK", "ST_REFUSED", "ST_INVALID", "ST_FAILED", "STATUS_WORD", "TAG_REQ",
+           "tag_tab", "tag_go", "tag_blk", "table", "check_served", "sized_sends"]
+
+MAX_HEADER: Final = 1 << 20
+"""Largest request header in bytes (the server's receive buffer per endpoint)."""
+MAX_BLOCKS: Final = 1 << 20
+"""Most blocks in one fetch."""
+
+MAGIC: Final = b"KVB1"
+MAGIC_SIZED: Final = b"KVB2"
+EMPTY: Final = np.empty(0, dtype=np.uint8)
+"""The message a sized fetch's receive gets for a block the server does not send."""
+PRE: Final = struct.Struct("<4sIQIId")  # magic, flags, seq, count, header length, timeout (s)
+HEAD: Final = struct.Struct("<QII240s")  # seq, status, error length, error text
+ST_OK, ST_REFUSED, ST_INVALID, ST_FAILED = 0, 1, 2, 3
+STATUS_WORD: Final = {ST_REFUSED: "refused", ST_INVALID: "invalid request", ST_FAILED: "failed"}
+
+SEQ_MASK: Final = (1 << 37) - 1
+
+# Tags are ints below 2**61 - 1: ucxx mixes ``hash(tag)`` with the endpoint's
+# own tag, and ``hash`` of such an int is the int itself in every process
+# (``hash`` of str/bytes is salted per process; never use those here).
+TAG_REQ: Final = 4 << 57
+
+
+def tag_tab(seq: int) -> int:
+    return (1 << 57) | (seq & SEQ_MASK)
+
+
+def tag_go(seq: int) -> int:
+    return (2 << 57) | (seq & SEQ_MASK)
+
+
+def tag_blk(seq: int, i: int) -> int:
+    return (3 << 57) | (i << 37) | (seq & SEQ_MASK)
+
+
+# ------------------------------------------------------------------ types
+@dataclass(slots=True, frozen=True)
+class Served:
+    """What a provider hands the server for one request."""
+
+    lengths: np.ndarray
+    """int64 per requested block; 0 = absent on this peer."""
+    checksums: np.ndarray
+    """uint64 per block: XXH3-64 of the payload, as the sender's index has it."""
+    regions: list[memoryview]
+    """One per PRESENT block, in order: views over the sender's slab, no copies."""
+    release: Callable[[], None]
+    """Called exactly once when the send completed or failed (the provider unpins there)."""
+
+
+Provider = Callable[[bytes], Awaitable[Served]]
+"""Answers an opaque request header; may raise PermissionError / ValueError,
+which the client sees as ``FetchResult.error`` (all ``ok`` False)."""
+
+
+@dataclass(slots=True)
+class FetchResult:
+    ok: np.ndarray
+    """bool per requested block: arrived AND checksum verified."""
+    lengths: np.ndarray
+    """int64 per block as the peer reported (0 = absent)."""
+    nbytes: int
+    """Bytes of the blocks that arrived verified."""
+    seconds: float
+    error: str | None
+    """Whole-call failure (peer gone, deadline, refused); then ok is all False."""
+    corrupt: int = 0
+    """Blocks that arrived but failed the checksum."""
+    checksums: np.ndarray | None = None
+    """uint64 per block as the peer reported (valid where ``ok``): what the
+    receiver commits, so it need not hash the bytes again."""
+
+
+Alloc = Callable[[np.ndarray], Sequence["memoryview | None"]]
+"""Given per-block lengths, a destination per block (None = skip that block)."""
+
+
+def check_served(s: Any, count: int) -> str:
+    if not isinstance(s, Served):
+        return f"provider returned {type(s).__name__}, not Served"
+    if len(s.lengths) != count or len(s.checksums) != count:
+        return f"provider answered {len(s.lengths)} blocks for a request of {count}"
+    present = np.asarray(s.lengths) > 0
+    if int(present.sum()) != len(s.regions):
+        return f"provider gave {len(s.regions)} regions for {int(present.sum())} present blocks"
+    for n, r in zip(np.asarray(s.lengths)[present], s.regions):
+        if r.nbytes != int(n):
+            return f"provider region of {r.nbytes} bytes for a block of {int(n)}"
+    return ""
+
+
+def table(seq: int, status: int, msg: str, served: Served | None, count: int) -> np.ndarray:
+    out = np.zeros(HEAD.size + 16 * count, dtype=np.uint8)
+    text = msg.encode("utf-8", "replace")[:240]
+    HEAD.pack_into(out.data, 0, seq, status, len(text), text)
+    if served is not None:
+        body = out[HEAD.size:]
+        body[: 8 * count].view(np.int64)[:] = np.asarray(served.lengths, dtype=np.int64)
+        body[8 * count:].view(np.uint64)[:] = np.asarray(served.checksums, dtype=np.uint64)
+    return out
+
+
+def sized_sends(ep: Any, seq: int, posted: np.ndarray, served: Served | None) -> list[Awaitable[Any]]:
+    """A sized request's block sends: the region where the block is present
+    at the posted length, an empty message for every other posted block."""
+    wanted = np.flatnonzero(posted > 0)
+    if served is None:
+        return [ep.send(EMPTY, tag=tag_blk(seq, int(i))) for i in wanted]
+    lengths = np.asarray(served.lengths, dtype=np.int64)
+    region_of = np.cumsum(lengths > 0) - 1  # block i's index in served.regions, where present
+    return [ep.send(served.regions[int(region_of[i])] if lengths[i] > 0 and lengths[i] == posted[i] else EMPTY,
+                    tag=tag_blk(seq, int(i))) for i in wanted]
