@@ -39,6 +39,7 @@ from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
 from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate, shapes_from_toml
+from transport.ucx_wire import Served  # the wire's types only: importing it does not start UCX
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -55,16 +56,6 @@ def default_transport() -> tuple[Any, Any]:
 
 transport_factory: Callable[[], tuple[Any, Any]] = default_transport
 """Where the daemon gets its block transport (tests swap in a fake)."""
-
-
-@dataclass(slots=True, frozen=True)
-class ServedBlocks:
-    """What the provider hands the transport (duck-typed ``Served``)."""
-
-    lengths: np.ndarray
-    checksums: np.ndarray
-    regions: list[memoryview]
-    release: Callable[[], None]
 
 
 @dataclass(slots=True)
@@ -108,9 +99,6 @@ class ClusterNode:
         self.creds = tls.peer_credentials(config)  # peer channels follow the server's TLS (mutual TLS)
         tls.warn_clear_token(config, self.token, c.peer_list)
         server_cls, client_cls = transport_factory()
-        import importlib
-
-        self._served: Any = getattr(importlib.import_module(server_cls.__module__), "Served", ServedBlocks)
         self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
         self.block_address = ""
@@ -528,7 +516,7 @@ class ClusterNode:
         except Exception:
             raise ValueError("malformed block fetch header") from None
         if not h.keys_packed:  # a link probe
-            return self._served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
+            return Served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
         if len(h.keys_packed) % 16:
             raise ValueError("keys_packed is not a multiple of 16 bytes")
         d = self.daemon
@@ -577,7 +565,7 @@ class ClusterNode:
         self.metrics.peer_served(h.node_id or "?", present, nbytes)
         lengths = res.lengths.copy()
         lengths[present:] = 0
-        return self._served(lengths, res.checksums.copy(), regions, release)
+        return Served(lengths, res.checksums.copy(), regions, release)
 
 
-__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "ServedBlocks", "transport_factory"]
+__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "transport_factory"]
