@@ -265,11 +265,11 @@ class BlockServer:
                 log.exception("block provider failed")
                 status, msg = wire.ST_FAILED, f"provider error: {type(e).__name__}: {e}"
             self.requests += 1
-            table = wire.table(seq, status, msg, served if status == wire.ST_OK else None, count)
+            answered = served if status == wire.ST_OK else None
+            table = wire.table(seq, status, msg, answered, count)
             if posted is not None:  # sized: the table and every posted block at once, no GO
-                await _bounded(asyncio.gather(ep.send(table, tag=wire.tag_tab(seq)),
-                                              *wire.sized_sends(ep, seq, posted, served if status == wire.ST_OK else None)),
-                               end)
+                sends = wire.sized_sends(ep, seq, posted, answered)
+                await _bounded(asyncio.gather(ep.send(table, tag=wire.tag_tab(seq)), *sends), end)
                 return
             await _bounded(ep.send(table, tag=wire.tag_tab(seq)), end)
             if status != wire.ST_OK or served is None or not served.regions:
@@ -292,7 +292,6 @@ class BlockServer:
                     log.exception("release() of a served batch failed")
 
 
-
 async def _provide(provider: Provider, header: bytes, end: float) -> Served:
     """Call the provider, bounded by ``end`` but never cancelled: a provider
     that answers after the deadline has its batch released at once, so a pin
@@ -313,7 +312,6 @@ def _release_late(task: asyncio.Future[Any]) -> None:
         s.release()
     except Exception:  # noqa: BLE001
         log.exception("release() of a late batch failed")
-
 
 
 async def _bounded(aw: Awaitable[Any], end: float) -> Any:
@@ -389,7 +387,7 @@ class BlockClient:
         faults (they come back as ``error``).
 
         ``sizes`` (int64 per block, the length the caller expects): a sized
-        fetch, one round trip (module docstring). ``alloc`` is then called
+        fetch, one round trip (``transport/ucx_wire.py``). ``alloc`` is then called
         with ``sizes`` before the request, and a block whose real length
         differs is not received. Without it, ``alloc`` gets the peer's
         lengths after a first round trip."""
@@ -491,7 +489,7 @@ class BlockClient:
     async def _fetch_sized(self, conn: _Conn, header: bytes, count: int, alloc: Alloc, sizes: np.ndarray,
                            t0: float, end: float, deadline_s: float) -> FetchResult:
         """``fetch`` with ``sizes``: alloc, then the request, then the
-        receives posted while the peer answers (module docstring)."""
+        receives posted while the peer answers (``transport/ucx_wire.py``)."""
         lengths = np.zeros(count, dtype=np.int64)
 
         def failed(msg: str) -> FetchResult:
