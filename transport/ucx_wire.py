@@ -127,6 +127,8 @@ Alloc = Callable[[np.ndarray], Sequence["memoryview | None"]]
 
 
 def check_served(s: Any, count: int) -> str:
+    """What is wrong with a provider's answer to a request of ``count``
+    blocks ("" when nothing is): the server answers FAILED with it."""
     if not isinstance(s, Served):
         return f"provider returned {type(s).__name__}, not Served"
     if len(s.lengths) != count or len(s.checksums) != count:
@@ -141,6 +143,8 @@ def check_served(s: Any, count: int) -> str:
 
 
 def table(seq: int, status: int, msg: str, served: Served | None, count: int) -> np.ndarray:
+    """The TABLE message: head (seq, status, error text cut to 240 bytes),
+    then lengths and checksums, zero unless ``served`` is given."""
     out = np.zeros(HEAD.size + 16 * count, dtype=np.uint8)
     text = msg.encode("utf-8", "replace")[:240]
     HEAD.pack_into(out.data, 0, seq, status, len(text), text)
