@@ -219,6 +219,22 @@ def since(c: Cluster, e: str, mark: int, event: str) -> list[dict[str, Any]]:
     return [r for r in c.records(e)[mark:] if r.get("event") == event]
 
 
+def why(c: Cluster, e: str, mark: int, node: str) -> str:
+    """Everything engine ``e`` recorded since ``mark``, and the ends of its
+    log and of daemon ``node``'s: the message of an assertion about them,
+    so a failure explains itself (the work directory is removed after the
+    module)."""
+    def tail(path: str) -> str:
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError as err:
+            return f"(no log: {err})"
+
+    return (f"records of {e} since the mark: {c.records(e)[mark:]}\n----- end of {e}'s log -----\n"
+            f"{tail(c.log_path(e))}\n----- end of daemon {node}'s log -----\n{tail(c.nodes[node].log_path)}")
+
+
 def test_pd_tokens_equal_one_engine_and_decode_computes_only_the_tail(cluster: Cluster) -> None:
     prompt = words(1000, 1)
     assert len(cluster.keys(prompt)) == 7
@@ -229,7 +245,7 @@ def test_pd_tokens_equal_one_engine_and_decode_computes_only_the_tail(cluster: C
     assert (h["x-kvstore-backend"], h["x-kvstore-prefill"], h["x-kvstore-pd-decision"]) == ("d", "p", "fetch"), h
     assert r.json()["choices"][0]["text"] == ref
     look = [x for x in since(cluster, "d", mark, "lookup") if x.get("prompt_blocks") == 7]
-    assert look and look[0]["decision"] == "fetch" and look[0]["remote_blocks"] == 7
+    assert look and look[0]["decision"] == "fetch" and look[0]["remote_blocks"] == 7, why(cluster, "d", mark, "b")
     assert look[0]["fetch_ms"] < look[0]["recompute_ms"]
     assert look[0]["external_tokens"] == 7 * BLOCK  # computes 1000 - 896 = 104 < 128 prompt tokens itself
     fetch = since(cluster, "d", mark, "fetch")
@@ -287,7 +303,7 @@ def test_damaged_bytes_at_the_holder_are_recomputed(cluster: Cluster) -> None:
     mark = len(cluster.records("d"))
     r = cluster.routed("fast", prompt)
     assert r.json()["choices"][0]["text"] == ref
-    assert cluster.nodes["b"].stats().checksum_failures == before + 1
+    assert cluster.nodes["b"].stats().checksum_failures == before + 1, why(cluster, "d", mark, "b")
     fetch = since(cluster, "d", mark, "fetch")
     assert fetch and fetch[0]["fetched_blocks"] == 3 and fetch[0]["hit_blocks"] == 3
     assert sum(x["loaded_blocks"] for x in since(cluster, "d", mark, "load")) == 3
