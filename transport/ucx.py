@@ -47,7 +47,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Awaitable, Final
+from typing import Any, Awaitable, Callable, Final
 
 import numpy as np
 
@@ -403,7 +403,6 @@ class BlockClient:
                 sizes = None  # too many to post in one request: the two-step protocol
         t0 = time.monotonic()
         end = t0 + max(0.0, float(deadline_s))
-        ok = np.zeros(count, dtype=bool)
         lengths = np.zeros(count, dtype=np.int64)
 
         def failed(msg: str) -> FetchResult:
@@ -419,7 +418,7 @@ class BlockClient:
             return failed(f"connect to {address} failed: {type(e).__name__}: {e}")
         conn.fetches += 1
         if sizes is not None:
-            return await self._fetch_sized(conn, header, count, alloc, sizes, t0, end, deadline_s)
+            return await self._fetch_sized(conn, header, count, alloc, sizes, lengths, failed, t0, end, deadline_s)
         ep = conn.ep
         seq = next(_SEQ)
         posted: list[asyncio.Future[Any]] = []
@@ -434,14 +433,13 @@ class BlockClient:
             await _wait_all([trecv], end)
             _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
             if status != wire.ST_OK:
-                word = wire.STATUS_WORD.get(status, f"status {status}")
-                return failed(f"peer {address} {word}: {etext[:elen].decode('utf-8', 'replace')}")
+                return failed(_refused(address, status, etext[:elen]))
             body = table[wire.HEAD.size:]
             lengths[:] = body[: 8 * count].view(np.int64)
             sums = body[8 * count:].view(np.uint64).copy()
             present = np.flatnonzero(lengths > 0)
             if present.size == 0:
-                return FetchResult(ok, lengths, 0, time.monotonic() - t0, None, 0, sums)
+                return FetchResult(np.zeros(count, dtype=bool), lengths, 0, time.monotonic() - t0, None, 0, sums)
             try:
                 dests = alloc(lengths.copy())
                 if len(dests) != count:
@@ -463,12 +461,7 @@ class BlockClient:
                     posted.append(asyncio.ensure_future(one(i, d)))
             await _bounded(ep.send(want, tag=wire.tag_go(seq)), end)
             await _wait_all(posted, end)
-            corrupt = 0
-            for j, good in verified.items():
-                ok[j] = good
-                corrupt += not good
-            nbytes = int(lengths[ok].sum())
-            return FetchResult(ok, lengths, nbytes, time.monotonic() - t0, None, corrupt, sums)
+            return _verified(verified, lengths, sums, t0)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
             return failed(await self._fault(conn, posted, e, deadline_s))
 
@@ -487,14 +480,11 @@ class BlockClient:
         return msg
 
     async def _fetch_sized(self, conn: _Conn, header: bytes, count: int, alloc: Alloc, sizes: np.ndarray,
-                           t0: float, end: float, deadline_s: float) -> FetchResult:
+                           lengths: np.ndarray, failed: Callable[[str], FetchResult], t0: float, end: float,
+                           deadline_s: float) -> FetchResult:
         """``fetch`` with ``sizes``: alloc, then the request, then the
-        receives posted while the peer answers (``transport/ucx_wire.py``)."""
-        lengths = np.zeros(count, dtype=np.int64)
-
-        def failed(msg: str) -> FetchResult:
-            return FetchResult(np.zeros(count, dtype=bool), lengths, 0, time.monotonic() - t0, msg)
-
+        receives posted while the peer answers (``transport/ucx_wire.py``).
+        ``lengths`` (zeros) gets the peer's; ``failed`` is ``fetch``'s."""
         try:
             dests = alloc(sizes.copy())
             if len(dests) != count:
@@ -542,14 +532,24 @@ class BlockClient:
             return failed(await self._fault(conn, posted, e, deadline_s))
         status, etext, sums = answer
         if status != wire.ST_OK:
-            word = wire.STATUS_WORD.get(status, f"status {status}")
-            return failed(f"peer {conn.address} {word}: {etext.decode('utf-8', 'replace')}")
-        ok = np.zeros(count, dtype=bool)
-        corrupt = 0
-        for j, good in verified.items():
-            ok[j] = good
-            corrupt += not good
-        return FetchResult(ok, lengths, int(lengths[ok].sum()), time.monotonic() - t0, None, corrupt, sums)
+            return failed(_refused(conn.address, status, etext))
+        return _verified(verified, lengths, sums, t0)
+
+
+def _refused(address: str, status: int, text: bytes) -> str:
+    """The error of a fetch the peer answered with ``status`` (not OK)."""
+    word = wire.STATUS_WORD.get(status, f"status {status}")
+    return f"peer {address} {word}: {text.decode('utf-8', 'replace')}"
+
+
+def _verified(verified: dict[int, bool], lengths: np.ndarray, sums: np.ndarray, t0: float) -> FetchResult:
+    """A fetch's result from its blocks' checksum verdicts (block -> good)."""
+    ok = np.zeros(lengths.size, dtype=bool)
+    corrupt = 0
+    for j, good in verified.items():
+        ok[j] = good
+        corrupt += not good
+    return FetchResult(ok, lengths, int(lengths[ok].sum()), time.monotonic() - t0, None, corrupt, sums)
 
 
 async def _wait_all(futs: list[asyncio.Future[Any]], end: float) -> None:
