@@ -115,7 +115,8 @@ def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
 
     resolved = getattr(kv_cache_config, "kv_cache_layout", None) or ""
     return identity.vllm_layout_tag(str(current_platform.device_type), str(resolved),
-                                    str(extra_config(vllm_config).get("layout_tag", "")))
+                                    str(extra_config(vllm_config).get("layout_tag", "")),
+                                    int(vllm_config.parallel_config.tensor_parallel_size))
 
 
 def _geometry(vllm_config: VllmConfig) -> tuple[int, int, int]:

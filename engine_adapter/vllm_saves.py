@@ -16,10 +16,12 @@ back to back (the worker module says more). Per step:
 - **TP > 1** (collective over vLLM's TP group, every rank in the same
   order): rank 0 broadcasts the slot offsets as one int64 tensor
   (:class:`~engine_adapter.tp.Plan`); each rank gathers its shards into its
-  byte range of each slot; a MIN all-reduce of one code per request says
+  byte range of each slot, hashed on the way, and writes its part of each
+  block's seal (its shard's XXH3-64: ``kvstore.client.shards``); a MIN all-reduce of one code per request says
   whether every rank wrote all its shards (and loaded that request's blocks
   of this step: blocks computed on top of a failed load are never stored);
-  rank 0 then commits (the daemon checksums the whole block) or aborts. A
+  rank 0 then commits (the daemon checksums the whole block, seal
+  included) or aborts. A
   rank dying mid-save leaves only an uncommitted reservation, which the
   daemon reclaims with the dead session: never a visible half block.
 """
@@ -45,7 +47,8 @@ from engine_adapter.vllm_common import (
 )
 from kvstore.checksum import copy_many
 from kvstore.client import Client, PendingReservation, Reservation
-from kvstore.client.sinks import LayerScatter
+from kvstore.client.shards import write_seals
+from kvstore.client.sinks import LayerScatter, ShardScatter
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
 
@@ -64,7 +67,7 @@ class SaveSide:
     shard_bytes: int
     block_bytes: int
     staging: torch.Tensor
-    scatter: LayerScatter | None
+    scatter: LayerScatter | ShardScatter | None
     load_failed: set[str]
     stored: dict[str, list[tuple[int, int]]]
     sent: set[str]
@@ -192,8 +195,8 @@ class SaveSide:
         t1 = time.perf_counter()
         csums = np.zeros(0, np.uint64)
         lay = self.scatter
-        gathered = bool(n and lay is not None and not lay.staged)
-        if gathered and lay is not None:  # straight into the slots, hashed on the way: one pass, no staging
+        gathered = bool(n and isinstance(lay, LayerScatter) and not lay.staged)
+        if gathered and isinstance(lay, LayerScatter):  # straight into the slots, hashed on the way: one pass
             try:
                 dsts = [c.view(resv.offsets[i], resv.lengths[i]) for _, resv, ok in plans for i in ok]
                 got = lay.gather(dsts, [m.block_ids[i] for m, _, ok in plans for i in ok])
@@ -322,11 +325,12 @@ class SaveSide:
                 codes[i] = 0
         sel = np.flatnonzero(plan.write == 1)
         all_ids = np.asarray([b for m in saves for b in m.block_ids], np.int64)
+        all_keys = [k for m in saves for k in split_keys(m.keys)]
+        keys = [all_keys[i] for i in sel.tolist()]
         lay = self.scatter
-        if lay is not None and not lay.staged:  # this rank's pieces straight into each slot
+        if isinstance(lay, ShardScatter) and not lay.staged:  # this rank's pieces straight into each slot
             try:
-                lay.gather([c.view(int(plan.offsets[i]), self.block_bytes) for i in sel.tolist()],
-                           all_ids[sel], checksums=False)
+                lay.gather([c.view(int(plan.offsets[i]), self.block_bytes) for i in sel.tolist()], all_ids[sel], keys)
             except FAULT_TYPES as e:
                 self.link.fault("save", e)
                 codes[:] = 0
@@ -337,8 +341,10 @@ class SaveSide:
             torch.index_select(t, 0, ids.to(t.device), out=dst)
         rows = raw.numpy()
         try:
-            dsts = [c.view(int(plan.offsets[i]) + rank * self.shard_bytes, self.shard_bytes) for i in sel.tolist()]
-            copy_many(dsts, [rows[j] for j in range(sel.shape[0])])
+            blocks = [c.view(int(plan.offsets[i]), self.block_bytes) for i in sel.tolist()]
+            sums = copy_many([b[rank * self.shard_bytes:(rank + 1) * self.shard_bytes] for b in blocks],
+                             [rows[j] for j in range(sel.shape[0])])
+            write_seals(blocks, rank, self.tp, self.shard_bytes, keys, sums)
         except FAULT_TYPES as e:
             self.link.fault("save", e)
             codes[:] = 0

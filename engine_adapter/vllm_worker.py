@@ -4,7 +4,8 @@ A store block is the bytes of one vLLM block across all layers, moved as
 opaque bytes (layer-major: layer 0's block bytes, then layer 1's, ...).
 Under tensor parallelism (TP = k) it is the k ranks' shards back to back in
 **one** slot under **one** key: shard r = rank r's KV heads, all layers
-(``[r * shard_bytes, (r + 1) * shard_bytes)`` of the slot). So a block is
+(``[r * shard_bytes, (r + 1) * shard_bytes)`` of the slot), then a seal
+with each shard's own XXH3-64 (``kvstore.client.shards``). So a block is
 present only when all its shards are, and eviction drops them together: the
 daemon knows only whole blocks.
 
@@ -13,9 +14,11 @@ daemon knows only whole blocks.
   index, else under an ``Acquire``/``Release`` lease) -> each whole block
   copied out of the daemon's shared-memory slab straight to this rank's
   places in the layer tensors, hashed there (xxh3_64) 1 KiB at a time
-  (``kvstore.client.sinks.ScatterSink``; another rank's bytes are hashed
-  where they lie). Layouts ``scatter_layout`` cannot place (device
-  tensors) stage the checked blocks in a pooled buffer first, then copy
+  (``kvstore.client.sinks.ScatterSink``). At TP > 1 a rank reads only its
+  shard and the seal, and checks the shard against its entry in the seal
+  (``ShardSink``): another rank's shard is that rank's to check. Layouts
+  ``scatter_layout`` cannot place (device tensors) read whole blocks,
+  checked against the daemon's checksum, into a pooled buffer first, then copy
   them in with one ``copy_`` per run of consecutive blocks per layer. A
   block that fails (checksum, wrong size, gone since the lookup, daemon
   error) is reported through ``get_block_ids_with_load_errors`` with every
@@ -52,7 +55,8 @@ from engine_adapter.vllm_common import (
 )
 from engine_adapter.vllm_saves import SaveSide
 from kvstore.client import Client, PendingReservation
-from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter
+from kvstore.client.shards import seal_bytes
+from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter, ShardScatter
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
 
@@ -102,12 +106,13 @@ class WorkerSide(SaveSide):
         self.shard_bytes = 0
         """This rank's part of a stored block (all layers)."""
         self.block_bytes = 0
-        """A stored block: ``tp * shard_bytes``."""
+        """A stored block: ``shard_bytes`` at TP = 1, else ``tp * shard_bytes`` and the seal."""
         self.staging = torch.empty(0, dtype=torch.uint8)
-        self.scatter: LayerScatter | None = None
+        self.scatter: LayerScatter | ShardScatter | None = None
         """Where a verified read puts this rank's shard of a block straight
-        into the KV tensors (CPU layouts ``scatter_layout`` knows); None:
-        loads stage whole blocks and copy them in afterwards."""
+        into the KV tensors (CPU layouts ``scatter_layout`` knows; a
+        ``ShardScatter`` at TP > 1); None: loads stage whole blocks and copy
+        them in afterwards."""
         self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
         """Seconds of the current step's loads in each of ``LOAD_PHASES``."""
         self.load_errors: set[int] = set()
@@ -125,6 +130,12 @@ class WorkerSide(SaveSide):
                 raise ValueError(f"kvstore connector: the TP group has {self.group.size} ranks, "
                                  f"tensor_parallel_size is {self.tp}")
         return self.group
+
+    @property
+    def read_bytes(self) -> int:
+        """What a load reads from the slab per block: this rank's shard and
+        the seal (``ShardScatter``), else the whole block."""
+        return self.scatter.read_bytes if isinstance(self.scatter, ShardScatter) else self.block_bytes
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Record the layer tensors as block-major views ``[num_blocks, ...]``."""
@@ -154,9 +165,9 @@ class WorkerSide(SaveSide):
         self.layers = layers
         self.layer_bytes = int(np.prod(shape)) * dtype.itemsize
         self.shard_bytes = self.layer_bytes * len(layers)
-        self.block_bytes = self.shard_bytes * self.tp
-        self.scatter = scatter_layout(originals, layers, self.rank * self.shard_bytes, self.layer_bytes,
-                                      self.block_bytes)
+        self.block_bytes = self.shard_bytes if self.tp == 1 else self.shard_bytes * self.tp + seal_bytes(self.tp)
+        lay = scatter_layout(originals, layers, 0, self.layer_bytes, self.shard_bytes)
+        self.scatter = lay if lay is None or self.tp == 1 else ShardScatter(lay, self.rank, self.tp)
         if self.link.prefault:  # connect now: the slab's resident pages get mapped before the first load
             self.link.client()
         log.info("kvstore connector: %d layers, block %s %s, %d bytes per stored block (%d per rank, TP=%d); "
@@ -193,7 +204,7 @@ class WorkerSide(SaveSide):
         self.phases["setup"] = time.perf_counter() - t0
         for m in meta.loads:
             n = len(m.block_ids)
-            sink: BlockSink = place.sink(m.block_ids) if place is not None else \
+            sink: BlockSink = place.sink(m.block_ids, split_keys(m.keys)) if place is not None else \
                 BufferSink([rows[row + i] for i in range(n)])
             ok = self.load_one(c, base, m, sink) if c is not None else 0
             good_ids += m.block_ids[:ok]
@@ -221,7 +232,7 @@ class WorkerSide(SaveSide):
         if self.link.stats_path:
             recs.append(dict(event="load_step", rank=rank, reqs=len(meta.loads), planned_blocks=total,
                              loaded_blocks=len(good_ids), bytes=len(good_ids) * self.shard_bytes,
-                             copied_bytes=len(good_ids) * self.block_bytes, ms=round((t2 - t0) * 1000, 3),
+                             copied_bytes=len(good_ids) * self.read_bytes, ms=round((t2 - t0) * 1000, 3),
                              **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()}))
             self.link.record_all(recs)
 

@@ -16,6 +16,11 @@ a block that fails then leaves the engine's arrays untouched, for one more
 copy (measured in docs/performance.md: 0.77 against 0.51 ms for 15 blocks
 of 256 KiB in 4 pieces, source and destination not in cache).
 
+Under tensor parallelism a ``ShardScatter`` places one rank's shard of
+*sealed* blocks (``kvstore.client.shards``): its ``ShardSink`` reads and
+hashes only that shard and the seal, and checks the shard against its own
+checksum in the seal rather than the whole block against the daemon's.
+
 A sink answers two questions: the size block ``i`` must have
 (``size_of``), and "copy and check these blocks" (``write``: one bool per
 block, False for a checksum mismatch).
@@ -27,15 +32,17 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from kvstore.buffers import as_u8_writable
+from kvstore.buffers import as_u8, as_u8_writable
 from kvstore.checksum import PIECE_FIELDS, gather_many, run_split, verify_many, verify_scatter_many
+from kvstore.client.shards import read_seals, seal_bytes, u8_views, write_seals
 from kvstore.errors import InvalidArgument
 from tiers.base import Buffer
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = ["BlockSink", "BufferSink", "LayerScatter", "ScatterSink", "as_sink", "is_sink", "sizes_of", "write_with"]
+__all__ = ["BlockSink", "BufferSink", "LayerScatter", "ScatterSink", "ShardScatter", "ShardSink", "as_sink", "is_sink",
+           "sizes_of", "write_with"]
 
 
 @runtime_checkable
@@ -120,8 +127,11 @@ class LayerScatter:
         self._scratch: list[np.ndarray] = []
         """Free scratch buffers (one per thread that copies at once): reused, so they stay mapped and cached."""
 
-    def sink(self, slots: Sequence[int]) -> "ScatterSink":
-        """A sink for a read of ``len(slots)`` blocks: block ``i`` goes to engine block ``slots[i]``."""
+    def sink(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> "ScatterSink":
+        """A sink for a read of ``len(slots)`` blocks: block ``i`` goes to
+        engine block ``slots[i]``. (``keys``: unused; a whole block is
+        checked against the daemon's checksum. ``ShardScatter.sink`` needs
+        them.)"""
         return ScatterSink(self, slots)
 
     def gather(self, dsts: Sequence[Any], slots: Sequence[int] | np.ndarray, checksums: bool = True,
@@ -197,9 +207,91 @@ class ScatterSink:
         return ok
 
 
+class ShardScatter:
+    """Rank ``rank`` of ``tp``: its shard of sealed blocks
+    (``kvstore.client.shards``) to and from the engine's arrays.
+
+    ``shard``: how one shard (bytes ``[0, shard_bytes)``) maps onto the
+    engine's arrays. A stored block is ``tp`` shards and a seal; this rank's
+    shard is at ``rank * shard_bytes``. Reads (``sink``) check only this
+    rank's shard, against its entry in the seal; saves (``gather``) write
+    the shard and this rank's part of the seal."""
+
+    def __init__(self, shard: LayerScatter, rank: int, tp: int) -> None:
+        if not 0 <= rank < tp:
+            raise InvalidArgument(f"rank {rank} outside a group of {tp}")
+        self.shard = shard
+        self.rank, self.tp = int(rank), int(tp)
+        self.shard_bytes = shard.block_bytes
+        self.block_bytes = self.tp * self.shard_bytes + seal_bytes(self.tp)
+        """A stored (sealed) block."""
+        self.read_bytes = self.shard_bytes + seal_bytes(self.tp)
+        """What a read of one block touches: this rank's shard and the seal."""
+        self.staged = shard.staged
+
+    def own(self, blocks: Sequence[Any], writable: bool = True) -> list[np.ndarray]:
+        """This rank's shard of each whole block (views)."""
+        a, view = self.rank * self.shard_bytes, as_u8_writable if writable else as_u8
+        return [view(b)[a:a + self.shard_bytes] for b in blocks]
+
+    def sink(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> "ShardSink":
+        """A sink for a read of ``len(slots)`` sealed blocks, block ``i``
+        (key ``keys[i]``) to engine block ``slots[i]``."""
+        if keys is None or len(keys) != len(slots):
+            raise InvalidArgument("a sealed read needs one key per block")
+        return ShardSink(self, slots, keys)
+
+    def gather(self, dsts: Sequence[Any], slots: Sequence[int] | np.ndarray, keys: Sequence[bytes],
+               threads: int | None = None) -> np.ndarray:
+        """Engine block ``slots[i]``'s shard into ``dsts[i]`` (a reserved
+        slot: the whole sealed block), hashed on the way, and this rank's
+        part of its seal; returns the shard checksums."""
+        sums = self.shard.gather(self.own(dsts), slots, True, threads)
+        assert sums is not None
+        write_seals(dsts, self.rank, self.tp, self.shard_bytes, keys, sums)
+        return sums
+
+
+class ShardSink:
+    """One read's sealed blocks: this rank's shards straight into the
+    engine's arrays (``ShardScatter.sink``). ``write`` ignores ``expected``
+    (the daemon's checksum of the whole block): a shard is checked against
+    the seal, whose key must be the block's."""
+
+    def __init__(self, layout: ShardScatter, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        self.layout = layout
+        self.inner = ScatterSink(layout.shard, slots)
+        self.keys = list(keys)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def size_of(self, i: int) -> int:
+        return self.layout.block_bytes
+
+    def sizes(self, n: int) -> list[int]:
+        return [self.layout.block_bytes] * n
+
+    def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int],
+              threads: int | None = None) -> np.ndarray:
+        lay = self.layout
+        idx = list(idx)
+        views = u8_views(srcs)
+        sealed, sums = read_seals(views, lay.tp, lay.shard_bytes, [self.keys[i] for i in idx])
+        a, b = lay.rank * lay.shard_bytes, (lay.rank + 1) * lay.shard_bytes
+        if sealed.all():
+            return self.inner.write(idx, [v[a:b] for v in views], sums[:, lay.rank].tolist(), threads)
+        ok = np.zeros(len(idx), dtype=bool)
+        go = np.flatnonzero(sealed).tolist()  # a block whose seal is wrong is not placed at all
+        if go:
+            ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go], sums[go, lay.rank].tolist(),
+                                    threads)
+        return ok
+
+
 def sizes_of(sink: BlockSink, n: int) -> list[int]:
     """``sink.size_of(i)`` for ``i < n`` (in one call for kvstore's own sinks)."""
-    if isinstance(sink, (BufferSink, ScatterSink)):
+    if isinstance(sink, (BufferSink, ScatterSink, ShardSink)):
         return sink.sizes(n)
     return [sink.size_of(i) for i in range(n)]
 
@@ -208,7 +300,7 @@ def write_with(sink: BlockSink, threads: int, idx: Sequence[int], srcs: Sequence
                expected: Sequence[int]) -> np.ndarray:
     """``sink.write`` on at most ``threads`` threads (kvstore's own sinks;
     another sink writes as it does)."""
-    if isinstance(sink, (BufferSink, ScatterSink)):
+    if isinstance(sink, (BufferSink, ScatterSink, ShardSink)):
         return sink.write(idx, srcs, expected, threads)
     return sink.write(idx, srcs, expected)
 
@@ -218,7 +310,7 @@ def is_sink(outs: object) -> TypeIs[BlockSink]:
     never is, and is answered first, as kvstore's own sinks are: a runtime
     protocol's ``isinstance`` walks its members (~10 µs a call, measured on
     the get path)."""
-    if isinstance(outs, (BufferSink, ScatterSink)):
+    if isinstance(outs, (BufferSink, ScatterSink, ShardSink)):
         return True
     return not isinstance(outs, (list, tuple)) and isinstance(outs, BlockSink)
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.checksum import PIECE_FIELDS
 from kvstore.client import Client
-from kvstore.client.sinks import LayerScatter
+from kvstore.client.sinks import LayerScatter, ShardScatter
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace, block_keys
 
@@ -136,3 +136,54 @@ def test_shards_gathered_by_two_ranks_make_one_block(uds_daemon):
     for g, i in zip(got, ids):
         assert g is not None
         assert np.array_equal(g[:HALF], ranks[0][1][i]) and np.array_equal(g[HALF:], ranks[1][1][i])
+
+
+@pytest.mark.parametrize("how", ["shared", "lease", "inline"])
+def test_sealed_shards_through_every_path_and_damage_fails_only_its_rank(uds_daemon, how):
+    """TP = 2 with a seal (kvstore.client.shards): each rank gathers its
+    shard and its part of the seal, the daemon hashes the whole slot at
+    commit, and each rank's ``ShardSink`` reads back its own shard through
+    every read path. A bit flipped in rank 1's shard fails rank 1's read
+    only (inline bytes: the daemon's own check of the whole block fails it
+    for both); the failure is reported and the daemon drops the block."""
+    rng = np.random.default_rng(13)
+    tp, shard = 2, HALF
+    ranks = []
+    for r in range(tp):
+        arr = rng.integers(0, 256, (8, shard), dtype=np.uint8)
+        ranks.append((ShardScatter(LayerScatter(shard, np.array([(0, shard, 0, 0, shard)], np.int64), [arr]), r, tp),
+                      arr))
+    block = ranks[0][0].block_bytes
+    ns = Namespace(tenant="t", model_id=f"sealed-{how}", block_size=16)
+    keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+    ids = [4, 7, 1]
+    with Client(uds_daemon.target) as c:
+        resv = c.reserve(ns, keys, block)
+        slots = [c.view(o, n) for o, n in zip(resv.offsets, resv.lengths)]
+        for lay, _ in ranks:
+            lay.gather(slots, ids, keys)
+        assert c.commit(resv) == [KeyStatus.OK] * 3  # the daemon hashes each slot, seal included
+        whole = c.get(ns, keys)  # a whole-block read checks every byte against the daemon's checksum
+        assert all(g is not None and g.size == block for g in whole)
+    kw = {"shared": {}, "lease": {"shared_index": False}, "inline": {"use_shm": False}}[how]
+
+    def read(r: int) -> tuple[list[KeyStatus], np.ndarray]:
+        out = np.zeros((8, shard), np.uint8)
+        lay = ShardScatter(LayerScatter(shard, np.array([(0, shard, 0, 0, shard)], np.int64), [out]), r, tp)
+        with Client(uds_daemon.target, **kw) as c:
+            return c.get_into(ns, keys, lay.sink([0, 1, 2], keys)), out
+
+    for r in range(tp):
+        st, out = read(r)
+        assert st == [KeyStatus.OK] * 3
+        assert all(np.array_equal(out[j], ranks[r][1][i]) for j, i in enumerate(ids))
+    raw = uds_daemon.store.raw
+    row = int(raw.index.find_committed(raw.namespace_id(ns, False), np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
+    uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), (shard + 77) * 8 + 2)  # rank 1's shard
+    if how == "inline":  # the daemon checks the whole block before it sends it: every rank sees the damage
+        assert read(0)[0][:2] == [KeyStatus.OK, KeyStatus.CORRUPT]
+    else:
+        assert read(0)[0] == [KeyStatus.OK] * 3  # rank 0 reads neither rank 1's shard nor its damage
+        assert read(1)[0][:2] == [KeyStatus.OK, KeyStatus.CORRUPT]
+    with Client(uds_daemon.target) as c:
+        assert c.lookup(ns, keys).hit_blocks == 1  # reported by rank 1: dropped

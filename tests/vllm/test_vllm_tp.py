@@ -18,9 +18,10 @@ Llama with 2 KV heads, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``), one daemon:
   Its greedy tokens equal the TP=2 run's.
 - B, TP=2 (fresh process): P hits all 7 blocks on both ranks; same tokens
   as A. Then the test flips one bit in rank 1's shard of block 3 (in the
-  daemon's DRAM slot); after vLLM's prefix cache is reset, P again: both
-  ranks load blocks 0-2, report 3-6 as load errors (vLLM merges the ranks'
-  reports), vLLM recomputes them on both: the same tokens again.
+  daemon's DRAM slot); after vLLM's prefix cache is reset, P again: rank 1
+  loads blocks 0-2 and reports 3-6 as load errors (each rank checks only
+  its shard, against the block's seal), vLLM merges the ranks' reports and
+  recomputes 3-6 on both: the same tokens again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import threading
 import pytest
 
 from kvstore.client import Client
+from kvstore.client.shards import seal_bytes
 from kvstore.keys import Namespace, block_keys
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
 from tests.vllm.conftest import HERE, VLLM_PY, require_vllm, run_phase, vllm_env
@@ -87,7 +89,7 @@ def test_a_rank_that_never_writes_its_shard_leaves_no_block(tmp_path) -> None:
             for mode in ("fail", "raise", "exit"):
                 r = res[mode]
                 ns, keys = Namespace.from_dict(r["ns"]), [bytes.fromhex(k) for k in r["keys"]]
-                assert ns.tp_size == 2 and r["block_bytes"] == 2 * r["shard_bytes"]
+                assert ns.tp_size == 2 and r["block_bytes"] == 2 * r["shard_bytes"] + seal_bytes(2)
                 assert c.lookup(ns, keys).hit_blocks == 0, mode
             # the peer agrees: the block is stored, rank 0's shard in the first half of the slot
             r = res["agree"]
@@ -187,7 +189,10 @@ def test_one_damaged_shard_is_recomputed_on_both_ranks(runs) -> None:
     again = _res(runs["B"], "P")[1]
     assert again["tokens"] == _res(runs["A"], "P")[0]["tokens"]
     loads = [(s["rank"], s["planned_blocks"], s["loaded_blocks"]) for s in _events(runs["b_stats"], "load")]
-    assert sorted(loads[2:4]) == [(0, 7, 3), (1, 7, 3)]  # blocks 0-2 on both ranks, 3-6 recomputed on both
+    # rank 1 fails block 3 (its shard's checksum in the seal) and reports it; rank 0 checks only its
+    # own shard, so it loads all 7 unless rank 1's report made the daemon drop block 3 first. vLLM
+    # merges the ranks' errors and recomputes blocks 3-6 on both ranks either way (same tokens above)
+    assert sorted(loads[2:4]) in ([(0, 7, 7), (1, 7, 3)], [(0, 7, 3), (1, 7, 3)])
     assert runs["checksum_failures"] >= 1
     # after vLLM recomputed them the connector stored the dropped block 3 again
     assert sum(s["stored_blocks"] for s in _events(runs["b_stats"], "save")) >= 1

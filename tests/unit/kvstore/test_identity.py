@@ -128,8 +128,13 @@ def test_kv_schema_follows_the_config_geometry() -> None:
                         compute_dtype="bfloat16")[1],
               kv_schema(BASE, block_size=16, kv_dtype="bfloat16", quantization="fp8")[1],
               kv_schema(BASE, block_size=16, kv_dtype="bfloat16",
-                        layout_tag=identity.vllm_layout_tag("cpu"))[1]]
+                        layout_tag=identity.vllm_layout_tag("cpu"))[1],
+              # TP > 1 blocks end in a seal of per-shard checksums: other bytes, another schema
+              kv_schema(BASE, block_size=16, kv_dtype="bfloat16", geometry=(4, 2, 64),
+                        layout_tag=identity.vllm_layout_tag(tp_size=2))[1]]
     assert len({v, *others}) == 1 + len(others)
+    assert identity.vllm_layout_tag("cpu", "NHD", "x", tp_size=1) == "vllm-v1|cpu|NHD|x"
+    assert identity.vllm_layout_tag("cpu", "NHD", "x", tp_size=4) == "vllm-v1+seal|cpu|NHD|x"
 
 
 # ---------------------------------------------------------------- the namespace

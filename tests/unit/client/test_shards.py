@@ -1,0 +1,122 @@
+"""Sealed sharded blocks (kvstore.client.shards, ``ShardScatter``/``ShardSink``):
+the seal's format, and a rank's read that checks only its own shard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import checksum
+from kvstore.client.shards import SEAL_HEADER, SEAL_MAGIC, read_seals, seal_bytes, write_seals
+from kvstore.client.sinks import LayerScatter, ShardScatter, ShardSink, is_sink
+from kvstore.errors import InvalidArgument
+
+SHARD = 4096
+TP = 2
+BLOCK = TP * SHARD + seal_bytes(TP)
+KEYS = [bytes([i]) * 16 for i in range(1, 4)]
+
+
+def test_seal_bytes_is_the_header_and_one_sum_per_shard_in_64_byte_steps():
+    assert [seal_bytes(k) for k in (1, 2, 4, 5, 8, 12)] == [64, 64, 64, 128, 128, 128]
+    with pytest.raises(InvalidArgument):
+        seal_bytes(0)
+
+
+def test_two_ranks_write_one_seal_and_rank_0_zeroes_the_padding():
+    tp = 3
+    blocks = [np.full(tp * SHARD + seal_bytes(tp), 0xFF, np.uint8) for _ in KEYS]
+    sums = {r: np.arange(len(KEYS), dtype=np.uint64) * 10 + r for r in range(tp)}
+    for r in (2, 0, 1):  # any order
+        write_seals(blocks, r, tp, SHARD, KEYS, sums[r])
+    ok, got = read_seals(blocks, tp, SHARD, KEYS)
+    assert ok.all() and got.shape == (3, tp)
+    assert np.array_equal(got, np.stack([sums[r] for r in range(tp)], axis=1))
+    seal = blocks[1][tp * SHARD:]
+    assert bytes(seal[:8]) == SEAL_MAGIC and int.from_bytes(bytes(seal[8:16]), "little") == SHARD
+    assert bytes(seal[16:SEAL_HEADER]) == KEYS[1]
+    assert not seal[SEAL_HEADER + 8 * tp:].any()  # padding: zero, whatever the slot held
+    assert (blocks[1][:tp * SHARD] == 0xFF).all()  # the shards are not the seal writer's
+
+
+def test_a_seal_is_refused_for_its_length_magic_shard_size_or_key():
+    blocks = [np.zeros(BLOCK, np.uint8) for _ in range(5)]
+    for r in range(TP):
+        write_seals(blocks, r, TP, SHARD, [KEYS[0]] * 5, np.full(5, 7 + r, np.uint64))
+    blocks[1][TP * SHARD] ^= 1  # magic
+    blocks[2][TP * SHARD + 8] ^= 1  # shard size
+    blocks[3][TP * SHARD + 20] ^= 1  # key
+    short = blocks[4][:-1]
+    ok, sums = read_seals([blocks[0], blocks[1], blocks[2], blocks[3], short], TP, SHARD, [KEYS[0]] * 5)
+    assert ok.tolist() == [True, False, False, False, False]
+    assert sums[0].tolist() == [7, 8]
+    assert not read_seals([blocks[0]], TP, SHARD, [KEYS[1]])[0][0]  # another block's key
+
+
+def test_write_seals_refuses_a_block_of_another_length_or_a_rank_outside_the_group():
+    with pytest.raises(InvalidArgument):
+        write_seals([np.zeros(BLOCK - 64, np.uint8)], 0, TP, SHARD, KEYS[:1], [1])
+    with pytest.raises(InvalidArgument):
+        write_seals([np.zeros(BLOCK, np.uint8)], 2, TP, SHARD, KEYS[:1], [1])
+
+
+def _ranks(rng: np.random.Generator) -> list[tuple[ShardScatter, list[np.ndarray]]]:
+    """Per rank: its shard split over two layers of 8 engine blocks."""
+    half = SHARD // 2
+    out = []
+    for r in range(TP):
+        layers = [rng.integers(0, 256, (8, half), dtype=np.uint8) for _ in range(2)]
+        pieces = np.array([(0, half, 0, 0, half), (half, half, 1, 0, half)], np.int64)
+        out.append((ShardScatter(LayerScatter(SHARD, pieces, layers), r, TP), layers))
+    return out
+
+
+def test_ranks_gather_a_sealed_block_and_each_reads_back_only_its_shard():
+    rng = np.random.default_rng(3)
+    ranks = _ranks(rng)
+    blocks = [np.full(BLOCK, 0xAA, np.uint8) for _ in KEYS]
+    ids = [5, 0, 7]
+    for lay, _ in ranks:
+        assert lay.block_bytes == BLOCK and lay.read_bytes == SHARD + 64
+        sums = lay.gather(blocks, ids, KEYS)
+        assert sums.tolist() == [checksum(b[lay.rank * SHARD:(lay.rank + 1) * SHARD]) for b in blocks]
+    for (lay, layers), r in zip(ranks, range(TP)):
+        for b, i in zip(blocks, ids):  # the slot: shard r at r * SHARD, layer-major
+            assert np.array_equal(b[r * SHARD:r * SHARD + SHARD // 2], layers[0][i])
+    # each rank reads into fresh arrays: its shard lands in place; "expected" (the
+    # daemon's whole-block checksum) is not what a sealed read checks
+    for r in range(TP):
+        fresh = _ranks(np.random.default_rng(99))[r]
+        sink = fresh[0].sink([1, 2, 3], KEYS)
+        assert isinstance(sink, ShardSink) and is_sink(sink) and sink.sizes(3) == [BLOCK] * 3
+        assert sink.write(range(3), blocks, [0, 0, 0]).tolist() == [True] * 3
+        for j, i in enumerate(ids):
+            assert np.array_equal(fresh[1][0][j + 1], ranks[r][1][0][i])
+            assert np.array_equal(fresh[1][1][j + 1], ranks[r][1][1][i])
+
+
+def test_damage_fails_only_the_rank_whose_shard_it_is_and_a_bad_seal_places_nothing():
+    ranks = _ranks(np.random.default_rng(4))
+    blocks = [np.zeros(BLOCK, np.uint8) for _ in KEYS]
+    for lay, _ in ranks:
+        lay.gather(blocks, [1, 2, 3], KEYS)
+    blocks[0][SHARD + 100] ^= 0x10  # rank 1's shard of block 0
+    blocks[1][TP * SHARD + 16] ^= 1  # block 1's seal: its key
+    blocks[2][TP * SHARD + SEAL_HEADER] ^= 1  # block 2: rank 0's entry in the seal
+    got = {}
+    for r in range(TP):
+        lay, layers = _ranks(np.random.default_rng(50 + r))[r]
+        before = [a.copy() for a in layers]
+        got[r] = lay.sink([0, 4, 6], KEYS).write([0, 1, 2], blocks, [1, 2, 3]).tolist()
+        assert np.array_equal(layers[0][4], before[0][4]) and np.array_equal(layers[1][4], before[1][4])
+    assert got == {0: [True, False, False], 1: [False, False, True]}
+
+
+def test_a_sealed_read_needs_one_key_per_block():
+    lay = _ranks(np.random.default_rng(5))[0][0]
+    with pytest.raises(InvalidArgument):
+        lay.sink([0, 1])
+    with pytest.raises(InvalidArgument):
+        lay.sink([0, 1], KEYS[:1])
+    with pytest.raises(InvalidArgument):
+        ShardScatter(lay.shard, 2, TP)
