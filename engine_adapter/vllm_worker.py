@@ -17,8 +17,8 @@ daemon knows only whole blocks.
   (``kvstore.client.sinks.ScatterSink``). At TP > 1 a rank reads only its
   shard and the seal, and checks the shard against its entry in the seal
   (``ShardSink``): another rank's shard is that rank's to check. Layouts
-  ``scatter_layout`` cannot place (device tensors) read whole blocks,
-  checked against the daemon's checksum, into a pooled buffer first, then copy
+  ``scatter_layout`` cannot place (device tensors) stage the checked blocks
+  (at TP > 1 only this rank's shards) in a pooled buffer first, then copy
   them in with one ``copy_`` per run of consecutive blocks per layer. A
   block that fails (checksum, wrong size, gone since the lookup, daemon
   error) is reported through ``get_block_ids_with_load_errors`` with every
@@ -56,7 +56,7 @@ from engine_adapter.vllm_common import (
 from engine_adapter.vllm_saves import SaveSide
 from kvstore.client import Client, PendingReservation
 from kvstore.client.shards import seal_bytes
-from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter, ShardScatter
+from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter, ShardScatter, ShardSink
 from kvstore.errors import KeyStatus
 from kvstore.keys import Namespace
 
@@ -111,8 +111,8 @@ class WorkerSide(SaveSide):
         self.scatter: LayerScatter | ShardScatter | None = None
         """Where a verified read puts this rank's shard of a block straight
         into the KV tensors (CPU layouts ``scatter_layout`` knows; a
-        ``ShardScatter`` at TP > 1); None: loads stage whole blocks and copy
-        them in afterwards."""
+        ``ShardScatter`` at TP > 1); None: loads stage the blocks (at TP > 1
+        this rank's shards) and copy them in afterwards."""
         self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
         """Seconds of the current step's loads in each of ``LOAD_PHASES``."""
         self.load_errors: set[int] = set()
@@ -134,8 +134,8 @@ class WorkerSide(SaveSide):
     @property
     def read_bytes(self) -> int:
         """What a load reads from the slab per block: this rank's shard and
-        the seal (``ShardScatter``), else the whole block."""
-        return self.scatter.read_bytes if isinstance(self.scatter, ShardScatter) else self.block_bytes
+        the seal at TP > 1, else the whole block."""
+        return self.block_bytes if self.tp == 1 else self.shard_bytes + seal_bytes(self.tp)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Record the layer tensors as block-major views ``[num_blocks, ...]``."""
@@ -194,7 +194,9 @@ class WorkerSide(SaveSide):
         rank = self.rank
         total = sum(len(m.block_ids) for m in meta.loads)
         place = self.scatter  # blocks straight into the KV tensors, else staged and copied in below
-        raw, typed = self.stage(total, self.block_bytes, rank * self.shard_bytes) if place is None else (None, [])
+        sealed = self.tp > 1  # a rank reads its shard and the seal (staged: shard-wide rows)
+        raw, typed = (None, []) if place is not None else \
+            self.stage(total, self.shard_bytes if sealed else self.block_bytes)
         rows = raw.numpy() if raw is not None else np.empty((0, 0), np.uint8)
         good_ids: list[int] = []
         good_rows: list[int] = []
@@ -204,8 +206,13 @@ class WorkerSide(SaveSide):
         self.phases["setup"] = time.perf_counter() - t0
         for m in meta.loads:
             n = len(m.block_ids)
-            sink: BlockSink = place.sink(m.block_ids, split_keys(m.keys)) if place is not None else \
-                BufferSink([rows[row + i] for i in range(n)])
+            keys = split_keys(m.keys)
+            if place is not None:
+                sink: BlockSink = place.sink(m.block_ids, keys)
+            elif sealed:
+                sink = ShardSink(BufferSink([rows[row + i] for i in range(n)]), rank, self.tp, self.shard_bytes, keys)
+            else:
+                sink = BufferSink([rows[row + i] for i in range(n)])
             ok = self.load_one(c, base, m, sink) if c is not None else 0
             good_ids += m.block_ids[:ok]
             good_rows += range(row, row + ok)

@@ -237,9 +237,9 @@ class ShardScatter:
     def sink(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> "ShardSink":
         """A sink for a read of ``len(slots)`` sealed blocks, block ``i``
         (key ``keys[i]``) to engine block ``slots[i]``."""
-        if keys is None or len(keys) != len(slots):
+        if keys is None:
             raise InvalidArgument("a sealed read needs one key per block")
-        return ShardSink(self, slots, keys)
+        return ShardSink(ScatterSink(self.shard, slots), self.rank, self.tp, self.shard_bytes, keys)
 
     def gather(self, dsts: Sequence[Any], slots: Sequence[int] | np.ndarray, keys: Sequence[bytes],
                threads: int | None = None) -> np.ndarray:
@@ -253,39 +253,46 @@ class ShardScatter:
 
 
 class ShardSink:
-    """One read's sealed blocks: this rank's shards straight into the
-    engine's arrays (``ShardScatter.sink``). ``write`` ignores ``expected``
-    (the daemon's checksum of the whole block): a shard is checked against
-    the seal, whose key must be the block's."""
+    """One read's sealed blocks (``kvstore.client.shards``): rank ``rank``'s
+    shard of each goes to ``inner``, a sink of ``shard_bytes`` blocks (a
+    ``ScatterSink``, from ``ShardScatter.sink``, or a ``BufferSink`` of
+    shard-sized buffers). ``write`` ignores ``expected`` (the daemon's
+    checksum of the whole block): a shard is checked against the seal, whose
+    key must be the block's; a block whose seal is wrong reaches ``inner``
+    not at all."""
 
-    def __init__(self, layout: ShardScatter, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        self.layout = layout
-        self.inner = ScatterSink(layout.shard, slots)
+    def __init__(self, inner: BufferSink | ScatterSink, rank: int, tp: int, shard_bytes: int,
+                 keys: Sequence[bytes]) -> None:
+        if not 0 <= rank < tp:
+            raise InvalidArgument(f"rank {rank} outside a group of {tp}")
+        if len(keys) != len(inner):
+            raise InvalidArgument(f"a sealed read needs one key per block: {len(keys)} keys, {len(inner)} blocks")
+        self.inner = inner
+        self.rank, self.tp, self.shard_bytes = int(rank), int(tp), int(shard_bytes)
+        self.block_bytes = self.tp * self.shard_bytes + seal_bytes(self.tp)
         self.keys = list(keys)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def size_of(self, i: int) -> int:
-        return self.layout.block_bytes
+        return self.block_bytes
 
     def sizes(self, n: int) -> list[int]:
-        return [self.layout.block_bytes] * n
+        return [self.block_bytes] * n
 
     def write(self, idx: Sequence[int], srcs: Sequence[Any], expected: Sequence[int],
               threads: int | None = None) -> np.ndarray:
-        lay = self.layout
         idx = list(idx)
         views = u8_views(srcs)
-        sealed, sums = read_seals(views, lay.tp, lay.shard_bytes, [self.keys[i] for i in idx])
-        a, b = lay.rank * lay.shard_bytes, (lay.rank + 1) * lay.shard_bytes
+        sealed, sums = read_seals(views, self.tp, self.shard_bytes, [self.keys[i] for i in idx])
+        a, b, r = self.rank * self.shard_bytes, (self.rank + 1) * self.shard_bytes, self.rank
         if sealed.all():
-            return self.inner.write(idx, [v[a:b] for v in views], sums[:, lay.rank].tolist(), threads)
+            return self.inner.write(idx, [v[a:b] for v in views], sums[:, r].tolist(), threads)
         ok = np.zeros(len(idx), dtype=bool)
-        go = np.flatnonzero(sealed).tolist()  # a block whose seal is wrong is not placed at all
+        go = np.flatnonzero(sealed).tolist()
         if go:
-            ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go], sums[go, lay.rank].tolist(),
-                                    threads)
+            ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go], sums[go, r].tolist(), threads)
         return ok
 
 

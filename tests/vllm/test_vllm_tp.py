@@ -5,7 +5,8 @@ group writes its shard of 3 blocks while rank 1 never writes: whether rank 1
 reports a failure, its process dies inside the collective, or rank 0's own
 process is killed mid-save, no block becomes visible and the daemon holds no
 reservation afterwards. When the peer agrees, the slot holds rank 0's shard
-in its first half (the layout: shard r at ``[r * shard, (r + 1) * shard)``).
+in its first half (the layout: shard r at ``[r * shard, (r + 1) * shard)``,
+then the seal), and rank 0 loads it back, scattered or staged.
 
 Real vLLM (tests/vllm/phase.py, float32, in-process engine core, the tiny
 Llama with 2 KV heads, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``), one daemon:
@@ -77,7 +78,8 @@ def test_a_rank_that_never_writes_its_shard_leaves_no_block(tmp_path) -> None:
         wait_healthy(d.target)
         out = tmp_path / "tp.json"
         # one process (one vLLM import) for every mode; ``exit`` kills it last
-        p = subprocess.run([VLLM_PY, os.path.join(HERE, "tp_check.py"), d.target, "fail,raise,agree,exit", str(out)],
+        p = subprocess.run([VLLM_PY, os.path.join(HERE, "tp_check.py"), d.target, "fail,raise,agree,staged,exit",
+                            str(out)],
                            env=vllm_env(), capture_output=True, text=True, timeout=600)
         assert p.returncode == 17, p.stderr[-4000:]
         res = json.loads(out.read_text())
@@ -91,14 +93,19 @@ def test_a_rank_that_never_writes_its_shard_leaves_no_block(tmp_path) -> None:
                 ns, keys = Namespace.from_dict(r["ns"]), [bytes.fromhex(k) for k in r["keys"]]
                 assert ns.tp_size == 2 and r["block_bytes"] == 2 * r["shard_bytes"] + seal_bytes(2)
                 assert c.lookup(ns, keys).hit_blocks == 0, mode
-            # the peer agrees: the block is stored, rank 0's shard in the first half of the slot
-            r = res["agree"]
-            ns, keys = Namespace.from_dict(r["ns"]), [bytes.fromhex(k) for k in r["keys"]]
-            assert r["raised"] is None and r["stats"]["saved_blocks"] == 3
-            assert c.lookup(ns, keys).hit_blocks == 3
-            got = c.get(ns, keys)
-            assert [len(g) for g in got] == [r["block_bytes"]] * 3
-            assert b"".join(bytes(g[:r["shard_bytes"]]) for g in got) == bytes.fromhex(r["shard"])
+            # the peer agrees: the block is stored, rank 0's shard in the first half of the slot; rank 0
+            # loads it back (straight into its pages, or staged) from its shard and its entry in the
+            # seal, though rank 1 never wrote its shard
+            for mode in ("agree", "staged"):
+                r = res[mode]
+                ns, keys = Namespace.from_dict(r["ns"]), [bytes.fromhex(k) for k in r["keys"]]
+                assert r["raised"] is None and r["stats"]["saved_blocks"] == 3, mode
+                assert c.lookup(ns, keys).hit_blocks == 3
+                got = c.get(ns, keys)
+                assert [len(g) for g in got] == [r["block_bytes"]] * 3
+                assert b"".join(bytes(g[:r["shard_bytes"]]) for g in got) == bytes.fromhex(r["shard"]), mode
+                assert r["load_errors"] == [] and r["stats"]["loaded_blocks"] == 3, mode
+                assert r["loaded"] == r["shard"], mode
     finally:
         d.stop()
 

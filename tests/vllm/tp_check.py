@@ -8,8 +8,12 @@ peer does at the MIN all-reduce:
 - ``raise``: the collective fails (rank 1's process died: gloo raises);
 - ``exit``: this process is killed inside the collective (rank 0 itself
   dies mid-save, after writing its shard, before any commit);
-- ``agree``: the peer confirms (only for the sizes check: the slot then
-  holds rank 0's shard and rank 1's untouched bytes).
+- ``agree``: the peer confirms (the slot then holds rank 0's shard and
+  rank 1's untouched bytes); then rank 0 loads the blocks back into zeroed
+  pages (``loaded``: its shard's bytes, which it checks against its own
+  entry in the seal, whatever rank 1's shard holds);
+- ``staged``: ``agree`` with the layouts ``scatter_layout`` does not know
+  (device tensors): saves staged, loads staged in shard-wide rows.
 
     tp_check.py TARGET MODE[,MODE...] OUT.json
 
@@ -82,6 +86,8 @@ def run(target: str, mode: str, res: dict, out_path: str) -> None:
     gen = torch.Generator().manual_seed(11)
     layers = {f"l{i}": torch.randn(NB, KVH, BS, 2 * HEAD, generator=gen) for i in range(LAYERS)}
     worker.register_kv_caches(layers)
+    if mode == "staged":
+        worker.worker.scatter = None
     ns = worker.ns
     prompt = np.random.default_rng(int.from_bytes(mode.encode(), "little") % 1000).integers(3, 1000, 3 * BS)
     keys = block_keys(ns, prompt)
@@ -99,6 +105,15 @@ def run(target: str, mode: str, res: dict, out_path: str) -> None:
     except RuntimeError as e:
         r["raised"] = str(e)
     r["reduced"] = worker.worker.group.reduced
+    if r["raised"] is None and mode in ("agree", "staged"):
+        for t in layers.values():
+            t[[1, 2, 3]] = 0
+        worker.bind_connector_metadata(KVStoreConnectorMetadata(loads=[BlockMove("r2", "", "", b"".join(keys),
+                                                                                 [3, 1, 2])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        r["load_errors"] = sorted(worker.get_block_ids_with_load_errors())
+        r["loaded"] = torch.cat([t[[3, 1, 2]].reshape(3, -1).view(torch.uint8) for t in layers.values()], 1) \
+            .numpy().tobytes().hex()
     r["stats"] = dict(worker.stats)
     worker.shutdown()
     json.dump(res, open(out_path, "w"))

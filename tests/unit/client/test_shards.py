@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.checksum import checksum
 from kvstore.client.shards import SEAL_HEADER, SEAL_MAGIC, read_seals, seal_bytes, write_seals
-from kvstore.client.sinks import LayerScatter, ShardScatter, ShardSink, is_sink
+from kvstore.client.sinks import BufferSink, LayerScatter, ShardScatter, ShardSink, is_sink
 from kvstore.errors import InvalidArgument
 
 SHARD = 4096
@@ -120,3 +120,21 @@ def test_a_sealed_read_needs_one_key_per_block():
         lay.sink([0, 1], KEYS[:1])
     with pytest.raises(InvalidArgument):
         ShardScatter(lay.shard, 2, TP)
+
+
+def test_a_sealed_read_into_buffers_keeps_this_ranks_shard_only():
+    """The staged way (engine arrays a layout cannot name, e.g. device
+    tensors): shard-wide buffers get rank r's shard of each block."""
+    ranks = _ranks(np.random.default_rng(6))
+    blocks = [np.zeros(BLOCK, np.uint8) for _ in KEYS]
+    for lay, _ in ranks:
+        lay.gather(blocks, [1, 2, 3], KEYS)
+    blocks[2][100] ^= 1  # rank 0's shard of block 2
+    for r in range(TP):
+        outs = [np.zeros(SHARD, np.uint8) for _ in KEYS]
+        sink = ShardSink(BufferSink(outs), r, TP, SHARD, KEYS)
+        assert len(sink) == 3 and sink.sizes(3) == [BLOCK] * 3 and sink.size_of(0) == BLOCK
+        assert sink.write(range(3), blocks, [0, 0, 0]).tolist() == [True, True, r == 1]
+        assert all(np.array_equal(o, b[r * SHARD:(r + 1) * SHARD]) for o, b in zip(outs[:2], blocks))
+    with pytest.raises(InvalidArgument):
+        ShardSink(BufferSink([np.zeros(SHARD, np.uint8)] * 2), 0, TP, SHARD, KEYS)
