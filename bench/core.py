@@ -10,6 +10,11 @@ Figures, all measured in one run on this machine:
 - the first put into slab pages no block has used, sparse slab and
   ``dram.populate``, beside the warm put, and the store's start time with
   each (figures, no target);
+- a TP rank's read of 15 sealed blocks (``ShardSink``: its shard and the
+  seal, checked against its entry there) beside the read of the same blocks
+  checked whole against the daemon's checksum, which a rank did before the
+  seal, at TP = 2 and 4 (figures, no target: goal 4's target is the
+  connector's load in ``bench/vllm.py``);
 - index bytes per block at 1,000,000 and 10,000,000 blocks (1,000,000 only
   with ``--quick``), as ``tracemalloc`` sees them: everything the index
   allocates, growth slack included; target ≤ 64 at 10,000,000.
@@ -35,6 +40,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from benchlib import Report, median_time  # noqa: E402
 
+from kvstore.checksum import checksum  # noqa: E402
+from kvstore.client.sinks import LayerScatter, ShardScatter  # noqa: E402
 from kvstore.core.index import BlockIndex, BlockState  # noqa: E402
 from kvstore.keys import Namespace, block_keys  # noqa: E402
 from kvstore.core.store import StoreConfig, TieredStore  # noqa: E402
@@ -105,6 +112,49 @@ def bench_copy(rep: Report, repeats: int, total: int) -> None:
         if size >= MIB:
             rep.target(f"put {label} / memcpy", base / tput, 0.7)
             rep.target(f"get {label} / memcpy", base / tget, 0.7)
+
+
+def bench_shards(rep: Report, repeats: int) -> None:
+    """Rank 0 of TP = k reads 15 blocks (a 128 KiB shard each, in 16 layer
+    pieces, as bench/vllm.py's model): sealed (its shard and the seal) and
+    whole (every shard hashed against the block's checksum, its own placed).
+    The blocks are cycled through 256 MiB so that sources are not in cache."""
+    shard, n, layers = 128 * KIB, 15, 16
+    piece = shard // layers
+    for tp in (2, 4):
+        dst = [np.zeros((n, piece), np.uint8) for _ in range(layers)]
+        pieces = np.array([(i * piece, piece, i, 0, piece) for i in range(layers)], np.int64)
+        sealed = ShardScatter(LayerScatter(shard, pieces, dst), 0, tp)
+        whole = LayerScatter(sealed.block_bytes, pieces, dst)
+        count = max(4 * n, (256 * MIB) // sealed.block_bytes)
+        rng = np.random.default_rng(tp)
+        blocks = np.zeros((count, sealed.block_bytes), np.uint8)
+        keys = [os.urandom(16) for _ in range(count)]
+        for r in range(tp):  # every rank's shard and part of the seal
+            src = [rng.integers(0, 256, (n, piece), dtype=np.uint8) for _ in range(layers)]
+            ShardScatter(LayerScatter(shard, pieces, src), r, tp).gather(list(blocks), np.arange(count) % n, keys)
+        sums = [checksum(b) for b in blocks]
+        at = [0]
+
+        def read(kind: str) -> None:
+            a = at[0] = (at[0] + n) % (count - n)
+            srcs = [blocks[i] for i in range(a, a + n)]
+            if kind == "sealed":
+                ok = sealed.sink(range(n), keys[a:a + n]).write(range(n), srcs, [0] * n)
+            else:
+                ok = whole.sink(range(n)).write(range(n), srcs, sums[a:a + n])
+            assert ok.all(), kind
+
+        times: dict[str, list[float]] = {"sealed": [], "whole": []}
+        for _ in range(max(20, 10 * repeats)):  # alternating, so that both see the same machine
+            for kind in times:
+                t0 = time.perf_counter()
+                read(kind)
+                times[kind].append(time.perf_counter() - t0)
+        t_sealed, t_whole = statistics.median(times["sealed"]), statistics.median(times["whole"])
+        rep.figure(f"tp{tp}_sealed_read_ms", t_sealed * 1000, "ms (15 blocks, rank 0: its shard + the seal)")
+        rep.figure(f"tp{tp}_whole_read_ms", t_whole * 1000, "ms (the same blocks hashed whole, its shard placed)")
+        rep.figure(f"tp{tp}_sealed_vs_whole_read", t_whole / t_sealed, "x faster")
 
 
 def bench_first_put(rep: Report, repeats: int, total: int) -> None:
@@ -186,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_hashing(rep, repeats)
     bench_lookup(rep, repeats)
     bench_copy(rep, repeats, total=(64 if a.quick else 256) * MIB)
+    bench_shards(rep, repeats)
     bench_first_put(rep, repeats, total=(64 if a.quick else 256) * MIB)
     for n in (1_000_000,) if a.quick else (1_000_000, 10_000_000):
         bench_index(rep, n)

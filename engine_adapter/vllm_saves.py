@@ -17,13 +17,13 @@ back to back (the worker module says more). Per step:
   order): rank 0 broadcasts the slot offsets as one int64 tensor
   (:class:`~engine_adapter.tp.Plan`); each rank gathers its shards into its
   byte range of each slot, hashed on the way, and writes its part of each
-  block's seal (its shard's XXH3-64: ``kvstore.client.shards``); a MIN all-reduce of one code per request says
-  whether every rank wrote all its shards (and loaded that request's blocks
-  of this step: blocks computed on top of a failed load are never stored);
-  rank 0 then commits (the daemon checksums the whole block, seal
-  included) or aborts. A
-  rank dying mid-save leaves only an uncommitted reservation, which the
-  daemon reclaims with the dead session: never a visible half block.
+  block's seal (its shard's XXH3-64: ``kvstore.client.shards``); a MIN
+  all-reduce of one code per request says whether every rank wrote all its
+  shards (and loaded that request's blocks of this step: blocks computed on
+  top of a failed load are never stored); rank 0 then commits (the daemon
+  checksums the whole block, seal included) or aborts. A rank dying
+  mid-save leaves only an uncommitted reservation, which the daemon
+  reclaims with the dead session: never a visible half block.
 """
 
 from __future__ import annotations

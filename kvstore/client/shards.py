@@ -71,11 +71,11 @@ def write_seals(blocks: Sequence[Any], rank: int, tp: int, shard_bytes: int, key
     padding. ``blocks``: whole slots of ``tp * shard_bytes + seal_bytes(tp)``."""
     if not 0 <= rank < tp:
         raise InvalidArgument(f"rank {rank} outside a group of {tp}")
+    if len(blocks) != len(keys):
+        raise InvalidArgument(f"{len(blocks)} blocks but {len(keys)} keys")
     at, sb = tp * shard_bytes, seal_bytes(tp)
     head = _headers(shard_bytes, keys)
     own = np.ascontiguousarray(np.asarray(sums, dtype=np.uint64).reshape(len(keys))).view(np.uint8).reshape(-1, 8)
-    if len(blocks) != len(keys):
-        raise InvalidArgument(f"{len(blocks)} blocks but {len(keys)} keys")
     e = at + SEAL_HEADER + 8 * rank
     for i, b in enumerate(blocks):
         v = as_u8_writable(b)

