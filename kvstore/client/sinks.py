@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from kvstore.buffers import as_u8, as_u8_writable
+from kvstore.buffers import as_u8_writable
 from kvstore.checksum import PIECE_FIELDS, gather_many, run_split, verify_many, verify_scatter_many
 from kvstore.client.shards import read_seals, seal_bytes, u8_views, write_seals
 from kvstore.errors import InvalidArgument
@@ -227,10 +227,10 @@ class ShardScatter:
         """A stored (sealed) block."""
         self.staged = shard.staged
 
-    def own(self, blocks: Sequence[Any], writable: bool = True) -> list[np.ndarray]:
-        """This rank's shard of each whole block (views)."""
-        a, view = self.rank * self.shard_bytes, as_u8_writable if writable else as_u8
-        return [view(b)[a:a + self.shard_bytes] for b in blocks]
+    def own(self, blocks: Sequence[Any]) -> list[np.ndarray]:
+        """This rank's shard of each whole block (writable views)."""
+        a = self.rank * self.shard_bytes
+        return [as_u8_writable(b)[a:a + self.shard_bytes] for b in blocks]
 
     def sink(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> "ShardSink":
         """A sink for a read of ``len(slots)`` sealed blocks, block ``i``
