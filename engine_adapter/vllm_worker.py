@@ -213,7 +213,7 @@ class WorkerSide(SaveSide):
                 sink = ShardSink(BufferSink([rows[row + i] for i in range(n)]), rank, self.tp, self.shard_bytes, keys)
             else:
                 sink = BufferSink([rows[row + i] for i in range(n)])
-            ok = self.load_one(c, base, m, sink) if c is not None else 0
+            ok = self.load_one(c, base, m, keys, sink) if c is not None else 0
             good_ids += m.block_ids[:ok]
             good_rows += range(row, row + ok)
             self.load_errors.update(m.block_ids[ok:])
@@ -243,11 +243,11 @@ class WorkerSide(SaveSide):
                              **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()}))
             self.link.record_all(recs)
 
-    def load_one(self, c: Client, base: Namespace, m: BlockMove, sink: BlockSink) -> int:
-        """Copy the leading verified whole blocks of ``m`` into ``sink``
-        (staging rows, or the KV tensors themselves); how many."""
+    def load_one(self, c: Client, base: Namespace, m: BlockMove, keys: list[bytes], sink: BlockSink) -> int:
+        """Copy the leading verified blocks of ``m`` (``keys``: its keys,
+        split) into ``sink`` (staging rows, or the KV tensors themselves);
+        how many."""
         ns = request_ns(base, m.adapter, m.salt)
-        keys = split_keys(m.keys)
         if c.slab is None or (c.reads_without_lease and not m.cluster):
             # another host: inline bytes (checked by the daemon, and against its checksums here);
             # same host with the daemon's shared index: get_into reads DRAM blocks without a lease

@@ -284,13 +284,12 @@ class ShardSink:
         idx = list(idx)
         views = u8_views(srcs)
         sealed, sums = read_seals(views, self.tp, self.shard_bytes, [self.keys[i] for i in idx])
-        a, b, r = self.rank * self.shard_bytes, (self.rank + 1) * self.shard_bytes, self.rank
-        if sealed.all():
-            return self.inner.write(idx, [v[a:b] for v in views], sums[:, r].tolist(), threads)
+        a, b = self.rank * self.shard_bytes, (self.rank + 1) * self.shard_bytes
         ok = np.zeros(len(idx), dtype=bool)
         go = np.flatnonzero(sealed).tolist()
         if go:
-            ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go], sums[go, r].tolist(), threads)
+            ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go],
+                                      sums[go, self.rank].tolist(), threads)
         return ok
 
 
