@@ -118,7 +118,12 @@ def bench_shards(rep: Report, repeats: int) -> None:
     """Rank 0 of TP = k reads 15 blocks (a 128 KiB shard each, in 16 layer
     pieces, as bench/vllm.py's model): sealed (its shard and the seal) and
     whole (every shard hashed against the block's checksum, its own placed).
-    The blocks are cycled through 256 MiB so that sources are not in cache."""
+    The blocks are cycled through 256 MiB so that sources are not in cache.
+    Beside them, one numpy copy of the same shards from the same cycled
+    sources into one buffer (the rank's bytes, no hash, one thread, as a
+    load under 4 MiB reads): ``tp{k}_sealed_read_vs_memcpy`` is the sealed
+    read's speed as a share of that copy's, the read alone, with no lookup
+    or engine step around it (bench/vllm.py's load / memcpy has both)."""
     shard, n, layers = 128 * KIB, 15, 16
     piece = shard // layers
     for tp in (2, 4):
@@ -135,9 +140,13 @@ def bench_shards(rep: Report, repeats: int) -> None:
             ShardScatter(LayerScatter(shard, pieces, src), r, tp).gather(list(blocks), np.arange(count) % n, keys)
         sums = [checksum(b) for b in blocks]
         at = [0]
+        flat = np.ones((n, shard), np.uint8)
 
         def read(kind: str) -> None:
             a = at[0] = (at[0] + n) % (count - n)
+            if kind == "memcpy":
+                np.copyto(flat, blocks[a:a + n, :shard])
+                return
             srcs = [blocks[i] for i in range(a, a + n)]
             if kind == "sealed":
                 ok = sealed.sink(range(n), keys[a:a + n]).write(range(n), srcs, [0] * n)
@@ -145,7 +154,7 @@ def bench_shards(rep: Report, repeats: int) -> None:
                 ok = whole.sink(range(n)).write(range(n), srcs, sums[a:a + n])
             assert ok.all(), kind
 
-        times: dict[str, list[float]] = {"sealed": [], "whole": []}
+        times: dict[str, list[float]] = {"sealed": [], "whole": [], "memcpy": []}
         for _ in range(max(20, 10 * repeats)):  # alternating, so that both see the same machine
             for kind in times:
                 t0 = time.perf_counter()
@@ -155,6 +164,9 @@ def bench_shards(rep: Report, repeats: int) -> None:
         rep.figure(f"tp{tp}_sealed_read_ms", t_sealed * 1000, "ms (15 blocks, rank 0: its shard + the seal)")
         rep.figure(f"tp{tp}_whole_read_ms", t_whole * 1000, "ms (the same blocks hashed whole, its shard placed)")
         rep.figure(f"tp{tp}_sealed_vs_whole_read", t_whole / t_sealed, "x faster")
+        t_copy = statistics.median(times["memcpy"])
+        rep.figure(f"tp{tp}_shard_memcpy_ms", t_copy * 1000, "ms (one numpy copy of the same shards, no hash)")
+        rep.figure(f"tp{tp}_sealed_read_vs_memcpy", t_copy / t_sealed, "x a memcpy's speed")
 
 
 def bench_first_put(rep: Report, repeats: int, total: int) -> None:

@@ -68,6 +68,12 @@ single-threaded ``numpy.copyto`` and a two-thread copy of the same bytes,
 measured every round); our Lookup of 1 and 64 keys <= 1.0x the time of
 Mooncake's ``batch_is_exist``, of 1,024 keys <= 0.5x.
 
+``copy_ceiling_{put,get}_*`` (no target): the best copy's GB/s over the
+faster Mooncake API's, in the same run: the ratio a store would reach if its
+put or get were nothing but one copy at the machine's best rate. Where it is
+under 1.2, the 1.2x target asks for more than copying the bytes once can
+give on this machine.
+
 A put of ours of at most 8 MiB is write-behind (docs/daemon.md): it returns
 once its bytes are in the client's staging ring and its frame is sent, and
 the daemon stores it meanwhile. ``kvstore_put_landed_*`` times the same put
@@ -553,6 +559,10 @@ def measure(quick: bool, venv: str, mooncake_note: str, sizes: tuple[int, ...] =
                         best = max(figures[f"mooncake_{api}_{op}_{key}_GBps"] for api in apis)
                         figures[f"ratio_{op}_{key}"] = figures[f"kvstore_{op}_{key}_GBps"] / best
                         units[f"ratio_{op}_{key}"] = "x best mooncake"
+                        # the ratio a store whose op were one copy at the best copy's rate would
+                        # reach: below the 1.2 target, the target asks more than a copy can give
+                        figures[f"copy_ceiling_{op}_{key}"] = best_copy / best
+                        units[f"copy_ceiling_{op}_{key}"] = "x best mooncake, for a store at the best copy's rate"
                     if landed:
                         best = max(figures[f"mooncake_{api}_put_{key}_GBps"] for api in apis)
                         figures[f"ratio_put_landed_{key}"] = figures[f"kvstore_put_landed_{key}_GBps"] / best
@@ -633,7 +643,7 @@ def report(figures: dict[str, float], units: dict[str, str], notes: list[str], j
 def side_by_side(f: dict[str, float]) -> str:
     """The readable table: one row per operation, both systems and the ratio."""
     rows = [["operation", "kvstore", "mooncake copy", "mooncake zero-copy", "kvstore / best", "best copy",
-             "kvstore / copy"]]
+             "kvstore / copy", "copy / best"]]
     for size in SIZES:
         for batch in BATCHES:
             k = f"{label(size)}_b{batch}"
@@ -643,15 +653,15 @@ def side_by_side(f: dict[str, float]) -> str:
                 rows.append([f"{op} {label(size)} x{batch} (GB/s)", _fmt(f.get(f"kvstore_{op}_{k}_GBps")),
                              _fmt(f.get(f"mooncake_copy_{op}_{k}_GBps")), _fmt(f.get(f"mooncake_zero_{op}_{k}_GBps")),
                              _fmt(f.get(f"ratio_{op}_{k}"), "x"), _fmt(f.get(f"best_copy_{k}_GBps")),
-                             _fmt(f.get(f"copy_ratio_{op}_{k}"), "x")])
-    rows.append(["empty unary call (us; health Check)", _fmt(f.get("kvstore_empty_call_us")), "", "", "", "", ""])
+                             _fmt(f.get(f"copy_ratio_{op}_{k}"), "x"), _fmt(f.get(f"copy_ceiling_{op}_{k}"), "x")])
+    rows.append(["empty unary call (us; health Check)", _fmt(f.get("kvstore_empty_call_us")), "", "", "", "", "", ""])
     for n in EXIST_N:
         rows.append([f"exists {n} keys (us; Lookup vs batch_is_exist)", _fmt(f.get(f"kvstore_lookup_{n}_us")),
-                     _fmt(f.get(f"mooncake_is_exist_{n}_us")), "", _fmt(f.get(f"ratio_lookup_{n}"), "x time"), "", ""])
+                     _fmt(f.get(f"mooncake_is_exist_{n}_us")), "", _fmt(f.get(f"ratio_lookup_{n}"), "x time"), "", "", ""])
         rows.append([f"  (Lookup of {n} answered by the daemon over its socket, us)",
-                     _fmt(f.get(f"kvstore_lookup_socket_{n}_us")), "", "", "", "", ""])
+                     _fmt(f.get(f"kvstore_lookup_socket_{n}_us")), "", "", "", "", "", ""])
         rows.append([f"  (Lookup of {n} over gRPC instead, us)", _fmt(f.get(f"kvstore_lookup_grpc_{n}_us")),
-                     "", "", "", "", ""])
+                     "", "", "", "", "", ""])
     w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
     out.insert(1, "  ".join("-" * x for x in w))

@@ -40,6 +40,9 @@ Targets: peer fetch >= 0.7x bare ucxx, per shape (issue 6; for (b), and for
 (c) when measured). Issue 18 goal 3: two-daemon fetch (c) >= 1.2x Mooncake's
 transfer engine (d) and >= 0.6x iperf3 (e), per shape; a baseline that could
 not run (Mooncake or iperf3 missing) leaves its target ``met: false``.
+``bare_ucxx_vs_mooncake_te_*`` and ``bare_ucxx_vs_iperf3_*`` (no target,
+paired per round as the others): what a fetch moving its bytes at bare
+ucxx's rate, with no control path at all, would reach against each baseline.
 
 Run::
 
@@ -278,6 +281,8 @@ async def ucx_side(quick: bool, daemons: "Daemons | None", others: dict[str, Any
                 figures[f"daemons_fetch_vs_bare_{lab}"] = statistics.median(b / d for b, d in zip(bare, two))
                 for k, ts in base.items():  # paired per round, like the others
                     figures[f"daemons_fetch_vs_{k}_{lab}"] = statistics.median(o / d for o, d in zip(ts, two))
+            for k, ts in base.items():  # what a fetch at bare ucxx's rate would reach (no target)
+                figures[f"bare_ucxx_vs_{k}_{lab}"] = statistics.median(o / b for o, b in zip(ts, bare))
             # paired: each round's bare and fetch ran back to back, so the
             # median of per-round ratios is steadier than a ratio of medians
             figures[f"peer_fetch_vs_bare_{lab}"] = statistics.median(b / t for b, t in zip(bare, fetch))
