@@ -29,6 +29,9 @@
  *       Verified copies of blocks whose pieces then go to an engine's
  *       per-layer arrays (the vLLM connector's load), each only when it
  *       checks; one call, one GIL release, for the whole batch.
+ *   seal_check(srcs, keys, tp, rank, shard_bytes, sums, ok)
+ *       The seals of sealed (tensor-parallel) blocks, one call per batch:
+ *       which are whole and name their key, and one rank's shard checksum.
  *
  * Every function accepts any object exporting a C-contiguous buffer (bytes,
  * bytearray, memoryview, numpy arrays, ...) and releases the GIL around the
@@ -2042,6 +2045,105 @@ kv_populate_resident(PyObject *self, PyObject *arg)
     return PyLong_FromSize_t(done);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Seals of sharded blocks (kvstore/client/shards.py)                        */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(seal_check_doc,
+"seal_check(srcs, keys, tp, rank, shard_bytes, sums, ok) -> None\n"
+"\n"
+"The seals of sealed blocks (kvstore/client/shards.py), read by rank\n"
+"rank of tp: ok[i] (a writable buffer of uint8) is 1 when srcs[i] is\n"
+"tp * shard_bytes + seal_bytes(tp) bytes long and its seal holds the magic\n"
+"KVSEAL01, shard_bytes and keys[16 i : 16 i + 16]; then sums[i] (a writable\n"
+"buffer of uint64) is the seal's checksum of shard rank (else 0).  keys: 16\n"
+"bytes per block.  Only the seals are read (40 bytes of each block).");
+
+static PyObject *
+kv_seal_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer keys, sums, okb;
+    PyObject *srcs;
+    Py_ssize_t n, i;
+    long long tp, rank, shard;
+    size_t at, whole;
+    unsigned char *okp;
+    unsigned long long *sp;
+    int fail = 1;
+    (void)self;
+
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "seal_check takes 7 arguments");
+        return NULL;
+    }
+    tp = PyLong_AsLongLong(args[2]);
+    rank = PyLong_AsLongLong(args[3]);
+    shard = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (tp < 1 || tp > 4096 || rank < 0 || rank >= tp || shard < 0 || shard > ((long long)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "seal_check: 1 <= tp <= 4096, 0 <= rank < tp, 0 <= shard_bytes <= 2**40");
+        return NULL;
+    }
+    at = (size_t)tp * (size_t)shard;
+    whole = at + (((size_t)32 + 8 * (size_t)tp + 63) / 64) * 64;
+    srcs = PySequence_Fast(args[0], "srcs must be a sequence");
+    if (srcs == NULL) {
+        return NULL;
+    }
+    if (kv_get_ro(args[1], &keys, "keys") < 0) {
+        goto e0;
+    }
+    if (kv_get_rw(args[5], &sums, "sums") < 0) {
+        goto e1;
+    }
+    if (kv_get_rw(args[6], &okb, "ok") < 0) {
+        goto e2;
+    }
+    n = PySequence_Fast_GET_SIZE(srcs);
+    if (keys.len != n * 16 || sums.len != n * 8 || okb.len != n) {
+        PyErr_Format(PyExc_ValueError, "%zd blocks: keys, sums and ok must hold 16, 8 and 1 bytes per block", n);
+        goto e3;
+    }
+    okp = (unsigned char *)okb.buf;
+    sp = (unsigned long long *)sums.buf;
+    for (i = 0; i < n; i++) {
+        Py_buffer b;
+        const unsigned char *seal;
+        uint64_t got_shard, own;
+        if (kv_get_ro(PySequence_Fast_GET_ITEM(srcs, i), &b, "srcs[i]") < 0) {
+            goto e3;
+        }
+        okp[i] = 0;
+        sp[i] = 0;
+        if ((size_t)b.len == whole) {
+            seal = (const unsigned char *)b.buf + at;
+            memcpy(&got_shard, seal + 8, 8);
+            memcpy(&own, seal + 32 + 8 * (size_t)rank, 8);
+            if (memcmp(seal, "KVSEAL01", 8) == 0 && got_shard == (uint64_t)shard &&
+                memcmp(seal + 16, (const unsigned char *)keys.buf + 16 * i, 16) == 0) {
+                okp[i] = 1;
+                sp[i] = own;
+            }
+        }
+        PyBuffer_Release(&b);
+    }
+    fail = 0;
+e3:
+    PyBuffer_Release(&okb);
+e2:
+    PyBuffer_Release(&sums);
+e1:
+    PyBuffer_Release(&keys);
+e0:
+    Py_DECREF(srcs);
+    if (fail) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 
 static PyMethodDef kv_methods[] = {
     {"chain_keys", (PyCFunction)(void (*)(void))kv_chain_keys,
@@ -2067,6 +2169,7 @@ static PyMethodDef kv_methods[] = {
      verify_scatter_many_doc},
     {"gather_many", (PyCFunction)(void (*)(void))kv_gather_many, METH_FASTCALL, gather_many_doc},
     {"populate_resident", (PyCFunction)kv_populate_resident, METH_O, populate_resident_doc},
+    {"seal_check", (PyCFunction)(void (*)(void))kv_seal_check, METH_FASTCALL, seal_check_doc},
     {NULL, NULL, 0, NULL}
 };
 

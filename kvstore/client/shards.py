@@ -36,9 +36,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvstore.buffers import KEY_BYTES, as_u8, as_u8_writable
+from kvstore.checksum import load_native
 from kvstore.errors import InvalidArgument
 
-__all__ = ["SEAL_HEADER", "SEAL_MAGIC", "read_seals", "seal_bytes", "u8_views", "write_seals"]
+__all__ = ["SEAL_HEADER", "SEAL_MAGIC", "own_sums", "read_seals", "seal_bytes", "u8_views", "write_seals"]
+
+_NATIVE = load_native()
 
 SEAL_MAGIC = b"KVSEAL01"
 SEAL_HEADER = 32
@@ -115,3 +118,27 @@ def read_seals(srcs: Sequence[Any], tp: int, shard_bytes: int, keys: Sequence[by
     if n:
         ok &= (seals[:, 16:SEAL_HEADER] == _headers(shard_bytes, keys)[:, 16:]).all(axis=1)
     return ok, seals[:, SEAL_HEADER:].copy().view("<u8")
+
+
+def own_sums(srcs: Sequence[Any], tp: int, rank: int, shard_bytes: int, keys: Sequence[bytes], *,
+             native: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``(ok, sums)`` for rank ``rank``'s read: ``ok`` as ``read_seals``'s,
+    ``sums[i]`` the seal's checksum of shard ``rank`` of ``srcs[i]`` (uint64,
+    0 where not ok). One native call for the batch (``seal_check``: about
+    20 µs less than ``read_seals`` for 15 blocks); ``read_seals`` when the
+    extension is not built or ``native=False`` (tests compare the two)."""
+    n = len(srcs)
+    if not 0 <= rank < tp:
+        raise InvalidArgument(f"rank {rank} outside a group of {tp}")
+    if len(keys) != n:
+        raise InvalidArgument(f"{n} blocks but {len(keys)} keys")
+    if _NATIVE is None or not native:
+        ok, sums = read_seals(srcs, tp, shard_bytes, keys)
+        return ok, np.where(ok, sums[:, rank], np.uint64(0)).astype(np.uint64)
+    packed = b"".join(keys)
+    if len(packed) != n * KEY_BYTES:
+        raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
+    sums = np.zeros(n, np.uint64)
+    ok = np.zeros(n, np.uint8)
+    _NATIVE.seal_check(srcs, packed, tp, rank, shard_bytes, sums, ok)
+    return ok.view(bool), sums

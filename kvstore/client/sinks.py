@@ -34,7 +34,7 @@ import numpy as np
 
 from kvstore.buffers import as_u8_writable
 from kvstore.checksum import PIECE_FIELDS, gather_many, run_split, verify_many, verify_scatter_many
-from kvstore.client.shards import read_seals, seal_bytes, u8_views, write_seals
+from kvstore.client.shards import own_sums, seal_bytes, u8_views, write_seals
 from kvstore.errors import InvalidArgument
 from tiers.base import Buffer
 
@@ -283,13 +283,12 @@ class ShardSink:
               threads: int | None = None) -> np.ndarray:
         idx = list(idx)
         views = u8_views(srcs)
-        sealed, sums = read_seals(views, self.tp, self.shard_bytes, [self.keys[i] for i in idx])
+        sealed, sums = own_sums(views, self.tp, self.rank, self.shard_bytes, [self.keys[i] for i in idx])
         a, b = self.rank * self.shard_bytes, (self.rank + 1) * self.shard_bytes
         ok = np.zeros(len(idx), dtype=bool)
         go = np.flatnonzero(sealed).tolist()
         if go:
-            ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go],
-                                      sums[go, self.rank].tolist(), threads)
+            ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go], sums[go].tolist(), threads)
         return ok
 
 

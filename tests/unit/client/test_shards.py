@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvstore.checksum import checksum
-from kvstore.client.shards import SEAL_HEADER, SEAL_MAGIC, read_seals, seal_bytes, write_seals
+from kvstore.client.shards import SEAL_HEADER, SEAL_MAGIC, own_sums, read_seals, seal_bytes, write_seals
 from kvstore.client.sinks import BufferSink, LayerScatter, ShardScatter, ShardSink, is_sink
 from kvstore.errors import InvalidArgument
 
@@ -51,6 +51,32 @@ def test_a_seal_is_refused_for_its_length_magic_shard_size_or_key():
     assert ok.tolist() == [True, False, False, False, False]
     assert sums[0].tolist() == [7, 8]
     assert not read_seals([blocks[0]], TP, SHARD, [KEYS[1]])[0][0]  # another block's key
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_own_sums_gives_each_rank_its_entry_and_refuses_what_read_seals_refuses(native):
+    """The native seal check and the numpy one (``native=False``) agree."""
+    tp = 3
+    blocks = [np.zeros(tp * SHARD + seal_bytes(tp), np.uint8) for _ in range(6)]
+    keys = [bytes([7 + i]) * 16 for i in range(6)]
+    for r in range(tp):
+        write_seals(blocks, r, tp, SHARD, keys, np.arange(6, dtype=np.uint64) * 100 + r + 2**63)
+    blocks[1][tp * SHARD] ^= 1  # magic
+    blocks[2][tp * SHARD + 8] ^= 1  # shard size
+    blocks[3][tp * SHARD + 31] ^= 1  # key
+    srcs = [blocks[0], blocks[1], blocks[2], blocks[3], blocks[4][:-64], bytes(blocks[5])]
+    want_ok, want = read_seals(srcs, tp, SHARD, keys)
+    for rank in range(tp):
+        ok, sums = own_sums(srcs, tp, rank, SHARD, keys, native=native)
+        assert ok.dtype == bool and sums.dtype == np.uint64
+        assert ok.tolist() == want_ok.tolist() == [True, False, False, False, False, True]
+        assert sums.tolist() == [int(want[0, rank]), 0, 0, 0, 0, int(want[5, rank])]
+        assert sums[5] == 500 + rank + 2**63
+    assert own_sums([], tp, 0, SHARD, [], native=native)[0].size == 0
+    with pytest.raises(InvalidArgument):
+        own_sums(srcs, tp, tp, SHARD, keys, native=native)  # rank outside the group
+    with pytest.raises(InvalidArgument):
+        own_sums(srcs, tp, 0, SHARD, keys[:-1], native=native)  # a key short
 
 
 def test_write_seals_refuses_a_block_of_another_length_or_a_rank_outside_the_group():
