@@ -17,6 +17,11 @@ process, the *fetcher*):
     for a namespace it stores. Timed: reserve + fetch + verify + commit.
 (c) ``daemons``: the same through two ``kvstore serve`` daemons -- only when
     the daemon has a cluster section (else a note says why it is missing).
+    Timed as an engine on B's host runs it (the vLLM connector's cluster
+    load): ``Client.acquire(..., cluster=True)`` over B's same-host socket,
+    then ``Lease.release(wait=False)``. Beside it, ``daemons_fetch_grpc_*``:
+    the same ``Acquire`` and ``Release`` as plain gRPC calls (no target; the
+    figure of the first seven rounds). The two alternate which goes first.
 (d) ``mooncake_te``: Mooncake's transfer engine in remote mode -- a holder
     process registers a buffer, a client process (its own TransferEngine,
     protocol tcp, P2P handshake) reads each batch from it with
@@ -257,19 +262,20 @@ async def ucx_side(quick: bool, daemons: "Daemons | None", others: dict[str, Any
         f = Fetcher(json.loads(line))
         reps = 3 if quick else 9
         for size, n in SHAPES:
-            bare, fetch, two = [], [], []
+            bare, fetch, two, two_grpc = [], [], [], []
             base: dict[str, list[float]] = {k: [] for k in others}
             for r in range(reps + 1):
                 tb = await f.bare(size, n)
                 tf, err = await f.fetch(size, n)
                 if err:
                     raise RuntimeError(f"fetch {label(size, n)}: {err}")
-                td = daemons.round(size, n) if daemons is not None else 0.0
+                td, tg = daemons.round(size, n, r % 2 == 1) if daemons is not None else (0.0, 0.0)
                 tos = {k: o.round(size, n) for k, o in others.items()}
                 if r:  # round 0 warms up
                     bare.append(tb)
                     fetch.append(tf)
                     two.append(td)
+                    two_grpc.append(tg)
                     for k, t in tos.items():
                         base[k].append(t)
             gb = size * n / 1e9
@@ -281,6 +287,9 @@ async def ucx_side(quick: bool, daemons: "Daemons | None", others: dict[str, Any
                 figures[f"daemons_fetch_vs_bare_{lab}"] = statistics.median(b / d for b, d in zip(bare, two))
                 for k, ts in base.items():  # paired per round, like the others
                     figures[f"daemons_fetch_vs_{k}_{lab}"] = statistics.median(o / d for o, d in zip(ts, two))
+                figures[f"daemons_fetch_grpc_{lab}_GBps"] = gb / statistics.median(two_grpc)
+                for k, ts in base.items():
+                    figures[f"daemons_fetch_grpc_vs_{k}_{lab}"] = statistics.median(o / d for o, d in zip(ts, two_grpc))
             for k, ts in base.items():  # what a fetch at bare ucxx's rate would reach (no target)
                 figures[f"bare_ucxx_vs_{k}_{lab}"] = statistics.median(o / b for o, b in zip(ts, bare))
             # paired: each round's bare and fetch ran back to back, so the
@@ -479,14 +488,17 @@ def daemons_missing() -> str:
 class Daemons:
     """(c): two ``kvstore serve`` daemons with a static peer list; blocks put on
     A (shared-memory client), then ``Acquire(cluster=True)`` on B fetches them
-    from A into B's slab over the transport. Timed: B's Acquire RPC (lookup,
-    decision, peer fetch, commit) + Release. B's copies are removed after each
-    round (untimed) so that every round fetches."""
+    from A into B's slab over the transport. Timed: B's Acquire (lookup,
+    decision, peer fetch, commit) + Release, twice a round: through an
+    engine's client on B's host (its same-host socket, the Release not waited
+    for, as the vLLM connector releases) and as plain gRPC calls. B's copies
+    are removed after each (untimed) so that every one fetches."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.channels: list[Any] = []
         self.client: Any = None
+        self.engine: Any = None
         self.keys: dict[int, list[bytes]] = {}
 
     def start(self) -> None:
@@ -520,6 +532,9 @@ class Daemons:
             stubs.append(pb_grpc.KVStoreStub(ch))
         self.b = stubs[1]
         self.client = Client(f"127.0.0.1:{ports[0]}", use_shm=True)
+        self.engine = Client(f"127.0.0.1:{ports[1]}", use_shm=True)  # an engine on B's host
+        if not self.engine.reads_without_lease:
+            raise RuntimeError("the client on B's host did not get B's same-host socket")
         rng = np.random.default_rng(5)
         for size, n in SHAPES:
             ns = namespace(size)
@@ -535,21 +550,43 @@ class Daemons:
                 time.sleep(0.02)
             self.keys[size] = keys
 
-    def round(self, size: int, n: int) -> float:
-        pb, ns = self.pb, self.ns_pb(namespace(size))
+    def round(self, size: int, n: int, grpc_first: bool) -> tuple[float, float]:
+        """Seconds of (the engine client's fetch, the gRPC one)."""
+        if grpc_first:
+            tg = self.fetch_grpc(size, n)
+            return self.fetch_client(size, n), tg
+        tc = self.fetch_client(size, n)
+        return tc, self.fetch_grpc(size, n)
+
+    def fetch_client(self, size: int, n: int) -> float:
         keys = self.keys[size]
         t0 = time.perf_counter()
-        acq = self.b.Acquire(pb.AcquireRequest(ns=ns, keys=keys, promote=True, cluster=True), timeout=60)
-        self.b.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+        lease = self.engine.acquire(namespace(size), keys, cluster=True)
+        lease.release(wait=False)
         dt = time.perf_counter() - t0
-        if acq.fetched_blocks != n:
-            raise RuntimeError(f"B fetched {acq.fetched_blocks} of {n} blocks (hit {acq.hit_blocks})")
-        self.b.Remove(pb.RemoveRequest(ns=ns, keys=keys), timeout=10)
+        self.engine.flush()  # (untimed) the Release's answer
+        self.removed(size, n, lease.fetched_blocks, lease.hit_blocks)
         return dt
 
+    def fetch_grpc(self, size: int, n: int) -> float:
+        pb, ns = self.pb, self.ns_pb(namespace(size))
+        t0 = time.perf_counter()
+        acq = self.b.Acquire(pb.AcquireRequest(ns=ns, keys=self.keys[size], promote=True, cluster=True), timeout=60)
+        self.b.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+        dt = time.perf_counter() - t0
+        self.removed(size, n, acq.fetched_blocks, acq.hit_blocks)
+        return dt
+
+    def removed(self, size: int, n: int, fetched: int, hit: int) -> None:
+        """Check that B fetched every block, then drop B's copies (untimed)."""
+        if fetched != n:
+            raise RuntimeError(f"B fetched {fetched} of {n} blocks (hit {hit})")
+        self.b.Remove(self.pb.RemoveRequest(ns=self.ns_pb(namespace(size)), keys=self.keys[size]), timeout=10)
+
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        for c in (self.client, self.engine):
+            if c is not None:
+                c.close()
         for ch in self.channels:
             ch.close()
         for p in self.procs:
