@@ -2119,8 +2119,12 @@ kv_seal_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         sp[i] = 0;
         if ((size_t)b.len == whole) {
             seal = (const unsigned char *)b.buf + at;
-            memcpy(&got_shard, seal + 8, 8);
+            memcpy(&got_shard, seal + 8, 8);             /* the seal is little-endian */
             memcpy(&own, seal + 32 + 8 * (size_t)rank, 8);
+            if (!XXH_CPU_LITTLE_ENDIAN) {
+                got_shard = XXH_swap64(got_shard);
+                own = XXH_swap64(own);
+            }
             if (memcmp(seal, "KVSEAL01", 8) == 0 && got_shard == (uint64_t)shard &&
                 memcmp(seal + 16, (const unsigned char *)keys.buf + 16 * i, 16) == 0) {
                 okp[i] = 1;
