@@ -66,7 +66,8 @@ class QosClass(IntEnum):
 
 METHOD_CLASSES: dict[str, QosClass] = {
     "Lookup": QosClass.FOREGROUND, "Acquire": QosClass.FOREGROUND, "Get": QosClass.FOREGROUND,
-    "Reserve": QosClass.WRITE, "Put": QosClass.WRITE, "Remove": QosClass.WRITE, "Clear": QosClass.WRITE,
+    "Reserve": QosClass.WRITE, "Grant": QosClass.WRITE, "Put": QosClass.WRITE, "PutGranted": QosClass.WRITE,
+    "Remove": QosClass.WRITE, "Clear": QosClass.WRITE,
     "Prefetch": QosClass.PREFETCH,
 }
 """RPC name -> class. Calls not listed are not gated."""

@@ -364,7 +364,7 @@ class Ours:
                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         target = f"unix:{where[3]}" if self.unix_socket else f"127.0.0.1:{port}"
         wait_serving(target, 60)
-        self.client = Client(target, use_shm=True)
+        self.client = Client(target, use_shm=True, write_behind=WRITE_BEHIND)
         if self.client.slab is None:
             raise RuntimeError("the client did not map the daemon's slab (no shared-memory path)")
         if self.client._fast is None:
@@ -683,6 +683,10 @@ def default_venv() -> str:
     return "/tmp/kvstore-mooncake-venv"
 
 
+WRITE_BEHIND: bool | str = True
+"""The bench client's ``write_behind`` (``--staged``: "staged")."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -701,7 +705,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-netns", action="store_true",
                     help="do not create a network namespace (Mooncake is then skipped)")
+    ap.add_argument("--staged", action="store_true",
+                    help="puts without granted slots: the staging ring or Reserve, as before the tenth round")
     a = ap.parse_args(argv)
+    global WRITE_BEHIND
+    WRITE_BEHIND = "staged" if a.staged else True
     note = ""
     if a.in_netns:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # PID 1 ignores them otherwise

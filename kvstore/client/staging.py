@@ -28,10 +28,11 @@ import numpy as np
 
 from kvstore.buffers import pack_keys
 from kvstore.checksum import copy_many
+from kvstore.client.grants import GrantPool
 from kvstore.client.shared import OwnWrites, SharedPath
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import KeyStatus, KVStoreError
-from kvstore.wire.frames import fits_frame, put_frame
+from kvstore.wire.frames import fits_frame, granted_put_frame, put_frame
 from kvstore.wire.shm import SlabMapping
 
 log = logging.getLogger("kvstore.client")
@@ -69,38 +70,44 @@ class StagingRing:
 
 
 class WriteBehind:
-    """One client's write-behind puts: its connection's staging ring
-    (asked for on first use) and the puts it sends through it."""
+    """One client's write-behind puts: its connection's granted slots
+    (kvstore/client/grants.py) and staging ring (asked for on first use),
+    and the puts it sends through them."""
 
-    def __init__(self, own: OwnWrites, enabled: bool = True) -> None:
+    def __init__(self, own: OwnWrites, enabled: bool = True, grants: bool = True) -> None:
         self.own = own
         self.ring: StagingRing | None = None
         self.failed = not enabled
-        """Off, or no staging file (the daemon refused one, the socket broke): put through Reserve."""
+        """Off, or no staging file (the daemon refused one, the socket broke): no staged puts."""
+        self.grants = GrantPool(enabled and grants)
         self.lock = threading.Lock()
         """One put at a time places, fills and sends (threads sharing a client)."""
 
     def put(self, fast: LookupSocketClient, shared: SharedPath, wire: bytes, keys: list[bytes],
             srcs: list[np.ndarray], parent: bytes | None, threads: int,
-            settle: Callable[[], None]) -> list[KeyStatus] | None:
-        """Copy the blocks into the ring and send one ``put`` frame without
-        waiting; None when this put should go through ``Reserve`` instead.
-        The shared index says which leading blocks are stored already
-        (EXISTS, as Reserve would answer: all of them, and nothing is sent)
-        and whether the parent is (else Reserve answers PARENT_MISSING, or
-        finds it after all). ``settle`` waits for every put in flight (the
-        ring wraps); a socket that fails raises OSError."""
+            settle: Callable[[], None], slab: np.ndarray | None = None) -> list[KeyStatus] | None:
+        """Copy the blocks into granted slots of ``slab`` (else into the
+        ring) and send one ``gput`` (``put``) frame without waiting; None
+        when this put should go through ``Reserve`` instead. The shared
+        index says which leading blocks are stored already (EXISTS, as
+        Reserve would answer: all of them, and nothing is sent) and whether
+        the parent is (else Reserve answers PARENT_MISSING, or finds it
+        after all). ``settle`` waits for every put in flight (the ring
+        wraps); a socket that fails raises OSError."""
         n = len(srcs)
         size = srcs[0].size if n else 0
         if self.failed or not n or any(s.size != size for s in srcs):
             return None
         with self.lock:
             ring = self.ring if self.ring is not None else self._open(fast)
-        if ring is None or not ring.fits(n * size):
+        if ring is None:
+            return None
+        granted = slab is not None and not ring.fits(n * size) and self.grants.fits(size, n)
+        if not (granted or ring.fits(n * size)):
             return None
         packed = pack_keys(keys, check=True)
         nid = shared.nid(fast, wire)
-        if nid is None or not fits_frame(len(wire) + len(packed) + 8 * n + 64):
+        if nid is None or not fits_frame(len(wire) + len(packed) + 16 * n + 64):
             return None  # (a namespace the daemon has no id for yet: Reserve makes it)
         got = shared.reader.lookup(nid, packed)
         if got is None:
@@ -113,6 +120,24 @@ class WriteBehind:
         elif parent and not self._stored(fast, shared, nid, wire, parent):
             return None
         m = n - hit
+        if granted:
+            assert slab is not None
+            with self.lock:
+                offs = self.grants.take(fast, size, m)
+                if offs is not None and max(offs) + size > slab.size:  # (the slab grew: not mapped here yet)
+                    offs = None
+                if offs is not None:
+                    dsts = [slab[o : o + size] for o in offs]
+                    csums = copy_many(dsts, srcs, threads)
+                    frame = granted_put_frame(wire, parent, packed, size, csums.astype("<u8").tobytes(),
+                                              np.asarray(offs, dtype="<u8").tobytes())
+                    seq = fast.send_frame("Put", frame)
+                    self.own.add(wire, packed, offs, size, csums.tolist(), slab, seq)
+                self.grants.ask(fast, wire, size, m)  # for the next put of this size
+            if offs is not None:
+                return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
+            if not ring.fits(m * size):
+                return None
         with self.lock:
             at = ring.place(m * size, settle)
             if self.ring is not ring:  # settling found the socket broken (and closed us)
@@ -143,6 +168,7 @@ class WriteBehind:
     def close(self) -> None:
         """No more write-behind puts (nor reads of puts in flight) on this connection."""
         self.failed = True
+        self.grants.clear()
         self.own.clear()
         if self.ring is not None:
             self.ring.close()

@@ -59,7 +59,7 @@ class Client(ControlCalls):
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
-                 pipeline: bool = True, shared_index: bool = True, write_behind: bool = True,
+                 pipeline: bool = True, shared_index: bool = True, write_behind: bool | str = True,
                  prefault: bool = False) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` and the
         shared-memory path's control calls over its same-host socket
@@ -72,7 +72,9 @@ class Client(ControlCalls):
         (with that socket): answer ``lookup`` from the daemon's shared index
         when it publishes one (kvstore/wire/shared_index.py), without a
         round trip. ``write_behind`` (with the shared index and ``pipeline``):
-        a small put is copied into a staging ring and sent without waiting
+        a put is copied into slots the daemon granted ahead (one put of up to
+        64 MiB; kvstore/client/grants.py) or a small one into a staging ring
+        ("staged": the ring only), and sent without waiting
         (kvstore/client/staging.py); blocks the daemon then cannot store
         are counted in ``late_rejected``. ``prefault``: once the slab is
         mapped, map its resident pages on a background thread
@@ -92,7 +94,7 @@ class Client(ControlCalls):
         it publishes one (same host; kvstore/client/shared.py)."""
         self._own = OwnWrites()
         """This client's puts in flight (Commit or write-behind frame unanswered), for its own reads."""
-        self._wb = WriteBehind(self._own, write_behind)
+        self._wb = WriteBehind(self._own, bool(write_behind), grants=write_behind != "staged")
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -354,7 +356,8 @@ class Client(ControlCalls):
         if not self.pipeline or fast is None or shared is None:
             return None
         try:
-            return wb.put(fast, shared, self._wire_of(ns), keys, srcs, parent, self.copy_threads, self.flush)
+            return wb.put(fast, shared, self._wire_of(ns), keys, srcs, parent, self.copy_threads, self.flush,
+                          self.slab.buf if self.slab is not None else None)
         except OSError as e:
             raise self._socket_failed("Put", e) from None
 

@@ -158,12 +158,14 @@ class Placement:
 
     # ------------------------------------------------------ new blocks
     def store_rows(self, nid: int, karr: np.ndarray, sizes: Sequence[int], parent: bytes | None,
-                   state: BlockState, res: BatchResult,
-                   tier: TierKind | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+                   state: BlockState, res: BatchResult, tier: TierKind | None = None,
+                   given: np.ndarray | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Plan, allocate (evicting) and insert rows in ``tier`` (None: the
         default, DRAM unless hbm.admit is "all"). Returns (batch indices,
         rows, locs) of the blocks that got a slot; ``index.tier`` of the rows
-        says where."""
+        says where. ``given``: one DRAM slot per key, allocated already (a
+        granted put, kvstore/core/grants.py): the blocks stored take theirs;
+        the caller frees the rest."""
         todo, prefs = plan(self.index, nid, karr, sizes, parent_row(self.index, nid, parent),
                            self.namespaces.size_of(nid), self.dram.footprint, res)
         empty = np.zeros(0, dtype=np.int64)
@@ -171,7 +173,7 @@ class Placement:
             return [], empty, empty
         nbytes = int(sizes[todo[0]])
         protect = np.asarray([p for p in prefs if p >= 0], dtype=np.int64)
-        where = self.upper.target(tier) if self.upper is not None else TierKind.DRAM
+        where = self.upper.target(tier) if self.upper is not None and given is None else TierKind.DRAM
         if where is TierKind.HBM:
             assert self.upper is not None
             locs = self.upper.place(nbytes, len(todo), protect, nid)
@@ -179,14 +181,18 @@ class Placement:
                 where = TierKind.DRAM  # no room in hbm for the whole batch
         if where is TierKind.DRAM:
             n = len(todo) if self.freq is None else self._admitted(karr[todo], nbytes, nid)
-            locs = self.make_room(TierKind.DRAM, nbytes, n, protect, for_ns=nid)
+            if given is None:
+                locs = self.make_room(TierKind.DRAM, nbytes, n, protect, for_ns=nid)
+            else:
+                locs = given[np.asarray(todo[:n], dtype=np.int64)]
         # a parent that had to leave (its demotion failed) stops the chain there
         parr = np.asarray(prefs[: locs.size], dtype=np.int64)
         outer = np.nonzero(parr >= 0)[0]
         gone = outer[self.index.state[parr[outer]] != S_COMMITTED]
         stop = int(gone[0]) if gone.size else None
         if stop is not None:
-            self.tiers[where].free(locs[stop:])
+            if given is None:
+                self.tiers[where].free(locs[stop:])
             for j in todo[stop:]:
                 res.statuses[j] = KeyStatus.PARENT_MISSING
             locs, todo = locs[:stop], todo[:stop]

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from kvstore.core.eviction import PolicyName, make_policy, select_victims
+from kvstore.core.grants import Grants
 from kvstore.core.hbm_mover import HbmMover
 from kvstore.core.index import NO_LOC, S_COMMITTED, S_FREE
 from kvstore.core.placement import Placement
@@ -56,10 +57,12 @@ def check_host_room(r: Resizer, tier: TierKind, capacity_bytes: int) -> None:
 class Resizer:
     """``set_policy`` and ``resize``."""
 
-    def __init__(self, place: Placement, ssd: SsdMover | None = None, hbm: HbmMover | None = None) -> None:
+    def __init__(self, place: Placement, ssd: SsdMover | None = None, hbm: HbmMover | None = None,
+                 grants: Grants | None = None) -> None:
         self.placement = place
         self.ssd = ssd
         self.hbm = hbm
+        self.grants = grants
 
     def set_policy(self, name: str | PolicyName) -> str:
         """Switch the eviction policy, keeping every block. Returns the old name."""
@@ -93,9 +96,11 @@ class Resizer:
             rows = idx.used_rows()
             rows = rows[idx.tier[rows] == T_DRAM]
             inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
-            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != S_COMMITTED):
+            granted = self.grants.locs() if self.grants is not None else inside[:0]
+            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != S_COMMITTED) or \
+                    t.locs_in_pages(granted, pages).any():
                 raise CapacityError("blocks in the region being retired are pinned or being "
-                                    "written; retry after they are released")
+                                    "written (or its slots are granted to a writer); retry after they are released")
             # stop handing out retired pages, then relocate what is there
             t.retire_pages(pages)
             for r in inside.tolist():

@@ -49,6 +49,7 @@ import numpy as np
 from admission.quota import TenantShares
 from kvstore.buffers import as_u8
 from kvstore.core.eviction import FrequencySketch, Policy, PolicyName, make_policy
+from kvstore.core.grants import Grants
 from kvstore.core.hbm_mover import HbmMover, HbmSpec
 from kvstore.core.holds import Holds, KeysLike
 from kvstore.core.index import S_COMMITTED, BlockIndex, BlockState, keys_to_array
@@ -171,7 +172,8 @@ class TieredStore:
             self.place.attach_upper(self.hbm, self.hbm.tier)
         self.holds = Holds(self.place, clock=clock, reservation_timeout=cfg.reservation_timeout,
                            ssd=self.ssd, hbm=self.hbm)
-        self.resizer = Resizer(self.place, self.ssd, self.hbm)
+        self.grants = Grants(self.place, cfg.reservation_timeout)
+        self.resizer = Resizer(self.place, self.ssd, self.hbm, self.grants)
 
     # ------------------------------------------------------------ plumbing
     @property
@@ -526,10 +528,22 @@ class TieredStore:
         return self.holds.report_corrupt(ns, keys)
 
     def release_owner(self, owner: str) -> tuple[int, int]:
+        self.grants.release(owner)
         return self.holds.release_owner(owner)
 
     def reap(self, now: float | None = None) -> int:
-        return self.holds.reap(now)
+        now = self.clock() if now is None else now
+        return self.holds.reap(now) + self.grants.reap(now)
+
+    # ------------------------------------------ granted slots (see Grants)
+    def grant(self, ns: Namespace, nbytes: int, count: int, owner: str, limit: int,
+              returned: Sequence[int] = ()) -> np.ndarray:
+        self.grants.give_back(owner, returned)
+        return self.grants.grant(ns, nbytes, count, owner, limit, self.clock())
+
+    def put_granted(self, ns: Namespace, keys: KeysLike, nbytes: int, locs: Sequence[int],
+                    checksums: Sequence[int], owner: str, parent: bytes | None = None) -> BatchResult:
+        return self.grants.put(ns, keys, nbytes, locs, checksums, owner, parent)
 
     def pin(self, ns: Namespace, keys: KeysLike) -> BatchResult:
         return self.holds.pin(ns, keys)

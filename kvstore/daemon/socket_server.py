@@ -75,6 +75,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvstore.checksum import copy_many
+from kvstore.daemon import granted
 from kvstore.daemon.auth import Principal
 from kvstore.daemon.shared_index import SharedIndex, sweep_stale
 from kvstore.daemon.slab_owner import pid_alive
@@ -351,6 +352,9 @@ class _Connection(asyncio.Protocol):
                               else grpc.StatusCode.FAILED_PRECONDITION, str(e))
             coro = self.put_staged(put)
             wrap = _put_answer
+        elif mark in (frames.GRANT_MARK, frames.GPUT_MARK):  # granted puts (kvstore.daemon.granted)
+            coro = (granted.grant if mark == frames.GRANT_MARK else granted.put)(self.daemon, body, self.calls)
+            wrap = _raw_answer
         elif frames.is_call(body):
             op = frames.call_method_id(body) - 1
             if not 0 <= op < len(CALLS):

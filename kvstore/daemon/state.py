@@ -138,7 +138,7 @@ class DaemonState:
             try:
                 n = self.store.reap()
                 if n:
-                    log.info("reclaimed %d expired reservations/leases", n)
+                    log.info("reclaimed %d expired reservations/leases/grants", n)
                 self._end_unbound_sessions()
             except Exception:  # never let the reaper die
                 log.exception("reaper failed")

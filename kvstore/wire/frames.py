@@ -24,12 +24,23 @@ Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
                       | u64 staging offset | Namespace message (protobuf) | parent key (16 bytes, if any)
                       | keys (n x 16 bytes) | checksums (n x u64)
     put ok    u32 len | u8 0 | n x u8 KeyStatus
+    grant     u32 len | u16 0xFFF9 | u16 ns_len | u32 count | u32 block bytes | u32 r
+                      | Namespace message (protobuf) | r x u64 slab offset given back
+    grant ok  u32 len | u8 0 | u32 lifetime (ms) | n x u64 slab offset
+    gput      u32 len | u16 0xFFF8 | (a put frame's fields, staging offset 0) | slab offsets (n x u64)
+    gput ok   (as put ok)
     error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
 
 ``stage`` and ``put`` are the write-behind put (issue 18): the daemon gives
 the connection a private staging file, the client copies a small batch
 into it and sends a ``put`` frame without waiting; the daemon reserves,
 copies the blocks from staging into their slots and commits, as one call.
+
+``grant`` and ``gput`` are the granted put (issue 18,
+kvstore/core/grants.py): the daemon grants the connection DRAM slots ahead
+of its puts; the client copies a batch straight into granted slots and
+names them in a ``gput`` frame sent without waiting; the daemon inserts
+the rows. The bytes are copied once and no round trip is on the put's path.
 
 ``nsid``, ``tally`` and ``reads`` serve clients that answer lookups, and
 read DRAM blocks, from the daemon's shared index
@@ -82,6 +93,14 @@ PUT_MARK = b"\xff\xfa"
 """A put frame's first two bytes."""
 PUT = struct.Struct("<HBxIIQ")
 """A put frame's fixed fields after the mark: ns_len, has_parent, n, block bytes, staging offset."""
+GRANT_MARK = b"\xff\xf9"
+"""A grant frame's first two bytes."""
+GPUT_MARK = b"\xff\xf8"
+"""A granted put frame's first two bytes."""
+GRANT = struct.Struct("<HIII")
+"""A grant frame's fixed fields after the mark: ns_len, count, block bytes, slots given back."""
+GRANT_OK = struct.Struct("<BI")
+"""Status byte and lifetime (ms) of a grant answer (the offsets follow)."""
 STAGE_OK = struct.Struct("<BQ")
 """Status byte and staging size of a stage answer (the path follows)."""
 READS = struct.Struct("<II")
@@ -167,6 +186,46 @@ def put_frame(ns_wire: bytes, parent: bytes | None, packed_keys: bytes, block_by
     head = PUT.pack(len(ns_wire), 1 if parent else 0, len(packed_keys) // 16, block_bytes, offset)
     body_len = 2 + PUT.size + len(ns_wire) + (16 if parent else 0) + len(packed_keys) + len(checksums)
     return b"".join((HEADER.pack(body_len), PUT_MARK, head, ns_wire, parent or b"", packed_keys, checksums))
+
+
+def granted_put_frame(ns_wire: bytes, parent: bytes | None, packed_keys: bytes, block_bytes: int,
+                      checksums: bytes, offsets: bytes) -> bytes:
+    """A granted put: the blocks are in the slab slots ``offsets`` (n
+    little-endian u64, granted to this connection)."""
+    put = put_frame(ns_wire, parent, packed_keys, block_bytes, 0, checksums)
+    return b"".join((HEADER.pack(len(put) - 4 + len(offsets)), GPUT_MARK, put[6:], offsets))
+
+
+def grant_frame(ns_wire: bytes, count: int, block_bytes: int, returned: bytes = b"") -> bytes:
+    """Ask for ``count`` slots for blocks of ``block_bytes`` in a namespace,
+    giving back the granted slots ``returned`` (little-endian u64 offsets)."""
+    if len(ns_wire) >= MAX_NS_WIRE:
+        raise InvalidArgument("namespace message too long")
+    head = GRANT.pack(len(ns_wire), count, block_bytes, len(returned) // 8)
+    return HEADER.pack(2 + GRANT.size + len(ns_wire) + len(returned)) + GRANT_MARK + head + ns_wire + returned
+
+
+def parse_grant(body: bytes) -> tuple[bytes, int, int, list[int]]:
+    """A grant frame's (namespace message, count, block bytes, slots given back)."""
+    if len(body) < 2 + GRANT.size:
+        raise InvalidArgument("short grant frame")
+    nslen, count, size, nret = GRANT.unpack_from(body, 2)
+    at = 2 + GRANT.size + nslen
+    if len(body) != at + 8 * nret:
+        raise InvalidArgument(f"grant frame of {len(body)} bytes does not hold a {nslen}-byte namespace "
+                              f"and {nret} offsets")
+    return body[2 + GRANT.size : at], count, size, list(struct.unpack_from(f"<{nret}Q", body, at))
+
+
+def parse_granted_put(body: bytes) -> tuple[PutFrame, list[int]]:
+    """A granted put frame's fields and slab offsets."""
+    if len(body) < 2 + PUT.size:
+        raise InvalidArgument("short granted put frame")
+    n = PUT.unpack_from(body, 2)[2]
+    if len(body) < 8 * n:
+        raise InvalidArgument(f"granted put frame of {len(body)} bytes does not hold {n} offsets")
+    cut = len(body) - 8 * n
+    return parse_put(body[:cut]), list(struct.unpack_from(f"<{n}Q", body, cut))
 
 
 @dataclass(slots=True, frozen=True)

@@ -87,3 +87,25 @@ def test_put_frame_round_trips_and_refuses_lengths_that_do_not_add_up():
     for bad in (body[:-1], body + b"x", body[:5]):
         with pytest.raises(InvalidArgument):
             frames.parse_put(bad)
+
+
+def test_grant_and_granted_put_frames_round_trip_and_refuse_lengths_that_do_not_add_up():
+    back = struct.pack("<2Q", 4096, 2**63)
+    msg = frames.grant_frame(b"ns", 5, 65536, back)
+    assert frames.HEADER.unpack_from(msg)[0] == len(msg) - 4 and msg[4:6] == frames.GRANT_MARK
+    assert frames.parse_grant(msg[4:]) == (b"ns", 5, 65536, [4096, 2**63])
+    assert frames.parse_grant(frames.grant_frame(b"ns", 1, 4096)[4:]) == (b"ns", 1, 4096, [])
+    for bad in (msg[4:-1], msg[4:] + b"\0", msg[4:10]):
+        with pytest.raises(InvalidArgument):
+            frames.parse_grant(bad)
+    keys = bytes(range(32))
+    sums, offs = struct.pack("<2Q", 7, 2**64 - 1), struct.pack("<2Q", 0, 1 << 40)
+    msg = frames.granted_put_frame(b"ns", b"p" * 16, keys, 4096, sums, offs)
+    assert frames.HEADER.unpack_from(msg)[0] == len(msg) - 4 and msg[4:6] == frames.GPUT_MARK
+    put, got = frames.parse_granted_put(msg[4:])
+    assert (put.ns_wire, put.parent, put.keys, put.block_bytes, put.checksums) == \
+        (b"ns", b"p" * 16, keys, 4096, [7, 2**64 - 1])
+    assert got == [0, 1 << 40]
+    for bad in (msg[4:-8], msg[4:-1], msg[4:] + b"\0" * 8, msg[4:8]):
+        with pytest.raises(InvalidArgument):
+            frames.parse_granted_put(bad)
