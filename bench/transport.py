@@ -34,6 +34,12 @@ process, the *fetcher*):
 (f) small fetches (1 and 4 blocks of 256 KiB) through (b), sized (one round
     trip) and two-step alternating: the latency a round trip costs (a
     figure, no target).
+(g) an engine's whole cluster load through (c)'s daemons, as the vLLM
+    connector runs it: its scheduler's cluster ``Lookup``, then its worker's
+    ``Acquire(cluster=True)`` and release, timed together. With the hint
+    (``Client.acquire(..., peer=...)``: the peer and run the ``Lookup``
+    found, so B does not locate them again) and without, alternating; at
+    (c)'s shapes and 4 x 256 KiB (figures, no target).
 
 Rounds alternate (a), (b), (c), (d), (e); the first round of each shape is a
 warm-up; each figure is the median of the rest (3 with ``--quick``, 9
@@ -96,6 +102,8 @@ free_port = _bench_module("benchlib").free_port
 MIB = 1 << 20
 SHAPES = ((1 * MIB, 64), (4 * MIB, 16))
 SMALL = ((256 << 10, 1), (256 << 10, 4))
+HINTED = SHAPES + ((256 << 10, 4),)
+"""Shapes of (g), the engine's Lookup then Acquire, with and without the hint."""
 """Small fetches (f): the latency of a sized fetch (one round trip) against
 the two-step one, through (b)'s client and peer."""
 OWNER = "bench-transport"
@@ -103,7 +111,7 @@ TAG_REQ = 1 << 50
 
 
 def label(size: int, n: int) -> str:
-    return f"{n}x{size // MIB}MiB"
+    return f"{n}x{size // MIB}MiB" if size % MIB == 0 else f"{n}x{size >> 10}KiB"
 
 
 def namespace(size: int) -> Any:
@@ -312,6 +320,18 @@ async def ucx_side(quick: bool, daemons: "Daemons | None", others: dict[str, Any
             figures[f"small_fetch_{lab}_ms"] = statistics.median(one) * 1e3
             figures[f"small_fetch_{lab}_two_step_ms"] = statistics.median(two) * 1e3
             figures[f"small_fetch_{lab}_time_vs_two_step"] = statistics.median(a / b for a, b in zip(one, two))
+        for size, n in HINTED if daemons is not None else ():  # (g)
+            lab = label(size, n)
+            hinted, plain = [], []
+            for r in range(reps + 1):
+                order = (True, False) if r % 2 else (False, True)
+                got = {h: daemons.engine_load(size, n, h) for h in order}
+                if r:
+                    hinted.append(got[True])
+                    plain.append(got[False])
+            figures[f"engine_load_{lab}_ms"] = statistics.median(plain) * 1e3
+            figures[f"engine_load_hinted_{lab}_ms"] = statistics.median(hinted) * 1e3
+            figures[f"engine_load_hinted_time_vs_not_{lab}"] = statistics.median(a / b for a, b in zip(hinted, plain))
         figures["fetch_connects"] = float(f.client.connects)
         await f.close()
     finally:
@@ -536,7 +556,7 @@ class Daemons:
         if not self.engine.reads_without_lease:
             raise RuntimeError("the client on B's host did not get B's same-host socket")
         rng = np.random.default_rng(5)
-        for size, n in SHAPES:
+        for size, n in HINTED:
             ns = namespace(size)
             keys = [bytes(k) for k in keys_for(size, n)]
             st = self.client.put(ns, keys, [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)])
@@ -565,6 +585,19 @@ class Daemons:
         lease.release(wait=False)
         dt = time.perf_counter() - t0
         self.engine.flush()  # (untimed) the Release's answer
+        self.removed(size, n, lease.fetched_blocks, lease.hit_blocks)
+        return dt
+
+    def engine_load(self, size: int, n: int, hinted: bool) -> float:
+        """(g): the engine's cluster Lookup, then its Acquire (with the
+        Lookup's peer and run as the hint, or without) and release."""
+        keys, ns = self.keys[size], namespace(size)
+        t0 = time.perf_counter()
+        cl = self.engine.cluster_lookup(ns, keys)
+        lease = self.engine.acquire(ns, keys, cluster=True, peer=cl.hint() if hinted else ("", 0, 0))
+        lease.release(wait=False)
+        dt = time.perf_counter() - t0
+        self.engine.flush()
         self.removed(size, n, lease.fetched_blocks, lease.hit_blocks)
         return dt
 

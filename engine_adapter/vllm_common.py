@@ -336,6 +336,9 @@ class BlockMove:
     cluster: bool = False
     """A load whose blocks a peer holds: ``Acquire(cluster=True)`` fetches
     them into the local daemon first (the lookup's decision was fetch)."""
+    peer: tuple[str, int, int] = ("", 0, 0)
+    """With ``cluster``: the peer, first index and length in ``keys`` of the
+    run the lookup found there (``Client.acquire``'s ``peer``)."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ from engine_adapter.vllm_common import (
 )
 from kvstore import identity
 from kvstore.keys import KEY_LEN, Namespace, block_keys, block_keys_array
-from kvstore.results import ChainDecisionKind
+from kvstore.results import ChainDecisionKind, ClusterLookup
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -70,6 +70,10 @@ class ReqState:
     fetch_from: int = -1
     """With a fetch decision: the first block a peer holds (the loads from
     there on fetch first); -1 otherwise."""
+    looked: ClusterLookup | None = None
+    """With a fetch decision: the cluster lookup that made it (the loads
+    pass its run on as their fetch hint, ``ClusterLookup.hint``: the daemon
+    then does not locate the run again)."""
     local_tokens: int = 0
     plan: tuple[int, int] | None = None
     """Blocks [a, b) to load in the next step."""
@@ -180,7 +184,7 @@ class SchedulerSide:
         if c is None or base is None:
             return 0, False
         ns, keys = request_ns(base, st.adapter, st.salt), split_keys(st.keys[:loadable * KEY_LEN])
-        st.fetch_from = -1
+        st.fetch_from, st.looked = -1, None
         cluster: dict[str, Any] = {}
         try:
             if self.cluster is ClusterMode.OFF:
@@ -215,11 +219,11 @@ class SchedulerSide:
         stats[f"decision_{kind.value}"] += 1
         PEER_DECISIONS.labels(kind.value).inc()
         hit = int(cl.local_blocks)
+        peer = next((x.peer for x in cl.locations if x.peer), "")
         if kind is ChainDecisionKind.FETCH and cl.remote_blocks:
-            st.fetch_from = hit
+            st.fetch_from, st.looked = hit, cl
             hit += int(cl.remote_blocks)
             stats["remote_blocks"] += int(cl.remote_blocks)
-        peer = next((x.peer for x in cl.locations if x.peer), "")
         if cl.remote_blocks:
             log.info("kvstore connector: request %s: %d local block(s), %d at %s: %s (fetch %.2f ms, "
                      "recompute %.2f ms)", st.request.request_id, cl.local_blocks, cl.remote_blocks, peer,
@@ -271,7 +275,8 @@ class SchedulerSide:
                 st.plan = None
                 if b <= len(st.block_ids):
                     meta.loads.append(BlockMove(req_id, st.adapter, st.salt, st.keys[a * KEY_LEN:b * KEY_LEN],
-                                                st.block_ids[a:b], a, cluster=0 <= st.fetch_from < b))
+                                                st.block_ids[a:b], a, cluster=0 <= st.fetch_from < b,
+                                                peer=st.looked.hint(a, b) if st.looked else ("", 0, 0)))
                 else:  # cannot happen: vLLM allocates a block for every computed token
                     log.error("kvstore: request %s has %d blocks, the load needs %d", req_id,
                               len(st.block_ids), b)

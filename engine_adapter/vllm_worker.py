@@ -267,7 +267,7 @@ class WorkerSide(SaveSide):
             return ok
         t0 = time.perf_counter()
         try:
-            lease = c.acquire(ns, keys, cluster=m.cluster)
+            lease = c.acquire(ns, keys, cluster=m.cluster, peer=m.peer)
         except FAULT_TYPES as e:
             self.link.fault("load", e)
             return 0

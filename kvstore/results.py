@@ -356,6 +356,16 @@ class ClusterLookup:
     locations: list[BlockLocation]
     status: str
 
+    def hint(self, a: int = 0, b: int | None = None) -> tuple[str, int, int]:
+        """``Client.acquire``'s ``peer`` for the keys [a, b) of the chain
+        looked up: (peer, first, blocks) of the run peers hold, counted in
+        those keys, so the daemon does not locate it again; ("", 0, 0) when
+        those keys hold none of it."""
+        peer = next((x.peer for x in self.locations if x.peer), "")
+        start = self.local_blocks
+        lo, hi = max(a, start), start + self.remote_blocks if b is None else min(b, start + self.remote_blocks)
+        return (peer, lo - a, hi - lo) if peer and hi > lo else ("", 0, 0)
+
 
 @dataclass(slots=True, frozen=True)
 class ResizeResult:

@@ -442,13 +442,16 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[KeyResult, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns", "keys", "promote", "tier", "cluster", "to_hbm", "keys_packed")
+    __slots__ = ("ns", "keys", "promote", "tier", "cluster", "to_hbm", "peer", "peer_from", "peer_blocks", "keys_packed")
     NS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     TO_HBM_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    PEER_FROM_FIELD_NUMBER: _ClassVar[int]
+    PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KEYS_PACKED_FIELD_NUMBER: _ClassVar[int]
     ns: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -456,8 +459,11 @@ class AcquireRequest(_message.Message):
     tier: Tier
     cluster: bool
     to_hbm: bool
+    peer: str
+    peer_from: int
+    peer_blocks: int
     keys_packed: bytes
-    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., cluster: _Optional[bool] = ..., to_hbm: _Optional[bool] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, ns: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., promote: _Optional[bool] = ..., tier: _Optional[_Union[Tier, str]] = ..., cluster: _Optional[bool] = ..., to_hbm: _Optional[bool] = ..., peer: _Optional[str] = ..., peer_from: _Optional[int] = ..., peer_blocks: _Optional[int] = ..., keys_packed: _Optional[bytes] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "hit_blocks", "slots", "fetched_blocks", "decision")

@@ -570,20 +570,22 @@ class Client(ControlCalls):
         return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes], tier: str | None = None,
-                cluster: bool = False) -> "Lease":
+                cluster: bool = False, peer: tuple[str, int, int] = ("", 0, 0)) -> "Lease":
         """Pin the hit prefix and return zero-copy views into the slab
         (shared-memory clients only). Release with ``Lease.release()`` or a
         ``with`` block. ``tier="hbm"`` (after ``map_hbm``): blocks are
         promoted into HBM where possible and HBM slots come back as device
         tensor views (``Lease.tiers`` says which). ``cluster``: fetch what
-        peers hold first when that beats recomputing it (docs/cluster.md)."""
+        peers hold first when that beats recomputing it (docs/cluster.md);
+        ``peer``: the (node, first, blocks) run a cluster lookup found there."""
         if self.slab is None:
             raise Unavailable("zero-copy acquire needs the shared-memory slab (same host)")
         want = tier_field(tier)
         if want == TierKind.HBM + 1:
             self.map_hbm()
         r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), promote=True,
-                                                     tier=want, cluster=cluster))
+                                                     tier=want, cluster=cluster, peer=peer[0], peer_from=peer[1],
+                                                     peer_blocks=peer[2]))
         sa = r.slots
         hit = int(r.hit_blocks)
         tiers = [TierKind(sa.tier[i] - 1) for i in range(hit)]

@@ -95,6 +95,8 @@ class ClusterNode:
         if predictor is not None:  # one model: Admit's remote terms and the fetch decision's recompute side
             predictor.attach_cost(self.cost, share_prefill=not c.prefill_tokens_per_s)
         self.table = DirectoryTable()
+        self.locates = 0
+        """Locate rounds made for views (each asks the keys' owners once)."""
         self.token = os.environ.get(c.peer_token_env, "").strip() if c.peer_token_env else ""
         self.creds = tls.peer_credentials(config)  # peer channels follow the server's TLS (mutual TLS)
         tls.warn_clear_token(config, self.token, c.peer_list)
@@ -330,6 +332,7 @@ class ClusterNode:
     # ------------------------------------------------------------ lookup
     async def _locate(self, digest: bytes, keys: list[bytes]) -> tuple[list[set[str]], int]:
         """Holders of each key, asking each owner once."""
+        self.locates += 1
         ids = self.live_ids()
         members = self.membership.members
         own = owners(pack_keys(keys), ids)
@@ -382,20 +385,35 @@ class ClusterNode:
         if best is None:
             self.metrics.cluster_decision("local")
             return out
-        bb = bb or self.store.block_bytes(ns) or block_bytes
-        out.remote_blocks, out.peer, out.block_bytes = run, best, bb
-        out.estimate = self.cost.decide(best, run * bb, ns.model_id, run * ns.block_size, hit * ns.block_size,
+        return self._decide(out, ns, best, run, bb or self.store.block_bytes(ns) or block_bytes, to_hbm)
+
+    def _decide(self, out: ClusterView, ns: Namespace, peer: str, run: int, bb: int, to_hbm: bool) -> ClusterView:
+        """``out`` with the run of ``run`` blocks at ``peer`` after its local prefix, and the cost model's call."""
+        hit = out.local.hit_blocks
+        out.remote_blocks, out.peer, out.block_bytes = run, peer, bb
+        out.estimate = self.cost.decide(peer, run * bb, ns.model_id, run * ns.block_size, hit * ns.block_size,
                                         to_hbm)
-        out.block_load_s = self.cost.transfer_s(best, bb, to_hbm)
+        out.block_load_s = self.cost.transfer_s(peer, bb, to_hbm)
         self.metrics.cluster_decision(out.estimate.decision.label)
         return out
+
+    def hinted(self, ns: Namespace, keys: Sequence[bytes], local: LookupResult, request: Any) -> ClusterView | None:
+        """The view an earlier cluster Lookup's hint gives (``AcquireRequest.peer``: its peer and run),
+        without locating the keys again; None when the hint no longer fits (the local prefix moved, the
+        peer left). A stale peer costs what a stale directory entry does: the blocks come back absent."""
+        peer, first, run = request.peer, int(request.peer_from), int(request.peer_blocks)
+        bb = self.store.block_bytes(ns) or self.table.block_bytes.get(ns.digest, 0)
+        if not peer or not run or not bb or local.hit_blocks != first or first + run > len(keys) \
+                or peer == self.node_id or peer not in self.membership.members:
+            return None
+        return self._decide(ClusterView(local), ns, peer, run, bb, request.to_hbm)
 
     async def fetch_for(self, request: Any, metadata: Any, ns: Namespace, keys: bytes | list[bytes]) -> tuple[int, int]:
         """Acquire's cluster step: fetch the remote run when that is cheaper.
         Returns (blocks fetched, wire ChainDecision)."""
         klist = keys if isinstance(keys, list) else split_keys(keys)
         local = self.store.peek(ns, klist)
-        v = await self.view(ns, klist, local, to_hbm=request.to_hbm)
+        v = self.hinted(ns, klist, local, request) or await self.view(ns, klist, local, to_hbm=request.to_hbm)
         decision = int(v.estimate.decision) + 1
         if v.estimate.decision is not ChainDecision.FETCH:
             return 0, decision

@@ -293,3 +293,47 @@ def test_python_client_cluster_lookup_and_acquire(make_daemon):
             assert lease.hit_blocks == 4
             assert [bytes(v) for v in lease.views] == payloads(keys)
         assert c.cluster_lookup(NS, keys).decision == "local"
+
+
+def test_an_acquire_with_its_lookups_hint_fetches_without_locating_again(make_daemon):
+    """The vLLM connector passes its scheduler's cluster Lookup (peer, run)
+    to the worker's Acquire: b then fetches without asking the keys' owners
+    where they are. A hint that no longer fits (the local prefix moved, a
+    peer that is not live) is ignored: b locates as before. A live peer that
+    does not hold the run is a miss, as a stale directory entry is."""
+    a, b = static_pair(make_daemon)
+    keys = chain(4, seed=9)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 4, 10, "remote blocks visible")
+    node = b.d.daemon.cluster  # (its cluster Lookups above located the keys)
+    a_id = a.d.daemon.cluster.node_id
+
+    def acquire(peer: str, first: int, run: int) -> pb.AcquireResponse:
+        acq = b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True, peer=peer,
+                                               peer_from=first, peer_blocks=run), timeout=10)
+        b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+        return acq
+
+    def drop() -> None:
+        b.stub.Remove(pb.RemoveRequest(ns=ns_pb(NS), keys=keys), timeout=10)
+
+    n = node.locates
+    acq = acquire(a_id, 0, 4)
+    assert acq.fetched_blocks == 4 and acq.hit_blocks == 4 and acq.decision == pb.CHAIN_DECISION_FETCH
+    assert node.locates == n  # no Locate
+    assert b.get(keys) == payloads(keys)
+    drop()
+    for stale in ((a_id, 1, 3), ("no-such-node", 0, 4), (a_id, 0, 5), (b.d.daemon.cluster.node_id, 0, 4)):
+        n = node.locates
+        acq = acquire(*stale)
+        assert acq.fetched_blocks == 4 and node.locates == n + 1, stale  # ignored: located as before
+        drop()
+    b.put(keys[:1])  # the local prefix moved since the lookup: the hint says 0
+    n = node.locates
+    acq = acquire(a_id, 0, 4)
+    assert acq.hit_blocks == 4 and acq.fetched_blocks == 3 and node.locates == n + 1
+    drop()
+    a.stub.Remove(pb.RemoveRequest(ns=ns_pb(NS), keys=keys[2:]), timeout=10)
+    n = node.locates
+    acq = acquire(a_id, 0, 4)  # a live peer that holds only the first two: those, then a miss
+    assert acq.fetched_blocks == 2 and acq.hit_blocks == 2 and node.locates == n
