@@ -8,9 +8,10 @@ frame sent without waiting: no round trip and no second copy. After each
 put the client asks for as many slots as that put used (a ``grant`` frame,
 also sent without waiting); its answer is read at the next put of that
 size. The pool holds slots of one size at a time: asking for another size
-gives the others back in the same frame. A slot is used once: the put that names it takes it whatever its
-outcome. A grant is used for half its lifetime only; the daemon frees it
-at the end of its life, or when the session ends.
+gives the others back in the same frame. A slot is used once: the put that
+names it takes it whatever its outcome. A grant is used for half its
+lifetime only; the daemon frees it at the end of its life, or when the
+session ends.
 """
 
 from __future__ import annotations
@@ -67,12 +68,13 @@ class GrantPool:
         return out
 
     def ask(self, fast: LookupSocketClient, wire: bytes, size: int, n: int) -> None:
-        """Ask for ``n`` more slots of ``size`` (answered at the next
-        ``take``). The pool holds one size at a time (an engine writes
-        blocks of one size): slots of any other go back with this ask."""
+        """Ask for slots of ``size`` up to ``n`` in the pool (answered at
+        the next ``take``). The pool holds one size at a time (an engine
+        writes blocks of one size): slots of any other go back with this ask."""
         if self.off or size in self.asked:
             return
-        n = min(n, GRANT_BYTES // size - len(self.free.get(size, ())))
+        have = len(self.free.get(size, ()))
+        n = min(n, GRANT_BYTES // size) - have
         if n <= 0:
             return
         for k in [k for k in self.asked if k != size]:

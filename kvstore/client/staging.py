@@ -125,10 +125,14 @@ class WriteBehind:
             with self.lock:
                 offs = self.grants.take(fast, size, m)
                 if offs is not None and max(offs) + size > slab.size:  # (the slab grew: not mapped here yet)
+                    self.grants.back += offs
                     offs = None
                 if offs is not None:
-                    dsts = [slab[o : o + size] for o in offs]
-                    csums = copy_many(dsts, srcs, threads)
+                    try:
+                        csums = copy_many([slab[o : o + size] for o in offs], srcs, threads)
+                    except BaseException:
+                        self.grants.back += offs  # (named by no put: given back with the next grant frame)
+                        raise
                     frame = granted_put_frame(wire, parent, packed, size, csums.astype("<u8").tobytes(),
                                               np.asarray(offs, dtype="<u8").tobytes())
                     seq = fast.send_frame("Put", frame)
