@@ -45,10 +45,12 @@ class GrantPool:
         """Block size -> the grant frame sent for it whose answer is unread."""
         self.back: list[int] = []
         """Granted slots this client will not use, given back with its next grant frame."""
+        self.limit = GRANT_BYTES
+        """The most this connection may hold granted (the daemon says, with each grant)."""
 
     def fits(self, size: int, n: int) -> bool:
         """Whether a put of ``n`` blocks of ``size`` bytes may go through grants."""
-        return not self.off and 0 < n * size <= GRANT_BYTES
+        return not self.off and 0 < n * size <= self.limit
 
     def take(self, fast: LookupSocketClient, size: int, n: int) -> list[int] | None:
         """``n`` granted slots for blocks of ``size``, or None (too few)."""
@@ -74,7 +76,7 @@ class GrantPool:
         if self.off or size in self.asked:
             return
         have = len(self.free.get(size, ()))
-        n = min(n, GRANT_BYTES // size) - have
+        n = min(n, self.limit // size) - have
         if n <= 0:
             return
         for k in [k for k in self.asked if k != size]:
@@ -94,8 +96,9 @@ class GrantPool:
             self.off = isinstance(e, Unavailable)
             log.info("no grant for %d-byte blocks (%s): the put goes through staging or Reserve", size, e)
             return
-        life_ms = int.from_bytes(body[:4], "little")  # (the answer after its status byte: frames.GRANT_OK)
-        got = np.frombuffer(body, dtype="<u8", offset=4).tolist()
+        _, life_ms, most = frames.GRANT_OK.unpack_from(b"\0" + body[:12])  # (body: the answer after its status)
+        self.limit = min(GRANT_BYTES, int(most))
+        got = np.frombuffer(body, dtype="<u8", offset=12).tolist()
         if not got:
             return
         now = time.monotonic()

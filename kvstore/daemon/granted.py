@@ -43,7 +43,8 @@ async def grant(d: "DaemonState", body: bytes, context: Any, who: Principal) -> 
     locs = await d.disk.run(lambda: d.store.needs_disk_write(count, size), d.store.grant, ns, size, count,
                             owner, limit(d), returned)
     life_ms = int(d.config.server.reservation_timeout * 1000)
-    return frames.frame(frames.GRANT_OK.pack(frames.OK, life_ms) + np.asarray(locs, dtype="<u8").tobytes())
+    head = frames.GRANT_OK.pack(frames.OK, life_ms, limit(d))
+    return frames.frame(head + np.asarray(locs, dtype="<u8").tobytes())
 
 
 @rpc("PutGranted")

@@ -26,7 +26,7 @@ Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
     put ok    u32 len | u8 0 | n x u8 KeyStatus
     grant     u32 len | u16 0xFFF9 | u16 ns_len | u32 count | u32 block bytes | u32 r
                       | Namespace message (protobuf) | r x u64 slab offset given back
-    grant ok  u32 len | u8 0 | u32 lifetime (ms) | n x u64 slab offset
+    grant ok  u32 len | u8 0 | u32 lifetime (ms) | u64 the session's limit (bytes) | n x u64 slab offset
     gput      u32 len | u16 0xFFF8 | (a put frame's fields, staging offset 0) | slab offsets (n x u64)
     gput ok   (as put ok)
     error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
@@ -99,8 +99,8 @@ GPUT_MARK = b"\xff\xf8"
 """A granted put frame's first two bytes."""
 GRANT = struct.Struct("<HIII")
 """A grant frame's fixed fields after the mark: ns_len, count, block bytes, slots given back."""
-GRANT_OK = struct.Struct("<BI")
-"""Status byte and lifetime (ms) of a grant answer (the offsets follow)."""
+GRANT_OK = struct.Struct("<BIQ")
+"""Status byte, lifetime (ms) and the session's limit (bytes) of a grant answer (the offsets follow)."""
 STAGE_OK = struct.Struct("<BQ")
 """Status byte and staging size of a stage answer (the path follows)."""
 READS = struct.Struct("<II")

@@ -86,9 +86,9 @@ def test_grant_and_gput_frames_are_checked_and_nothing_stored_is_lost(uds_daemon
                 return conn.answer(conn.send_frame("Grant", msg, keep=True))
 
             body = call(raw, frames.grant_frame(wire, 2, 4096))
-            life = int.from_bytes(body[:4], "little")
-            offs = np.frombuffer(body, "<u8", offset=4).tolist()
-            assert life == 30_000 and len(offs) == 2
+            _, life, most = frames.GRANT_OK.unpack_from(b"\0" + body[:12])
+            offs = np.frombuffer(body, "<u8", offset=12).tolist()
+            assert life == 30_000 and most == 16 * MIB and len(offs) == 2
             for bad, err in ((frames.grant_frame(wire, 0, 4096), InvalidArgument),
                              (frames.grant_frame(wire, (1 << 20) + 1, 4096), InvalidArgument),
                              (frames.grant_frame(wire, 1, 8192), InvalidArgument),  # the namespace holds 4 KiB
@@ -133,7 +133,7 @@ def test_a_session_that_ends_leaves_no_granted_slot(uds_daemon):
         raw = LookupSocketClient(d.running.fast.path, c.session)
         try:
             body = raw.answer(raw.send_frame("Grant", frames.grant_frame(wire, 4, MIB), keep=True))
-            assert len(body) == 4 + 4 * 8
+            assert len(body) == 12 + 4 * 8
             assert d.call(lambda: d.store.dram.used_bytes) == base + 4 * MIB
         finally:
             raw.close()
@@ -154,3 +154,22 @@ def test_a_writer_holds_grants_of_one_size_and_gives_the_others_back(uds_daemon)
             held = _granted(uds_daemon, c.session)
             assert set(held.values()) == {size} and len(held) == 3
             assert c.late_rejected == 0
+
+
+def test_a_put_larger_than_the_sessions_grant_limit_stays_on_reserve(make_daemon, tmp_path):
+    """On a 128 MiB DRAM tier a session may hold 8 MiB granted: the first
+    12 MiB put learns that from the grant's answer, and the next ones put
+    through Reserve instead of asking again."""
+    d = make_daemon(server__host="", server__unix_socket=str(tmp_path / "kv.sock"), dram__capacity="128MiB")
+    with Client(d.target) as c:
+        ns = _ns()
+        assert c.put(ns, _keys(ns, 1, 1 << 20), _data(1, BIG, 0)) == [KeyStatus.OK]
+        c.flush()
+        for r in range(3):
+            keys, data = _keys(ns, 3, 1000 * (r + 1)), _data(3, BIG, r)
+            assert c.put(ns, keys, data) == [KeyStatus.OK] * 3
+            c.flush()
+            assert all(np.array_equal(g, x) for g, x in zip(c.get(ns, keys), data))
+        assert c._wb.grants.limit == 8 * MIB
+        assert len(_granted(d, c.session)) <= 2  # at most the 8 MiB the first ask got
+        assert c.late_rejected == 0 and c._fast.late_errors == 0
