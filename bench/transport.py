@@ -102,10 +102,10 @@ free_port = _bench_module("benchlib").free_port
 MIB = 1 << 20
 SHAPES = ((1 * MIB, 64), (4 * MIB, 16))
 SMALL = ((256 << 10, 1), (256 << 10, 4))
-HINTED = SHAPES + ((256 << 10, 4),)
-"""Shapes of (g), the engine's Lookup then Acquire, with and without the hint."""
 """Small fetches (f): the latency of a sized fetch (one round trip) against
 the two-step one, through (b)'s client and peer."""
+HINTED = SHAPES + ((256 << 10, 4),)
+"""Shapes of (g), the engine's Lookup then Acquire, with and without the hint."""
 OWNER = "bench-transport"
 TAG_REQ = 1 << 50
 
