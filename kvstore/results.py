@@ -227,6 +227,9 @@ class StoreStats:
     policy: str
     reservations: int
     leases: int
+    granted_bytes: int = 0
+    """DRAM slots granted to same-host writers ahead of their puts (in the
+    DRAM tier's used bytes, not blocks yet; kvstore/core/grants.py)."""
 
 
 # ------------------------------------------------------------ client side

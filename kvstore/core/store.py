@@ -487,7 +487,8 @@ class TieredStore:
             ns_stats.append(NamespaceStats(namespace_label(ns), ns.tenant, ns.digest, n_l, q, h,
                                            int(per_ns[nid])))
         leases, reservations = self.holds.counts()
-        return StoreStats(out, self.counters, ns_stats, self.policy.name.value, reservations, leases)
+        return StoreStats(out, self.counters, ns_stats, self.policy.name.value, reservations, leases,
+                          sum(self.grants.bytes.values()))
 
     def namespaces(self) -> Iterable[Namespace]:
         return self.ns_registry.all()

@@ -172,6 +172,8 @@ class StoreCollector(Collector):
               "Reservations reclaimed because they were never committed."),
             g("kvstore_open_reservations", "Reservations not yet committed or aborted."),
             g("kvstore_open_leases", "Leases (acquired blocks) not yet released."),
+            g("kvstore_granted_bytes", "DRAM granted to same-host writers ahead of their puts "
+                                       "(in the dram tier's used bytes; not blocks yet)."),
             InfoMetricFamily("kvstore_eviction_policy", "The eviction policy in use."),
         ]
         return {f.name: f for f in fams}
@@ -229,6 +231,7 @@ class StoreCollector(Collector):
             "kvstore_reservations_expired": c.reservations_expired,
             "kvstore_open_reservations": st.reservations,
             "kvstore_open_leases": st.leases,
+            "kvstore_granted_bytes": st.granted_bytes,
         }
         for name, value in scalars.items():
             f[name].add_metric([], value)

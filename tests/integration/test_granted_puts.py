@@ -68,6 +68,9 @@ def test_a_large_put_goes_through_granted_slots_and_reads_back(uds_daemon):
         assert a.late_rejected == 0 and a._fast.late_errors == 0
         held = _granted(uds_daemon, a.session)
         assert len(held) == 3 and set(held.values()) == {BIG}  # the refill for the next put
+        text = uds_daemon.daemon.metrics.render().decode()
+        shown = [float(x.split()[1]) for x in text.splitlines() if x.startswith("kvstore_granted_bytes ")]
+        assert shown == [3 * BIG]  # operators see what grants hold
         stats = uds_daemon.call(uds_daemon.store.stats)
         assert stats.reservations == 0
 
