@@ -176,3 +176,32 @@ def test_a_put_larger_than_the_sessions_grant_limit_stays_on_reserve(make_daemon
         assert c._wb.grants.limit == 8 * MIB
         assert len(_granted(d, c.session)) <= 2  # at most the 8 MiB the first ask got
         assert c.late_rejected == 0 and c._fast.late_errors == 0
+
+
+def test_a_client_that_dies_mid_granted_put_leaves_nothing(uds_daemon):
+    """A grant, half a gput frame, then the client goes (its socket, then its
+    session): nothing is stored and every granted slot is free again."""
+    d = uds_daemon
+    with Client(d.target) as watcher:
+        ns = _ns()
+        assert watcher.put(ns, _keys(ns, 1, 1 << 20), _data(1, 4096, 0)) == [KeyStatus.OK]  # (4 KiB blocks)
+        watcher.flush()
+        base = d.call(lambda: d.store.dram.used_bytes)
+        wire = ns_pb(ns).SerializeToString(deterministic=True)
+        new = _keys(ns, 2, 77)
+        dying = Client(d.target)
+        raw = LookupSocketClient(d.running.fast.path, dying.session)
+        body = raw.answer(raw.send_frame("Grant", frames.grant_frame(wire, 2, 4096), keep=True))
+        offs = np.frombuffer(body, "<u8", offset=12)
+        assert offs.size == 2 and d.call(lambda: d.store.dram.used_bytes) == base + 2 * 4096
+        msg = frames.granted_put_frame(wire, None, b"".join(new), 4096, b"\x00" * 16, offs.tobytes())
+        raw.sock.sendall(msg[: len(msg) // 2])
+        raw.close()
+        dying.close()  # the session ends: its grants go
+        deadline = time.monotonic() + 10
+        while d.call(lambda: d.store.grants.locs().size) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert d.call(lambda: d.store.grants.locs().size) == 0
+        assert d.call(lambda: d.store.dram.used_bytes) == base
+        assert watcher.lookup(ns, new).hit_blocks == 0
+        assert d.call(d.store.stats).reservations == 0
