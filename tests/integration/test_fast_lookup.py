@@ -531,7 +531,7 @@ def test_reserve_later_answers_like_reserve_while_other_calls_run(uds_daemon):
     """``reserve_later`` sends its Reserve without waiting; a lookup and a put
     in between read their own answers, the reservation's answer is kept in
     order for ``result()``, and its slots commit like ``reserve``'s."""
-    with Client(uds_daemon.target, write_behind="staged") as c:
+    with Client(uds_daemon.target) as c:
         ns = _ns()
         keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
         pending = c.reserve_later(ns, keys, BS)

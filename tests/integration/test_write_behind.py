@@ -69,7 +69,7 @@ def _ready(c: Client, ns: Namespace) -> None:
 
 
 def test_a_write_behind_put_lands_and_its_writer_reads_it_at_once(uds_daemon):
-    with Client(uds_daemon.target, write_behind="staged") as a, Client(uds_daemon.target) as b:
+    with Client(uds_daemon.target) as a, Client(uds_daemon.target) as b:
         ns = _ns()
         _ready(a, ns)
         keys = _keys(ns, 6)
@@ -136,7 +136,7 @@ def test_what_write_behind_cannot_vouch_for_goes_through_reserve(uds_daemon):
 def test_a_block_the_daemon_refuses_later_is_counted(uds_daemon):
     """The namespace's blocks are 4 KiB; a write-behind put of 8 KiB blocks
     answers OK at once, and the daemon's INVALID comes back as late_rejected."""
-    with Client(uds_daemon.target, write_behind="staged") as c:
+    with Client(uds_daemon.target) as c:
         ns = _ns()
         _ready(c, ns)
         keys = _keys(ns, 3, 100)
