@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
     rep.emit(a.json)
     return 0
 

@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -253,6 +254,7 @@ def main() -> None:
             got[tp] = measure(args, tp, reps, prompts, warm, work, daemon.target)
     finally:
         daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the tiny model and the phases' files (12 MB a run)
     rep = Report("vllm")
     rep.figure("prompt_tokens", args.tokens)
     rep.figure("repeats", reps)
