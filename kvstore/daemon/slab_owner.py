@@ -10,7 +10,10 @@ identity>`` (mode 0600). A daemon starting with the same identity reads it
 and, when that pid is gone, removes the predecessor's slab before it makes
 its own. (Adopting the slab, i.e. serving its blocks again, is not built:
 the slab has no per-slot metadata to rebuild the DRAM index from;
-docs/reliability.md.)
+docs/reliability.md.) Any daemon starting also removes what this user's
+other dead daemons left (``sweep_dead``): the slab of a daemon with no
+identity, and the slab and owner file of an identity that never starts
+again.
 """
 
 from __future__ import annotations
@@ -93,6 +96,57 @@ def reclaim_predecessor(ident: str, configured: str = "") -> str | None:
         return None
     log.warning("removed the slab %s left by daemon %d (it died without closing it)", name, pid)
     return name
+
+
+def sweep_dead(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove what this user's dead daemons left in ``shm_dir``, whatever
+    their identity: slabs named ``kvstore-<uid>-<pid>-<hex>`` whose pid is
+    gone, and owner files whose daemon is gone and whose slab was such a
+    name (removed with it). A daemon with no stable identity (TCP port 0,
+    no Unix socket, no SSD directory) has no successor to reclaim its slab,
+    and an identity that never starts again left its owner file for good;
+    any daemon of the user starting now removes both. An owner file naming
+    a configured ``dram.shm_name`` is left to its identity's successor
+    (``reclaim_predecessor``). Returns the names removed."""
+    uid, me = os.getuid(), os.getpid()
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    owners = f"kvstore.owner-{uid}-"
+    for name in names:
+        if name.startswith(owners) and "." not in name[len(owners):]:  # (not a .tmp being written)
+            path = os.path.join(shm_dir, name)
+            try:
+                if os.stat(path).st_uid != uid:
+                    continue
+                with open(path) as f:
+                    doc = json.load(f)
+                pid, slab = int(doc["pid"]), str(doc["slab"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if pid == me or pid_alive(pid) or not _SLAB_NAME.match(slab):
+                continue
+            victims: tuple[str, ...] = (slab, name)
+        elif _SLAB_NAME.match(name) and name.split("-")[1] == str(uid):
+            pid = int(name.split("-")[2])
+            if pid == me or pid_alive(pid):
+                continue
+            victims = (name,)
+        else:
+            continue
+        for v in victims:
+            try:
+                if os.stat(os.path.join(shm_dir, v)).st_uid == uid:
+                    os.unlink(os.path.join(shm_dir, v))
+                    removed.append(v)
+            except OSError:  # gone already (listed twice: as a slab and in its owner file), or not ours
+                pass
+    if removed:
+        log.warning("removed %d file(s) that dead daemons left in %s: %s", len(removed), shm_dir,
+                    ", ".join(sorted(removed)[:8]) + (" ..." if len(removed) > 8 else ""))
+    return removed
 
 
 def record(ident: str, slab: str) -> None:

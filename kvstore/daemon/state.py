@@ -50,6 +50,7 @@ class DaemonState:
         self.auth = Auth(config)
         self.identity = slab_owner.identity(config) if store is None else ""
         self.reclaimed_slab = slab_owner.reclaim_predecessor(self.identity, config.dram.shm_name)
+        self.swept = slab_owner.sweep_dead() if store is None else []  # other dead daemons' slabs
         self.disk = DiskWorker(store or TieredStore(store_config(config, self.auth.shares)))
         slab_owner.record(self.identity, self.disk.raw.dram.name)
         self.store = self.disk.store  # each call under the store lock; disk-bound ones on the disk worker

@@ -5,6 +5,7 @@ outlive it once its successor starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -113,3 +114,31 @@ def test_a_restart_removes_the_slab_of_a_killed_predecessor(tmp_path) -> None:
     record("slab_after_sigkill",
            blocks_found_after_kill=min(recovered) if recovered else 0,
            seconds_to_serving_after_kill=round(max(serving_s[1:]), 2))
+
+
+def test_any_daemon_starting_removes_what_a_killed_daemon_of_another_identity_left(tmp_path) -> None:
+    """A SIGKILLed daemon whose identity never starts again (here: its Unix
+    socket) left its slab and its owner file in /dev/shm for good. The next
+    daemon of the same user to start, whatever its identity, removes both
+    (``slab_owner.sweep_dead``); a live daemon's are untouched."""
+    from kvstore.daemon.slab_owner import SHM_DIR, state_path
+    from tests.faults.faultlib import slabs_of
+
+    flags = ("--dram", "16MiB")
+    a = Serve(str(tmp_path / "a.sock"), *flags).wait_healthy()
+    live = Serve(str(tmp_path / "live.sock"), *flags).wait_healthy()
+    try:
+        a_owner = state_path("unix:" + os.path.realpath(str(tmp_path / "a.sock")))
+        a.kill()
+        assert slabs_of(a.pid) and os.path.exists(a_owner), "SIGKILL leaves the slab and the owner file"
+        b = Serve(str(tmp_path / "b.sock"), *flags).wait_healthy()
+        try:
+            assert not slabs_of(a.pid), "the killed daemon's slab is still in /dev/shm"
+            assert not os.path.exists(a_owner), "the killed daemon's owner file is still in /dev/shm"
+            assert len(slabs_of(live.pid)) == 1 and len(slabs_of(b.pid)) == 1
+        finally:
+            assert b.terminate() == 0
+    finally:
+        a.kill()
+        assert live.terminate() == 0
+    assert not slabs_of(live.pid) and not os.listdir(SHM_DIR).count(os.path.basename(a_owner))
