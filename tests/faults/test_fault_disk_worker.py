@@ -50,12 +50,19 @@ def test_a_stalled_disk_read_does_not_stall_lookups_or_dram_hits(make_daemon, tm
     with Client(d.target) as c:
         for keys in chains:
             assert c.put(NS, keys, [P(k) for k in keys]) == [KeyStatus.OK] * 8
+        c.flush()  # every write-behind put stored, and the evictions it made done
 
         def where(keys: list[bytes]) -> set[int]:
             return set(c.lookup(NS, keys).tiers[: len(keys)])
 
-        on_ssd = next(k for k in chains if where(k) == {TierKind.SSD})
-        in_dram = next(k for k in reversed(chains) if where(k) == {TierKind.DRAM})
+        def wholly(tier: TierKind, order: list[list[bytes]]) -> list[bytes] | None:
+            return next((k for k in order if where(k) == {tier}), None)
+
+        # (demotions finish on the disk worker: wait for one chain to be wholly on SSD)
+        wait_until(lambda: wholly(TierKind.SSD, chains) is not None, timeout=30, what="a chain wholly on SSD")
+        on_ssd = wholly(TierKind.SSD, chains)
+        in_dram = wholly(TierKind.DRAM, chains[::-1])
+        assert on_ssd is not None and in_dram is not None
         fs.hold = True
         got: list[Any] = []
         def read() -> None:
