@@ -67,6 +67,15 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def read_owner(path: str) -> tuple[int, int, str]:
+    """An owner file's (file owner's uid, daemon pid, slab name); raises
+    OSError, ValueError, KeyError or TypeError when it cannot be read."""
+    uid = os.stat(path).st_uid
+    with open(path) as f:
+        doc = json.load(f)
+    return uid, int(doc["pid"]), str(doc["slab"])
+
+
 def reclaim_predecessor(ident: str, configured: str = "") -> str | None:
     """Remove the slab of a dead daemon that had this identity; returns its
     name (None when there was nothing to remove). ``configured``: the
@@ -75,17 +84,14 @@ def reclaim_predecessor(ident: str, configured: str = "") -> str | None:
         return None
     path = state_path(ident)
     try:
-        st = os.stat(path)
-        with open(path) as f:
-            doc = json.load(f)
-        pid, name = int(doc["pid"]), str(doc["slab"])
+        uid, pid, name = read_owner(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("slab owner file %s unreadable (%s); ignored", path, e)
         return None
     # only our own file, naming one of our slabs, of a process that is gone
-    if st.st_uid != os.getuid() or not (_SLAB_NAME.match(name) or (configured and name == configured and "/" not in name)) or pid == os.getpid() or pid_alive(pid):
+    if uid != os.getuid() or not (_SLAB_NAME.match(name) or (configured and name == configured and "/" not in name)) or pid == os.getpid() or pid_alive(pid):
         return None
     try:
         os.unlink(os.path.join(SHM_DIR, name))
@@ -117,16 +123,11 @@ def sweep_dead(shm_dir: str = SHM_DIR) -> list[str]:
     owners = f"kvstore.owner-{uid}-"
     for name in names:
         if name.startswith(owners) and "." not in name[len(owners):]:  # (not a .tmp being written)
-            path = os.path.join(shm_dir, name)
             try:
-                if os.stat(path).st_uid != uid:
-                    continue
-                with open(path) as f:
-                    doc = json.load(f)
-                pid, slab = int(doc["pid"]), str(doc["slab"])
+                who, pid, slab = read_owner(os.path.join(shm_dir, name))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if pid == me or pid_alive(pid) or not _SLAB_NAME.match(slab):
+            if who != uid or pid == me or pid_alive(pid) or not _SLAB_NAME.match(slab):
                 continue
             victims: tuple[str, ...] = (slab, name)
         elif _SLAB_NAME.match(name) and name.split("-")[1] == str(uid):
