@@ -32,6 +32,10 @@
  *   seal_check(srcs, keys, tp, rank, shard_bytes, sums, ok)
  *       The seals of sealed (tensor-parallel) blocks, one call per batch:
  *       which are whole and name their key, and one rank's shard checksum.
+ *   scatter_slots(slab, slots, block_bytes, pieces, dsts, indices, seal=None)
+ *       verify_scatter_many's direct scatter straight from the slab rows
+ *       the shared index answered (seals checked too): a same-host load's
+ *       whole copy in one call, with no Python object per block.
  *
  * Every function accepts any object exporting a C-contiguous buffer (bytes,
  * bytearray, memoryview, numpy arrays, ...) and releases the GIL around the
@@ -1535,6 +1539,64 @@ done:
 
 #define KV_SCATTER_MAX_DSTS 4096
 
+/* Every piece (rows of 5 int64: src offset, length, dst, base, stride) fits
+ * its destination dsts[dst] at engine block indices lo_i and hi_i (the lowest
+ * and highest of a batch), hence at every index between.  0 or -1 with
+ * ValueError. */
+static int
+kv_pieces_fit(const int64_t *pc, Py_ssize_t np_, const Py_buffer *db, Py_ssize_t nd, int64_t hi_i)
+{
+    Py_ssize_t r;
+    for (r = 0; r < np_; r++) {
+        int64_t len = pc[5 * r + 1], d = pc[5 * r + 2], base = pc[5 * r + 3], stride = pc[5 * r + 4];
+        if (d < 0 || d >= nd || base < 0 || stride < 0 || len < 0 || base > db[d].len ||
+            len > db[d].len - base || (hi_i > 0 && stride > (db[d].len - base - len) / hi_i)) {
+            PyErr_Format(PyExc_ValueError, "piece %zd does not fit its destination", r);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The non-empty pieces in block order for a direct scatter: ord[k] is the
+ * row of the k-th, sp[k] its offset and length (dst filled per block);
+ * ValueError when two overlap.  The caller frees *sp and *ord (also on
+ * error). */
+static int
+kv_pieces_sorted(const int64_t *pc, Py_ssize_t np_, kv_span **sp, Py_ssize_t **ord, Py_ssize_t *nsp)
+{
+    Py_ssize_t r, k, m = 0;
+    Py_ssize_t *o;
+    *sp = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(kv_span));
+    *ord = o = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(Py_ssize_t));
+    if (*sp == NULL || o == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (r = 0; r < np_; r++) {
+        if (pc[5 * r + 1] == 0) {
+            continue;
+        }
+        for (k = m; k > 0 && pc[5 * o[k - 1]] > pc[5 * r]; k--) {
+            o[k] = o[k - 1];
+        }
+        o[k] = r;
+        m++;
+    }
+    for (r = 0; r + 1 < m; r++) {
+        if (pc[5 * o[r]] + pc[5 * o[r] + 1] > pc[5 * o[r + 1]]) {
+            PyErr_SetString(PyExc_ValueError, "pieces overlap in the block: pass a scratch buffer");
+            return -1;
+        }
+    }
+    for (r = 0; r < m; r++) {
+        (*sp)[r].off = (size_t)pc[5 * o[r]];
+        (*sp)[r].len = (size_t)pc[5 * o[r] + 1];
+    }
+    *nsp = m;
+    return 0;
+}
+
 PyDoc_STRVAR(verify_scatter_many_doc,
 "verify_scatter_many(srcs, expected, scratch, pieces, dsts, indices, ok) -> None\n"
 "\n"
@@ -1668,49 +1730,19 @@ kv_verify_scatter_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
         }
     }
-    for (r = 0; r < np_; r++) {  /* ... and its destination at the lowest and highest index */
-        int64_t len = pc[5 * r + 1], d = pc[5 * r + 2], base = pc[5 * r + 3], stride = pc[5 * r + 4];
-        const char *lo, *hi;
-        if (d < 0 || d >= nd || base < 0 || stride < 0 || len < 0 || base > db[d].len ||
-            len > db[d].len - base || (hi_i > 0 && stride > (db[d].len - base - len) / hi_i)) {
-            PyErr_Format(PyExc_ValueError, "piece %zd does not fit its destination", r);
-            goto e6;
-        }
-        lo = (const char *)db[d].buf + base + lo_i * stride;
-        hi = (const char *)db[d].buf + base + hi_i * stride + len;
-        if (!direct && lo < (const char *)scr.buf + maxlen && (const char *)scr.buf < hi) {
+    if (kv_pieces_fit(pc, np_, db, nd, hi_i) < 0) {  /* ... and its destination at every index */
+        goto e6;
+    }
+    for (r = 0; !direct && r < np_; r++) {
+        const char *lo = (const char *)db[pc[5 * r + 2]].buf + pc[5 * r + 3] + lo_i * pc[5 * r + 4];
+        const char *hi = (const char *)db[pc[5 * r + 2]].buf + pc[5 * r + 3] + hi_i * pc[5 * r + 4] + pc[5 * r + 1];
+        if (lo < (const char *)scr.buf + maxlen && (const char *)scr.buf < hi) {
             PyErr_SetString(PyExc_ValueError, "a destination overlaps scratch");
             goto e6;
         }
     }
-    if (direct) {  /* the non-empty pieces in block order: they must not overlap */
-        sp = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(kv_span));
-        ord = PyMem_Calloc((size_t)(np_ ? np_ : 1), sizeof(Py_ssize_t));
-        if (sp == NULL || ord == NULL) {
-            PyErr_NoMemory();
-            goto e6;
-        }
-        for (r = 0; r < np_; r++) {
-            Py_ssize_t k;
-            if (pc[5 * r + 1] == 0) {
-                continue;
-            }
-            for (k = nsp; k > 0 && pc[5 * ord[k - 1]] > pc[5 * r]; k--) {
-                ord[k] = ord[k - 1];
-            }
-            ord[k] = r;
-            nsp++;
-        }
-        for (r = 0; r + 1 < nsp; r++) {
-            if (pc[5 * ord[r]] + pc[5 * ord[r] + 1] > pc[5 * ord[r + 1]]) {
-                PyErr_SetString(PyExc_ValueError, "pieces overlap in the block: pass a scratch buffer");
-                goto e6;
-            }
-        }
-        for (r = 0; r < nsp; r++) {
-            sp[r].off = (size_t)pc[5 * ord[r]];
-            sp[r].len = (size_t)pc[5 * ord[r] + 1];
-        }
+    if (direct && kv_pieces_sorted(pc, np_, &sp, &ord, &nsp) < 0) {  /* in block order, not overlapping */
+        goto e6;
     }
     ev = (const unsigned long long *)exp.buf;
     okp = (unsigned char *)okb.buf;
@@ -1765,6 +1797,209 @@ e0:
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+
+/* ------------------------------------------------------------------------ */
+/* A read straight from the slab: the shared index's slots to an engine      */
+/* ------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(scatter_slots_doc,
+"scatter_slots(slab, slots, block_bytes, pieces, dsts, indices, seal=None) -> int\n"
+"\n"
+"A read of blocks straight out of the daemon's slab into an engine's\n"
+"arrays, in one call: slots are int64 rows (row, offset, length, checksum)\n"
+"as shared_slots answers them; block i is slab[offset : offset + length]\n"
+"and goes to engine block indices[i] (int64 >= 0, at least one per slot)\n"
+"as verify_scatter_many's direct scatter places it (no scratch; pieces must\n"
+"not overlap in the block).  seal None: the whole block is hashed against\n"
+"the slot's checksum.  seal (keys, tp, rank, shard_bytes): sealed blocks\n"
+"(kvstore/client/shards.py) of block_bytes = tp * shard_bytes +\n"
+"seal_bytes(tp); block i's seal must hold KVSEAL01, shard_bytes and\n"
+"keys[16 i : 16 i + 16], and this rank's shard (the pieces' offsets are\n"
+"relative to it) is hashed against the seal's entry.  Returns -1, having\n"
+"written nothing, when a slot is not block_bytes long or lies outside\n"
+"slab; else how many leading blocks matched (it stops at the first that\n"
+"does not, whose places are then garbage).  ValueError for pieces that do\n"
+"not fit the block or a destination, or overlap.  The GIL is released\n"
+"once for the batch.");
+
+static PyObject *
+kv_scatter_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer slab, slots, pcs, idx, keys;
+    Py_buffer *db = NULL;
+    PyObject *dsts, *seal;
+    Py_ssize_t nd = 0, n, np_, r, i, got = 0, nsp = 0, done = -1;
+    long long block, tp = 1, rank = 0, shard = 0;
+    const int64_t *sl, *pc, *ix;
+    int64_t hi_i = 0;
+    size_t at = 0, part;
+    kv_span *sp = NULL;
+    Py_ssize_t *ord = NULL;
+    int sealed, fail = 1;
+    (void)self;
+
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "scatter_slots takes 6 or 7 arguments");
+        return NULL;
+    }
+    dsts = args[4];
+    if (!PyTuple_Check(dsts) || PyTuple_GET_SIZE(dsts) > KV_SCATTER_MAX_DSTS) {
+        PyErr_SetString(PyExc_TypeError, "dsts must be a tuple of at most 4096 writable buffers");
+        return NULL;
+    }
+    block = PyLong_AsLongLong(args[2]);
+    if (block == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (block <= 0 || block > ((long long)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "scatter_slots: 0 < block_bytes <= 2**40");
+        return NULL;
+    }
+    seal = nargs == 7 ? args[6] : Py_None;
+    sealed = seal != Py_None;
+    part = (size_t)block;
+    memset(&keys, 0, sizeof keys);
+    if (sealed) {
+        if (!PyTuple_Check(seal) || PyTuple_GET_SIZE(seal) != 4) {
+            PyErr_SetString(PyExc_TypeError, "seal must be (keys, tp, rank, shard_bytes)");
+            return NULL;
+        }
+        tp = PyLong_AsLongLong(PyTuple_GET_ITEM(seal, 1));
+        rank = PyLong_AsLongLong(PyTuple_GET_ITEM(seal, 2));
+        shard = PyLong_AsLongLong(PyTuple_GET_ITEM(seal, 3));
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        if (tp < 1 || tp > 4096 || rank < 0 || rank >= tp || shard <= 0 || shard > ((long long)1 << 40)) {
+            PyErr_SetString(PyExc_ValueError, "scatter_slots: 1 <= tp <= 4096, 0 <= rank < tp, "
+                            "0 < shard_bytes <= 2**40");
+            return NULL;
+        }
+        at = (size_t)tp * (size_t)shard;
+        if ((size_t)block != at + (((size_t)32 + 8 * (size_t)tp + 63) / 64) * 64) {
+            PyErr_SetString(PyExc_ValueError, "block_bytes is not a sealed block of tp shards of shard_bytes");
+            return NULL;
+        }
+        part = (size_t)shard;
+        if (kv_get_ro(PyTuple_GET_ITEM(seal, 0), &keys, "keys") < 0) {
+            return NULL;
+        }
+    }
+    if (kv_get_ro(args[0], &slab, "slab") < 0) {
+        goto e0;
+    }
+    if (kv_get_ro(args[1], &slots, "slots") < 0) {
+        goto e1;
+    }
+    if (kv_get_ro(args[3], &pcs, "pieces") < 0) {
+        goto e2;
+    }
+    if (kv_get_ro(args[5], &idx, "indices") < 0) {
+        goto e3;
+    }
+    n = slots.len / 32;
+    if (slots.len % 32 || pcs.len % 40 || idx.len % 8 || idx.len < n * 8 || (sealed && keys.len != n * 16)) {
+        PyErr_Format(PyExc_ValueError, "%zd slots: slots must be rows of 4 int64, pieces rows of 5, indices "
+                     "at least one int64 per slot%s", n, sealed ? ", keys 16 bytes per slot" : "");
+        goto e4;
+    }
+    sl = (const int64_t *)slots.buf;
+    pc = (const int64_t *)pcs.buf;
+    ix = (const int64_t *)idx.buf;
+    np_ = pcs.len / 40;
+    for (i = 0; i < n; i++) {
+        if (ix[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "indices must be >= 0");
+            goto e4;
+        }
+        if (ix[i] > hi_i) {
+            hi_i = ix[i];
+        }
+    }
+    for (r = 0; r < np_; r++) {
+        int64_t off = pc[5 * r], len = pc[5 * r + 1];
+        if (off < 0 || len < 0 || (size_t)off > part || (size_t)len > part - (size_t)off) {
+            PyErr_Format(PyExc_ValueError, "piece %zd does not fit the block", r);
+            goto e4;
+        }
+    }
+    for (i = 0; i < n; i++) {  /* a slot of another size, or outside the slab: not read here */
+        int64_t off = sl[4 * i + 1], len = sl[4 * i + 2];
+        if (len != block || off < 0 || off > (int64_t)slab.len - block) {
+            fail = 0;
+            goto e4;
+        }
+    }
+    nd = PyTuple_GET_SIZE(dsts);
+    db = PyMem_Calloc((size_t)(nd ? nd : 1), sizeof(Py_buffer));
+    if (db == NULL) {
+        PyErr_NoMemory();
+        goto e5;
+    }
+    for (got = 0; got < nd; got++) {
+        if (kv_get_rw(PyTuple_GET_ITEM(dsts, got), &db[got], "dsts[i]") < 0) {
+            goto e5;
+        }
+    }
+    if (kv_pieces_fit(pc, np_, db, nd, hi_i) < 0 || kv_pieces_sorted(pc, np_, &sp, &ord, &nsp) < 0) {
+        goto e5;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) {
+        const unsigned char *src = (const unsigned char *)slab.buf + sl[4 * i + 1];
+        uint64_t want = (uint64_t)sl[4 * i + 3];
+        if (sealed) {
+            const unsigned char *s = src + at;
+            uint64_t got_shard, own;
+            memcpy(&got_shard, s + 8, 8);             /* the seal is little-endian */
+            memcpy(&own, s + 32 + 8 * (size_t)rank, 8);
+            if (!XXH_CPU_LITTLE_ENDIAN) {
+                got_shard = XXH_swap64(got_shard);
+                own = XXH_swap64(own);
+            }
+            if (memcmp(s, "KVSEAL01", 8) != 0 || got_shard != (uint64_t)shard ||
+                memcmp(s + 16, (const unsigned char *)keys.buf + 16 * i, 16) != 0) {
+                break;
+            }
+            want = own;
+            src += (size_t)rank * (size_t)shard;
+        }
+        for (r = 0; r < nsp; r++) {
+            const int64_t *row = pc + 5 * ord[r];
+            sp[r].dst = (unsigned char *)db[row[2]].buf + row[3] + ix[i] * row[4];
+        }
+        if ((uint64_t)kv_scatter_hash(kv_scatter, src, part, sp, (size_t)nsp) != want) {
+            break;
+        }
+    }
+    done = i;
+    Py_END_ALLOW_THREADS
+    fail = 0;
+e5:
+    for (r = 0; r < got; r++) {
+        PyBuffer_Release(&db[r]);
+    }
+    PyMem_Free(db);
+    PyMem_Free(sp);
+    PyMem_Free(ord);
+e4:
+    PyBuffer_Release(&idx);
+e3:
+    PyBuffer_Release(&pcs);
+e2:
+    PyBuffer_Release(&slots);
+e1:
+    PyBuffer_Release(&slab);
+e0:
+    if (sealed) {
+        PyBuffer_Release(&keys);
+    }
+    if (fail) {
+        return NULL;
+    }
+    return PyLong_FromSsize_t(done);
 }
 
 
@@ -2174,6 +2409,7 @@ static PyMethodDef kv_methods[] = {
     {"gather_many", (PyCFunction)(void (*)(void))kv_gather_many, METH_FASTCALL, gather_many_doc},
     {"populate_resident", (PyCFunction)kv_populate_resident, METH_O, populate_resident_doc},
     {"seal_check", (PyCFunction)(void (*)(void))kv_seal_check, METH_FASTCALL, seal_check_doc},
+    {"scatter_slots", (PyCFunction)(void (*)(void))kv_scatter_slots, METH_FASTCALL, scatter_slots_doc},
     {NULL, NULL, 0, NULL}
 };
 

@@ -29,7 +29,7 @@ import numpy.typing as npt
 import xxhash
 
 __all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "gather_many", "run_split",
-           "verify_many", "verify_scatter", "verify_scatter_many"]
+           "scatter_slots", "verify_many", "verify_scatter", "verify_scatter_many"]
 
 
 def load_native() -> ModuleType | None:
@@ -210,7 +210,7 @@ def _check_pieces(nbytes: int, rows: np.ndarray, outs: Sequence[Any], index: int
 
 
 def verify_scatter_many(srcs: Sequence[Any], expected: Sequence[int], scratch: Any, pieces: Any,
-                        dsts: tuple[Any, ...], indices: Sequence[int]) -> np.ndarray:
+                        dsts: tuple[Any, ...], indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """:func:`verify_scatter` of each ``srcs[i]`` (checksum ``expected[i]``)
     at engine block ``indices[i]``; a bool per block. With the native helper
     it is one call: every place of every block is checked before anything is
@@ -243,6 +243,25 @@ def verify_scatter_many(srcs: Sequence[Any], expected: Sequence[int], scratch: A
                                 np.ascontiguousarray(pieces, dtype=np.int64), dsts,
                                 np.ascontiguousarray(np.asarray(indices, dtype=np.int64)), ok)
     return ok.view(bool)
+
+
+def scatter_slots(slab: Any, slots: np.ndarray, block_bytes: int, pieces: np.ndarray, dsts: tuple[Any, ...],
+                  indices: np.ndarray, seal: tuple[bytes, int, int, int] | None = None) -> int:
+    """A same-host read's whole copy in one native call (native helper only:
+    check ``HAVE_NATIVE``): block ``i`` is ``slab`` bytes ``[offset, offset +
+    length)`` of ``slots[i]`` (the shared index's int64 rows ``(row, offset,
+    length, checksum)``), placed at engine block ``indices[i]`` as
+    :func:`verify_scatter_many`'s direct scatter places it, and hashed on
+    the way against the slot's checksum; or, with ``seal = (keys, tp, rank,
+    shard_bytes)``, only this rank's shard of each sealed block
+    (``kvstore.client.shards``), checked against its entry in a seal that
+    must name ``keys[16 i : 16 i + 16]``. Returns -1 (nothing written) when
+    a slot is not ``block_bytes`` long or lies outside ``slab``; else how many
+    leading blocks matched (a block that does not has written its places:
+    garbage). No Python object per block; the GIL is released once."""
+    if _native is None:
+        raise RuntimeError("scatter_slots needs the native helper (kvstore._native)")
+    return int(_native.scatter_slots(slab, slots, int(block_bytes), pieces, dsts, indices, seal))
 
 
 def gather_many(dsts: Sequence[Any], pieces: Any, srcs: tuple[Any, ...], indices: Sequence[int] | np.ndarray,

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from kvstore.buffers import as_u8_writable
-from kvstore.checksum import PIECE_FIELDS, gather_many, run_split, verify_many, verify_scatter_many
+from kvstore.buffers import KEY_BYTES, as_u8_writable
+from kvstore.checksum import (HAVE_NATIVE, PIECE_FIELDS, gather_many, run_split, scatter_slots, verify_many,
+                              verify_scatter_many)
 from kvstore.client.shards import own_sums, seal_bytes, u8_views, write_seals
 from kvstore.errors import InvalidArgument
 from tiers.base import Buffer
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 __all__ = ["BlockSink", "BufferSink", "LayerScatter", "ScatterSink", "ShardScatter", "ShardSink", "as_sink", "is_sink",
-           "sizes_of", "write_with"]
+           "read_slots", "scatter_parts", "sizes_of", "write_with"]
 
 
 @runtime_checkable
@@ -169,14 +170,18 @@ class LayerScatter:
 class ScatterSink:
     """One read's blocks, straight into the engine's arrays (``LayerScatter.sink``)."""
 
-    def __init__(self, layout: LayerScatter, slots: Sequence[int]) -> None:
+    def __init__(self, layout: LayerScatter, slots: Sequence[int] | np.ndarray) -> None:
         self.layout = layout
-        self.slots = [int(s) for s in slots]
-        if any(s < 0 for s in self.slots):
+        ids = np.asarray(slots)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"engine block ids must be integers, got {ids.dtype}")
+        self.ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        """The engine block of each block of the read."""
+        if self.ids.size and int(self.ids.min()) < 0:
             raise InvalidArgument("engine block ids must be >= 0")
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return int(self.ids.size)
 
     def size_of(self, i: int) -> int:
         return self.layout.block_bytes
@@ -190,7 +195,7 @@ class ScatterSink:
         n = len(idx)
         ok = np.zeros(n, dtype=bool)
         exp = [int(x) for x in expected]
-        slots = [self.slots[i] for i in idx]
+        slots = self.ids[np.asarray(idx, dtype=np.intp)]
 
         def run(a: int, b: int) -> None:
             # one native call per thread's part (one GIL release), not one per block
@@ -205,6 +210,40 @@ class ScatterSink:
 
         run_split(run, n, n * lay.block_bytes, threads or lay.threads)
         return ok
+
+    def read_slots(self, slab: Any, slots: np.ndarray) -> int | None:
+        """The same-host read's fast path: block ``i < len(slots)`` straight
+        out of ``slab`` (``slots``: the shared index's rows, see
+        ``kvstore.checksum.scatter_slots``), one native call per thread and
+        no Python object per block. -1: a slot of another size or outside the
+        slab (nothing written); else how many leading blocks matched. None:
+        not here (no native helper, or a staged layout): use ``write``."""
+        lay = self.layout
+        if lay.staged or not HAVE_NATIVE:
+            return None
+        return scatter_parts(slots, lay.block_bytes, lay.threads, lambda a, b: scatter_slots(
+            slab, slots[a:b], lay.block_bytes, lay.pieces, lay.dsts, self.ids[a:b]))
+
+
+def scatter_parts(slots: np.ndarray, placed_bytes: int, threads: int, run: Any) -> int:
+    """``run(a, b)`` (a ``scatter_slots`` of rows ``[a, b)``) over up to
+    ``threads`` threads; the answer for all the rows: -1 if any part found a
+    slot that does not fit, else the leading blocks that matched."""
+    n = int(slots.shape[0])
+    got: dict[int, int] = {}
+
+    def part(a: int, b: int) -> None:
+        got[a] = run(a, b)
+
+    run_split(part, n, n * placed_bytes, threads)
+    done = 0
+    for a in sorted(got):
+        if got[a] < 0:
+            return -1
+        if done < a:  # an earlier part stopped at a block that failed
+            return done
+        done = a + got[a]
+    return done
 
 
 class ShardScatter:
@@ -269,6 +308,8 @@ class ShardSink:
         self.rank, self.tp, self.shard_bytes = int(rank), int(tp), int(shard_bytes)
         self.block_bytes = self.tp * self.shard_bytes + seal_bytes(self.tp)
         self.keys = list(keys)
+        self.packed: bytes | None = None
+        """The keys in one string (made at the first ``read_slots``)."""
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -290,6 +331,29 @@ class ShardSink:
         if go:
             ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go], sums[go].tolist(), threads)
         return ok
+
+    def read_slots(self, slab: Any, slots: np.ndarray) -> int | None:
+        """``ScatterSink.read_slots`` of sealed blocks: this rank's shard of
+        each, checked against its seal, which must name the block's key."""
+        inner = self.inner
+        if not isinstance(inner, ScatterSink) or inner.layout.staged or not HAVE_NATIVE:
+            return None
+        if self.packed is None:
+            self.packed = b"".join(self.keys)
+            if len(self.packed) != KEY_BYTES * len(self.keys):
+                raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
+        lay, packed = inner.layout, self.packed
+        return scatter_parts(slots, self.shard_bytes, lay.threads, lambda a, b: scatter_slots(
+            slab, slots[a:b], self.block_bytes, lay.pieces, lay.dsts, inner.ids[a:b],
+            (packed[KEY_BYTES * a:KEY_BYTES * b], self.tp, self.rank, self.shard_bytes)))
+
+
+def read_slots(sink: BlockSink, slab: Any, slots: np.ndarray) -> int | None:
+    """``sink.read_slots`` for kvstore's own engine sinks; None for any
+    other sink (it takes ``write``)."""
+    if isinstance(sink, (ScatterSink, ShardSink)):
+        return sink.read_slots(slab, slots)
+    return None
 
 
 def sizes_of(sink: BlockSink, n: int) -> list[int]:

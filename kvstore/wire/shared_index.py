@@ -132,11 +132,17 @@ class SharedIndexReader:
         ask the daemon. The slots hold only while the index does not change
         under them: a reader copies, verifies the checksums, then asks
         ``slots`` again and keeps the bytes only if the answer is the same."""
-        got = self._attempt(lambda hdr, gen, a: self._slots(hdr, gen, *a, packed_keys, nid, COMMITTED_STATE,
-                                                            DRAM_TIER))
+        got = self.raw_slots(nid, packed_keys)
         if got is None:
             return None
         return got[0], got[1], np.frombuffer(got[2], dtype=np.int64).reshape(-1, 4)
+
+    def raw_slots(self, nid: int, packed_keys: bytes) -> tuple[int, bool, bytes] | None:
+        """``slots`` with the rows as the bytes the probe wrote (two answers
+        compare as strings)."""
+        got: tuple[int, bool, bytes] | None = self._attempt(
+            lambda hdr, gen, a: self._slots(hdr, gen, *a, packed_keys, nid, COMMITTED_STATE, DRAM_TIER))
+        return got
 
     def _attempt(self, probe: Any) -> Any:
         """``probe(header, gen, arrays)`` on the current generation's arrays

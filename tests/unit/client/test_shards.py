@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.checksum import checksum
+from kvstore.checksum import HAVE_NATIVE, checksum
 from kvstore.client.shards import SEAL_HEADER, SEAL_MAGIC, own_sums, read_seals, seal_bytes, write_seals
-from kvstore.client.sinks import BufferSink, LayerScatter, ShardScatter, ShardSink, is_sink
+from kvstore.client.sinks import BufferSink, LayerScatter, ShardScatter, ShardSink, is_sink, scatter_parts
 from kvstore.errors import InvalidArgument
 
 SHARD = 4096
@@ -136,6 +136,56 @@ def test_damage_fails_only_the_rank_whose_shard_it_is_and_a_bad_seal_places_noth
         got[r] = lay.sink([0, 4, 6], KEYS).write([0, 1, 2], blocks, [1, 2, 3]).tolist()
         assert np.array_equal(layers[0][4], before[0][4]) and np.array_equal(layers[1][4], before[1][4])
     assert got == {0: [True, False, False], 1: [False, False, True]}
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason="kvstore._native is not built")
+def test_a_read_from_slab_slots_places_what_write_does_and_stops_at_damage():
+    """``read_slots`` (the shared read's one native call, straight from the
+    slab rows the shared index answers) against ``write`` of the same
+    blocks: the same places on each rank; it stops at the first block whose
+    seal or shard fails; a staged layout or a plain buffer sink declines it."""
+    ranks = _ranks(np.random.default_rng(8))
+    slab = np.zeros(5 * BLOCK, np.uint8)
+    at = [2 * BLOCK, 0, 4 * BLOCK]
+    blocks = [slab[o:o + BLOCK] for o in at]
+    for lay, _ in ranks:
+        lay.gather(blocks, [1, 2, 3], KEYS)
+    rows = np.zeros((3, 4), np.int64)
+    rows[:, 1], rows[:, 2] = at, BLOCK
+    rows[:, 3] = np.array([checksum(b) for b in blocks], np.uint64).view(np.int64)
+    for r in range(TP):
+        placed = []
+        for how in ("write", "read_slots"):
+            lay, layers = _ranks(np.random.default_rng(70 + r))[r]
+            sink = lay.sink([6, 0, 4], KEYS)
+            got = sink.write(range(3), blocks, [0, 0, 0]).all() if how == "write" else sink.read_slots(slab, rows)
+            placed.append((got, [a.copy() for a in layers]))
+        assert placed[0][0] and placed[1][0] == 3
+        assert all(np.array_equal(x, y) for x, y in zip(placed[0][1], placed[1][1]))
+    blocks[1][SHARD + 5] ^= 1  # rank 1's shard of block 1
+    blocks[2][TP * SHARD + 20] ^= 1  # block 2's key in its seal
+    assert [_ranks(np.random.default_rng(9))[r][0].sink([6, 0, 4], KEYS).read_slots(slab, rows)
+            for r in range(TP)] == [2, 1]
+    rows[1, 2] = BLOCK - 64  # a slot of another size: not read here
+    assert _ranks(np.random.default_rng(9))[0][0].sink([6, 0, 4], KEYS).read_slots(slab, rows) == -1
+    staged = ShardScatter(LayerScatter(SHARD, ranks[0][0].shard.pieces, ranks[0][1], staged=True), 0, TP)
+    assert staged.sink([0, 1, 2], KEYS).read_slots(slab, rows) is None
+    assert ShardSink(BufferSink([np.zeros(SHARD, np.uint8)] * 3), 0, TP, SHARD, KEYS).read_slots(slab, rows) is None
+
+
+def test_scatter_parts_answers_for_all_the_rows_in_order():
+    """Parts on threads: -1 from any part wins; else the leading matched
+    blocks, stopping at the first part that stopped short."""
+    rows = np.zeros((8, 4), np.int64)
+
+    def answer(parts: dict[int, int]):
+        return lambda a, b: parts.get(a, b - a)
+
+    assert scatter_parts(rows, 1 << 20, 2, answer({})) == 8
+    assert scatter_parts(rows, 1 << 20, 2, answer({0: 3})) == 3
+    assert scatter_parts(rows, 1 << 20, 2, answer({4: 1})) == 5
+    assert scatter_parts(rows, 1 << 20, 2, answer({0: 2, 4: -1})) == -1
+    assert scatter_parts(rows, 16, 2, answer({0: 7})) == 7  # too small to split: one part
 
 
 def test_a_sealed_read_needs_one_key_per_block():

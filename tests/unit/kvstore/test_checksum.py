@@ -267,6 +267,66 @@ def test_verify_scatter_many_equals_one_call_per_block(impl: str) -> None:
         cks.verify_scatter_many(srcs[:1], [-1], np.empty(512, np.uint8), pieces, (a, b), [0])
 
 
+def _slots(slab: np.ndarray, at: list[int], size: int, sums: list[int]) -> np.ndarray:
+    """The shared index's rows (row, offset, length, checksum bits) of blocks at ``at``."""
+    rows = np.zeros((len(at), 4), np.int64)
+    rows[:, 0] = np.arange(len(at)) + 40
+    rows[:, 1] = at
+    rows[:, 2] = size
+    rows[:, 3] = np.asarray(sums, np.uint64).view(np.int64)
+    return rows
+
+
+@pytest.mark.skipif(not cks.HAVE_NATIVE, reason="kvstore._native is not built")
+@pytest.mark.parametrize("size", [200, 4096 + 3, 3 * 4096])
+def test_scatter_slots_places_what_the_direct_scatter_does_and_stops_at_a_bad_block(size: int) -> None:
+    """Blocks read straight from the slab rows the shared index answers land
+    where ``verify_scatter_many``'s direct scatter puts them; the answer is
+    how many leading blocks matched (it stops at the first that does not);
+    a slot of another length or outside the slab gives -1 and writes
+    nothing; bad pieces, indices or rows are a ValueError."""
+    rng = np.random.default_rng(size)
+    slab = rng.integers(0, 256, size=6 * size + 100, dtype=np.uint8)
+    at = [3 * size + 7, 100, 5 * size + 100, size + 9]
+    blocks = [slab[o:o + size] for o in at]
+    sums = [cks.checksum(b) for b in blocks]
+    h = size // 2
+    pieces = _pieces((h, size - h, 1, 0, size), (0, h - 1, 0, 5, h))  # a gap: byte h - 1 goes nowhere
+    idx = np.array([6, 0, 3, 2, 1], np.int64)  # one more than the slots: the extra is unused
+
+    def fresh() -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(8 * h + 5, np.uint8), np.zeros(8 * size, np.uint8)
+
+    a, b = fresh()
+    assert cks.scatter_slots(slab, _slots(slab, at, size, sums), size, pieces, (a, b), idx) == 4
+    a1, b1 = fresh()
+    assert cks.verify_scatter_many(blocks, sums, None, pieces, (a1, b1), idx[:4]).all()
+    assert np.array_equal(a, a1) and np.array_equal(b, b1) and b.any()
+    bad = list(sums)
+    bad[2] ^= 1
+    assert cks.scatter_slots(slab, _slots(slab, at, size, bad), size, pieces, fresh(), idx) == 2
+    for rows in (_slots(slab, at, size, sums)[[0, 1]], _slots(slab, [0, slab.size - size + 1], size, sums[:2])):
+        if rows[0, 1] == at[0]:
+            rows[1, 2] = size - 1  # a slot of another length
+        a, b = fresh()
+        assert cks.scatter_slots(slab, rows, size, pieces, (a, b), idx) == -1
+        assert not a.any() and not b.any()
+    ok = _slots(slab, at, size, sums)
+    with pytest.raises(ValueError):  # a piece longer than the block
+        cks.scatter_slots(slab, ok, size, _pieces((0, size + 1, 1, 0, size + 1)), fresh(), idx)
+    with pytest.raises(ValueError):  # a destination too short for engine block 6
+        cks.scatter_slots(slab, ok, size, pieces, (np.zeros(6 * h, np.uint8), np.zeros(8 * size, np.uint8)), idx)
+    with pytest.raises(ValueError):  # overlapping pieces need a staged copy
+        cks.scatter_slots(slab, ok, size, _pieces((0, h, 0, 0, h), (h - 1, h, 1, 0, size)), fresh(), idx)
+    with pytest.raises(ValueError):
+        cks.scatter_slots(slab, ok, size, pieces, fresh(), idx[:3])  # fewer indices than slots
+    with pytest.raises(ValueError):
+        cks.scatter_slots(slab, ok, size, pieces, fresh(), -idx)
+    with pytest.raises(ValueError):
+        cks.scatter_slots(slab, ok.reshape(-1)[:-1], size, pieces, fresh(), idx)  # rows of 4
+    assert cks.scatter_slots(slab, ok[:0], size, pieces, fresh(), idx[:0]) == 0
+
+
 def test_verify_scatter_needs_a_scratch_as_long_as_the_block(impl: str) -> None:
     src = np.ones(4096, np.uint8)
     with pytest.raises(ValueError):
