@@ -478,30 +478,50 @@ def test_get_into_reads_dram_blocks_without_a_lease(uds_daemon):
         assert (raw.index.hits[rows] == hits0 + 1).all()
 
 
-def test_a_read_that_races_a_change_or_fails_its_checksum_takes_the_lease_path(uds_daemon):
+def _moved(answer):
+    """A probe's answer with every slot 4 KiB further on (as if the index changed)."""
+    hit, clean, rows = answer
+    return hit, clean, (np.frombuffer(rows, np.int64) + 4096).tobytes()
+
+
+@pytest.mark.parametrize("into", ["buffers", "engine"])
+def test_a_read_that_races_a_change_or_fails_its_checksum_takes_the_lease_path(uds_daemon, into):
+    """``engine``: a ``ScatterSink`` (the one-call read straight from the
+    slab, ``read_slots``); ``buffers``: one buffer per block."""
+    from kvstore.client.sinks import LayerScatter
+
     with Client(uds_daemon.target) as c:
         ns = _ns()
         keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
         data = [np.full(BS, i + 1, np.uint8) for i in range(3)]
         c.put(ns, keys, data)
         outs = [np.zeros(BS, np.uint8) for _ in keys]
+        layer = np.zeros((4, BS), np.uint8)
+        if into == "engine":
+            lay = LayerScatter(BS, np.array([(0, BS, 0, 0, BS)], np.int64), [layer])
+            outs = lay.sink([2, 0, 3])  # type: ignore[assignment]
+            outs_of = lambda: [layer[2], layer[0], layer[3]]  # noqa: E731
+        else:
+            outs_of = lambda: outs  # noqa: E731
         # the index named other slots after the copy than before it: the bytes are not kept
         reader = c._shared.reader
-        real = reader.slots
-        answers = iter([real, lambda nid, packed: (lambda r: (r[0], r[1], r[2] + 4096))(real(nid, packed))])
-        reader.slots = lambda nid, packed: next(answers)(nid, packed)
+        real = reader.raw_slots
+        answers = iter([real, lambda nid, packed: _moved(real(nid, packed))])
+        reader.raw_slots = lambda nid, packed: next(answers)(nid, packed)
         try:
             assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3
         finally:
-            reader.slots = real
-        assert c.shared_reads == 0 and all(np.array_equal(o, d) for o, d in zip(outs, data))
+            reader.raw_slots = real
+        assert c.shared_reads == 0 and all(np.array_equal(o, d) for o, d in zip(outs_of(), data))
+        assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3  # with no race: read from the shared index
+        assert c.shared_reads == 1
         # a block whose bytes fail their checksum: the lease path answers CORRUPT and the daemon drops it
         raw = uds_daemon.store.raw
         row = int(raw.index.find_committed(raw.namespace_id(ns, False),
                                            np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
         uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
         assert c.get_into(ns, keys, outs) == [KeyStatus.OK, KeyStatus.CORRUPT, KeyStatus.OK]
-        assert c.shared_reads == 0
+        assert c.shared_reads == 1
         assert c.lookup(ns, keys).hit_blocks == 1
 
 
