@@ -1540,9 +1540,9 @@ done:
 #define KV_SCATTER_MAX_DSTS 4096
 
 /* Every piece (rows of 5 int64: src offset, length, dst, base, stride) fits
- * its destination dsts[dst] at engine block indices lo_i and hi_i (the lowest
- * and highest of a batch), hence at every index between.  0 or -1 with
- * ValueError. */
+ * its destination dsts[dst] at engine block index hi_i (the highest of a
+ * batch), hence at every index from 0 to it (base and stride are >= 0).
+ * 0 or -1 with ValueError. */
 static int
 kv_pieces_fit(const int64_t *pc, Py_ssize_t np_, const Py_buffer *db, Py_ssize_t nd, int64_t hi_i)
 {
