@@ -1539,6 +1539,26 @@ done:
 
 #define KV_SCATTER_MAX_DSTS 4096
 
+/* A sealed block's seal (kvstore/client/shards.py) at seal: 1 and *own =
+ * shard rank's checksum when it holds the magic, shard_bytes and key; else 0. */
+static int
+kv_seal_own(const unsigned char *seal, uint64_t shard_bytes, size_t rank, const unsigned char *key,
+            uint64_t *own)
+{
+    uint64_t got_shard, sum;
+    memcpy(&got_shard, seal + 8, 8);             /* the seal is little-endian */
+    memcpy(&sum, seal + 32 + 8 * rank, 8);
+    if (!XXH_CPU_LITTLE_ENDIAN) {
+        got_shard = XXH_swap64(got_shard);
+        sum = XXH_swap64(sum);
+    }
+    if (memcmp(seal, "KVSEAL01", 8) != 0 || got_shard != shard_bytes || memcmp(seal + 16, key, 16) != 0) {
+        return 0;
+    }
+    *own = sum;
+    return 1;
+}
+
 /* Every piece (rows of 5 int64: src offset, length, dst, base, stride) fits
  * its destination dsts[dst] at engine block index hi_i (the highest of a
  * batch), hence at every index from 0 to it (base and stride are >= 0).
@@ -1951,19 +1971,10 @@ kv_scatter_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const unsigned char *src = (const unsigned char *)slab.buf + sl[4 * i + 1];
         uint64_t want = (uint64_t)sl[4 * i + 3];
         if (sealed) {
-            const unsigned char *s = src + at;
-            uint64_t got_shard, own;
-            memcpy(&got_shard, s + 8, 8);             /* the seal is little-endian */
-            memcpy(&own, s + 32 + 8 * (size_t)rank, 8);
-            if (!XXH_CPU_LITTLE_ENDIAN) {
-                got_shard = XXH_swap64(got_shard);
-                own = XXH_swap64(own);
-            }
-            if (memcmp(s, "KVSEAL01", 8) != 0 || got_shard != (uint64_t)shard ||
-                memcmp(s + 16, (const unsigned char *)keys.buf + 16 * i, 16) != 0) {
+            if (!kv_seal_own(src + at, (uint64_t)shard, (size_t)rank, (const unsigned char *)keys.buf + 16 * i,
+                             &want)) {
                 break;
             }
-            want = own;
             src += (size_t)rank * (size_t)shard;
         }
         for (r = 0; r < nsp; r++) {
@@ -2345,26 +2356,16 @@ kv_seal_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     sp = (unsigned long long *)sums.buf;
     for (i = 0; i < n; i++) {
         Py_buffer b;
-        const unsigned char *seal;
-        uint64_t got_shard, own;
+        uint64_t own;
         if (kv_get_ro(PySequence_Fast_GET_ITEM(srcs, i), &b, "srcs[i]") < 0) {
             goto e3;
         }
         okp[i] = 0;
         sp[i] = 0;
-        if ((size_t)b.len == whole) {
-            seal = (const unsigned char *)b.buf + at;
-            memcpy(&got_shard, seal + 8, 8);             /* the seal is little-endian */
-            memcpy(&own, seal + 32 + 8 * (size_t)rank, 8);
-            if (!XXH_CPU_LITTLE_ENDIAN) {
-                got_shard = XXH_swap64(got_shard);
-                own = XXH_swap64(own);
-            }
-            if (memcmp(seal, "KVSEAL01", 8) == 0 && got_shard == (uint64_t)shard &&
-                memcmp(seal + 16, (const unsigned char *)keys.buf + 16 * i, 16) == 0) {
-                okp[i] = 1;
-                sp[i] = own;
-            }
+        if ((size_t)b.len == whole && kv_seal_own((const unsigned char *)b.buf + at, (uint64_t)shard, (size_t)rank,
+                                                  (const unsigned char *)keys.buf + 16 * i, &own)) {
+            okp[i] = 1;
+            sp[i] = own;
         }
         PyBuffer_Release(&b);
     }

@@ -251,7 +251,7 @@ class SharedPath:
         if mine is None and hit:
             placed = read_slots(sink, slab.buf, slots)  # an engine's sink: one native call, no object per block
             if placed is not None:
-                return self.read_done(nid, packed, n, hit, slots) if placed == hit else None
+                return self.read_done(nid, packed, n, hit, slots, hit) if placed == hit else None
         got = slots[:, 1:] if mine is None else np.concatenate((slots[:, 1:], mine[0]))
         done = int(got.shape[0])
         offsets, sizes = got[:, 0].tolist(), got[:, 1].tolist()
@@ -273,12 +273,11 @@ class SharedPath:
         return self.read_done(nid, packed, n, hit, slots, done)
 
     def read_done(self, nid: int, packed: bytes, n: int, hit: int, slots: np.ndarray,
-                  done: int | None = None) -> list[KeyStatus] | None:
+                  done: int) -> list[KeyStatus] | None:
         """The end of ``read`` once ``done`` blocks (``hit``, the first
         ``hit`` from the slab at ``slots``) were copied and verified: the
         slots looked up again (None unless the answer is the same), the read
         counted and its ``reads`` frame queued; the statuses."""
-        done = hit if done is None else done
         if hit:
             after = self.reader.raw_slots(nid, packed[: 16 * hit])
             if after is None or after[0] != hit or after[2] != slots.tobytes():
