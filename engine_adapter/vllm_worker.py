@@ -190,6 +190,7 @@ class WorkerSide(SaveSide):
             self.load_failed.update(m.req_id for m in meta.loads)
             return
         t0 = time.perf_counter()
+        at = time.monotonic()  # (the system-wide clock: bench/vllm.py lines up the ranks' steps with it)
         self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
         rank = self.rank
         total = sum(len(m.block_ids) for m in meta.loads)
@@ -239,7 +240,8 @@ class WorkerSide(SaveSide):
         if self.link.stats_path:
             recs.append(dict(event="load_step", rank=rank, reqs=len(meta.loads), planned_blocks=total,
                              loaded_blocks=len(good_ids), bytes=len(good_ids) * self.shard_bytes,
-                             copied_bytes=len(good_ids) * self.read_bytes, ms=round((t2 - t0) * 1000, 3),
+                             copied_bytes=len(good_ids) * self.read_bytes, at=round(at, 6),
+                             ms=round((t2 - t0) * 1000, 3),
                              **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()}))
             self.link.record_all(recs)
 

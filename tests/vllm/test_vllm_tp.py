@@ -35,6 +35,7 @@ import threading
 
 import pytest
 
+from bench.vllm import group_steps
 from kvstore.client import Client
 from kvstore.client.shards import seal_bytes
 from kvstore.keys import Namespace, block_keys
@@ -185,6 +186,12 @@ def test_fresh_tp2_process_loads_every_shard_and_generates_the_same_tokens(runs)
     assert lookups[0]["hit_blocks"] == 7  # one lookup per prompt, for both ranks (the scheduler's)
     first = [(s["rank"], s["planned_blocks"], s["loaded_blocks"]) for s in _events(runs["b_stats"], "load")][:2]
     assert sorted(first) == [(0, 7, 7), (1, 7, 7)]
+    # each rank's load_step carries its start on the system-wide clock, so bench/vllm.py lines the
+    # ranks' steps up: the first group is both ranks' 7 shards
+    steps = [s for s in _events(runs["b_stats"], "load_step") if s["loaded_blocks"] == 7][:2]
+    assert sorted(s["rank"] for s in steps) == [0, 1] and all(s["at"] > 0 for s in steps)
+    group = group_steps(runs["b_stats"], 2, within_s=5.0)[0]
+    assert group[0] == sum(s["bytes"] for s in steps) and group[1] >= max(s["ms"] for s in steps) / 1000 - 1e-9
 
 
 def test_tp2_tokens_equal_tp1_tokens_in_float32(runs) -> None:
