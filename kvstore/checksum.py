@@ -245,12 +245,13 @@ def verify_scatter_many(srcs: Sequence[Any], expected: Sequence[int], scratch: A
     return ok.view(bool)
 
 
-def scatter_slots(slab: Any, slots: np.ndarray, block_bytes: int, pieces: np.ndarray, dsts: tuple[Any, ...],
+def scatter_slots(slab: Any, slots: Any, block_bytes: int, pieces: np.ndarray, dsts: tuple[Any, ...],
                   indices: np.ndarray, seal: tuple[bytes, int, int, int] | None = None) -> int:
     """A same-host read's whole copy in one native call (native helper only:
     check ``HAVE_NATIVE``): block ``i`` is ``slab`` bytes ``[offset, offset +
     length)`` of ``slots[i]`` (the shared index's int64 rows ``(row, offset,
-    length, checksum)``), placed at engine block ``indices[i]`` as
+    length, checksum)``: an ``(n, 4)`` array, or the bytes the probe wrote),
+    placed at engine block ``indices[i]`` as
     :func:`verify_scatter_many`'s direct scatter places it, and hashed on
     the way against the slot's checksum; or, with ``seal = (keys, tp, rank,
     shard_bytes)``, only this rank's shard of each sealed block
@@ -404,6 +405,12 @@ def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.nda
 
     _run_parts(run, _split(n, nbytes, threads))
     return ok
+
+
+def splits(n: int, nbytes: int, threads: int) -> bool:
+    """Whether ``run_split`` would run a batch of ``n`` blocks and ``nbytes``
+    on more than one thread."""
+    return len(_split(n, nbytes, threads)) > 1
 
 
 def run_split(run: Any, n: int, nbytes: int, threads: int) -> None:

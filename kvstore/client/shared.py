@@ -239,19 +239,20 @@ class SharedPath:
         for this namespace) may give the slots of the keys after the hit:
         blocks of this client's own puts in flight, read the same way."""
         n = len(packed) // 16
-        first = self.reader.slots(nid, packed)
+        first = self.reader.raw_slots(nid, packed)
         mine = None
         if first is not None and first[1] and first[0] < n and own is not None:
             mine = own(packed[16 * first[0] :])
         if mine is None and first is not None and first[0] < n and again is not None and again():
-            first = self.reader.slots(nid, packed)
+            first = self.reader.raw_slots(nid, packed)
         if first is None or not first[1]:
             return None
-        hit, _, slots = first
+        hit, _, raw = first
         if mine is None and hit:
-            placed = read_slots(sink, slab.buf, slots)  # an engine's sink: one native call, no object per block
+            placed = read_slots(sink, slab.buf, raw)  # an engine's sink: one native call, no object per block
             if placed is not None:
-                return self.read_done(nid, packed, n, hit, slots, hit) if placed == hit else None
+                return self.read_done(nid, packed, n, hit, raw, hit) if placed == hit else None
+        slots = np.frombuffer(raw, dtype=np.int64).reshape(-1, 4)
         got = slots[:, 1:] if mine is None else np.concatenate((slots[:, 1:], mine[0]))
         done = int(got.shape[0])
         offsets, sizes = got[:, 0].tolist(), got[:, 1].tolist()
@@ -270,17 +271,18 @@ class SharedPath:
                 good = sink.write(range(done), srcs, sums)
             if not good.all():
                 return None
-        return self.read_done(nid, packed, n, hit, slots, done)
+        return self.read_done(nid, packed, n, hit, raw, done)
 
-    def read_done(self, nid: int, packed: bytes, n: int, hit: int, slots: np.ndarray,
+    def read_done(self, nid: int, packed: bytes, n: int, hit: int, raw: bytes,
                   done: int) -> list[KeyStatus] | None:
         """The end of ``read`` once ``done`` blocks (``hit``, the first
-        ``hit`` from the slab at ``slots``) were copied and verified: the
-        slots looked up again (None unless the answer is the same), the read
-        counted and its ``reads`` frame queued; the statuses."""
+        ``hit`` from the slab at the slots of ``raw``, the first probe's
+        rows as it wrote them) were copied and verified: the slots looked up
+        again (None unless the answer is the same), the read counted and its
+        ``reads`` frame queued; the statuses."""
         if hit:
             after = self.reader.raw_slots(nid, packed[: 16 * hit])
-            if after is None or after[0] != hit or after[2] != slots.tobytes():
+            if after is None or after[0] != hit or after[2] != raw:
                 return None
         self.reads += 1
         self.own_blocks += done - hit

@@ -28,12 +28,13 @@ block, False for a checksum mismatch).
 
 from __future__ import annotations
 
+import array
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from kvstore.buffers import KEY_BYTES, as_u8_writable
-from kvstore.checksum import (HAVE_NATIVE, PIECE_FIELDS, gather_many, run_split, scatter_slots, verify_many,
+from kvstore.checksum import (HAVE_NATIVE, PIECE_FIELDS, gather_many, run_split, scatter_slots, splits, verify_many,
                               verify_scatter_many)
 from kvstore.client.shards import own_sums, seal_bytes, u8_views, write_seals
 from kvstore.errors import InvalidArgument
@@ -172,6 +173,17 @@ class ScatterSink:
 
     def __init__(self, layout: LayerScatter, slots: Sequence[int] | np.ndarray) -> None:
         self.layout = layout
+        if isinstance(slots, list):
+            # the ids as engines hand them: checked and converted without a numpy reduction,
+            # which costs ~20 us with cold caches, as a load step finds them (docs/performance.md)
+            try:
+                arr = array.array("q", slots)
+            except (TypeError, OverflowError):
+                raise InvalidArgument("engine block ids must be integers in int64") from None
+            if arr and min(arr) < 0:
+                raise InvalidArgument("engine block ids must be >= 0")
+            self.ids = np.frombuffer(arr, dtype=np.int64)
+            return
         ids = np.asarray(slots)
         if ids.size and ids.dtype.kind not in "iu":
             raise InvalidArgument(f"engine block ids must be integers, got {ids.dtype}")
@@ -211,9 +223,10 @@ class ScatterSink:
         run_split(run, n, n * lay.block_bytes, threads or lay.threads)
         return ok
 
-    def read_slots(self, slab: Any, slots: np.ndarray) -> int | None:
-        """The same-host read's fast path: block ``i < len(slots)`` straight
-        out of ``slab`` (``slots``: the shared index's rows, see
+    def read_slots(self, slab: Any, rows: bytes) -> int | None:
+        """The same-host read's fast path: block ``i < len(rows) // 32``
+        straight out of ``slab`` (``rows``: the shared index's answer as it
+        wrote it, int64 ``(row, offset, length, checksum)`` each, see
         ``kvstore.checksum.scatter_slots``), one native call per thread and
         no Python object per block. -1: a slot of another size or outside the
         slab (nothing written); else how many leading blocks matched. None:
@@ -221,15 +234,21 @@ class ScatterSink:
         lay = self.layout
         if lay.staged or not HAVE_NATIVE:
             return None
-        return scatter_parts(slots, lay.block_bytes, lay.threads, lambda a, b: scatter_slots(
-            slab, slots[a:b], lay.block_bytes, lay.pieces, lay.dsts, self.ids[a:b]))
+        n = len(rows) // ROW_BYTES
+        if not splits(n, n * lay.block_bytes, lay.threads):  # one call, nothing sliced
+            return scatter_slots(slab, rows, lay.block_bytes, lay.pieces, lay.dsts, self.ids)
+        return scatter_parts(n, lay.block_bytes, lay.threads, lambda a, b: scatter_slots(
+            slab, rows[ROW_BYTES * a:ROW_BYTES * b], lay.block_bytes, lay.pieces, lay.dsts, self.ids[a:b]))
 
 
-def scatter_parts(slots: np.ndarray, placed_bytes: int, threads: int, run: Any) -> int:
-    """``run(a, b)`` (a ``scatter_slots`` of rows ``[a, b)``) over up to
-    ``threads`` threads; the answer for all the rows: -1 if any part found a
-    slot that does not fit, else the leading blocks that matched."""
-    n = int(slots.shape[0])
+ROW_BYTES = 32
+"""One row of the shared index's answer for a read: four int64."""
+
+
+def scatter_parts(n: int, placed_bytes: int, threads: int, run: Any) -> int:
+    """``run(a, b)`` (a ``scatter_slots`` of rows ``[a, b)`` of ``n``) over up
+    to ``threads`` threads; the answer for all the rows: -1 if any part found
+    a slot that does not fit, else the leading blocks that matched."""
     got: dict[int, int] = {}
 
     def part(a: int, b: int) -> None:
@@ -332,7 +351,7 @@ class ShardSink:
             ok[go] = self.inner.write([idx[j] for j in go], [views[j][a:b] for j in go], sums[go].tolist(), threads)
         return ok
 
-    def read_slots(self, slab: Any, slots: np.ndarray) -> int | None:
+    def read_slots(self, slab: Any, rows: bytes) -> int | None:
         """``ScatterSink.read_slots`` of sealed blocks: this rank's shard of
         each, checked against its seal, which must name the block's key."""
         inner = self.inner
@@ -343,16 +362,20 @@ class ShardSink:
             if len(self.packed) != KEY_BYTES * len(self.keys):
                 raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
         lay, packed = inner.layout, self.packed
-        return scatter_parts(slots, self.shard_bytes, lay.threads, lambda a, b: scatter_slots(
-            slab, slots[a:b], self.block_bytes, lay.pieces, lay.dsts, inner.ids[a:b],
+        n = len(rows) // ROW_BYTES
+        if not splits(n, n * self.shard_bytes, lay.threads):  # one call, nothing sliced
+            return scatter_slots(slab, rows, self.block_bytes, lay.pieces, lay.dsts, inner.ids,
+                                 (packed[:KEY_BYTES * n], self.tp, self.rank, self.shard_bytes))
+        return scatter_parts(n, self.shard_bytes, lay.threads, lambda a, b: scatter_slots(
+            slab, rows[ROW_BYTES * a:ROW_BYTES * b], self.block_bytes, lay.pieces, lay.dsts, inner.ids[a:b],
             (packed[KEY_BYTES * a:KEY_BYTES * b], self.tp, self.rank, self.shard_bytes)))
 
 
-def read_slots(sink: BlockSink, slab: Any, slots: np.ndarray) -> int | None:
+def read_slots(sink: BlockSink, slab: Any, rows: bytes) -> int | None:
     """``sink.read_slots`` for kvstore's own engine sinks; None for any
     other sink (it takes ``write``)."""
     if isinstance(sink, (ScatterSink, ShardSink)):
-        return sink.read_slots(slab, slots)
+        return sink.read_slots(slab, rows)
     return None
 
 

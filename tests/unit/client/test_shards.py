@@ -158,34 +158,34 @@ def test_a_read_from_slab_slots_places_what_write_does_and_stops_at_damage():
         for how in ("write", "read_slots"):
             lay, layers = _ranks(np.random.default_rng(70 + r))[r]
             sink = lay.sink([6, 0, 4], KEYS)
-            got = sink.write(range(3), blocks, [0, 0, 0]).all() if how == "write" else sink.read_slots(slab, rows)
+            got = sink.write(range(3), blocks, [0, 0, 0]).all() if how == "write" else \
+                sink.read_slots(slab, rows.tobytes())
             placed.append((got, [a.copy() for a in layers]))
         assert placed[0][0] and placed[1][0] == 3
         assert all(np.array_equal(x, y) for x, y in zip(placed[0][1], placed[1][1]))
     blocks[1][SHARD + 5] ^= 1  # rank 1's shard of block 1
     blocks[2][TP * SHARD + 20] ^= 1  # block 2's key in its seal
-    assert [_ranks(np.random.default_rng(9))[r][0].sink([6, 0, 4], KEYS).read_slots(slab, rows)
+    assert [_ranks(np.random.default_rng(9))[r][0].sink([6, 0, 4], KEYS).read_slots(slab, rows.tobytes())
             for r in range(TP)] == [2, 1]
     rows[1, 2] = BLOCK - 64  # a slot of another size: not read here
-    assert _ranks(np.random.default_rng(9))[0][0].sink([6, 0, 4], KEYS).read_slots(slab, rows) == -1
+    raw = rows.tobytes()
+    assert _ranks(np.random.default_rng(9))[0][0].sink([6, 0, 4], KEYS).read_slots(slab, raw) == -1
     staged = ShardScatter(LayerScatter(SHARD, ranks[0][0].shard.pieces, ranks[0][1], staged=True), 0, TP)
-    assert staged.sink([0, 1, 2], KEYS).read_slots(slab, rows) is None
-    assert ShardSink(BufferSink([np.zeros(SHARD, np.uint8)] * 3), 0, TP, SHARD, KEYS).read_slots(slab, rows) is None
+    assert staged.sink([0, 1, 2], KEYS).read_slots(slab, raw) is None
+    assert ShardSink(BufferSink([np.zeros(SHARD, np.uint8)] * 3), 0, TP, SHARD, KEYS).read_slots(slab, raw) is None
 
 
 def test_scatter_parts_answers_for_all_the_rows_in_order():
     """Parts on threads: -1 from any part wins; else the leading matched
     blocks, stopping at the first part that stopped short."""
-    rows = np.zeros((8, 4), np.int64)
-
     def answer(parts: dict[int, int]):
         return lambda a, b: parts.get(a, b - a)
 
-    assert scatter_parts(rows, 1 << 20, 2, answer({})) == 8
-    assert scatter_parts(rows, 1 << 20, 2, answer({0: 3})) == 3
-    assert scatter_parts(rows, 1 << 20, 2, answer({4: 1})) == 5
-    assert scatter_parts(rows, 1 << 20, 2, answer({0: 2, 4: -1})) == -1
-    assert scatter_parts(rows, 16, 2, answer({0: 7})) == 7  # too small to split: one part
+    assert scatter_parts(8, 1 << 20, 2, answer({})) == 8
+    assert scatter_parts(8, 1 << 20, 2, answer({0: 3})) == 3
+    assert scatter_parts(8, 1 << 20, 2, answer({4: 1})) == 5
+    assert scatter_parts(8, 1 << 20, 2, answer({0: 2, 4: -1})) == -1
+    assert scatter_parts(8, 16, 2, answer({0: 7})) == 7  # too small to split: one part
 
 
 def test_a_sealed_read_needs_one_key_per_block():
@@ -214,3 +214,48 @@ def test_a_sealed_read_into_buffers_keeps_this_ranks_shard_only():
         assert all(np.array_equal(o, b[r * SHARD:(r + 1) * SHARD]) for o, b in zip(outs[:2], blocks))
     with pytest.raises(InvalidArgument):
         ShardSink(BufferSink([np.zeros(SHARD, np.uint8)] * 2), 0, TP, SHARD, KEYS)
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason="kvstore._native is not built")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_large_read_from_slab_slots_places_the_same_on_one_or_two_threads(threads):
+    """A read of at least 4 MiB splits over ``threads`` (each part its own
+    rows and engine ids); the places and the answer are a one-call read's,
+    and a block that fails in the second part stops the read there."""
+    block, n = 1 << 18, 20  # 5 MiB: split in two on two threads
+    half = block // 2
+    rng = np.random.default_rng(11)
+    slab = rng.integers(0, 256, (n + 2) * block, dtype=np.uint8)
+    at = (rng.permutation(n + 2)[:n] * block).astype(np.int64)
+    rows = np.zeros((n, 4), np.int64)
+    rows[:, 1], rows[:, 2] = at, block
+    rows[:, 3] = np.array([checksum(slab[o:o + block]) for o in at.tolist()], np.uint64).view(np.int64)
+    pieces = np.array([(0, half, 0, 0, half), (half, half, 1, 0, half)], np.int64)
+    ids = rng.permutation(2 * n)[:n].tolist()
+
+    def read(threads: int, rows: np.ndarray) -> tuple[int | None, list[np.ndarray]]:
+        layers = [np.zeros(2 * n * half, np.uint8) for _ in range(2)]
+        return LayerScatter(block, pieces, layers, threads=threads).sink(ids).read_slots(slab, rows.tobytes()), layers
+
+    want, placed = read(1, rows)
+    got, layers = read(threads, rows)
+    assert want == got == n and all(np.array_equal(a, b) for a, b in zip(placed, layers))
+    for i in (3, 15):
+        o = int(at[i])
+        assert np.array_equal(layers[0][ids[i] * half:(ids[i] + 1) * half], slab[o:o + half])
+    rows[15, 3] ^= 1  # block 15's checksum: the second part stops there
+    assert read(threads, rows)[0] == 15
+
+
+@pytest.mark.parametrize("ids", [[1, 2], np.array([1, 2]), (1, 2), np.array([1, 2], np.uint32)])
+def test_engine_block_ids_as_a_list_or_an_array_give_the_same_sink(ids):
+    lay = LayerScatter(4096, np.array([(0, 4096, 0, 0, 4096)], np.int64), [np.zeros(8 * 4096, np.uint8)])
+    sink = lay.sink(ids)
+    assert len(sink) == 2 and sink.ids.dtype == np.int64 and sink.ids.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [[1, -1], np.array([1, -1]), [1.5], np.array([1.5]), ["a"], [1 << 63]])
+def test_engine_block_ids_that_are_not_int64_and_not_negative_are_refused(bad):
+    lay = LayerScatter(4096, np.array([(0, 4096, 0, 0, 4096)], np.int64), [np.zeros(8 * 4096, np.uint8)])
+    with pytest.raises(InvalidArgument, match="engine block ids"):
+        lay.sink(bad)
