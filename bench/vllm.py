@@ -39,8 +39,9 @@ each, so the target takes the group: each step's records lined up across
 the ranks (``group_steps``), every rank's bytes over the span from the first
 start to the last end, against the best copy of all those bytes
 (``connector_group_load_vs_memcpy_tp2``). Rank 0's own figure
-(``connector_load_vs_memcpy_tp2``: half the bytes, against a copy that
-may use both cores while the other rank holds one) is still reported.
+(``connector_load_vs_memcpy_tp2``: its half of the bytes, against a copy
+that has the memory to itself while the other rank copies too) is still
+reported.
 
 Usage: python bench/vllm.py [--quick] [--json PATH] [--repeats N] [--tokens N] [--tp 1,2] [--in-process] [--populate]
 """
@@ -186,15 +187,16 @@ def report(rep: Report, tp: int, reps: int, tokens: int, got: dict) -> None:
         load_ratio = load_gbps / copy_gbps
         rep.figure(f"connector_load_vs_memcpy{sfx}", load_ratio, "x")
     if tp > 1:
-        # the ranks load at once, one core each (VLLM_CPU_OMP_THREADS_BIND): the group's load is
-        # every rank's bytes over the span from the first rank's start to the last one's end,
-        # against the machine's best copy of those bytes (two threads on two cores, as the ranks
-        # have); rank 0's figure above holds half the bytes against a copy given both cores
+        # the ranks load at once, one core each (VLLM_CPU_OMP_THREADS_BIND), through one memory:
+        # the group's load is every rank's bytes over the span from the first rank's start to the
+        # last one's end, against the machine's best copy of all those bytes; rank 0's figure
+        # above holds its half against a copy that has the memory to itself
         load_ratio = float("nan")
         groups = group_steps(recs, tp)
-        if groups:
+        rates = [b / s for b, s, _ in groups if s > 0]
+        if rates:
             nbytes = int(statistics.median(g[0] for g in groups))
-            span_gbps = statistics.median(b / s for b, s, _ in groups if s > 0) / 1e9
+            span_gbps = statistics.median(rates) / 1e9
             rep.figure(f"connector_group_load_steps{sfx}", len(groups), "steps (every rank's load_step lined up)")
             rep.figure(f"connector_group_load_ms{sfx}", ms([g[1] * 1000 for g in groups]), "ms (first start to last end)")
             rep.figure(f"connector_group_load_skew_ms{sfx}", ms([g[2] * 1000 for g in groups]),

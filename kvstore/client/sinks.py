@@ -47,6 +47,10 @@ __all__ = ["BlockSink", "BufferSink", "LayerScatter", "ScatterSink", "ShardScatt
            "read_slots", "scatter_parts", "sizes_of", "write_with"]
 
 
+ROW_BYTES = 32
+"""One row of the shared index's answer for a read (``read_slots``): four int64."""
+
+
 @runtime_checkable
 class BlockSink(Protocol):
     """Where a verified read of ``len(sink)`` blocks puts them."""
@@ -239,10 +243,6 @@ class ScatterSink:
             return scatter_slots(slab, rows, lay.block_bytes, lay.pieces, lay.dsts, self.ids)
         return scatter_parts(n, lay.block_bytes, lay.threads, lambda a, b: scatter_slots(
             slab, rows[ROW_BYTES * a:ROW_BYTES * b], lay.block_bytes, lay.pieces, lay.dsts, self.ids[a:b]))
-
-
-ROW_BYTES = 32
-"""One row of the shared index's answer for a read: four int64."""
 
 
 def scatter_parts(n: int, placed_bytes: int, threads: int, run: Any) -> int:
