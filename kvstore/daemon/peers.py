@@ -97,6 +97,8 @@ class ClusterNode:
         self.table = DirectoryTable()
         self.locates = 0
         """Locate rounds made for views (each asks the keys' owners once)."""
+        self.located_bb: dict[bytes, int] = {}
+        """Block bytes per namespace digest as Locates answered (an Acquire's hint needs them; at most 4,096)."""
         self.token = os.environ.get(c.peer_token_env, "").strip() if c.peer_token_env else ""
         self.creds = tls.peer_credentials(config)  # peer channels follow the server's TLS (mutual TLS)
         tls.warn_clear_token(config, self.token, c.peer_list)
@@ -359,6 +361,11 @@ class ClusterNode:
             bb = bb or int(resp.block_bytes)
             for j, mask in zip(sel.tolist(), resp.holders):
                 holders[j] = {n for b, n in enumerate(resp.nodes) if mask >> b & 1}
+        if bb:  # kept newest last: past 4,096 namespaces the one answered longest ago goes
+            self.located_bb.pop(digest, None)
+            self.located_bb[digest] = bb
+            if len(self.located_bb) > 4096:
+                self.located_bb.pop(next(iter(self.located_bb)))
         return holders, bb
 
     async def view(self, ns: Namespace, keys: Sequence[bytes], local: LookupResult, *,
@@ -402,7 +409,7 @@ class ClusterNode:
         without locating the keys again; None when the hint no longer fits (the local prefix moved, the
         peer left). A stale peer costs what a stale directory entry does: the blocks come back absent."""
         peer, first, run = request.peer, int(request.peer_from), int(request.peer_blocks)
-        bb = self.store.block_bytes(ns) or self.table.block_bytes.get(ns.digest, 0)
+        bb = self.store.block_bytes(ns) or self.table.block_bytes.get(ns.digest, 0) or self.located_bb.get(ns.digest, 0)
         if not peer or not run or not bb or local.hit_blocks != first or first + run > len(keys) \
                 or peer == self.node_id or peer not in self.membership.members:
             return None

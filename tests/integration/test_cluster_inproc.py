@@ -9,12 +9,14 @@ import grpc
 import numpy as np
 import pytest
 
+from kvstore.buffers import pack_keys
 from kvstore.daemon import peers
 from kvstore.client import ns_pb
 from kvstore.keys import Namespace, block_keys
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierKind
+from transport.cluster import owners
 from tests.faults.faultlib import free_port
 from tests.integration import cluster_fake
 from tests.integration.conftest import wait_until
@@ -295,14 +297,27 @@ def test_python_client_cluster_lookup_and_acquire(make_daemon):
         assert c.cluster_lookup(NS, keys).decision == "local"
 
 
-def test_an_acquire_with_its_lookups_hint_fetches_without_locating_again(make_daemon):
+@pytest.mark.parametrize("b_owns", ["some", "none"])
+def test_an_acquire_with_its_lookups_hint_fetches_without_locating_again(make_daemon, b_owns):
     """The vLLM connector passes its scheduler's cluster Lookup (peer, run)
     to the worker's Acquire: b then fetches without asking the keys' owners
     where they are. A hint that no longer fits (the local prefix moved, a
     peer that is not live) is ignored: b locates as before. A live peer that
-    does not hold the run is a miss, as a stale directory entry is."""
+    does not hold the run is a miss, as a stale directory entry is. When b
+    owns none of the keys (its directory has no entry for the namespace), it
+    knows their size from its Lookup's Locate answers."""
     a, b = static_pair(make_daemon)
-    keys = chain(4, seed=9)
+    ids = b.d.daemon.cluster.live_ids()
+    a_at = ids.index(a.d.daemon.cluster.node_id)
+
+    def keys_of(seed: int) -> list[bytes]:
+        return block_keys(NS, np.random.default_rng(seed).integers(0, 30000, 4 * NS.block_size))
+
+    def fits(seed: int) -> bool:
+        mine = int((owners(pack_keys(keys_of(seed)), ids) != a_at).sum())
+        return (mine == 0) == (b_owns == "none")
+
+    keys = keys_of(next(s for s in range(1000) if fits(s)))
     a.put(keys)
     wait_until(lambda: b.lookup(keys).remote_blocks == 4, 10, "remote blocks visible")
     node = b.d.daemon.cluster  # (its cluster Lookups above located the keys)
