@@ -238,11 +238,26 @@ class ScatterSink:
         lay = self.layout
         if lay.staged or not HAVE_NATIVE:
             return None
+        return self.scatter_rows(slab, rows, lay.block_bytes, lay.block_bytes)
+
+    def scatter_rows(self, slab: Any, rows: bytes, block_bytes: int, placed_bytes: int,
+                     seal: tuple[bytes, int, int, int] | None = None) -> int:
+        """``scatter_slots`` of ``rows`` (stored blocks of ``block_bytes``,
+        ``placed_bytes`` of each placed; ``seal``: as ``scatter_slots`` takes
+        it, with every block's key) into this sink's engine blocks: one call
+        when the read is one part, nothing sliced; else one per thread."""
+        lay = self.layout
+
+        def part(a: int, b: int) -> int:
+            s = None if seal is None else (seal[0][KEY_BYTES * a:KEY_BYTES * b], *seal[1:])
+            return scatter_slots(slab, rows[ROW_BYTES * a:ROW_BYTES * b], block_bytes, lay.pieces, lay.dsts,
+                                 self.ids[a:b], s)
+
         n = len(rows) // ROW_BYTES
-        if not splits(n, n * lay.block_bytes, lay.threads):  # one call, nothing sliced
-            return scatter_slots(slab, rows, lay.block_bytes, lay.pieces, lay.dsts, self.ids)
-        return scatter_parts(n, lay.block_bytes, lay.threads, lambda a, b: scatter_slots(
-            slab, rows[ROW_BYTES * a:ROW_BYTES * b], lay.block_bytes, lay.pieces, lay.dsts, self.ids[a:b]))
+        if not splits(n, n * placed_bytes, lay.threads):
+            s = None if seal is None else (seal[0][:KEY_BYTES * n], *seal[1:])
+            return scatter_slots(slab, rows, block_bytes, lay.pieces, lay.dsts, self.ids, s)
+        return scatter_parts(n, placed_bytes, lay.threads, part)
 
 
 def scatter_parts(n: int, placed_bytes: int, threads: int, run: Any) -> int:
@@ -361,14 +376,8 @@ class ShardSink:
             self.packed = b"".join(self.keys)
             if len(self.packed) != KEY_BYTES * len(self.keys):
                 raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
-        lay, packed = inner.layout, self.packed
-        n = len(rows) // ROW_BYTES
-        if not splits(n, n * self.shard_bytes, lay.threads):  # one call, nothing sliced
-            return scatter_slots(slab, rows, self.block_bytes, lay.pieces, lay.dsts, inner.ids,
-                                 (packed[:KEY_BYTES * n], self.tp, self.rank, self.shard_bytes))
-        return scatter_parts(n, self.shard_bytes, lay.threads, lambda a, b: scatter_slots(
-            slab, rows[ROW_BYTES * a:ROW_BYTES * b], self.block_bytes, lay.pieces, lay.dsts, inner.ids[a:b],
-            (packed[KEY_BYTES * a:KEY_BYTES * b], self.tp, self.rank, self.shard_bytes)))
+        return inner.scatter_rows(slab, rows, self.block_bytes, self.shard_bytes,
+                                  (self.packed, self.tp, self.rank, self.shard_bytes))
 
 
 def read_slots(sink: BlockSink, slab: Any, rows: bytes) -> int | None:

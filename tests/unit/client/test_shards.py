@@ -259,3 +259,36 @@ def test_engine_block_ids_that_are_not_int64_and_not_negative_are_refused(bad):
     lay = LayerScatter(4096, np.array([(0, 4096, 0, 0, 4096)], np.int64), [np.zeros(8 * 4096, np.uint8)])
     with pytest.raises(InvalidArgument, match="engine block ids"):
         lay.sink(bad)
+
+
+@pytest.mark.skipif(not HAVE_NATIVE, reason="kvstore._native is not built")
+def test_a_large_sealed_read_places_the_same_on_one_or_two_threads():
+    """A sealed read of at least 4 MiB of shards splits over two threads
+    (each part its rows, engine ids and keys); the places and the answer
+    are a one-call read's, and a wrong key in the second part's seal stops
+    the read there."""
+    shard, n = 1 << 18, 20  # 5 MiB of rank 0's shards
+    half, block = shard // 2, TP * shard + seal_bytes(TP)
+    rng = np.random.default_rng(12)
+    keys = [rng.bytes(16) for _ in range(n)]
+    pieces = np.array([(0, half, 0, 0, half), (half, half, 1, 0, half)], np.int64)
+    slab = np.zeros((n + 1) * block, np.uint8)
+    at = (rng.permutation(n + 1)[:n] * block).astype(np.int64)
+    blocks = [slab[o:o + block] for o in at.tolist()]
+    src = [rng.integers(0, 256, (2 * n, half), dtype=np.uint8) for _ in range(2)]
+    for r in range(TP):
+        ShardScatter(LayerScatter(shard, pieces, src), r, TP).gather(blocks, list(range(n)), keys)
+    rows = np.zeros((n, 4), np.int64)
+    rows[:, 1], rows[:, 2] = at, block
+    ids = rng.permutation(2 * n)[:n].tolist()
+
+    def read(threads: int) -> tuple[int | None, list[np.ndarray]]:
+        layers = [np.zeros((2 * n, half), np.uint8) for _ in range(2)]
+        sink = ShardScatter(LayerScatter(shard, pieces, layers, threads=threads), 0, TP).sink(ids, keys)
+        return sink.read_slots(slab, rows.tobytes()), layers
+
+    (want, placed), (got, layers) = read(1), read(2)
+    assert want == got == n and all(np.array_equal(a, b) for a, b in zip(placed, layers))
+    assert np.array_equal(layers[1][ids[15]], src[1][15])
+    blocks[15][TP * shard + 20] ^= 1  # block 15's key in its seal
+    assert read(2)[0] == 15
