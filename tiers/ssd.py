@@ -26,7 +26,7 @@ API (not thread-safe: the store serializes calls)::
     ids); disk_bytes (segments incl. garbage + index + small files: du);
     garbage_bytes; counters corrupt_count, dropped_count, index_rebuilds
     footprint(nbytes) -> 88 + nbytes        # InvalidArgument: < 1 B or > capacity
-    allocate(nbytes, count) -> int64 ids    # fewer/none past the budget; never evicts
+    allocate(nbytes, count) -> int64 ids    # fewer/none past the budget or ID_LIMIT; never evicts
     free(locs)                              # ids already free are ignored
     write(locs, payloads, owners) -> uint64 xxh3_64s  # ENOSPC: CapacityError,
         # other I/O: Unavailable, nothing of the batch indexed; payload <= allocation
@@ -64,9 +64,10 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavail
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.ssd_dir import NamespaceFile, SsdDirectory
 from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, INDEX_DIR, IOV_MAX, LIVE,
-                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, ROW, SEG_RE, VALUE, FileLayer,
+                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, SEG_RE, VALUE, FileLayer,
                               OsFileLayer, ident_bytes, identity_arrays, io_error, loc_keys, record_checksum,
                               vec_io, write_all, scan_segment, parse_index, Segment)
+from tiers.ssd_table import ID_LIMIT, LocationTable
 from tiers.ssd_recover import RecoveredBlocks, newest_per_name, recovery_order, take_snapshot, write_snapshot
 
 log = logging.getLogger("kvstore.ssd")
@@ -97,6 +98,7 @@ class SsdTier:
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._next_seg, self._seq, self._next_id = 1, 1, 0
         self._free_ids: list[int] = []
+        self.table = LocationTable(0)  # per location: state, place, identity (tiers/ssd_table.py)
         self._alloc_arrays(1024)
         self._gc_buf = np.empty(0, dtype=np.uint8)
         self._closed = False
@@ -169,7 +171,7 @@ class SsdTier:
         have = seg_len[np.clip(seg_ids, 0, self._next_seg)]
         good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
                 & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
-                & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < 1 << 40))
+                & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < ID_LIMIT))
         self.dropped_count += int((~good).sum())
         keep = np.zeros(locs.size, dtype=bool)  # one entry per (namespace, key): the newest
         keep[newest_per_name(idn, np.flatnonzero(good))] = True
@@ -191,12 +193,9 @@ class SsdTier:
                 self._drop_segment(sid)
 
     def _alloc_arrays(self, cap: int) -> None:
-        """Grow the per-location table to ``cap`` rows (at least doubling), keeping contents."""
-        old = getattr(self, "_rows", np.zeros(0, dtype=ROW))
-        if cap > old.size:
-            rows = np.zeros(max(cap, 2 * old.size), dtype=ROW)
-            rows[:old.size] = old
-            self._rows = rows
+        """Room for ``cap`` locations in the table (``tiers/ssd_table.py``)."""
+        if self.table.grow(cap):
+            rows = self.table.rows
             self._state, self._fp, self._seg, self._off, self._ident = (
                 rows["state"], rows["fp"], rows["seg"], rows["off"], rows["ident"])
 
@@ -244,7 +243,8 @@ class SsdTier:
     # ----------------------------------------------------------- allocation
     def allocate(self, nbytes: int, count: int) -> np.ndarray:
         fp = self.footprint(nbytes)
-        count = max(0, min(int(count), (self._capacity - self._used) // fp))
+        count = max(0, min(int(count), (self._capacity - self._used) // fp,
+                           len(self._free_ids) + ID_LIMIT - self._next_id))
         reuse = self._free_ids[len(self._free_ids) - min(count, len(self._free_ids)):]
         del self._free_ids[len(self._free_ids) - len(reuse):]
         fresh = count - len(reuse)
@@ -580,7 +580,7 @@ class SsdTier:
         self._seal()
         if self._db_clean:  # the next open reads this instead of RocksDB
             rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
-            write_snapshot(self.path, self._db, rows, self._rows[["seg", "off", "ident"]][rows].astype(VALUE), self.sync)
+            write_snapshot(self.path, self._db, rows, self.table.rows[["seg", "off", "ident"]][rows].astype(VALUE), self.sync)
         for fd in self._fds.values():
             self.fs.close(fd)
         self._fds.clear()

@@ -31,6 +31,7 @@ from enum import IntEnum
 import numpy as np
 
 from kvstore.core.keytable import KeyTable
+from kvstore.reserve import RESERVE_ROWS, Reserved, resident
 from kvstore.errors import InvalidArgument
 
 NO_ROW = -1
@@ -52,8 +53,10 @@ TICK_MAX = 0xFFFFFFFF
 """``last`` is a 32-bit access tick; before it would pass this the store
 renumbers every row's tick by rank (``Placement.ticks``), keeping the order."""
 GROWTH = 1.25
-"""Row capacity grows by this factor (at least): little slack at any size,
-each row still copied only a few times over the index's growth."""
+"""Row capacity grows by this factor (at least). A column that is copied on
+growth (a shared one, or where no range could be reserved) has that much
+slack at most, each row copied only a few times over the index's growth;
+one grown in place (``kvstore/reserve.py``) costs only its rows."""
 
 
 SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier", "loc", "size", "csum")
@@ -135,7 +138,7 @@ class Lookup:
 class BlockIndex:
     """Key -> block metadata, struct-of-arrays. See the module docstring."""
 
-    _COLUMNS: tuple[tuple[str, str, float], ...] = (
+    COLUMNS: tuple[tuple[str, str, float], ...] = (
         ("k0", "u8", 0),
         ("k1", "u8", 0),
         ("ns", "u4", 0),
@@ -155,8 +158,9 @@ class BlockIndex:
         ("last", "u4", 0),
         ("depth", "u4", 0),
         ("prio", "f4", 0.0),
-        ("ssd_loc", "i8", NO_LOC),
+        ("ssd_loc", "i4", NO_LOC),
     )
+    """Each column's name, dtype and the value of a row not in use: 88 bytes a row."""
 
     k0: np.ndarray
     k1: np.ndarray
@@ -178,14 +182,27 @@ class BlockIndex:
     depth: np.ndarray
     prio: np.ndarray
     ssd_loc: np.ndarray
-    """SSD id of an intact copy of a block read from DRAM, or -1."""
+    """SSD id of an intact copy of a block read from DRAM, or -1 (32 bits:
+    the SSD tier's ids stay below ``tiers.ssd.ID_LIMIT``)."""
 
-    def __init__(self, initial_rows: int = 1024, *, native: bool = True) -> None:
+    def __init__(self, initial_rows: int = 1024, *, native: bool = True, reserve: bool = True) -> None:
         """``native=False`` probes the key table in numpy even when the C
-        helper is built (tests compare the two)."""
+        helper is built (tests compare the two). ``reserve=False`` keeps
+        the columns in plain numpy arrays grown by copying, as where no
+        address range can be reserved (``kvstore/reserve.py``)."""
         cap = max(16, int(initial_rows))
-        for name, dt, fill in self._COLUMNS:
-            setattr(self, name, np.full(cap, fill, dtype=dt))
+        self._res: dict[str, Reserved] = {}
+        """The columns that grow in place: their address ranges."""
+        for name, dt, fill in self.COLUMNS:
+            res = Reserved.make(dt, max(cap, RESERVE_ROWS)) if reserve else None
+            if res is None:
+                setattr(self, name, np.full(cap, fill, dtype=dt))
+                continue
+            self._res[name] = res
+            col = res.view(cap)
+            if fill:
+                col[:] = fill
+            setattr(self, name, col)
         self._cap = cap
         # Free rows as a stack (grown as rows are freed); rows [_high, cap) were never used.
         self._free = np.empty(0, dtype=np.int32)
@@ -201,29 +218,56 @@ class BlockIndex:
         kvstore/daemon/shared_index.py): copied there now, and grown there.
         The caller holds whatever lock guards the index."""
         self._alloc = alloc
-        for name, dt, _ in self._COLUMNS:
+        for name, dt, _ in self.COLUMNS:
             if name in SHARED_COLUMNS:
                 old = getattr(self, name)
                 new = alloc(name, self._cap, dt)
                 new[:] = old
                 setattr(self, name, new)
+                self._res.pop(name, None)  # its range is unmapped once the last view goes
         self._keys.share(alloc)
 
     # ------------------------------------------------------------------ sizing
     @property
     def nbytes(self) -> int:
-        """Every byte the index holds: its columns, free-row stack and key table."""
-        cols = sum(getattr(self, n).nbytes for n, _, _ in self._COLUMNS)
-        return int(cols + self._free.nbytes + self._keys.nbytes)
+        """Every byte the index holds: its columns (those grown in place as
+        the pages the kernel backs for them), free-row stack and key table."""
+        cols = sum(getattr(self, n).nbytes for n, _, _ in self.COLUMNS if n not in self._res)
+        return int(cols + self.reserved_nbytes + self._free.nbytes + self._keys.nbytes)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """What the kernel backs of the columns grown in place: memory
+        ``tracemalloc`` does not see (``kvstore/reserve.py``)."""
+        return resident(list(self._res.values()))
 
     def _grow_rows(self, need: int) -> None:
+        """Room for ``need`` rows. A column in a reserved range grows as a
+        longer view of it: no copy, and its rows past ``_high`` are neither
+        filled nor backed (every column of a row is written when ``insert``
+        first uses it, and no reader looks past ``_high``). The others are
+        copied into arrays ``GROWTH`` times larger."""
         if need <= self._cap:
             return
         cap = max(need, int(self._cap * GROWTH))
         alloc = self._alloc
-        for name, dt, fill in self._COLUMNS:
+        for name, dt, fill in self.COLUMNS:
             old = getattr(self, name)
-            new = alloc(name, cap, dt) if alloc is not None and name in SHARED_COLUMNS else np.empty(cap, dtype=dt)
+            res = self._res.get(name)
+            if res is not None and cap <= res.rows:
+                setattr(self, name, res.view(cap))
+                continue
+            if alloc is not None and name in SHARED_COLUMNS:
+                new = alloc(name, cap, dt)
+            elif res is not None and (bigger := Reserved.make(dt, max(cap, 4 * res.rows))) is not None:
+                self._res[name] = bigger
+                new = bigger.view(cap)
+                new[: self._cap] = old
+                setattr(self, name, new)
+                continue
+            else:
+                self._res.pop(name, None)
+                new = np.empty(cap, dtype=dt)
             new[: self._cap] = old
             new[self._cap :] = fill
             setattr(self, name, new)

@@ -494,3 +494,61 @@ def test_sigkill_during_writes_leaves_whole_blocks(tdir: str) -> None:
                 assert t.read_into(np.array([loc]), np.array([size]), np.array([c], np.uint64), [out], [m])[0]
                 assert out.tobytes() == payload_for(NS, m.key, size)
             assert t.corrupt_count == 0
+
+
+def test_ids_stay_under_the_limit_the_index_keeps(tdir: str, monkeypatch: Any) -> None:
+    """The index keeps a DRAM block's SSD copy's id in 32 bits: the tier
+    never hands out an id at or past ``ID_LIMIT`` (it is full there, reusing
+    freed ids), and drops a recovered entry past it (a miss, never a wrong id)."""
+    import tiers.ssd as ssd_mod
+
+    size = 4 * KIB
+    owners = metas(NS, chain(b"lim", 12))
+    with SsdTier(tdir, 8 * MIB) as t:
+        locs, _ = put(t, owners[:10], size)
+        assert sorted(locs.tolist()) == list(range(10))
+        monkeypatch.setattr(ssd_mod, "ID_LIMIT", 12)
+        more = t.allocate(size, 5)
+        assert sorted(more.tolist()) == [10, 11]  # full at the limit, though bytes are left
+        t.free(more)
+        t.free(locs[:1])
+        again = t.allocate(size, 5)
+        assert sorted(again.tolist()) == [0, 10, 11] and again.max() < 12
+        t.free(again)
+        monkeypatch.setattr(ssd_mod, "ID_LIMIT", 1 << 31)
+    monkeypatch.setattr(ssd_mod, "ID_LIMIT", 6)
+    with SsdTier(tdir, 8 * MIB) as t:
+        rec = t.recover()
+        assert sorted(r[0] for r in rec) == [1, 2, 3, 4, 5]
+        assert t.dropped_count == 4
+        assert get(t, np.array([r[0] for r in rec]), [r[1] for r in rec], size,
+                   np.array([r[3] for r in rec], np.uint64))[0].all()
+
+
+def test_the_location_table_grows_in_place(tdir: str) -> None:
+    """The per-location table (a 105-byte row per id) costs the rows used,
+    not its doubling capacity, and keeps them when it grows."""
+    size = 4 * KIB
+    owners = metas(NS, chain(b"grow", 3000))
+    with SsdTier(tdir, 64 * MIB) as t:
+        base = t.table.nbytes
+        assert base <= 1024 * 105 + 4096  # the first 1,024 rows, not a reservation
+        got = [put(t, owners[i:i + 100], size) for i in range(0, 3000, 100)]  # grown to 4,096 rows
+        assert t.table.nbytes <= 3000 * 105 + 2 * 4096 < 4096 * 105  # the 3,000 rows used, not 4,096
+        locs, cs = np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
+        assert get(t, locs, owners, size, cs)[0].all()
+
+
+def test_the_location_table_without_a_range_is_copied(tdir: str, monkeypatch: Any) -> None:
+    import tiers.ssd_table as table_mod
+
+    monkeypatch.setattr(table_mod.Reserved, "make", classmethod(lambda cls, dtype, rows: None))
+    size = 4 * KIB
+    owners = metas(NS, chain(b"copy", 1500))
+    with SsdTier(tdir, 64 * MIB) as t:
+        got = [put(t, owners[i:i + 500], size) for i in range(0, 1500, 500)]
+        assert t.table.range is None and t.table.nbytes == t.table.rows.nbytes == 2048 * 105
+        locs, cs = np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
+        assert get(t, locs, owners, size, cs)[0].all()
+    with SsdTier(tdir, 64 * MIB) as t:
+        assert len(t.recover()) == 1500
