@@ -222,7 +222,7 @@ class BlockIndex:
             if name in SHARED_COLUMNS:
                 old = getattr(self, name)
                 new = alloc(name, self._cap, dt)
-                new[:] = old
+                new[: self._high] = old[: self._high]  # rows past it are never read (``_grow_rows``)
                 setattr(self, name, new)
                 self._res.pop(name, None)  # its range is unmapped once the last view goes
         self._keys.share(alloc)
@@ -243,15 +243,17 @@ class BlockIndex:
 
     def _grow_rows(self, need: int) -> None:
         """Room for ``need`` rows. A column in a reserved range grows as a
-        longer view of it: no copy, and its rows past ``_high`` are neither
-        filled nor backed (every column of a row is written when ``insert``
-        first uses it, and no reader looks past ``_high``). The others are
-        copied into arrays ``GROWTH`` times larger."""
+        longer view of it (no copy); the others are copied into arrays
+        ``GROWTH`` times larger. Only rows below ``_high`` are copied, and
+        nothing past them is filled: every column of a row is written when
+        ``insert`` first uses it, and no reader looks past ``_high``. So a
+        fresh mapping's pages past them (a reserved range, a file of the
+        shared index, a large ``numpy.empty``) stay unbacked."""
         if need <= self._cap:
             return
         cap = max(need, int(self._cap * GROWTH))
-        alloc = self._alloc
-        for name, dt, fill in self.COLUMNS:
+        alloc, high = self._alloc, self._high
+        for name, dt, _ in self.COLUMNS:
             old = getattr(self, name)
             res = self._res.get(name)
             if res is not None and cap <= res.rows:
@@ -262,14 +264,10 @@ class BlockIndex:
             elif res is not None and (bigger := Reserved.make(dt, max(cap, 4 * res.rows))) is not None:
                 self._res[name] = bigger
                 new = bigger.view(cap)
-                new[: self._cap] = old
-                setattr(self, name, new)
-                continue
             else:
                 self._res.pop(name, None)
                 new = np.empty(cap, dtype=dt)
-            new[: self._cap] = old
-            new[self._cap :] = fill
+            new[:high] = old[:high]
             setattr(self, name, new)
         self._cap = cap
 

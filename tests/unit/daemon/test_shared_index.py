@@ -197,3 +197,26 @@ def test_a_zombie_daemon_counts_as_gone(tmp_path):
     assert sweep_stale(str(tmp_path)) == 1
     p.wait()
     assert pid_alive(os.getpid())
+
+
+def test_grown_column_files_back_only_the_rows_used(shared):
+    """A column file made when the index grows is copied up to the rows in
+    use and not filled past them, so tmpfs backs those rows, not the slack
+    (rows past them are never read: a probe reaches rows through the table)."""
+    store, lock, si, reader = shared
+    n = 4000
+    chain = block_keys(NS, np.arange(16 * n, dtype=np.uint32))
+    for a in range(0, n, 100):  # 1.25x steps: 4,000 rows end in a capacity of 4,882
+        _put(store, lock, chain[a : a + 100], parent=chain[a - 1] if a else None)
+    with lock:
+        cap = store.index.size.size
+    page = 4096
+    used, whole = -(-n * 8 // page) * page, -(-cap * 8 // page) * page
+    assert used < whole  # the slack spans pages of its own
+    sizes = []
+    for name in os.listdir(wire.SHM_DIR):
+        st = os.stat(os.path.join(wire.SHM_DIR, name))
+        if name.startswith(si.prefix) and st.st_size == cap * 8:  # k0, k1, loc, csum
+            sizes.append(st.st_blocks * 512)
+    assert len(sizes) == 4 and max(sizes) <= used, (sizes, used, whole)
+    assert _both(store, lock, reader, chain)[1][0] == n
