@@ -15,7 +15,9 @@ directory under /tmp):
   crash (no snapshot: RocksDB read entry by entry); and the real daemon:
   ``kvstore serve`` on that directory, seconds from its exec to the first
   ``Lookup`` that finds a recovered block, after a clean stop (SIGTERM) and
-  after SIGKILL with the snapshot gone (issue 18 goal 6); median of 3 each.
+  after SIGKILL with the snapshot gone (issue 18 goal 6); median of 3 each;
+  and what the blocks' metadata holds after the restart, per block: the SSD
+  tier's location table and the store's rebuilt block index (figures).
 
 - HBM rows (``bench/hbm.py``): with CUDA, HBM<->DRAM through the tier beside
   raw pinned copies, and IPC device-to-device between two processes beside a
@@ -293,12 +295,15 @@ def bench_recovery(rep: Report, root: str, nblocks: int) -> None:
     rep.figure(f"recovery_setup_write_{nblocks}_blocks_s", time.perf_counter() - t0, "s")
     snapshot = os.path.join(tdir, SNAPSHOT_FILE)
 
+    meta: dict[str, int] = {}  # what the blocks' metadata holds after a restart (bytes)
+
     # wall seconds, and this process's CPU seconds (what other load on the machine does not inflate)
     def tier_open() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
         with SsdTier(tdir, cap) as tier:
             found = tier.recovered()
             took = time.perf_counter() - t0, time.process_time() - c0
+            meta["table"] = tier.table.nbytes
         assert len(found) == nblocks
         return took
 
@@ -309,6 +314,7 @@ def bench_recovery(rep: Report, root: str, nblocks: int) -> None:
         with TieredStore(StoreConfig(dram_bytes=64 * MIB, ssd=SsdSpec(path=tdir, capacity_bytes=cap))) as st:
             took = time.perf_counter() - t0, time.process_time() - c0
             assert st.recovery is not None and st.recovery.blocks == nblocks, st.recovery
+            meta["index"] = st.index.nbytes
         return took
 
     def serve(crash: bool) -> tuple[float, float]:
@@ -333,6 +339,10 @@ def bench_recovery(rep: Report, root: str, nblocks: int) -> None:
     shutil.rmtree(tdir, ignore_errors=True)
     samples, clean, crash = ([w for w, _ in runs[k]] for k in ("tier", "clean", "crash"))
     rep.figure(f"recovery_{nblocks}_blocks_first_open_s", first, "s")
+    rep.figure(f"ssd_table_bytes_per_block_at_{nblocks}", meta["table"] / nblocks,
+               "bytes (the SSD tier's location table after a restart: mincore)")
+    rep.figure(f"store_index_bytes_per_block_at_{nblocks}", meta["index"] / nblocks,
+               "bytes (the store's block index rebuilt at start: BlockIndex.nbytes)")
     rep.figure(f"recovery_{nblocks}_blocks_s", statistics.median(samples), "s (tier open + recovered())")
     rep.figure(f"store_recovery_{nblocks}_blocks_s", statistics.median(clean), "s (after a clean close)")
     rep.figure(f"store_recovery_after_crash_{nblocks}_blocks_s", statistics.median(crash), "s (no snapshot)")

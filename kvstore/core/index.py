@@ -183,7 +183,7 @@ class BlockIndex:
     prio: np.ndarray
     ssd_loc: np.ndarray
     """SSD id of an intact copy of a block read from DRAM, or -1 (32 bits:
-    the SSD tier's ids stay below ``tiers.ssd.ID_LIMIT``)."""
+    the SSD tier's ids stay below ``tiers.ssd_table.ID_LIMIT``)."""
 
     def __init__(self, initial_rows: int = 1024, *, native: bool = True, reserve: bool = True) -> None:
         """``native=False`` probes the key table in numpy even when the C
