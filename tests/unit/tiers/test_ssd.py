@@ -515,7 +515,6 @@ def test_ids_stay_under_the_limit_the_index_keeps(tdir: str, monkeypatch: Any) -
         again = t.allocate(size, 5)
         assert sorted(again.tolist()) == [0, 10, 11] and again.max() < 12
         t.free(again)
-        monkeypatch.setattr(ssd_mod, "ID_LIMIT", 1 << 31)
     monkeypatch.setattr(ssd_mod, "ID_LIMIT", 6)
     with SsdTier(tdir, 8 * MIB) as t:
         rec = t.recover()
