@@ -242,8 +242,9 @@ def group_steps(recs: list, tp: int, within_s: float = 0.05) -> list[tuple[int, 
                 break
             grp.append(near)
         else:
-            span = max(x["at"] + x["ms"] / 1000 for x in grp) - min(x["at"] for x in grp)
-            out.append((sum(int(x["bytes"]) for x in grp), span, max(x["at"] for x in grp) - min(x["at"] for x in grp)))
+            first = min(x["at"] for x in grp)
+            out.append((sum(int(x["bytes"]) for x in grp), max(x["at"] + x["ms"] / 1000 for x in grp) - first,
+                        max(x["at"] for x in grp) - first))
     return out
 
 

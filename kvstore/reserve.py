@@ -63,6 +63,23 @@ class Reserved:
         return np.frombuffer(self._map, dtype=self.dtype, count=int(n))
 
 
+def grow_in(res: Reserved | None, old: np.ndarray, keep: int, cap: int) -> tuple[np.ndarray, Reserved] | None:
+    """``old``'s first ``keep`` items in an array of ``cap`` in reserved
+    memory: a longer view of ``res`` when ``old`` is a view of it (or empty)
+    and it holds ``cap`` (the same memory, nothing copied); else a copy into
+    a new range (four times ``res``, or ``RESERVE_ROWS``, at least ``cap``).
+    Items past ``keep`` in a new range are zero. None where no range can be
+    mapped (the caller copies into a plain array)."""
+    if res is not None and cap <= res.rows and (not old.size or old.ctypes.data == res.addr):
+        return res.view(cap), res
+    new = Reserved.make(old.dtype, max(cap, 4 * res.rows if res is not None else RESERVE_ROWS))
+    if new is None:
+        return None
+    arr = new.view(cap)
+    arr[:keep] = old[:keep]
+    return arr, new
+
+
 def resident(ranges: list[Reserved]) -> int:
     """Bytes of these ranges the kernel backs now (``mincore``: the pages
     RSS counts for them, and any only read, which map the zero page: never

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.reserve import RESERVE_ROWS, Reserved, resident
+from kvstore.reserve import Reserved, grow_in, resident
 from tiers.ssd_format import ROW
 
 ID_LIMIT = 1 << 31
@@ -36,25 +36,18 @@ class LocationTable:
         if cap <= old.size:
             return False
         size = max(cap, 2 * old.size)
-        res = self.range
-        if res is None or size > res.rows:
-            res = Reserved.make(ROW, max(size, RESERVE_ROWS, 4 * (res.rows if res else 0)))
-            self.range = res
-        if res is not None and old.size and self.in_range():
-            self.rows = res.view(size)  # the same memory, longer
-            return True
-        rows = res.view(size) if res is not None else np.zeros(size, dtype=ROW)
-        rows[:old.size] = old
-        self.rows = rows
+        got = grow_in(self.range, old, old.size, size)
+        if got is None:
+            self.range, self.rows = None, np.zeros(size, dtype=ROW)
+            self.rows[:old.size] = old
+        else:
+            self.rows, self.range = got
         return True
-
-    def in_range(self) -> bool:
-        return self.range is not None and bool(self.rows.size) and np.shares_memory(self.rows, self.range.view(1))
 
     @property
     def nbytes(self) -> int:
         """Its memory: the pages backed in its range (``mincore``), or the
         whole array where it is copied on growth."""
-        if self.range is not None and self.in_range():
+        if self.range is not None:
             return resident([self.range])
         return int(self.rows.nbytes)

@@ -31,7 +31,7 @@ from enum import IntEnum
 import numpy as np
 
 from kvstore.core.keytable import KeyTable
-from kvstore.reserve import RESERVE_ROWS, Reserved, resident
+from kvstore.reserve import RESERVE_ROWS, Reserved, grow_in, resident
 from kvstore.errors import InvalidArgument
 
 NO_ROW = -1
@@ -255,19 +255,14 @@ class BlockIndex:
         alloc, high = self._alloc, self._high
         for name, dt, _ in self.COLUMNS:
             old = getattr(self, name)
-            res = self._res.get(name)
-            if res is not None and cap <= res.rows:
-                setattr(self, name, res.view(cap))
-                continue
-            if alloc is not None and name in SHARED_COLUMNS:
-                new = alloc(name, cap, dt)
-            elif res is not None and (bigger := Reserved.make(dt, max(cap, 4 * res.rows))) is not None:
-                self._res[name] = bigger
-                new = bigger.view(cap)
+            res = self._res.get(name)  # (a column outside a range, shared or copied, stays outside)
+            got = grow_in(res, old, high, cap) if res is not None else None
+            if got is not None:
+                new, self._res[name] = got
             else:
                 self._res.pop(name, None)
-                new = np.empty(cap, dtype=dt)
-            new[:high] = old[:high]
+                new = alloc(name, cap, dt) if alloc is not None and name in SHARED_COLUMNS else np.empty(cap, dt)
+                new[:high] = old[:high]
             setattr(self, name, new)
         self._cap = cap
 
