@@ -7,8 +7,8 @@ landing in the caller's buffers; ``bench/tiers.py`` measures it against the
 plain file each run. Directory and file layout: tiers/ssd_dir.py.
 
 Crash ordering. write: one ``pwritev`` per segment run + ``fdatasync`` (a new
-segment's name is fsynced into the directory first), then the batch's index
-entries in one synced WriteBatch. free: index entries deleted (synced), bytes
+segment's name is fsynced into the directory first; its room is preallocated,
+given back when it is sealed), then the batch's index entries in one synced WriteBatch. free: index entries deleted (synced), bytes
 become garbage. reclaim: live records copied + fsynced, index re-pointed
 (synced), then the old segment unlinked. Open drops (counts) entries whose
 segment is missing or short; an unreadable RocksDB moves to ``index.corrupt``
@@ -63,8 +63,8 @@ from kvstore.buffers import as_u8
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.ssd_dir import NamespaceFile, SsdDirectory
-from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, INDEX_DIR, IOV_MAX, LIVE,
-                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, SEG_RE, VALUE, FileLayer,
+from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, IOV_MAX, LIVE,
+                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, ROW, SEG_RE, VALUE, FileLayer,
                               OsFileLayer, ident_bytes, identity_arrays, io_error, loc_keys, record_checksum,
                               vec_io, write_all, scan_segment, parse_index, Segment)
 from tiers.ssd_table import ID_LIMIT, LocationTable
@@ -94,7 +94,7 @@ class SsdTier:
         self.corrupt_count = self.dropped_count = self.index_rebuilds = 0
         self._segs: dict[int, Segment] = {}
         self._active: Segment | None = None
-        self._active_fd = -1
+        self._active_fd, self._prealloc = -1, 0  # and the bytes preallocated for it
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._next_seg, self._seq, self._next_id = 1, 1, 0
         self._free_ids: list[int] = []
@@ -130,6 +130,8 @@ class SsdTier:
                 self._next_seg = max(self._next_seg, sid + 1)
             elif name.endswith(".tmp"):
                 os.unlink(os.path.join(self.path, name))
+        if self._segs:  # the segment being written when the last run stopped: its unwritten room back
+            self._dir.trim(self._seg_path(max(self._segs)))
         self._nsfile.load()
         try:
             self._db = self._dir.open_db()
@@ -195,9 +197,7 @@ class SsdTier:
     def _alloc_arrays(self, cap: int) -> None:
         """Room for ``cap`` locations in the table (``tiers/ssd_table.py``)."""
         if self.table.grow(cap):
-            rows = self.table.rows
-            self._state, self._fp, self._seg, self._off, self._ident = (
-                rows["state"], rows["fp"], rows["seg"], rows["off"], rows["ident"])
+            self._state, self._fp, self._seg, self._off, self._ident = (self.table.rows[f] for f in ROW.names or ())
 
     # ------------------------------------------------------------- metadata
     @property
@@ -216,12 +216,9 @@ class SsdTier:
     @property
     def disk_bytes(self) -> int:
         """Bytes on disk: segments (incl. garbage, in 4 KiB blocks) + index + small files."""
-        total = sum(-(-s.size // 4096) * 4096 for s in self._segs.values())
-        for sub in ("", INDEX_DIR, INDEX_DIR + ".corrupt"):
-            root = os.path.join(self.path, sub)
-            if os.path.isdir(root):
-                total += sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(root)
-                             if e.is_file(follow_symlinks=False) and not SEG_RE.match(e.name))
+        total = sum(-(-s.size // 4096) * 4096 for s in self._segs.values()) + self._dir.small_files_bytes()
+        if self._active is not None:  # the active segment's room, preallocated and not yet written
+            total += max(0, self._prealloc - -(-self._active.size // 4096) * 4096)
         return total
 
     def footprint(self, nbytes: int) -> int:
@@ -332,7 +329,9 @@ class SsdTier:
 
     def _seal(self) -> None:
         if self._active is not None:
-            self._active = None
+            if self._prealloc > self._active.size:  # give back the room not written
+                self._dir.trim_fd(self._active_fd, self._active.size)
+            self._active, self._prealloc = None, 0
             self.fs.close(self._active_fd)
             self._active_fd = -1
 
@@ -347,6 +346,7 @@ class SsdTier:
         self._seal()
         sid = self._next_seg
         fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | CLOEXEC, 0o600)
+        self._prealloc = self.segment_bytes if self.fs.preallocate(fd, self.segment_bytes) else 0
         self._next_seg += 1
         seg = self._segs[sid] = Segment(sid, 0)
         self._active, self._active_fd = seg, fd
@@ -386,7 +386,8 @@ class SsdTier:
                     write_all(self.fs, fd, [b for r in records[i:j] for b in r], start)
                 except OSError:
                     try:
-                        self.fs.ftruncate(fd, start)  # give the partial bytes back
+                        self.fs.ftruncate(fd, start)  # give the partial bytes back (and the room)
+                        self._prealloc = 0
                     except OSError:
                         seg.size = max(seg.size, pos)  # unknown tail: count it, write elsewhere
                         self._seal()

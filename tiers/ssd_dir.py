@@ -33,6 +33,7 @@ from tiers.ssd_format import (
     SCHEMA_FILE,
     SCHEMA_MAGIC,
     SCHEMA_VERSION,
+    SEG_RE,
     FileLayer,
     io_error,
     record_checksum,
@@ -83,6 +84,37 @@ class SsdDirectory:
             self.fs.close(fd)
         self.fs.rename(path + ".tmp", path)
         self.sync_dir()
+
+    def small_files_bytes(self) -> int:
+        """Bytes on disk of everything but the segments: small files and the index (du)."""
+        total = 0
+        for sub in ("", INDEX_DIR, INDEX_DIR + ".corrupt"):
+            root = os.path.join(self.path, sub)
+            if os.path.isdir(root):
+                total += sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(root)
+                             if e.is_file(follow_symlinks=False) and not SEG_RE.match(e.name))
+        return total
+
+    def trim_fd(self, fd: int, size: int) -> None:
+        """Give back a segment's disk room past ``size`` (its preallocated,
+        unwritten tail: ``ftruncate`` to the size it has). A failure only
+        leaves the room allocated; it is logged."""
+        try:
+            self.fs.ftruncate(fd, size)
+        except OSError as exc:
+            log.warning("ssd segment: could not give back its preallocated room: %s", exc)
+
+    def trim(self, path: str) -> None:
+        """``trim_fd`` for a segment file not open (at open, the one a stopped run was writing)."""
+        try:
+            fd = self.fs.open(path, os.O_RDWR | CLOEXEC)
+        except OSError as exc:
+            log.warning("ssd segment %s: could not open it to give back its room: %s", path, exc)
+            return
+        try:
+            self.trim_fd(fd, os.fstat(fd).st_size)
+        finally:
+            self.fs.close(fd)
 
     def sync_dir(self) -> None:
         if self.sync:

@@ -4,6 +4,7 @@ record header and identity layout, checksums, the ``FileLayer`` protocol
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import importlib
 import os
@@ -76,6 +77,34 @@ class FileLayer(Protocol):
     def ftruncate(self, fd: int, length: int, /) -> None: ...
     def unlink(self, path: str, /) -> None: ...
     def rename(self, src: str, dst: str, /) -> None: ...
+    def preallocate(self, fd: int, length: int, /) -> bool: ...
+
+
+def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``fallocate(fd, mode, offset, len)`` (Linux), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], fn)
+
+
+_fallocate = _load_fallocate()
+FALLOC_FL_KEEP_SIZE = 1
+
+
+def preallocate(fd: int, length: int) -> bool:
+    """Reserve ``length`` bytes of disk for ``fd`` from offset 0 without
+    changing its size (``fallocate`` with ``FALLOC_FL_KEEP_SIZE``): appends
+    then land in one run of blocks the file system placed at once, and
+    need no block allocation when synced. A ``ftruncate`` to the file's
+    size gives back what was not written. False, having done nothing,
+    where the file system or the disk's free space does not allow it."""
+    if _fallocate is None or length <= 0:
+        return False
+    return _fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, length) == 0
 
 
 class OsFileLayer:
@@ -90,6 +119,7 @@ class OsFileLayer:
     ftruncate = staticmethod(os.ftruncate)
     unlink = staticmethod(os.unlink)
     rename = staticmethod(os.rename)
+    preallocate = staticmethod(preallocate)
 
 
 def vec_io(op: Callable[[int, Sequence[Any], int], int], fd: int, bufs: list[np.ndarray], offset: int) -> int:
