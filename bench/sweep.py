@@ -108,6 +108,7 @@ class OracleFrequency:
     only offline): the bound for a frequency-based ranking."""
 
     name = PolicyName.LFU
+    columns = frozenset({"prio"})
 
     def __init__(self, counts: dict[tuple[int, int], int]) -> None:
         self.counts = counts

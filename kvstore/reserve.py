@@ -62,6 +62,11 @@ class Reserved:
         """The first ``n`` items (``n <= rows``), writable, on the same memory."""
         return np.frombuffer(self._map, dtype=self.dtype, count=int(n))
 
+    def release(self) -> None:
+        """Give every page back to the kernel (``MADV_DONTNEED``): the range
+        reads as zeros and costs nothing until written again."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+
 
 def grow_in(res: Reserved | None, old: np.ndarray, keep: int, cap: int) -> tuple[np.ndarray, Reserved] | None:
     """``old``'s first ``keep`` items in an array of ``cap`` in reserved

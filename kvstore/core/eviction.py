@@ -50,6 +50,9 @@ class PolicyName(str, Enum):
 
 class Policy(Protocol):
     name: PolicyName
+    columns: frozenset[str]
+    """The index's ``POLICY_COLUMNS`` it ranks with: the index keeps those
+    (``BlockIndex.keep``) and leaves the others unwritten."""
 
     def on_insert(self, index: BlockIndex, rows: np.ndarray) -> None: ...
 
@@ -62,6 +65,7 @@ class Policy(Protocol):
 
 class LRU:
     name = PolicyName.LRU
+    columns: frozenset[str] = frozenset()
 
     def on_insert(self, index: BlockIndex, rows: np.ndarray) -> None:
         pass
@@ -86,6 +90,7 @@ class LFU(LRU):
 
 class CostAware:
     name = PolicyName.COST
+    columns = frozenset({"prio"})
 
     def __init__(self, depth_weight: float = 0.125) -> None:
         if depth_weight < 0:
@@ -125,6 +130,7 @@ def make_policy(name: str | PolicyName, index: BlockIndex | None = None) -> Poli
     else:
         policy = CostAware()
     if index is not None:
+        index.keep(policy.columns)
         rows = index.used_rows()
         if rows.size:
             policy.on_insert(index, rows)

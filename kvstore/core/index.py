@@ -59,6 +59,15 @@ slack at most, each row copied only a few times over the index's growth;
 one grown in place (``kvstore/reserve.py``) costs only its rows."""
 
 
+POLICY_COLUMNS = frozenset({"prio"})
+"""Columns only some eviction policies rank with (``kvstore/core/eviction.py``:
+``cost`` keeps its GreedyDual value in ``prio``; ``lru`` and ``lfu`` rank
+with ``last`` and ``hits``, which every policy keeps, so that a switch at run
+time finds the history). The index keeps the ones in ``BlockIndex.kept``
+(reset on insert) and leaves the others unwritten, so that, grown in place,
+they cost no memory. A policy that starts keeping one computes it then for
+every block (``make_policy``)."""
+
 SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier", "loc", "size", "csum")
 """The columns a prefix lookup, and a read of DRAM blocks, need: what
 ``BlockIndex.share`` places in memory other processes map (with the key
@@ -160,7 +169,8 @@ class BlockIndex:
         ("prio", "f4", 0.0),
         ("ssd_loc", "i4", NO_LOC),
     )
-    """Each column's name, dtype and the value of a row not in use: 88 bytes a row."""
+    """Each column's name, dtype and the value of a row not in use: 88 bytes
+    a row, 84 written where the policy keeps none of ``POLICY_COLUMNS``."""
 
     k0: np.ndarray
     k1: np.ndarray
@@ -211,6 +221,22 @@ class BlockIndex:
         self.live = 0
         self._keys = KeyTable(0, native=native)
         self._alloc: Alloc | None = None
+        self.kept: frozenset[str] = frozenset()
+        """The ``POLICY_COLUMNS`` kept up to date (``keep``): none until a
+        policy that ranks with them is installed (the default, ``lru``, needs none)."""
+
+    def keep(self, columns: frozenset[str]) -> None:
+        """Keep exactly ``columns`` of ``POLICY_COLUMNS`` up to date from now
+        on. A column newly kept starts from its empty value in every row (a
+        row reused while it was not kept holds a stale value); one no longer
+        kept gives its pages back where it grows in place."""
+        columns = frozenset(columns) & POLICY_COLUMNS
+        for name, _, fill in self.COLUMNS:
+            if name in columns and name not in self.kept:
+                getattr(self, name)[: self._high] = fill
+            elif name in self.kept and name not in columns and name in self._res:
+                self._res[name].release()
+        self.kept = columns
 
     def share(self, alloc: Alloc) -> None:
         """From now on keep the ``SHARED_COLUMNS`` and the key table in
@@ -256,13 +282,14 @@ class BlockIndex:
         for name, dt, _ in self.COLUMNS:
             old = getattr(self, name)
             res = self._res.get(name)  # (a column outside a range, shared or copied, stays outside)
-            got = grow_in(res, old, high, cap) if res is not None else None
+            keep = high if name in self.kept or name not in POLICY_COLUMNS else 0  # (one not kept: unread)
+            got = grow_in(res, old, keep, cap) if res is not None else None
             if got is not None:
                 new, self._res[name] = got
             else:
                 self._res.pop(name, None)
                 new = alloc(name, cap, dt) if alloc is not None and name in SHARED_COLUMNS else np.empty(cap, dt)
-                new[:high] = old[:high]
+                new[:keep] = old[:keep]
             setattr(self, name, new)
         self._cap = cap
 
@@ -353,8 +380,9 @@ class BlockIndex:
         self.nchild_tier[rows] = 0
         self.pins[rows] = 0
         self.hits[rows] = 0
+        if "prio" in self.kept:
+            self.prio[rows] = 0.0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint32)
-        self.prio[rows] = 0.0
         self.ssd_loc[rows] = NO_LOC
         # depth and child links, in order (a parent may precede in the batch)
         if chain:  # each key the only child of the one before: link the head, thread the rest

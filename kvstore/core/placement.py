@@ -72,7 +72,8 @@ class Placement:
                  shares: TenantShares | None = None) -> None:
         self.index = BlockIndex()
         self.dram = dram
-        self.policy = policy
+        self._policy = policy
+        self.index.keep(policy.columns)
         self.namespaces = namespaces
         self.counters = counters
         self.verify_reads = verify_reads
@@ -144,6 +145,16 @@ class Placement:
         t = self._tick
         self._tick += n
         return t
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        """Install ``policy``; the index keeps the columns it ranks with."""
+        self.index.keep(policy.columns)
+        self._policy = policy
 
     def touch(self, rows: np.ndarray) -> None:
         """Count an access of ``rows`` (hits, recency, the policy)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.core.eviction import PolicyName
+from kvstore.core.index import keys_to_array
 from kvstore.core.ssd_mover import SsdSpec
 from kvstore.core.store import StoreConfig, TieredStore
 from kvstore.errors import CapacityError, InvalidArgument, KeyStatus, NotFound
@@ -127,6 +128,23 @@ def test_policy_switch_keeps_blocks_and_changes_the_order(ns):
         with pytest.raises(InvalidArgument):
             st.set_policy("random")
         assert st.policy.name is PolicyName.LFU
+
+
+def test_the_index_keeps_the_cost_policys_column_only_while_it_runs(ns):
+    """``prio`` (cost's GreedyDual value) is kept only under cost: a switch
+    to it computes it for every block, a switch away stops writing it."""
+    with make(slots=3, page_slots=3) as st:
+        keys = [chain(b"c%d" % i, 1)[0] for i in range(3)]
+        put_each(st, ns, keys)
+        rows = st.index.find(st.place.nsid(ns), keys_to_array(keys))
+        assert st.index.kept == frozenset()  # lru, the default
+        st.set_policy("cost")
+        assert st.index.kept == frozenset({"prio"})
+        assert (st.index.prio[rows] > 0).all()  # every block ranked at once
+        st.set_policy("lfu")
+        assert st.index.kept == frozenset()
+    with make(slots=3, page_slots=3, policy="cost") as st:
+        assert st.index.kept == frozenset({"prio"})
 
 
 def test_store_config_accepts_a_policy_name_and_rejects_an_unknown_one():
