@@ -340,7 +340,7 @@ def bench_recovery(rep: Report, root: str, nblocks: int) -> None:
     samples, clean, crash = ([w for w, _ in runs[k]] for k in ("tier", "clean", "crash"))
     rep.figure(f"recovery_{nblocks}_blocks_first_open_s", first, "s")
     rep.figure(f"ssd_table_bytes_per_block_at_{nblocks}", meta["table"] / nblocks,
-               "bytes (the SSD tier's location table after a restart: mincore)")
+               "bytes (the SSD tier's location table after a restart: pages backed (mincore) and its digests)")
     rep.figure(f"store_index_bytes_per_block_at_{nblocks}", meta["index"] / nblocks,
                "bytes (the store's block index rebuilt at start: BlockIndex.nbytes)")
     rep.figure(f"recovery_{nblocks}_blocks_s", statistics.median(samples), "s (tier open + recovered())")

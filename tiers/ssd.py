@@ -63,11 +63,11 @@ from kvstore.buffers import as_u8
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.ssd_dir import NamespaceFile, SsdDirectory
-from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, IOV_MAX, LIVE,
-                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, ROW, SEG_RE, VALUE, FileLayer,
+from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, LIVE,
+                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, SEG_RE, VALUE, FileLayer,
                               OsFileLayer, ident_bytes, identity_arrays, io_error, loc_keys, record_checksum,
-                              vec_io, write_all, scan_segment, parse_index, Segment)
-from tiers.ssd_table import ID_LIMIT, LocationTable
+                              read_runs, vec_io, write_all, scan_segment, parse_index, Segment)
+from tiers.ssd_table import ID_LIMIT, U32_LIMIT, LocationTable
 from tiers.ssd_recover import RecoveredBlocks, newest_per_name, recovery_order, take_snapshot, write_snapshot
 
 log = logging.getLogger("kvstore.ssd")
@@ -82,8 +82,8 @@ class SsdTier:
                  fs: FileLayer | None = None, gc_garbage_ratio: float = 0.25, auto_reclaim: bool = True) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgument(f"ssd capacity must be > 0 bytes, got {capacity_bytes}")
-        if segment_bytes <= HEADER_BYTES:
-            raise InvalidArgument(f"segment_bytes must be > {HEADER_BYTES}, got {segment_bytes}")
+        if not HEADER_BYTES < segment_bytes < U32_LIMIT:
+            raise InvalidArgument(f"segment_bytes must be > {HEADER_BYTES} and < 4 GiB, got {segment_bytes}")
         if not 0.0 < gc_garbage_ratio <= 1.0:
             raise InvalidArgument(f"gc_garbage_ratio must be in (0, 1], got {gc_garbage_ratio}")
         self.path = os.path.abspath(path)
@@ -173,7 +173,8 @@ class SsdTier:
         have = seg_len[np.clip(seg_ids, 0, self._next_seg)]
         good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
                 & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
-                & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < ID_LIMIT))
+                & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < ID_LIMIT)
+                & (seg_ids < U32_LIMIT) & (HEADER_BYTES + sizes < U32_LIMIT))
         self.dropped_count += int((~good).sum())
         keep = np.zeros(locs.size, dtype=bool)  # one entry per (namespace, key): the newest
         keep[newest_per_name(idn, np.flatnonzero(good))] = True
@@ -183,8 +184,9 @@ class SsdTier:
         top = int(locs.max()) + 1 if locs.size else 0
         self._alloc_arrays(top)
         self._next_id = top
-        self._state[locs], self._fp[locs], self._seg[locs] = LIVE, HEADER_BYTES + sizes, seg_ids
-        self._off[locs], self._ident[locs] = vals["off"].astype(np.int64), vals["ident"]
+        self._state[locs], self._fp[locs], self._seg[locs], self._off[locs] = (
+            LIVE, HEADER_BYTES + sizes, seg_ids, vals["off"].astype(np.int64))
+        self.table.set_ident(locs, vals["ident"])
         self._used = int((HEADER_BYTES + sizes).sum())
         self._free_ids = np.flatnonzero(np.bincount(locs, minlength=top) == 0)[::-1].tolist()
         self._seq = int(vals["ident"]["seq"].max()) + 1 if locs.size else 1
@@ -197,7 +199,8 @@ class SsdTier:
     def _alloc_arrays(self, cap: int) -> None:
         """Room for ``cap`` locations in the table (``tiers/ssd_table.py``)."""
         if self.table.grow(cap):
-            self._state, self._fp, self._seg, self._off, self._ident = (self.table.rows[f] for f in ROW.names or ())
+            self._state, self._fp, self._seg, self._off, self._size = (
+                self.table.rows[f] for f in ("state", "fp", "seg", "off", "size"))
 
     # ------------------------------------------------------------- metadata
     @property
@@ -224,9 +227,9 @@ class SsdTier:
     def footprint(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise InvalidArgument(f"payload must be at least 1 byte, got {nbytes}")
-        if HEADER_BYTES + int(nbytes) > self._capacity:
+        if HEADER_BYTES + int(nbytes) > min(self._capacity, U32_LIMIT - 1):
             raise InvalidArgument(f"payload of {nbytes} bytes can never fit the ssd tier "
-                                  f"(capacity {self._capacity} bytes)")
+                                  f"(capacity {self._capacity} bytes; blocks < 4 GiB)")
         return HEADER_BYTES + int(nbytes)
 
     def resize(self, capacity_bytes: int) -> None:
@@ -267,7 +270,7 @@ class SsdTier:
         The ids stay allocated."""
         if rows.size:
             self._delete_keys(loc_keys(rows), sync=sync)
-            self._count_live(self._seg[rows], -(HEADER_BYTES + self._ident["size"][rows].astype(np.int64)))
+            self._count_live(self._seg[rows], -(HEADER_BYTES + self._size[rows].astype(np.int64)))
             self._state[rows] = ALLOC
 
     def _count_live(self, seg_ids: np.ndarray, delta: np.ndarray) -> None:
@@ -344,7 +347,8 @@ class SsdTier:
         if act is not None and self.sync:
             self.fs.fdatasync(self._active_fd)
         self._seal()
-        sid = self._next_seg
+        if (sid := self._next_seg) >= U32_LIMIT:  # (2^32 segments written: never in practice)
+            raise CapacityError("ssd tier: segment ids exhausted")
         fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | CLOEXEC, 0o600)
         self._prealloc = self.segment_bytes if self.fs.preallocate(fd, self.segment_bytes) else 0
         self._next_seg += 1
@@ -435,8 +439,9 @@ class SsdTier:
         vals["seg"], vals["off"], vals["ident"] = segs, offs, idn
         self._put_values(locs, vals)  # raises with nothing visible on failure
         old = locs[self._state[locs] == LIVE]  # overwritten: the old records become garbage
-        self._count_live(self._seg[old], -(HEADER_BYTES + self._ident["size"][old].astype(np.int64)))
-        self._state[locs], self._seg[locs], self._off[locs], self._ident[locs] = LIVE, segs, offs, idn
+        self._count_live(self._seg[old], -(HEADER_BYTES + self._size[old].astype(np.int64)))
+        self._state[locs], self._seg[locs], self._off[locs] = LIVE, segs, offs
+        self.table.set_ident(locs, idn)
         self._count_live(segs, lens)
         if self.auto_reclaim and self.garbage_bytes > max(self.segment_bytes, self._capacity // 10):
             try:
@@ -456,7 +461,7 @@ class SsdTier:
         checksums = np.asarray(checksums, dtype=np.uint64).reshape(-1)
         inrange = (locs >= 0) & (locs < self._next_id)
         rows = np.where(inrange, locs, 0)
-        idn = self._ident[rows]
+        idn = self.table.ident(rows)
         dsts = [as_u8(o) for o in outs]
         # a buffer too small is the caller's miss, not the block's fault
         live = inrange & (self._state[rows] == LIVE) & (np.fromiter((d.size for d in dsts), np.int64, n) >= sizes)
@@ -467,24 +472,7 @@ class SsdTier:
         hbuf = np.empty((n, HEADER_BYTES), dtype=np.uint8)
         todo = np.flatnonzero(live & match).tolist()
         segs, offs, szs = self._seg[rows].tolist(), self._off[rows].tolist(), sizes.tolist()
-        got = np.zeros(n, dtype=bool)
-        g = 0
-        while g < len(todo):  # one preadv per run of records lying back to back in a segment
-            first, h = todo[g], g + 1
-            end = offs[first] + HEADER_BYTES + szs[first]
-            while h < len(todo) and h - g < IOV_MAX // 2 and segs[todo[h]] == segs[first] and offs[todo[h]] == end:
-                end += HEADER_BYTES + szs[todo[h]]
-                h += 1
-            run = todo[g:h]
-            try:
-                nread = vec_io(self.fs.preadv, self._fd(segs[first]),
-                                [b for i in run for b in (hbuf[i], dsts[i][:szs[i]])], offs[first])
-            except OSError as exc:
-                log.warning("ssd read of segment %d failed: %s", segs[first], exc)
-                nread = 0
-            for i in run:
-                got[i] = offs[i] + HEADER_BYTES + szs[i] - offs[first] <= nread
-            g = h
+        got = read_runs(self.fs, self._fd, todo, segs, offs, szs, hbuf, dsts)
         same = np.all(hbuf[:, :IDENT_BYTES] == ident_bytes(idn), axis=1)
         for i in np.flatnonzero(got & same).tolist():
             ok[i] = record_checksum(dsts[i][:szs[i]]) == int(checksums[i])
@@ -525,12 +513,13 @@ class SsdTier:
         top = self._next_id
         rows = np.flatnonzero((self._state[:top] == LIVE) & (self._seg[:top] == seg.id))
         rows = rows[np.argsort(self._off[rows], kind="stable")]
-        lens = HEADER_BYTES + self._ident["size"][rows].astype(np.int64)
+        lens = HEADER_BYTES + self._size[rows].astype(np.int64)
         if self._gc_buf.size < int(lens.sum()):
             self._gc_buf = np.empty(int(lens.sum()), dtype=np.uint8)
         starts = (np.cumsum(lens) - lens).tolist()
         recs = [self._gc_buf[a:a + ln] for a, ln in zip(starts, lens.tolist())]
-        expect, csums = ident_bytes(self._ident[rows]), self._ident["csum"][rows].tolist()
+        idn = self.table.ident(rows)
+        expect, csums = ident_bytes(idn), idn["csum"].tolist()
         good = np.zeros(rows.size, dtype=bool)
         fd = self._fd(seg.id)
         for k, (rec, off) in enumerate(zip(recs, self._off[rows].tolist())):
@@ -548,7 +537,7 @@ class SsdTier:
             return 0
         new_segs, new_offs = self._append([[r] for r, g in zip(recs, good) if g], lens)
         vals = np.zeros(rows.size, dtype=VALUE)
-        vals["seg"], vals["off"], vals["ident"] = new_segs, new_offs, self._ident[rows]
+        vals["seg"], vals["off"], vals["ident"] = new_segs, new_offs, idn[good]
         self._put_values(rows, vals)
         self._seg[rows], self._off[rows] = new_segs, new_offs
         self._count_live(new_segs, lens)
@@ -563,7 +552,7 @@ class SsdTier:
     def recovered(self) -> RecoveredBlocks:
         """``recover()`` in arrays (no Python object per block)."""
         rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
-        return recovery_order(self._ident, rows)
+        return recovery_order(self.table.fields(rows), rows)
 
     def put_namespace(self, digest: bytes, descriptor: bytes) -> None:
         """Persist a namespace descriptor (atomic rewrite of the namespaces file)."""
@@ -581,7 +570,7 @@ class SsdTier:
         self._seal()
         if self._db_clean:  # the next open reads this instead of RocksDB
             rows = np.flatnonzero(self._state[:self._next_id] == LIVE)
-            write_snapshot(self.path, self._db, rows, self.table.rows[["seg", "off", "ident"]][rows].astype(VALUE), self.sync)
+            write_snapshot(self.path, self._db, rows, self.table.values(rows), self.sync)
         for fd in self._fds.values():
             self.fs.close(fd)
         self._fds.clear()

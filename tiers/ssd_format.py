@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import importlib
+import logging
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -18,6 +19,8 @@ import xxhash
 
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
 from tiers.base import BlockMeta, Buffer
+
+log = logging.getLogger("kvstore.ssd")
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE, SCHEMA_MAGIC = "SCHEMA", "kvstore-ssd-tier"
@@ -32,15 +35,14 @@ NS_MAGIC = b"KVNS"
 FREE, ALLOC, LIVE = 0, 1, 2
 CLOEXEC = os.O_CLOEXEC
 
-_IDENT = np.dtype([("magic", "S4"), ("version", "<u2"), ("plen", "<u2"), ("size", "<u8"),
+IDENT = np.dtype([("magic", "S4"), ("version", "<u2"), ("plen", "<u2"), ("size", "<u8"),
                    ("seq", "<u8"), ("csum", "<u8"), ("ns", "u1", (16,)), ("key", "u1", (16,)),
                    ("parent", "u1", (16,))])
-HEADER = np.dtype([("ident", _IDENT), ("hcrc", "<u8")])
-VALUE = np.dtype([("seg", "<u8"), ("off", "<u8"), ("ident", _IDENT)])
-ROW = np.dtype([("state", "i1"), ("fp", "<i8"), ("seg", "<i8"), ("off", "<i8"), ("ident", _IDENT)])
+HEADER = np.dtype([("ident", IDENT), ("hcrc", "<u8")])
+VALUE = np.dtype([("seg", "<u8"), ("off", "<u8"), ("ident", IDENT)])
 NS, KEY, PARENT, NSKEY = slice(32, 48), slice(48, 64), slice(64, 80), slice(32, 64)  # identity bytes
-assert _IDENT.itemsize == IDENT_BYTES and HEADER.itemsize == HEADER_BYTES
-assert _IDENT.fields is not None and _IDENT.fields["ns"][1] == 32 and _IDENT.fields["parent"][1] == 64
+assert IDENT.itemsize == IDENT_BYTES and HEADER.itemsize == HEADER_BYTES
+assert IDENT.fields is not None and IDENT.fields["ns"][1] == 32 and IDENT.fields["parent"][1] == 64
 
 
 def _load_xxh3() -> Callable[[Buffer], int]:
@@ -148,6 +150,34 @@ def write_all(fs: FileLayer, fd: int, bufs: list[np.ndarray], offset: int) -> No
     want = sum(b.size for b in bufs)
     if vec_io(fs.pwritev, fd, bufs, offset) < want:
         raise OSError(errno.EIO, "pwritev made no progress")
+
+
+def read_runs(fs: FileLayer, fd_of: Callable[[int], int], todo: list[int], segs: list[int], offs: list[int],
+              szs: list[int], hbuf: np.ndarray, dsts: Sequence[np.ndarray]) -> np.ndarray:
+    """Read the records ``todo`` (positions into ``segs``/``offs``/``szs``,
+    in order), the header of each into its row of ``hbuf`` and its payload
+    into ``dsts``: one ``preadv`` per run of records lying back to back in a
+    segment (``fd_of(segment)``). Returns which were read whole; a failed
+    read is logged and its run left unread."""
+    got = np.zeros(hbuf.shape[0], dtype=bool)
+    g = 0
+    while g < len(todo):
+        first, h = todo[g], g + 1
+        end = offs[first] + HEADER_BYTES + szs[first]
+        while h < len(todo) and h - g < IOV_MAX // 2 and segs[todo[h]] == segs[first] and offs[todo[h]] == end:
+            end += HEADER_BYTES + szs[todo[h]]
+            h += 1
+        run = todo[g:h]
+        try:
+            nread = vec_io(fs.preadv, fd_of(segs[first]), [b for i in run for b in (hbuf[i], dsts[i][:szs[i]])],
+                           offs[first])
+        except OSError as exc:
+            log.warning("ssd read of segment %d failed: %s", segs[first], exc)
+            nread = 0
+        for i in run:
+            got[i] = offs[i] + HEADER_BYTES + szs[i] - offs[first] <= nread
+        g = h
+    return got
 
 
 def ident_bytes(idn: np.ndarray) -> np.ndarray:

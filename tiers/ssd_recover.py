@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,14 +116,15 @@ def _match(names: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return np.where(ok, cand, -1).astype(np.int64)
 
 
-def recovery_order(ident: np.ndarray, rows: np.ndarray) -> RecoveredBlocks:
-    """Blocks at locations ``rows`` (``ident``: the identities of all
-    locations), parents before children: by depth (hops to the top of the
-    chain the tier holds), then write sequence."""
+def recovery_order(ident: np.ndarray | Mapping[str, np.ndarray], rows: np.ndarray) -> RecoveredBlocks:
+    """Blocks at locations ``rows`` (``ident``: their identities, one per
+    row: ``IDENT`` records, or their fields by name), parents before
+    children: by depth (hops to the top of the chain the tier holds), then
+    write sequence."""
     n = rows.size
-    ns, key, parent = ident["ns"][rows], ident["key"][rows], ident["parent"][rows]  # field by field: fast
-    seq = ident["seq"][rows]
-    has_parent = ident["plen"][rows] != 0
+    ns, key, parent = ident["ns"], ident["key"], ident["parent"]  # field by field: fast
+    seq = ident["seq"]
+    has_parent = ident["plen"] != 0
     par = _match(np.concatenate([ns, key], axis=1), np.concatenate([ns, parent], axis=1))
     par[~has_parent] = -1
     # depth by pointer jumping (depth = hops to anc): O(log chain) rounds, capped for corrupt cycles
@@ -150,9 +152,9 @@ def recovery_order(ident: np.ndarray, rows: np.ndarray) -> RecoveredBlocks:
     inv = np.empty(n, dtype=np.int64)
     inv[order] = np.arange(n)
     ppos = np.where(par >= 0, inv[np.maximum(par, 0)], -1)[order]
-    locs = rows[order]
-    return RecoveredBlocks(locs.astype(np.int64), ns[order], key[order], parent[order], has_parent[order], ppos,
-                           rooted[order], ident["size"][locs].astype(np.int64), ident["csum"][locs].astype(np.uint64))
+    return RecoveredBlocks(rows[order].astype(np.int64), ns[order], key[order], parent[order], has_parent[order],
+                           ppos, rooted[order], ident["size"][order].astype(np.int64),
+                           ident["csum"][order].astype(np.uint64))
 
 
 # ----------------------------------------------------------------- snapshot

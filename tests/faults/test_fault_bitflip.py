@@ -173,7 +173,8 @@ def test_ssd_bit_flips_are_always_detected(make_daemon, tmp_path) -> None:
     def flip(row: int, rng: random.Random) -> bool:
         def locate() -> tuple[str, int, int]:
             loc = int(idx.loc[row])
-            return tier._seg_path(int(tier._seg[loc])), int(tier._off[loc]), int(tier._ident["size"][loc])
+            at = tier.table.rows[loc]
+            return tier._seg_path(int(at["seg"])), int(at["off"]), int(at["size"])
 
         path, off, size = d.call(locate)
         at = rng.randrange(HEADER_BYTES) if rng.random() < 0.5 else HEADER_BYTES + rng.randrange(size)

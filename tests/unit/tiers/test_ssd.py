@@ -21,6 +21,7 @@ from kvstore.errors import CapacityError, InvalidArgument, Unavailable
 from tests.conftest import chain, payload_for
 from tiers.base import BlockMeta, TierKind
 from tiers.ssd import HEADER_BYTES, OsFileLayer, SsdTier
+from tiers.ssd_table import ROW
 
 NS = b"\x11" * 16
 NS2 = b"\x22" * 16
@@ -525,15 +526,16 @@ def test_ids_stay_under_the_limit_the_index_keeps(tdir: str, monkeypatch: Any) -
 
 
 def test_the_location_table_grows_in_place(tdir: str) -> None:
-    """The per-location table (a 105-byte row per id) costs the rows used,
+    """The per-location table (a 70-byte row per id) costs the rows used,
     not its doubling capacity, and keeps them when it grows."""
     size = 4 * KIB
     owners = metas(NS, chain(b"grow", 3000))
+    assert ROW.itemsize == 70
     with SsdTier(tdir, 64 * MIB) as t:
         base = t.table.nbytes
-        assert base <= 1024 * 105 + 4096  # the first 1,024 rows, not a reservation
+        assert base <= 1024 * 70 + 4096  # the first 1,024 rows, not a reservation
         got = [put(t, owners[i:i + 100], size) for i in range(0, 3000, 100)]  # grown to 4,096 rows
-        assert t.table.nbytes <= 3000 * 105 + 2 * 4096 < 4096 * 105  # the 3,000 rows used, not 4,096
+        assert t.table.nbytes <= 3000 * 70 + 2 * 4096 < 4096 * 70  # the 3,000 rows used, not 4,096
         locs, cs = np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
         assert get(t, locs, owners, size, cs)[0].all()
 
@@ -546,7 +548,8 @@ def test_the_location_table_without_a_range_is_copied(tdir: str, monkeypatch: An
     owners = metas(NS, chain(b"copy", 1500))
     with SsdTier(tdir, 64 * MIB) as t:
         got = [put(t, owners[i:i + 500], size) for i in range(0, 1500, 500)]
-        assert t.table.range is None and t.table.nbytes == t.table.rows.nbytes == 2048 * 105
+        assert t.table.range is None and t.table.rows.nbytes == 2048 * 70
+        assert t.table.nbytes == t.table.rows.nbytes + t.table.digests.table.nbytes  # (one namespace: 256 B)
         locs, cs = np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
         assert get(t, locs, owners, size, cs)[0].all()
     with SsdTier(tdir, 64 * MIB) as t:

@@ -78,7 +78,7 @@ def test_recovery_order_matches_the_dict_based_one(seed: int) -> None:
     rows = np.sort(rng.choice(10 * n, size=n, replace=False)).astype(np.int64)
     ident = np.zeros(10 * n, dtype=IDENT)
     ident[rows] = idn
-    got = recovery_order(ident, rows)
+    got = recovery_order(ident[rows], rows)
     assert got.as_list() == reference_order(idn, rows)
     # parent positions point at the parent's entry, earlier in the order; rooted = chain reaches a root
     pos = {(m.ns_digest, m.key): i for i, (_, m, _, _) in enumerate(got.as_list())}
