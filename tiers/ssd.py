@@ -7,8 +7,9 @@ landing in the caller's buffers; ``bench/tiers.py`` measures it against the
 plain file each run. Directory and file layout: tiers/ssd_dir.py.
 
 Crash ordering. write: one ``pwritev`` per segment run + ``fdatasync`` (a new
-segment's name is fsynced into the directory first; its room is preallocated,
-given back when it is sealed), then the batch's index entries in one synced WriteBatch. free: index entries deleted (synced), bytes
+segment's name is fsynced into the directory first; its room is
+preallocated, and given back when it is sealed), then the batch's index
+entries in one synced WriteBatch. free: index entries deleted (synced), bytes
 become garbage. reclaim: live records copied + fsynced, index re-pointed
 (synced), then the old segment unlinked. Open drops (counts) entries whose
 segment is missing or short; an unreadable RocksDB moves to ``index.corrupt``
@@ -174,7 +175,7 @@ class SsdTier:
         good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
                 & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
                 & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < ID_LIMIT)
-                & (seg_ids < U32_LIMIT) & (HEADER_BYTES + sizes < U32_LIMIT))
+                & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT) & (HEADER_BYTES + sizes < U32_LIMIT))
         self.dropped_count += int((~good).sum())
         keep = np.zeros(locs.size, dtype=bool)  # one entry per (namespace, key): the newest
         keep[newest_per_name(idn, np.flatnonzero(good))] = True
@@ -218,7 +219,8 @@ class SsdTier:
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes on disk: segments (incl. garbage, in 4 KiB blocks) + index + small files."""
+        """Bytes on disk: segments (incl. garbage, in 4 KiB blocks, and the
+        active one's preallocated room) + index + small files."""
         total = sum(-(-s.size // 4096) * 4096 for s in self._segs.values()) + self._dir.small_files_bytes()
         if self._active is not None:  # the active segment's room, preallocated and not yet written
             total += max(0, self._prealloc - -(-self._active.size // 4096) * 4096)
