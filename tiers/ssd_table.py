@@ -57,7 +57,8 @@ class Digests:
         if (lo == lo[0]).all() and (hi == hi[0]).all():  # one namespace: the common case
             return np.full(ns.shape[0], self._id(bytes(ns[0])), dtype=np.uint32)
         order = np.lexsort((lo, hi))
-        starts = np.flatnonzero(np.r_[True, (lo[order][1:] != lo[order][:-1]) | (hi[order][1:] != hi[order][:-1])])
+        sl, sh = lo[order], hi[order]
+        starts = np.flatnonzero(np.r_[True, (sl[1:] != sl[:-1]) | (sh[1:] != sh[:-1])])
         first = np.zeros(order.size, dtype=bool)
         first[starts] = True
         group = np.cumsum(first) - 1  # each sorted position's distinct digest
