@@ -22,7 +22,7 @@ import ctypes
 import mmap
 import sys
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -100,14 +100,16 @@ def resident(ranges: list[Reserved]) -> int:
     return total
 
 
-def _mincore() -> Callable[..., int] | None:
+def libc_function(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """The C library's function ``name`` (returning ``int``, taking
+    ``argtypes``; ``errno`` kept), or None where it has none."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return cast(Callable[..., int], fn)
 
 
-MINCORE = _mincore()
+MINCORE = libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)

@@ -18,6 +18,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavailable
+from kvstore.reserve import libc_function
 from tiers.base import BlockMeta, Buffer
 
 log = logging.getLogger("kvstore.ssd")
@@ -82,18 +83,8 @@ class FileLayer(Protocol):
     def preallocate(self, fd: int, length: int, /) -> bool: ...
 
 
-def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``fallocate(fd, mode, offset, len)`` (Linux), or None."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return cast(Callable[[int, int, int, int], int], fn)
-
-
-_fallocate = _load_fallocate()
+_fallocate = libc_function("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+"""``fallocate(fd, mode, offset, len)`` (Linux), or None."""
 FALLOC_FL_KEEP_SIZE = 1
 
 

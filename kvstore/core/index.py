@@ -282,14 +282,14 @@ class BlockIndex:
         for name, dt, _ in self.COLUMNS:
             old = getattr(self, name)
             res = self._res.get(name)  # (a column outside a range, shared or copied, stays outside)
-            keep = high if name in self.kept or name not in POLICY_COLUMNS else 0  # (one not kept: unread)
-            got = grow_in(res, old, keep, cap) if res is not None else None
+            upto = high if name in self.kept or name not in POLICY_COLUMNS else 0  # (one not kept: unread)
+            got = grow_in(res, old, upto, cap) if res is not None else None
             if got is not None:
                 new, self._res[name] = got
             else:
                 self._res.pop(name, None)
                 new = alloc(name, cap, dt) if alloc is not None and name in SHARED_COLUMNS else np.empty(cap, dt)
-                new[:keep] = old[:keep]
+                new[:upto] = old[:upto]
             setattr(self, name, new)
         self._cap = cap
 

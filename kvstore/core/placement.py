@@ -72,8 +72,7 @@ class Placement:
                  shares: TenantShares | None = None) -> None:
         self.index = BlockIndex()
         self.dram = dram
-        self._policy = policy
-        self.index.keep(policy.columns)
+        self.policy = policy  # (the setter: the index keeps the columns it ranks with)
         self.namespaces = namespaces
         self.counters = counters
         self.verify_reads = verify_reads
