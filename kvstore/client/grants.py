@@ -41,8 +41,9 @@ class GrantPool:
         """Block size -> granted slot offsets not used yet."""
         self.until: dict[int, float] = {}
         """Block size -> when its slots stop being used (half their lifetime)."""
-        self.asked: dict[int, int] = {}
-        """Block size -> the grant frame sent for it whose answer is unread."""
+        self.asked: dict[int, tuple[int, float]] = {}
+        """Block size -> the grant frame sent for it whose answer is unread,
+        and when it was sent (the grant's life starts no earlier)."""
         self.back: list[int] = []
         """Granted slots this client will not use, given back with its next grant frame."""
         self.limit = GRANT_BYTES
@@ -85,11 +86,12 @@ class GrantPool:
             self.back += self.free.pop(k)
             self.until.pop(k, None)
         back = np.asarray(self.back, dtype="<u8").tobytes()
-        self.asked[size] = fast.send_frame("Grant", frames.grant_frame(wire, n, size, back), keep=True)
+        sent = time.monotonic()
+        self.asked[size] = (fast.send_frame("Grant", frames.grant_frame(wire, n, size, back), keep=True), sent)
         self.back.clear()
 
     def _collect(self, fast: LookupSocketClient, size: int) -> None:
-        seq = self.asked.pop(size)
+        seq, sent = self.asked.pop(size)
         try:
             body = fast.answer(seq)
         except KVStoreError as e:  # (a size the namespace does not hold; no grants on this daemon)
@@ -106,7 +108,7 @@ class GrantPool:
         if free and now >= self.until[size]:
             self.back += free
             free.clear()
-        fresh = now + life_ms / 2000.0
+        fresh = sent + life_ms / 2000.0  # (its life began when the daemon granted, after the ask, maybe long before now)
         self.until[size] = min(self.until[size], fresh) if free else fresh
         free += got
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvstore.checksum import checksum
 from kvstore.core.hbm_mover import HbmMover
-from kvstore.core.index import S_COMMITTED, S_DOOMED, S_RESERVED, BlockState, keys_to_array
+from kvstore.core.index import S_COMMITTED, S_DOOMED, S_RESERVED, BlockIndex, BlockState, keys_to_array
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied
@@ -39,6 +39,24 @@ class Hold:
     ns: int
     rows: np.ndarray
     deadline: float
+    marks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """A reservation's rows' keys (k0, k1) and slots when reserved: a row
+    dropped meanwhile (a corrupt parent's subtree) may be reused by another
+    reservation, which is not this one's to commit or abort."""
+
+    def own(self, idx: BlockIndex) -> np.ndarray:
+        """Which of its rows are still this reservation's (reserved, same namespace, key and slot)."""
+        r = self.rows
+        live = (idx.state[r] == S_RESERVED) & (idx.ns[r] == self.ns)
+        if self.marks is not None:
+            k0, k1, loc = self.marks
+            live &= (idx.k0[r] == k0) & (idx.k1[r] == k1) & (idx.loc[r] == loc)
+        return live
+
+    def tail(self, keep: int) -> "Hold":
+        """Its rows after the first ``keep``, as a hold of their own."""
+        marks = None if self.marks is None else (self.marks[0][keep:], self.marks[1][keep:], self.marks[2][keep:])
+        return Hold(self.owner, self.ns, self.rows[keep:], self.deadline, marks)
 
 
 class Holds:
@@ -81,8 +99,9 @@ class Holds:
         todo, rows, locs = self.placement.store_rows(nid, karr, list(sizes), parent, BlockState.RESERVED, res, tier)
         if todo:
             handle = f"r-{self._salt}{next(self._seq):x}"
-            self.reservations[handle] = Hold(owner, nid, rows,
-                                               self.clock() + self.reservation_timeout)
+            idx = self.index
+            self.reservations[handle] = Hold(owner, nid, rows, self.clock() + self.reservation_timeout,
+                                             (idx.k0[rows], idx.k1[rows], idx.loc[rows]))
             res.handle = handle
             sel = np.asarray(todo, dtype=np.int64)
             res.tier_codes[sel] = self.index.tier[rows]
@@ -105,7 +124,7 @@ class Holds:
         del self.reservations[handle]
         idx = self.index
         rows = h.rows
-        live = (idx.state[rows] == S_RESERVED) & (idx.ns[rows] == h.ns)
+        live = h.own(idx)
         rows = rows[live]
         res = BatchResult([KeyStatus.OK] * int(h.rows.size))
         for i in np.nonzero(~live)[0].tolist():
@@ -139,7 +158,7 @@ class Holds:
     def abort_rows(self, h: Hold) -> int:
         """Drop the still-reserved rows of ``h`` (with their descendants)."""
         idx = self.index
-        rows = h.rows[(idx.state[h.rows] == S_RESERVED) & (idx.ns[h.rows] == h.ns)]
+        rows = h.rows[h.own(idx)]
         if rows.size == 0:
             return 0
         sub = idx.subtree(rows)
@@ -322,7 +341,7 @@ class Holds:
         h = self._hold(self.reservations, handle, owner, "reservation")
         if keep >= h.rows.size:
             return 0
-        return self.abort_rows(Hold(h.owner, h.ns, h.rows[keep:], h.deadline))
+        return self.abort_rows(h.tail(keep))
 
     def commit_prefix(self, handle: str, owner: str, keep: int, checksums: Sequence[int] | None = None) -> int:
         """Commit the first ``keep`` blocks of a reservation and abort the

@@ -259,6 +259,7 @@ class _Connection(asyncio.Protocol):
         """Namespace ids this connection was told (nsid frames): the only ones it may tally."""
         self.staging: Staging | None = None
         """Its staging file for write-behind puts, once asked for (a stage frame)."""
+        self.read_paused = False  # (see ``flow``)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -280,6 +281,20 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
         self.pump()
+        self.flow()
+
+    def flow(self) -> None:
+        """Stop reading a client that sends on behind a waiting call past a
+        frame's worth (the rest stays in its socket) until that call is done.
+        (Not on unread answers: a client sends a frame whole before it reads.)"""
+        full = self.waiting is not None and len(self.buf) >= MAX_FRAME
+        if self.transport is None or self.closing or full == self.read_paused:
+            return
+        self.read_paused = full
+        if full:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
 
     def close(self) -> None:
         self.closing = True
@@ -504,6 +519,7 @@ class _Connection(asyncio.Protocol):
             answer = wrap(task.result())
         self.transport.write(answer)
         self.pump()
+        self.flow()
 
 
 def share_index(d: "DaemonState") -> SharedIndex | None:

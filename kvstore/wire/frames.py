@@ -105,8 +105,10 @@ STAGE_OK = struct.Struct("<BQ")
 """Status byte and staging size of a stage answer (the path follows)."""
 READS = struct.Struct("<II")
 """Namespace id and keys asked, at the front of a reads frame (after the mark)."""
-MAX_NS_WIRE = 0xFF00
-"""A lookup's namespace message is shorter (two-byte values from here up mark other frames)."""
+MAX_NS_WIRE = 0xF000
+"""A lookup's namespace message is shorter: its little-endian ns_len then
+never starts like another frame's mark (``b"\\xff"`` and a byte from 0xF0
+up), and two-byte values from here up are frame types, not lookups."""
 NO_NSID = 0xFFFFFFFF
 """An nsid answer for a namespace the daemon has no id for yet."""
 NSID = struct.Struct("<BI")
@@ -153,7 +155,14 @@ class LookupFrame:
 
 
 def parse_lookup(body: bytes) -> LookupFrame:
+    """A lookup frame's fields; InvalidArgument for a mark of a frame type
+    this side does not know (two bytes from ``MAX_NS_WIRE`` up) or a
+    namespace longer than the frame."""
     nslen = int.from_bytes(body[:2], "little")
+    if nslen >= MAX_NS_WIRE:
+        raise InvalidArgument(f"unknown frame type 0x{nslen:04X}")
+    if 2 + nslen > len(body):
+        raise InvalidArgument(f"lookup frame's {nslen}-byte namespace overruns its {len(body)} bytes")
     return LookupFrame(body[2 : 2 + nslen], body[2 + nslen :])
 
 

@@ -620,3 +620,29 @@ def test_commit_without_waiting_runs_before_the_next_call(uds_daemon):
         c.flush()
         assert c._fast.late_errors == 1
         assert uds_daemon.call(lambda: uds_daemon.store.stats().reservations) == 0
+
+
+def test_an_unknown_frame_type_is_refused_not_answered_as_a_lookup(uds_daemon):
+    """Two-byte marks from ``MAX_NS_WIRE`` up are frame types; one this daemon
+    does not know gets INVALID_ARGUMENT, never a lookup's OK answer."""
+    with Client(uds_daemon.target) as c:
+        wire = ns_pb(_ns()).SerializeToString(deterministic=True)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(uds_daemon.running.fast.path)
+        try:
+            sid = c.session.encode()
+            s.sendall(struct.pack("<I", len(sid)) + sid)
+            n = struct.unpack("<I", s.recv(4))[0]
+            assert s.recv(n)[:1] == b"\x00"
+            body = b"\xff\xf0" + wire  # (a namespace message after an unknown mark)
+            s.sendall(struct.pack("<I", len(body)) + body)
+            head = s.recv(5)
+            assert head[4] == 3  # INVALID_ARGUMENT
+            rest = struct.unpack("<I", head[:4])[0] - 1
+            got = b""
+            while len(got) < rest:
+                got += s.recv(rest - len(got))
+            assert b"unknown frame type" in got
+        finally:
+            s.close()

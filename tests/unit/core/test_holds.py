@@ -213,3 +213,45 @@ def test_commit_prefix_commits_the_head_with_given_checksums_and_aborts_the_rest
         res = st.reserve(ns, chain(b"e", 1), BS, owner="f")
         assert st.commit_prefix(res.handle, "f", 0) == 0 and st.hold_counts() == (0, 0)
         assert st.commit_prefix(res.handle, "f", 1) == 0 and st.commit_prefix("r-nope", "f", 1) == 0
+
+
+def test_a_reservation_whose_rows_were_dropped_does_not_end_a_later_one_on_the_same_rows(ns):
+    """A corrupt parent drops the reserved child of another writer's
+    reservation; the freed row (and slot) go to the next Reserve. The first
+    writer's Commit (or Abort, or expiry) must not touch that new
+    reservation: its block would show before its bytes are written."""
+    with make(slots=4) as st:
+        p = chain(b"p", 1)
+        r0 = st.reserve(ns, p, BS, owner="c0")
+        fill(st, r0, p)
+        st.commit(r0.handle, owner="c0")
+        a_keys = chain(b"a", 1)
+        ra = st.reserve(ns, a_keys, BS, owner="a", parent=p[0])
+        assert ra.statuses == [KeyStatus.OK]
+        assert st.report_corrupt(ns, p) == 1  # drops p and a's reserved child
+        b_keys = chain(b"b", 1)
+        rb = st.reserve(ns, b_keys, BS, owner="b")
+        assert rb.statuses == [KeyStatus.OK]
+        assert st.commit(ra.handle, owner="a").statuses == [KeyStatus.MISS]  # a's block is gone
+        assert st.lookup(ns, b_keys).hit_blocks == 0  # b has not committed: not visible
+        rb2 = st.reserve(ns, chain(b"c", 1), BS, owner="b")
+        assert st.abort(rb2.handle, owner="b") == 1
+        fill(st, rb, b_keys)
+        assert st.commit(rb.handle, owner="b").statuses == [KeyStatus.OK]
+        assert [x.tobytes() for x in st.get(ns, b_keys).payloads] == [P(b_keys[0])]
+
+
+def test_an_ended_reservation_whose_rows_were_reused_leaves_the_new_one_alone(ns):
+    with make(slots=4) as st:
+        p = chain(b"p", 1)
+        r0 = st.reserve(ns, p, BS, owner="c0")
+        fill(st, r0, p)
+        st.commit(r0.handle, owner="c0")
+        ra = st.reserve(ns, chain(b"a", 1), BS, owner="a", parent=p[0])
+        st.report_corrupt(ns, p)
+        b_keys = chain(b"b", 1)
+        rb = st.reserve(ns, b_keys, BS, owner="b")
+        assert st.abort(ra.handle, owner="a") == 0  # nothing of a's is left to abort
+        fill(st, rb, b_keys)
+        assert st.commit(rb.handle, owner="b").statuses == [KeyStatus.OK]
+        assert st.lookup(ns, b_keys).hit_blocks == 1

@@ -109,3 +109,21 @@ def test_grant_and_granted_put_frames_round_trip_and_refuse_lengths_that_do_not_
     for bad in (msg[4:-8], msg[4:-1], msg[4:] + b"\0" * 8, msg[4:8]):
         with pytest.raises(InvalidArgument):
             frames.parse_granted_put(bad)
+
+
+def test_a_lookup_frame_refuses_an_unknown_mark_and_a_namespace_past_its_end() -> None:
+    ns = b"\x0a\x01m"
+    with pytest.raises(InvalidArgument, match="unknown frame type"):
+        frames.parse_lookup(b"\xff\xf0" + ns)  # (a frame type this daemon does not know)
+    with pytest.raises(InvalidArgument, match="overruns"):
+        frames.parse_lookup(len(ns + b"k" * 16).to_bytes(2, "little") + ns)
+    assert frames.parse_lookup(len(ns).to_bytes(2, "little") + ns + b"k" * 16).keys == b"k" * 16
+
+
+@pytest.mark.parametrize("mark", [frames.PUT_MARK, frames.NSID_MARK, frames.STAGE_MARK, frames.GRANT_MARK])
+def test_a_lookup_frame_never_starts_like_another_frames_mark(mark: bytes) -> None:
+    """A namespace message whose length's little-endian bytes equal a mark
+    would make the daemon read the lookup as that frame: refused here."""
+    nslen = int.from_bytes(mark, "little")
+    with pytest.raises(InvalidArgument, match="too long"):
+        frames.lookup_frame(b"x" * nslen, b"k" * 16)

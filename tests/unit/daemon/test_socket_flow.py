@@ -1,0 +1,58 @@
+"""Flow control of the same-host socket's connections
+(kvstore/daemon/socket_server.py): what a client sends behind a call that
+waits is bounded in the daemon's memory. A stand-in daemon and transport;
+no loop."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvstore.daemon.socket_server import _Connection
+from kvstore.wire import frames
+from kvstore.wire.frames import MAX_FRAME
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.reading = True
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def close(self) -> None:
+        pass
+
+
+def _connection() -> tuple[_Connection, _Transport]:
+    server = SimpleNamespace(daemon=SimpleNamespace(sessions={"s-1": "t"}), conns=set(), shared=None, staged=0)
+    conn = _Connection(server)  # type: ignore[arg-type]
+    t = _Transport()
+    conn.connection_made(t)  # type: ignore[arg-type]
+    conn.data_received(frames.hello_frame("s-1"))
+    assert conn.lookups is not None and t.reading
+    return conn, t
+
+
+class _Waiting:
+    """A call still running (its frames behind it wait)."""
+
+
+def test_frames_sent_behind_a_waiting_call_stop_being_read_at_a_frame_s_worth():
+    conn, t = _connection()
+    conn.waiting = _Waiting()  # type: ignore[assignment]
+    chunk = frames.tally_frame(b"x" * 65535)  # (refused when its turn comes, without the daemon)
+    for _ in range(MAX_FRAME // len(chunk) + 1):
+        conn.data_received(chunk)
+    assert not t.reading  # the rest stays in the client's socket
+    assert len(conn.buf) < 2 * MAX_FRAME
+
+    conn.resumed(SimpleNamespace(cancelled=lambda: False, exception=lambda: None, result=lambda: b"a"),  # type: ignore[arg-type]
+                 lambda v: frames.frame(v))
+    assert t.reading and conn.buf == b""  # the call done, the frames behind it answered, reading again
