@@ -47,6 +47,16 @@ def test_table_round_trip_and_error_text_is_bounded():
     assert not t[wire.HEAD.size:].any()  # no lengths leak out of a refused answer
 
 
+def test_a_refused_or_failed_table_is_the_head_alone_whatever_count_was_claimed():
+    """The count of a request comes from the wire before anything checked it:
+    a refused (or failed) answer must not be sized by it (a 40-byte request
+    claiming MAX_BLOCKS once got 16 MiB of zeros back, held until the peer
+    took them)."""
+    for status in (wire.ST_REFUSED, wire.ST_INVALID, wire.ST_FAILED):
+        assert table(3, status, "no", None, ucx.MAX_BLOCKS).nbytes == wire.HEAD.size
+    assert table(3, wire.ST_OK, "", served([1, 2]), 2).nbytes == wire.HEAD.size + 32
+
+
 def test_check_served_names_each_inconsistency():
     assert check_served(served([4, 0, 4]), 3) == ""
     assert "not Served" in check_served(object(), 1)
@@ -155,3 +165,50 @@ def test_sized_sends_send_each_posted_block_or_an_empty_message():
     assert [b for b, _ in wire.sized_sends(Ep(), 9, posted, s)] == [b"aaaa", b"b" * 8, b"cccc"]
     # a refused or failed request: every posted block gets the empty message
     assert [b for b, _ in wire.sized_sends(Ep(), 9, posted, None)] == [b"", b"", b""]
+
+
+REFUSED_CLAIM = r"""
+import asyncio, json
+import numpy as np
+from transport import ucx_wire as wire
+from transport.ucx import BlockServer, shutdown, ucx_module
+
+async def main():
+    async def provide(header):
+        raise PermissionError("unknown token")
+    srv = BlockServer(provide)
+    addr = await srv.start()
+    host, port = addr.rsplit(":", 1)
+    ep = await ucx_module(host).create_endpoint(host, int(port))
+    hdr = b"no credential"
+    req = bytearray(wire.PRE.size + len(hdr))
+    wire.PRE.pack_into(req, 0, wire.MAGIC, 0, 7, wire.MAX_BLOCKS, len(hdr), 30.0)
+    req[wire.PRE.size:] = hdr
+    await ep.send(req, tag=wire.TAG_REQ)
+    head = np.zeros(wire.HEAD.size, np.uint8)  # room for the answer's head only
+    out = {}
+    try:
+        await asyncio.wait_for(ep.recv(head, tag=wire.tag_tab(7)), 60)
+        _, status, elen, text = wire.HEAD.unpack_from(head.data, 0)
+        out["status"], out["text"] = status, text[:elen].decode()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    ep.abort()
+    await srv.stop()
+    shutdown()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_a_refused_request_claiming_the_most_blocks_gets_the_head_alone_over_real_ucxx():
+    """An unauthenticated peer's request that claims MAX_BLOCKS is answered
+    with the head only: it fits a receive of HEAD.size (before the fix the
+    server sent head + 16 MiB, which that receive refused as truncated)."""
+    pytest.importorskip("ucxx")
+    p = subprocess.run([sys.executable, "-c", REFUSED_CLAIM], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,self"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"status": wire.ST_REFUSED, "text": "unknown token"}
