@@ -12,7 +12,7 @@ import pytest
 
 from transport import ucx
 from transport import ucx_wire as wire
-from transport.ucx import BlockClient, FetchResult, Served
+from transport.ucx import BlockClient, BlockServer, FetchResult, Served
 from transport.ucx_wire import check_served, table
 
 
@@ -83,6 +83,38 @@ async def test_bad_arguments_raise_before_any_io():
         await c.fetch("127.0.0.1:1", b"x" * (ucx.MAX_HEADER + 1), 1, lambda n: [None], 1.0)
     with pytest.raises(ValueError, match="host:port"):
         await c.fetch("nonsense", b"", 1, lambda n: [None], 1.0)
+
+
+async def test_a_request_is_served_no_longer_than_max_wait_whatever_the_client_asks():
+    """The client's request names its own deadline (up to an hour): the
+    server's ``max_wait_s`` caps it, so a peer that never sends its GO cannot
+    keep a region for longer than the provider pinned it (its lease would be
+    reaped and the slot reused: the late GO would get another block's bytes).
+    At the cap the endpoint is aborted first, then the batch released."""
+    import asyncio
+
+    released: list[int] = []
+
+    async def provide(header: bytes) -> Served:
+        return Served(np.array([4], np.int64), np.zeros(1, np.uint64), [memoryview(b"aaaa")],
+                      lambda: released.append(1))
+
+    class Ep:  # answers the table at once; the GO never comes
+        aborted = False
+
+        async def send(self, buf, tag):
+            return None
+
+        def recv(self, buf, tag):
+            return asyncio.get_running_loop().create_future()
+
+        def abort(self):
+            self.aborted = True
+
+    srv = BlockServer(provide, max_wait_s=0.05)
+    ep = Ep()
+    await asyncio.wait_for(srv._answer(ep, 1, 1, b"h", 3600.0), 30)
+    assert ep.aborted and released == [1]
 
 
 def test_fetch_result_defaults():
