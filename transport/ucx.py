@@ -22,8 +22,8 @@ receive is still unconfirmed after that (never seen in testing) the result's
 ``error`` says so and the destinations must not be reused.
 
 Server side: the request carries the client's remaining time; the server
-bounds the provider call, the GO wait and the sends by it (plus
-:data:`SERVER_SLACK_S`).  On a timeout or error it aborts the endpoint, so
+bounds the provider call, the GO wait and the sends by it, at most
+``BlockServer.max_wait_s`` (plus :data:`SERVER_SLACK_S`).  On a timeout or error it aborts the endpoint, so
 UCX stops reading the regions, and then calls ``release()``: exactly once per
 successful provider call, on success and failure alike.
 
@@ -182,8 +182,13 @@ class BlockServer:
     one task per request."""
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", port: int = 0, *,
-                 net_devices: str | None = None) -> None:
+                 net_devices: str | None = None, max_wait_s: float = 3600.0) -> None:
         self._provider = provider
+        self.max_wait_s = float(max_wait_s)
+        """Cap on the time a request may take here, whatever the client's
+        request says (plus ``SERVER_SLACK_S``): a provider that pins what it
+        serves for a limited time (a lease) passes less than that time, so
+        no region is sent after its pin could have lapsed."""
         self._host, self._port = host, port
         self._net_devices = net_devices
         self._listener: Any = None
@@ -247,7 +252,7 @@ class BlockServer:
 
     async def _answer(self, ep: Any, seq: int, count: int, header: bytes, timeout: float,
                       posted: np.ndarray | None = None) -> None:
-        end = time.monotonic() + max(0.0, min(timeout, 3600.0)) + SERVER_SLACK_S
+        end = time.monotonic() + max(0.0, min(timeout, self.max_wait_s)) + SERVER_SLACK_S
         served: Served | None = None
         status, msg = wire.ST_OK, ""
         try:

@@ -8,6 +8,7 @@ connections never match each other's messages)::
 
     client -> server  REQUEST   TAG_REQ            preamble + header
     server -> client  TABLE     tag_tab(seq)       head + lengths[count] + checksums[count]
+                                                   (the head alone when the status is not OK)
     client -> server  GO        tag_go(seq)        uint8 want[count]   (only if status OK and
                                                                         some block is present)
     server -> client  BLOCK i   tag_blk(seq, i)    the region, received into alloc()'s view
@@ -144,8 +145,11 @@ def check_served(s: Any, count: int) -> str:
 
 def table(seq: int, status: int, msg: str, served: Served | None, count: int) -> np.ndarray:
     """The TABLE message: head (seq, status, error text cut to 240 bytes),
-    then lengths and checksums, zero unless ``served`` is given."""
-    out = np.zeros(HEAD.size + 16 * count, dtype=np.uint8)
+    then, only when ``served`` is given (an OK answer, whose ``count`` the
+    provider checked), lengths and checksums. A refused or failed answer is
+    the head alone: its size never follows an unchecked ``count`` from the
+    wire (the receiver's buffer is larger, which UCX allows)."""
+    out = np.zeros(HEAD.size + (16 * count if served is not None else 0), dtype=np.uint8)
     text = msg.encode("utf-8", "replace")[:240]
     HEAD.pack_into(out.data, 0, seq, status, len(text), text)
     if served is not None:

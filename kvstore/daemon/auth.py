@@ -43,25 +43,35 @@ class Auth:
                 tok = f.read().strip()
             if not tok:
                 raise InvalidArgument(f"server.auth_token_file {s.auth_token_file} is empty")
-            self._tokens[tok] = Principal("default", True)
+            self._add(tok, Principal("default", True), "server.auth_token_file")
         if s.auth_token_env:
             tok = env.get(s.auth_token_env, "").strip()
             if not tok:
                 raise InvalidArgument(f"server.auth_token_env names {s.auth_token_env}, which is unset or empty")
-            self._tokens[tok] = Principal("default", True)
+            self._add(tok, Principal("default", True), "server.auth_token_env")
         if s.tenants_file:
             with open(s.tenants_file, "rb") as fb:
                 doc = tomllib.load(fb)
             for i, t in enumerate(doc.get("tenant", [])):
-                name, tok = t.get("name"), t.get("token")
+                name, tok = t.get("name"), str(t.get("token") or "").strip()
                 if not name or not tok:
                     raise InvalidArgument(f"tenants_file entry {i} needs name and token")
-                self._tokens[str(tok)] = Principal(str(name), bool(t.get("admin", False)))
+                self._add(tok, Principal(str(name), bool(t.get("admin", False))), f"tenants_file entry {i}")
                 if "share" in t:
                     self.shares[str(name)] = float(t["share"])
                 if "rate_limit_rps" in t:
                     self.rates[str(name)] = RateLimit(float(t["rate_limit_rps"]),
                                                       float(t.get("rate_limit_burst", max(1.0, t["rate_limit_rps"]))))
+
+    def _add(self, tok: str, who: Principal, source: str) -> None:
+        """Map a token (as ``principal`` compares it: stripped) to ``who``; a
+        token already mapped to someone else is refused (one token, one
+        principal: the later entry would silently take the earlier's place)."""
+        had = self._tokens.get(tok)
+        if had is not None and had != who:
+            raise InvalidArgument(f"{source} reuses a token already given to tenant {had.tenant!r} "
+                                  f"(admin={had.admin}): every token must be distinct")
+        self._tokens[tok] = who
 
     @property
     def enabled(self) -> bool:

@@ -103,7 +103,10 @@ class ClusterNode:
         self.creds = tls.peer_credentials(config)  # peer channels follow the server's TLS (mutual TLS)
         tls.warn_clear_token(config, self.token, c.peer_list)
         server_cls, client_cls = transport_factory()
-        self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port)
+        # served for at most serve_s (+ < 1 s slack) whatever a peer asks; pinned longer (lease_s)
+        self.serve_s = 2 * c.fetch_timeout
+        self.lease_s = 2 * self.serve_s + 1.0
+        self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
         self.block_address = ""
         self.membership: Membership
@@ -559,7 +562,7 @@ class ClusterNode:
                 raise ValueError(str(e)) from None
             raise PermissionError(str(e)) from None
         owner = f"peer:{h.node_id}"
-        res = self.store.acquire(ns, h.keys_packed, owner=owner, ttl=self.cfg.fetch_timeout * 4, promote=True)
+        res = self.store.acquire(ns, h.keys_packed, owner=owner, ttl=self.lease_s, promote=True)
         present = int(np.count_nonzero(res.offsets >= 0))
         regions = [memoryview(self.store.dram.view(int(o), int(n)))
                    for o, n in zip(res.offsets[:present].tolist(), res.lengths[:present].tolist())]

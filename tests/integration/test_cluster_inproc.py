@@ -109,6 +109,29 @@ def test_block_put_on_one_is_found_and_fetched_by_another(make_daemon):
     assert a.d.call(lambda: a.d.store.stats().leases) == 0
 
 
+def test_blocks_served_stay_pinned_past_the_longest_time_a_request_is_served(make_daemon):
+    """A peer's request names its own deadline; the block server serves it
+    for at most ``serve_s`` (+ under 1 s of slack), and the lease pinning the
+    blocks served must outlast that: otherwise a peer that delays its GO past
+    the lease gets a reaped, reused slot (another block's bytes) sent."""
+    import asyncio
+
+    a, _ = static_pair(make_daemon)
+    keys = chain(2, seed=11)
+    a.put(keys)
+    node = a.d.daemon.cluster
+    assert node.block_server.max_wait_s == node.serve_s
+    hdr = pb.BlockFetchHeader(ns=ns_pb(NS), keys_packed=b"".join(keys), node_id="x").SerializeToString()
+    served = asyncio.run_coroutine_threadsafe(node.provide(hdr), a.d.loop).result(10)
+    try:
+        holds = a.d.store.holds
+        left = a.d.call(lambda: [h.deadline - holds.clock() for h in holds.leases.values()])
+        assert len(left) == 1 and left[0] > node.serve_s + 1.0
+    finally:
+        a.d.call(served.release)
+    assert a.d.call(lambda: a.d.store.stats().leases) == 0
+
+
 def test_partial_local_prefix_fetches_only_the_rest(make_daemon):
     a, b = static_pair(make_daemon)
     keys = chain(5, seed=2)

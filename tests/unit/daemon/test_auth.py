@@ -58,3 +58,34 @@ def test_a_tenant_entry_needs_name_and_token(tmp_path: Path) -> None:
     p.write_text('[[tenant]]\nname = "acme"\n')
     with pytest.raises(InvalidArgument, match="entry 0 needs name and token"):
         Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})
+
+
+def test_a_token_given_to_two_principals_is_refused(tmp_path: Path) -> None:
+    """One token, one principal: a second tenant (or the admin token file)
+    reusing a token must not silently remap it (acme's clients would act as
+    ops, or the admin would lose admin)."""
+    p = tmp_path / "tenants.toml"
+    p.write_text('[[tenant]]\nname = "acme"\ntoken = "same"\n\n[[tenant]]\nname = "ops"\ntoken = "same"\n')
+    with pytest.raises(InvalidArgument, match="entry 1 reuses a token"):
+        Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})
+    f = tmp_path / "token"
+    f.write_text("tok-acme\n")
+    p.write_text(TENANTS)
+    with pytest.raises(InvalidArgument, match="entry 0 reuses a token"):
+        Auth(load_config(None, {}, {"server.tenants_file": str(p), "server.auth_token_file": str(f)}), env={})
+    # the token file and the env var may name the same admin token
+    a = Auth(load_config(None, {}, {"server.auth_token_file": str(f), "server.auth_token_env": "T"}),
+             env={"T": "tok-acme"})
+    assert a.principal(_md("tok-acme")) == Principal("default", True)
+
+
+def test_a_tenant_token_is_compared_as_sent_stripped(tmp_path: Path) -> None:
+    """``principal`` strips the token a client sends, as it strips the token
+    file's: a tenants_file token with surrounding blanks must still match."""
+    p = tmp_path / "tenants.toml"
+    p.write_text('[[tenant]]\nname = "acme"\ntoken = " tok-acme "\n')
+    a = Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})
+    assert a.principal(_md("tok-acme")) == Principal("acme", False)
+    p.write_text('[[tenant]]\nname = "acme"\ntoken = "  "\n')
+    with pytest.raises(InvalidArgument, match="entry 0 needs name and token"):
+        Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})

@@ -12,7 +12,7 @@ import pytest
 
 from transport import ucx
 from transport import ucx_wire as wire
-from transport.ucx import BlockClient, FetchResult, Served
+from transport.ucx import BlockClient, BlockServer, FetchResult, Served
 from transport.ucx_wire import check_served, table
 
 
@@ -47,6 +47,16 @@ def test_table_round_trip_and_error_text_is_bounded():
     assert not t[wire.HEAD.size:].any()  # no lengths leak out of a refused answer
 
 
+def test_a_refused_or_failed_table_is_the_head_alone_whatever_count_was_claimed():
+    """The count of a request comes from the wire before anything checked it:
+    a refused (or failed) answer must not be sized by it (a 40-byte request
+    claiming MAX_BLOCKS once got 16 MiB of zeros back, held until the peer
+    took them)."""
+    for status in (wire.ST_REFUSED, wire.ST_INVALID, wire.ST_FAILED):
+        assert table(3, status, "no", None, ucx.MAX_BLOCKS).nbytes == wire.HEAD.size
+    assert table(3, wire.ST_OK, "", served([1, 2]), 2).nbytes == wire.HEAD.size + 32
+
+
 def test_check_served_names_each_inconsistency():
     assert check_served(served([4, 0, 4]), 3) == ""
     assert "not Served" in check_served(object(), 1)
@@ -73,6 +83,38 @@ async def test_bad_arguments_raise_before_any_io():
         await c.fetch("127.0.0.1:1", b"x" * (ucx.MAX_HEADER + 1), 1, lambda n: [None], 1.0)
     with pytest.raises(ValueError, match="host:port"):
         await c.fetch("nonsense", b"", 1, lambda n: [None], 1.0)
+
+
+async def test_a_request_is_served_no_longer_than_max_wait_whatever_the_client_asks():
+    """The client's request names its own deadline (up to an hour): the
+    server's ``max_wait_s`` caps it, so a peer that never sends its GO cannot
+    keep a region for longer than the provider pinned it (its lease would be
+    reaped and the slot reused: the late GO would get another block's bytes).
+    At the cap the endpoint is aborted first, then the batch released."""
+    import asyncio
+
+    released: list[int] = []
+
+    async def provide(header: bytes) -> Served:
+        return Served(np.array([4], np.int64), np.zeros(1, np.uint64), [memoryview(b"aaaa")],
+                      lambda: released.append(1))
+
+    class Ep:  # answers the table at once; the GO never comes
+        aborted = False
+
+        async def send(self, buf, tag):
+            return None
+
+        def recv(self, buf, tag):
+            return asyncio.get_running_loop().create_future()
+
+        def abort(self):
+            self.aborted = True
+
+    srv = BlockServer(provide, max_wait_s=0.05)
+    ep = Ep()
+    await asyncio.wait_for(srv._answer(ep, 1, 1, b"h", 3600.0), 30)
+    assert ep.aborted and released == [1]
 
 
 def test_fetch_result_defaults():
@@ -155,3 +197,50 @@ def test_sized_sends_send_each_posted_block_or_an_empty_message():
     assert [b for b, _ in wire.sized_sends(Ep(), 9, posted, s)] == [b"aaaa", b"b" * 8, b"cccc"]
     # a refused or failed request: every posted block gets the empty message
     assert [b for b, _ in wire.sized_sends(Ep(), 9, posted, None)] == [b"", b"", b""]
+
+
+REFUSED_CLAIM = r"""
+import asyncio, json
+import numpy as np
+from transport import ucx_wire as wire
+from transport.ucx import BlockServer, shutdown, ucx_module
+
+async def main():
+    async def provide(header):
+        raise PermissionError("unknown token")
+    srv = BlockServer(provide)
+    addr = await srv.start()
+    host, port = addr.rsplit(":", 1)
+    ep = await ucx_module(host).create_endpoint(host, int(port))
+    hdr = b"no credential"
+    req = bytearray(wire.PRE.size + len(hdr))
+    wire.PRE.pack_into(req, 0, wire.MAGIC, 0, 7, wire.MAX_BLOCKS, len(hdr), 30.0)
+    req[wire.PRE.size:] = hdr
+    await ep.send(req, tag=wire.TAG_REQ)
+    head = np.zeros(wire.HEAD.size, np.uint8)  # room for the answer's head only
+    out = {}
+    try:
+        await asyncio.wait_for(ep.recv(head, tag=wire.tag_tab(7)), 60)
+        _, status, elen, text = wire.HEAD.unpack_from(head.data, 0)
+        out["status"], out["text"] = status, text[:elen].decode()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    ep.abort()
+    await srv.stop()
+    shutdown()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_a_refused_request_claiming_the_most_blocks_gets_the_head_alone_over_real_ucxx():
+    """An unauthenticated peer's request that claims MAX_BLOCKS is answered
+    with the head only: it fits a receive of HEAD.size (before the fix the
+    server sent head + 16 MiB, which that receive refused as truncated)."""
+    pytest.importorskip("ucxx")
+    p = subprocess.run([sys.executable, "-c", REFUSED_CLAIM], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,self"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"status": wire.ST_REFUSED, "text": "unknown token"}
