@@ -70,6 +70,20 @@ class _BeforeFirstByte(Exception):
     """The upstream failed before sending anything: the request may be retried."""
 
 
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None when it is longer than ``limit`` bytes
+    (refused from its content-length, or as soon as that many have come)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            return None
+    return bytes(buf)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client goes away (the body has been read already)."""
     while True:
@@ -129,11 +143,16 @@ class RouterService:
         who = self.authenticate(request)
         if isinstance(who, Response):
             return who
-        raw = await request.body()
+        raw = await _read_body(request, self.cfg.max_body_bytes)
+        if raw is None:
+            return self._bad(413, f"the request body is larger than {self.cfg.max_body_bytes} bytes",
+                             code="body_too_large")
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             return self._bad(400, f"the request body is not valid JSON: {e}")
+        except RecursionError:
+            return self._bad(400, "the request body is not valid JSON: nested too deeply")
         if not isinstance(body, dict):
             return self._bad(400, "the request body must be a JSON object")
         name = body.get("model")
