@@ -4,13 +4,16 @@ on every path, and a backend's malformed ``/metrics`` cannot break routing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
-from tests.unit.router.test_route_unit import Rig, model_dir, prompt  # noqa: F401  (fixture)
+from router.config import BackendSpec, RouterConfig
+from tests.unit.router.test_route_unit import BS, Rig, model_dir, prompt  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,32 @@ def _oversized(mrig: Rig) -> None:
     assert r.status_code == 413
     assert not mrig.fakes["a"].requests and not mrig.fakes["b"].requests
     assert mrig.post({"model": "tiny", "prompt": prompt(10)}).status_code == 200
+
+
+# ---------------------------------------------------------------- a backend's malformed /metrics
+@pytest.mark.parametrize("text", [
+    'vllm:num_requests_waiting{model_name="m"}\n',  # a sample without a value
+    'vllm:num_requests_waiting{model_name="m"} NaN\nvllm:num_requests_running{model_name="m"} 1\n',
+    'vllm:num_requests_running +Inf\n',
+    'vllm:num_requests_waiting{model_name="m"} -3\n',
+])
+def test_malformed_engine_metrics_neither_crash_the_check_nor_poison_routing(text: str) -> None:
+    from router.backends import Pool
+    from router.decision import Decider, Plan
+
+    cfg = RouterConfig(backends=(BackendSpec("a", "http://a.invalid"),), admission=True)
+
+    def answer(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=text if req.url.path == "/metrics" else "ok")
+
+    async def main() -> None:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        pool = Pool(cfg, http, follow_events=False)
+        b = pool.backends[0]
+        await pool.check(b)  # at start-up this runs un-guarded: an exception stops the router
+        assert b.healthy
+        plan = Decider(cfg).decide("t", "default", [b], [np.zeros(0, np.int64)], 100, BS, 1024)
+        assert isinstance(plan, Plan) and np.isfinite(plan.candidates[0].predicted_s)
+        await http.aclose()
+
+    asyncio.run(main())
