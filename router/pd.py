@@ -165,6 +165,9 @@ class PDOrchestrator:
             try:
                 r = await self.http.post(f"{b.spec.url}{endpoint.value}", json=raw,
                                          timeout=self.cfg.first_byte_timeout)
+            except httpx.PoolTimeout:  # the router's own connection limit: no backend's fault
+                out.error = "no free upstream connection"
+                break
             except httpx.HTTPError as e:
                 out.error = f"{b.name}: {type(e).__name__}: {e}"
                 self.pool.mark_failed(b, out.error)

@@ -70,6 +70,10 @@ class _BeforeFirstByte(Exception):
     """The upstream failed before sending anything: the request may be retried."""
 
 
+class _RouterBusy(Exception):
+    """Every upstream connection of the router is in use (its own limit, not a backend's failure)."""
+
+
 async def _read_body(request: Request, limit: int) -> bytes | None:
     """The request body, or None when it is longer than ``limit`` bytes
     (refused from its content-length, or as soon as that many have come)."""
@@ -247,6 +251,8 @@ class RouterService:
         t_sent = time.perf_counter()
         try:
             resp = await self.http.send(req, stream=True)
+        except httpx.PoolTimeout:
+            raise _RouterBusy() from None
         except httpx.HTTPError as e:
             raise _BeforeFirstByte(f"{type(e).__name__}: {e}") from None
         try:
@@ -291,6 +297,11 @@ class RouterService:
                 return Response(status_code=499)
             try:
                 resp, it, first, ttft = opener.result()
+            except _RouterBusy:
+                b.end(rid)
+                self.metrics.requests.labels(b.name, endpoint.value, "503").inc()
+                return error_response(503, "the router has no free upstream connection; retry shortly",
+                                      "service_unavailable", "router_busy", headers={"retry-after": "1"})
             except _BeforeFirstByte as e:
                 b.end(rid)
                 last = f"backend {b.name}: {e}"

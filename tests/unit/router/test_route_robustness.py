@@ -102,3 +102,55 @@ def test_malformed_engine_metrics_neither_crash_the_check_nor_poison_routing(tex
         await http.aclose()
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- the router's own connection limit
+def test_router_connection_pool_exhausted_is_503_and_blames_no_backend(model_dir: str) -> None:  # noqa: F811
+    """Every upstream connection is held by a slow request: a new request waits
+    for the router's own pool and times out there. No backend failed: none
+    may leave the pool (else a burst of long streams empties it), and the
+    client gets a 503, not a 502."""
+    import threading
+
+    rig = Rig(model_dir, health_interval=5.0)  # checks with a 5 s timeout: none fails on a busy machine
+    try:
+        fa, fb = rig.fakes["a"], rig.fakes["b"]
+        fa.gate, fb.gate = asyncio.Event(), asyncio.Event()
+        svc = rig.svc
+        loop = _router_loop(rig)
+        old = svc.http
+
+        async def swap() -> None:  # on the router's loop, where its client lives
+            svc.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1),
+                                         timeout=httpx.Timeout(30.0, pool=0.2))
+
+        asyncio.run_coroutine_threadsafe(swap(), loop).result(10)
+        first: list[httpx.Response] = []
+        slow = threading.Thread(target=lambda: first.append(rig.post({"model": "tiny", "prompt": prompt(20)})))
+        slow.start()
+        rig.wait(lambda: len(fa.requests) + len(fb.requests) == 1, "the first request to reach a backend")
+        r = rig.post({"model": "tiny", "prompt": prompt(20)})
+        assert r.status_code == 503, r.text
+        assert rig.backend("a").healthy and rig.backend("b").healthy
+        assert len(fa.requests) + len(fb.requests) == 1
+        fa.open_gate()
+        fb.open_gate()
+        slow.join(30)
+        assert first[0].status_code == 200
+        assert not rig.backend("a").inflight and not rig.backend("b").inflight
+        asyncio.run_coroutine_threadsafe(old.aclose(), loop).result(10)
+    finally:
+        rig.close()
+
+
+def _router_loop(rig: Rig) -> Any:
+    """The event loop of the router's uvicorn thread."""
+    got: list[Any] = []
+
+    @rig.app.get("/_loop")
+    async def loop_of() -> dict[str, int]:
+        got.append(asyncio.get_running_loop())
+        return {}
+
+    rig.http.get("/_loop")
+    return got[0]
