@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -273,8 +274,19 @@ def read_engine_metrics(text: str, m: EngineMetrics) -> None:
         else:
             value = rest.rpartition("}")[2]
         if name == _VLLM_WAITING:
-            m.waiting += float(value.split()[0])
+            m.waiting += _sample(line, value)
         elif name == _VLLM_RUNNING:
-            m.running += float(value.split()[0])
+            m.running += _sample(line, value)
         elif name in _VLLM_KV_USAGE:
-            m.kv_usage = max(m.kv_usage, float(value.split()[0]))
+            m.kv_usage = max(m.kv_usage, _sample(line, value))
+
+
+def _sample(line: str, value: str) -> float:
+    """A sample's value: a finite number >= 0 (these are counts and a ratio),
+    else ValueError, which discards the poll; a NaN or infinite count would
+    make every prediction, and so every request, fail."""
+    parts = value.split()
+    v = float(parts[0]) if parts else math.nan
+    if not (math.isfinite(v) and v >= 0.0):
+        raise ValueError(f"not a finite count: {line[:200]!r}")
+    return v

@@ -276,6 +276,8 @@ class RouterConfig:
     """Consecutive failed checks that take a backend out of the pool."""
     max_prompt_tokens: int = 0
     """Refuse longer prompts (400); 0 = the model's ``max_model_len``."""
+    max_body_bytes: int = 16 << 20
+    """Refuse longer request bodies (413) before reading them whole."""
     log_decisions: bool = True
     """One debug log line per decision."""
     pd: PDSpec | None = None
@@ -296,6 +298,8 @@ class RouterConfig:
                 raise _bad("api_key.class", k.klass, f"allowed: {', '.join(sorted(cls))}")
         if not 0.0 <= self.headroom < 1.0:
             raise _bad("headroom", self.headroom, "allowed: [0, 1)")
+        if self.max_body_bytes < 1:
+            raise _bad("max_body_bytes", self.max_body_bytes, "must be >= 1")
         if self.retries < 0 or self.health_failures < 1:
             raise _bad("retries/health_failures", (self.retries, self.health_failures), "retries >= 0, failures >= 1")
         if not 0.0 <= self.hit_class_share <= 0.25:

@@ -128,12 +128,16 @@ class PDOrchestrator:
             if isinstance(p_plan, Rejection) and p_plan.reason is not RejectReason.NO_BACKEND:
                 return p_plan
         remote = np.full(len(prompt.keys), TierKind.REMOTE.value, dtype=np.int64)
-        d_tiers = []
-        for b in dec:
-            local = b.cache.chain_tiers(prompt.keys) if b.cache is not None else np.zeros(0, np.int64)
-            d_tiers.append(np.concatenate([local, remote[len(local):]]))
-        target = p_plan.target_s if isinstance(p_plan, Plan) else self.cfg.classes[0].ttft_slo
-        d_cands = self.decider.candidates(dec, d_tiers, prompt.n_tokens, bs, model.block_bytes, target, tenant)
+        d_local = [b.cache.chain_tiers(prompt.keys) if b.cache is not None else np.zeros(0, np.int64) for b in dec]
+        if isinstance(p_plan, Plan):
+            target = p_plan.target_s
+            d_tiers = [np.concatenate([local, remote[len(local):]]) for local in d_local]
+            d_cands = self.decider.candidates(dec, d_tiers, prompt.n_tokens, bs, model.block_bytes, target, tenant)
+        else:  # no prefill: the decode backend computes the prompt, under the usual admission and quotas
+            d_plan = self.decider.decide(tenant, klass, dec, d_local, prompt.n_tokens, bs, model.block_bytes)
+            if isinstance(d_plan, Rejection):
+                return d_plan
+            target, d_cands = d_plan.target_s, list(d_plan.candidates)
         if isinstance(p_plan, Plan):
             await self.prefill(p_plan, tenant, model, prompt, endpoint, body, out)
         else:
@@ -161,6 +165,9 @@ class PDOrchestrator:
             try:
                 r = await self.http.post(f"{b.spec.url}{endpoint.value}", json=raw,
                                          timeout=self.cfg.first_byte_timeout)
+            except httpx.PoolTimeout:  # the router's own connection limit: no backend's fault
+                out.error = "no free upstream connection"
+                break
             except httpx.HTTPError as e:
                 out.error = f"{b.name}: {type(e).__name__}: {e}"
                 self.pool.mark_failed(b, out.error)

@@ -159,6 +159,14 @@ def _as_int(body: Mapping[str, Any], name: str, default: int) -> int:
     return v
 
 
+def _check_text(text: str, where: str) -> None:
+    """JSON may carry lone surrogates (``"\\ud800"``) that no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{where} is not valid Unicode text: {e.reason} at position {e.start}") from None
+
+
 def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     """``tok.encode(text)``; through the Rust tokenizer without offsets when
     the tokenizer is a fast one (the same ids, about half the time)."""
@@ -181,6 +189,7 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
+            _check_text(prompt, "'prompt'")
             ids = _encode(tok, prompt, bool(body.get("add_special_tokens", True)))
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
@@ -189,7 +198,10 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
             raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
         max_tokens = _as_int(body, "max_tokens", 16)
     else:
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        extra = body.get("chat_template_kwargs")
+        if extra is not None and not isinstance(extra, Mapping):
+            raise BadRequest("'chat_template_kwargs' must be an object")
+        kwargs = dict(extra or {})
         kwargs.setdefault("add_generation_prompt", bool(body.get("add_generation_prompt", True)))
         kwargs.setdefault("continue_final_message", bool(body.get("continue_final_message", False)))
         try:
@@ -201,7 +213,10 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
         if body.get("add_special_tokens"):
             ids = tok.encode(tok.decode(ids), add_special_tokens=True)
         max_tokens = _as_int(body, "max_completion_tokens", _as_int(body, "max_tokens", 0))
-    arr = np.asarray(ids, dtype=np.int64)
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # a token id past int64: outside any vocabulary
+        raise BadRequest("a prompt token id is outside the vocabulary") from None
     if arr.size == 0:
         raise BadRequest("the prompt is empty")
     vocab = getattr(tok, "vocab_size", None)

@@ -70,6 +70,24 @@ class _BeforeFirstByte(Exception):
     """The upstream failed before sending anything: the request may be retried."""
 
 
+class _RouterBusy(Exception):
+    """Every upstream connection of the router is in use (its own limit, not a backend's failure)."""
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None when it is longer than ``limit`` bytes
+    (refused from its content-length, or as soon as that many have come)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            return None
+    return bytes(buf)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client goes away (the body has been read already)."""
     while True:
@@ -129,11 +147,16 @@ class RouterService:
         who = self.authenticate(request)
         if isinstance(who, Response):
             return who
-        raw = await request.body()
+        raw = await _read_body(request, self.cfg.max_body_bytes)
+        if raw is None:
+            return self._bad(413, f"the request body is larger than {self.cfg.max_body_bytes} bytes",
+                             code="body_too_large")
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             return self._bad(400, f"the request body is not valid JSON: {e}")
+        except RecursionError:
+            return self._bad(400, "the request body is not valid JSON: nested too deeply")
         if not isinstance(body, dict):
             return self._bad(400, "the request body must be a JSON object")
         name = body.get("model")
@@ -228,6 +251,8 @@ class RouterService:
         t_sent = time.perf_counter()
         try:
             resp = await self.http.send(req, stream=True)
+        except httpx.PoolTimeout:
+            raise _RouterBusy() from None
         except httpx.HTTPError as e:
             raise _BeforeFirstByte(f"{type(e).__name__}: {e}") from None
         try:
@@ -272,6 +297,11 @@ class RouterService:
                 return Response(status_code=499)
             try:
                 resp, it, first, ttft = opener.result()
+            except _RouterBusy:
+                b.end(rid)
+                self.metrics.requests.labels(b.name, endpoint.value, "503").inc()
+                return error_response(503, "the router has no free upstream connection; retry shortly",
+                                      "service_unavailable", "router_busy", headers={"retry-after": "1"})
             except _BeforeFirstByte as e:
                 b.end(rid)
                 last = f"backend {b.name}: {e}"

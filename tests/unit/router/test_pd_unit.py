@@ -64,6 +64,21 @@ def test_failed_prefill_still_answers_from_the_decode_backend(pd_rig: Rig) -> No
     assert r.status_code == 200 and r.headers["x-kvstore-prefill"] == "-"
 
 
+def test_no_prefill_backend_does_not_lift_admission_or_quotas(pd_rig: Rig) -> None:
+    """With the prefill pool down, the decode backend computes the prompt; the
+    tenant's rate limit and its class's SLO still apply (not the first class's)."""
+    pd_rig.fakes["a"].healthy = False
+    pd_rig.wait(lambda: not pd_rig.backend("a").healthy, "a to leave the pool")
+    body = {"model": "tiny", "prompt": prompt(30), "max_tokens": 3}
+    r = pd_rig.post(body, key="kq")  # tenant tq: one request, then 0.001/s
+    assert r.status_code == 200 and r.headers["x-kvstore-prefill"] == "-"
+    r = pd_rig.post(body, key="kq")
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+    r = pd_rig.post(body, key="kt")  # class tight: 0.1 ms target
+    assert r.status_code == 429 and r.json()["error"]["code"] == "slo"
+    assert len(pd_rig.fakes["b"].requests) == 1 and not pd_rig.fakes["a"].requests
+
+
 def test_prefill_body_keeps_the_request_but_one_token() -> None:
     body = {"model": "m", "prompt": "x", "max_tokens": 50, "stream": True, "n": 2, "cache_salt": "s",
             "stream_options": {"include_usage": True}}
