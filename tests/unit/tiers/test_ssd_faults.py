@@ -1,0 +1,47 @@
+"""SSD tier (tiers/ssd.py) under disk faults: a fault is a miss for the
+blocks it touches, never an error for the caller, and the intact blocks
+beside it stay stored."""
+
+from __future__ import annotations
+
+import errno
+from typing import Any, Sequence
+
+import pytest
+
+from tests.conftest import chain
+from tests.unit.tiers.test_ssd import KIB, MIB, NS, get, metas, put
+from tiers.ssd import HEADER_BYTES, OsFileLayer, SsdTier
+
+
+@pytest.fixture
+def tdir(tmp_path: Any) -> str:
+    return str(tmp_path / "ssd")
+
+
+class BadSector(OsFileLayer):
+    """The real OS, but a read covering byte ``bad`` fails with EIO."""
+
+    def __init__(self) -> None:
+        self.bad: int | None = None
+
+    def preadv(self, fd: int, bufs: Sequence[Any], offset: int) -> int:  # type: ignore[override]
+        n = sum(memoryview(b).nbytes for b in bufs)
+        if self.bad is not None and offset <= self.bad < offset + n:
+            raise OSError(errno.EIO, "bad sector")
+        return super().preadv(fd, bufs, offset)
+
+
+def test_a_read_error_in_one_record_keeps_its_neighbours(tdir: str) -> None:
+    size = 4 * KIB
+    fs = BadSector()
+    owners = metas(NS, chain(b"bs", 4))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB, fs=fs) as t:
+        locs, csums = put(t, owners, size)  # back to back: one preadv reads them all
+        fs.bad = 2 * (HEADER_BYTES + size) + 100  # inside the third record's payload
+        ok, _ = get(t, locs, owners, size, csums)
+        assert ok.tolist() == [True, True, False, True]
+        assert t.corrupt_count == 1
+        fs.bad = None
+        ok, _ = get(t, locs, owners, size, csums)
+        assert ok.tolist() == [True, True, False, True]  # the intact ones are still stored
