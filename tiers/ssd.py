@@ -504,10 +504,10 @@ class SsdTier:
                     moved, freed = moved + step, freed - step
                 elif self.sync:  # deletes that pointed here are durable before the unlink
                     self._db.flush_wal(True)
+                freed += self._drop_segment(seg.id)  # (a failed unlink keeps it for a later pass)
             except Exception as exc:  # noqa: BLE001 - stop this pass; nothing points at new bytes
                 log.warning("ssd reclaim stopped: %s", exc)
                 return freed
-            freed += self._drop_segment(seg.id)
 
     def _evacuate(self, seg: Segment) -> int:
         """Copy a segment's live records (checked on the way) to the active

@@ -45,3 +45,34 @@ def test_a_read_error_in_one_record_keeps_its_neighbours(tdir: str) -> None:
         fs.bad = None
         ok, _ = get(t, locs, owners, size, csums)
         assert ok.tolist() == [True, True, False, True]  # the intact ones are still stored
+
+
+class NoUnlink(OsFileLayer):
+    """The real OS, but unlinking a file fails (EIO) while ``fail`` is set."""
+
+    def __init__(self) -> None:
+        self.fail = False
+
+    def unlink(self, path: str) -> None:  # type: ignore[override]
+        if self.fail:
+            raise OSError(errno.EIO, "unlink failed")
+        super().unlink(path)
+
+
+def test_a_failed_unlink_stops_reclaim_without_an_error(tdir: str) -> None:
+    size = 64 * KIB
+    fs = NoUnlink()
+    owners = metas(NS, chain(b"ul", 40))
+    with SsdTier(tdir, 8 * MIB, segment_bytes=MIB, fs=fs) as t:
+        locs, csums = put(t, owners[:30], size)
+        t.free(locs[:20])
+        fs.fail = True
+        assert t.reclaim() <= 0  # the live records moved; the old segment could not go
+        more, mcs = put(t, owners[30:], size)  # garbage over the limit: reclaims by itself, fails again
+        assert get(t, locs[20:], owners[20:30], size, csums[20:])[0].all()
+        assert get(t, more, owners[30:], size, mcs)[0].all()
+        fs.fail = False
+        assert t.reclaim() > 0  # a later pass removes it
+        assert t.garbage_bytes < MIB
+    with SsdTier(tdir, 8 * MIB, segment_bytes=MIB) as t:
+        assert len(t.recover()) == 20
