@@ -5,12 +5,17 @@ beside it stay stored."""
 from __future__ import annotations
 
 import errno
+import glob
+import os
+import subprocess
+import sys
+import textwrap
 from typing import Any, Sequence
 
 import pytest
 
 from tests.conftest import chain
-from tests.unit.tiers.test_ssd import KIB, MIB, NS, get, metas, put
+from tests.unit.tiers.test_ssd import KIB, MIB, NS, ROOT, get, metas, put
 from tiers.ssd import HEADER_BYTES, OsFileLayer, SsdTier
 
 
@@ -76,3 +81,36 @@ def test_a_failed_unlink_stops_reclaim_without_an_error(tdir: str) -> None:
         assert t.garbage_bytes < MIB
     with SsdTier(tdir, 8 * MIB, segment_bytes=MIB) as t:
         assert len(t.recover()) == 20
+
+
+_OPEN_LIMITED = textwrap.dedent("""
+    import resource, sys
+    sys.path.insert(0, {root!r})
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a dense map of the ids named would not fit
+    from tiers.ssd import SsdTier
+    from tiers.base import BlockMeta
+    with SsdTier({path!r}, 16 << 20, segment_bytes=1 << 20) as t:
+        n = len(t.recover())
+        loc = t.allocate(10, 1)
+        t.write(loc, [b"x" * 10], [BlockMeta({ns!r}, b"z" * 16)])
+        print(n, t.dropped_count)
+""")
+
+
+def test_a_damaged_segment_name_costs_only_its_blocks(tdir: str) -> None:
+    """A segment file whose name (a flipped digit) gives a huge id: open
+    neither sizes anything by that id nor stops writing; the blocks that
+    segment held are misses (their index entries name the old id)."""
+    size = 64 * KIB
+    owners = metas(NS, chain(b"sn", 40))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        put(t, owners, size)  # 15 records a segment: three segments
+    segs = sorted(glob.glob(os.path.join(tdir, "seg-*.kvs")))
+    assert len(segs) == 3
+    os.rename(segs[1], os.path.join(tdir, "seg-004000000002.kvs"))  # below 2^32
+    os.rename(segs[2], os.path.join(tdir, "seg-800000000003.kvs"))  # past any id the tier writes
+    script = _OPEN_LIMITED.format(root=ROOT, path=tdir, ns=NS)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["15", "25"]
+    assert not glob.glob(os.path.join(tdir, "seg-8*.kvs"))  # nothing points into it: removed
