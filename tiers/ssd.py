@@ -177,7 +177,8 @@ class SsdTier:
         good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
                 & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
                 & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < ID_LIMIT)
-                & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT) & (HEADER_BYTES + sizes < U32_LIMIT))
+                & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT)
+                & (idn["size"] > 0) & (idn["size"] < U32_LIMIT - HEADER_BYTES))  # unsigned: not wrapped by the cast
         self.dropped_count += int((~good).sum())
         keep = np.zeros(locs.size, dtype=bool)  # one entry per (namespace, key): the newest
         keep[newest_per_name(idn, np.flatnonzero(good))] = True

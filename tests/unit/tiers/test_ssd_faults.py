@@ -12,11 +12,15 @@ import sys
 import textwrap
 from typing import Any, Sequence
 
+import numpy as np
 import pytest
+import rocksdict
 
 from tests.conftest import chain
 from tests.unit.tiers.test_ssd import KIB, MIB, NS, ROOT, get, metas, put
 from tiers.ssd import HEADER_BYTES, OsFileLayer, SsdTier
+from tiers.ssd_format import VALUE
+from tiers.ssd_recover import SNAPSHOT_FILE
 
 
 @pytest.fixture
@@ -114,3 +118,24 @@ def test_a_damaged_segment_name_costs_only_its_blocks(tdir: str) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["15", "25"]
     assert not glob.glob(os.path.join(tdir, "seg-8*.kvs"))  # nothing points into it: removed
+
+
+@pytest.mark.parametrize("bad_size", [0, (1 << 64) - 8, 1 << 63])
+def test_an_index_entry_with_an_impossible_size_is_dropped(tdir: str, bad_size: int) -> None:
+    """An index entry's size is bounded as the unsigned number it is (a
+    size of 2^63 or more must not pass the bound as a negative one)."""
+    size = 4 * KIB
+    owners = metas(NS, chain(b"sz", 3))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, csums = put(t, owners, size)
+    os.unlink(os.path.join(tdir, SNAPSHOT_FILE))  # read the index itself
+    db = rocksdict.Rdict(os.path.join(tdir, "index"), rocksdict.Options(raw_mode=True))
+    key = b"b" + int(locs[1]).to_bytes(8, "big")
+    v = np.frombuffer(db[key], dtype=VALUE).copy()
+    v["ident"]["size"] = bad_size
+    db[key] = v.tobytes()
+    db.close()
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        assert t.dropped_count == 1
+        assert sorted((loc, sz) for loc, _, sz, _ in t.recover()) == [(int(locs[0]), size), (int(locs[2]), size)]
+        assert t.used_bytes == 2 * (HEADER_BYTES + size)
