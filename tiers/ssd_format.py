@@ -97,7 +97,13 @@ def preallocate(fd: int, length: int) -> bool:
     where the file system or the disk's free space does not allow it."""
     if _fallocate is None or length <= 0:
         return False
-    return _fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, length) == 0
+    if _fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, length) == 0:
+        return True
+    try:  # a fallocate that failed part way (ENOSPC) keeps what it allocated: give that back
+        os.ftruncate(fd, os.fstat(fd).st_size)
+    except OSError:
+        pass
+    return False
 
 
 class OsFileLayer:
