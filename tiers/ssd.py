@@ -217,16 +217,18 @@ class SsdTier:
 
     @property
     def garbage_bytes(self) -> int:
-        """Bytes in segments that no index entry points at (reclaimable)."""
-        return sum(s.size - s.live for s in self._segs.values())
+        """Bytes in segments that no index entry points at (reclaimable).
+        Figures like this one are read (stats) while the disk worker writes:
+        they take a copy of the segments, never iterate the live dict."""
+        return sum(s.size - s.live for s in list(self._segs.values()))
 
     @property
     def disk_bytes(self) -> int:
         """Bytes on disk: segments (incl. garbage, in 4 KiB blocks, and the
         active one's preallocated room) + index + small files."""
-        total = sum(-(-s.size // 4096) * 4096 for s in self._segs.values()) + self._dir.small_files_bytes()
-        if self._active is not None:  # the active segment's room, preallocated and not yet written
-            total += max(0, self._prealloc - -(-self._active.size // 4096) * 4096)
+        total = sum(-(-s.size // 4096) * 4096 for s in list(self._segs.values())) + self._dir.small_files_bytes()
+        if (act := self._active) is not None:  # the active segment's room, preallocated and not yet written
+            total += max(0, self._prealloc - -(-act.size // 4096) * 4096)
         return total
 
     def footprint(self, nbytes: int) -> int:
