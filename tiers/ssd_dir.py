@@ -142,7 +142,10 @@ class SsdDirectory:
         os.chmod(path, 0o700)
         for e in os.scandir(path):
             if e.is_file(follow_symlinks=False):
-                os.chmod(e.path, 0o600)
+                try:
+                    os.chmod(e.path, 0o600)
+                except FileNotFoundError:  # removed since listed (RocksDB's own threads delete files)
+                    pass
 
 
     def fresh_index(self, db: rocksdict.Rdict | None) -> rocksdict.Rdict:

@@ -213,3 +213,32 @@ def test_disk_bytes_when_a_file_goes_while_it_is_counted(tdir: str, monkeypatch:
             assert t.disk_bytes > 0
         finally:
             monkeypatch.undo()
+
+
+def test_an_index_file_gone_while_open_makes_it_private_is_no_rebuild(tdir: str, monkeypatch: Any) -> None:
+    """Open makes the index's files 0600 right after RocksDB opens, while
+    its threads may delete obsolete ones: a file gone is not an unreadable
+    index (which would rebuild it from every segment header)."""
+    owners = metas(NS, chain(b"pi", 4))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        put(t, owners, 4 * KIB)
+    doomed = os.path.join(tdir, "index", "OLD.log")
+    real = os.scandir
+
+    def scandir(path: str) -> Any:
+        if os.path.basename(path) == "index":
+            with open(doomed, "wb") as f:
+                f.write(b"x")
+            entries = list(real(path))
+            os.unlink(doomed)
+            return iter(entries)
+        return real(path)
+
+    monkeypatch.setattr(ssd_dir.os, "scandir", scandir)
+    try:
+        t = SsdTier(tdir, 16 * MIB, segment_bytes=MIB)
+    finally:
+        monkeypatch.undo()
+    with t:
+        assert t.index_rebuilds == 0
+        assert len(t.recover()) == 4
