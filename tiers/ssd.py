@@ -128,11 +128,12 @@ class SsdTier:
             if m:
                 sid = int(m.group(1))
                 self._segs[sid] = Segment(sid, os.stat(self._seg_path(sid)).st_size)
-                self._next_seg = max(self._next_seg, sid + 1)
+                if sid < U32_LIMIT:  # past it no segment this tier wrote (a damaged name): nothing points in, dropped
+                    self._next_seg = max(self._next_seg, sid + 1)
             elif name.endswith(".tmp"):
                 os.unlink(os.path.join(self.path, name))
-        if self._segs:  # the segment being written when the last run stopped: its unwritten room back
-            self._dir.trim(self._seg_path(max(self._segs)))
+        if self._next_seg - 1 in self._segs:  # the segment being written when the last run stopped: its room back
+            self._dir.trim(self._seg_path(self._next_seg - 1))
         self._nsfile.load()
         try:
             self._db = self._dir.open_db()
@@ -169,13 +170,15 @@ class SsdTier:
         """Check index entries against the segment files; build the in-memory state."""
         idn = vals["ident"]
         sizes, seg_ids = idn["size"].astype(np.int64), vals["seg"].astype(np.int64)
-        seg_len = np.full(self._next_seg + 1, -1, dtype=np.int64)
-        seg_len[list(self._segs)] = [seg.size for seg in self._segs.values()]
-        have = seg_len[np.clip(seg_ids, 0, self._next_seg)]
+        ids = sorted(self._segs)  # the segments' ids as named on disk: looked up sorted, never a dense map
+        known = np.array([*ids, np.iinfo(np.int64).max], dtype=np.int64)  # a last one that is no segment
+        at = np.searchsorted(known, seg_ids)
+        have = np.where(known[at] == seg_ids, np.array([*(self._segs[s].size for s in ids), -1])[at], -1)
         good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
                 & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
                 & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < ID_LIMIT)
-                & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT) & (HEADER_BYTES + sizes < U32_LIMIT))
+                & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT)
+                & (idn["size"] > 0) & (idn["size"] < U32_LIMIT - HEADER_BYTES))  # unsigned: not wrapped by the cast
         self.dropped_count += int((~good).sum())
         keep = np.zeros(locs.size, dtype=bool)  # one entry per (namespace, key): the newest
         keep[newest_per_name(idn, np.flatnonzero(good))] = True
@@ -191,10 +194,10 @@ class SsdTier:
         self._used = int((HEADER_BYTES + sizes).sum())
         self._free_ids = np.flatnonzero(np.bincount(locs, minlength=top) == 0)[::-1].tolist()
         self._seq = int(vals["ident"]["seq"].max()) + 1 if locs.size else 1
-        live = np.bincount(seg_ids, weights=HEADER_BYTES + sizes, minlength=self._next_seg)
-        for sid, seg in list(self._segs.items()):
-            seg.live = int(live[sid])
-            if seg.live == 0:
+        live = np.bincount(np.searchsorted(known, seg_ids), weights=HEADER_BYTES + sizes, minlength=known.size)
+        for i, sid in enumerate(ids):
+            self._segs[sid].live = int(live[i])
+            if self._segs[sid].live == 0:
                 self._drop_segment(sid)
 
     def _alloc_arrays(self, cap: int) -> None:
@@ -214,16 +217,18 @@ class SsdTier:
 
     @property
     def garbage_bytes(self) -> int:
-        """Bytes in segments that no index entry points at (reclaimable)."""
-        return sum(s.size - s.live for s in self._segs.values())
+        """Bytes in segments that no index entry points at (reclaimable).
+        Figures like this one are read (stats) while the disk worker writes:
+        they take a copy of the segments, never iterate the live dict."""
+        return sum(s.size - s.live for s in list(self._segs.values()))
 
     @property
     def disk_bytes(self) -> int:
         """Bytes on disk: segments (incl. garbage, in 4 KiB blocks, and the
         active one's preallocated room) + index + small files."""
-        total = sum(-(-s.size // 4096) * 4096 for s in self._segs.values()) + self._dir.small_files_bytes()
-        if self._active is not None:  # the active segment's room, preallocated and not yet written
-            total += max(0, self._prealloc - -(-self._active.size // 4096) * 4096)
+        total = sum(-(-s.size // 4096) * 4096 for s in list(self._segs.values())) + self._dir.small_files_bytes()
+        if (act := self._active) is not None:  # the active segment's room, preallocated and not yet written
+            total += max(0, self._prealloc - -(-act.size // 4096) * 4096)
         return total
 
     def footprint(self, nbytes: int) -> int:
@@ -504,10 +509,10 @@ class SsdTier:
                     moved, freed = moved + step, freed - step
                 elif self.sync:  # deletes that pointed here are durable before the unlink
                     self._db.flush_wal(True)
+                freed += self._drop_segment(seg.id)  # (a failed unlink keeps it for a later pass)
             except Exception as exc:  # noqa: BLE001 - stop this pass; nothing points at new bytes
                 log.warning("ssd reclaim stopped: %s", exc)
                 return freed
-            freed += self._drop_segment(seg.id)
 
     def _evacuate(self, seg: Segment) -> int:
         """Copy a segment's live records (checked on the way) to the active

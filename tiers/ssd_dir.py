@@ -91,8 +91,12 @@ class SsdDirectory:
         for sub in ("", INDEX_DIR, INDEX_DIR + ".corrupt"):
             root = os.path.join(self.path, sub)
             if os.path.isdir(root):
-                total += sum(e.stat(follow_symlinks=False).st_blocks * 512 for e in os.scandir(root)
-                             if e.is_file(follow_symlinks=False) and not SEG_RE.match(e.name))
+                for e in os.scandir(root):
+                    if e.is_file(follow_symlinks=False) and not SEG_RE.match(e.name):
+                        try:
+                            total += e.stat(follow_symlinks=False).st_blocks * 512
+                        except FileNotFoundError:  # removed since listed (RocksDB's own threads delete files)
+                            pass
         return total
 
     def trim_fd(self, fd: int, size: int) -> None:
@@ -138,7 +142,10 @@ class SsdDirectory:
         os.chmod(path, 0o700)
         for e in os.scandir(path):
             if e.is_file(follow_symlinks=False):
-                os.chmod(e.path, 0o600)
+                try:
+                    os.chmod(e.path, 0o600)
+                except FileNotFoundError:  # removed since listed (RocksDB's own threads delete files)
+                    pass
 
 
     def fresh_index(self, db: rocksdict.Rdict | None) -> rocksdict.Rdict:

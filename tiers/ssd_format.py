@@ -97,7 +97,13 @@ def preallocate(fd: int, length: int) -> bool:
     where the file system or the disk's free space does not allow it."""
     if _fallocate is None or length <= 0:
         return False
-    return _fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, length) == 0
+    if _fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, length) == 0:
+        return True
+    try:  # a fallocate that failed part way (ENOSPC) keeps what it allocated: give that back
+        os.ftruncate(fd, os.fstat(fd).st_size)
+    except OSError:
+        pass
+    return False
 
 
 class OsFileLayer:
@@ -149,8 +155,24 @@ def read_runs(fs: FileLayer, fd_of: Callable[[int], int], todo: list[int], segs:
     in order), the header of each into its row of ``hbuf`` and its payload
     into ``dsts``: one ``preadv`` per run of records lying back to back in a
     segment (``fd_of(segment)``). Returns which were read whole; a failed
-    read is logged and its run left unread."""
+    read is logged and its records read again one by one, so one bad record
+    does not take the intact ones beside it."""
     got = np.zeros(hbuf.shape[0], dtype=bool)
+
+    def read(run: list[int]) -> None:
+        first = run[0]
+        try:
+            nread = vec_io(fs.preadv, fd_of(segs[first]), [b for i in run for b in (hbuf[i], dsts[i][:szs[i]])],
+                           offs[first])
+        except OSError as exc:
+            log.warning("ssd read of segment %d failed: %s", segs[first], exc)
+            if len(run) > 1:
+                for i in run:
+                    read([i])
+            return
+        for i in run:
+            got[i] = offs[i] + HEADER_BYTES + szs[i] - offs[first] <= nread
+
     g = 0
     while g < len(todo):
         first, h = todo[g], g + 1
@@ -158,15 +180,7 @@ def read_runs(fs: FileLayer, fd_of: Callable[[int], int], todo: list[int], segs:
         while h < len(todo) and h - g < IOV_MAX // 2 and segs[todo[h]] == segs[first] and offs[todo[h]] == end:
             end += HEADER_BYTES + szs[todo[h]]
             h += 1
-        run = todo[g:h]
-        try:
-            nread = vec_io(fs.preadv, fd_of(segs[first]), [b for i in run for b in (hbuf[i], dsts[i][:szs[i]])],
-                           offs[first])
-        except OSError as exc:
-            log.warning("ssd read of segment %d failed: %s", segs[first], exc)
-            nread = 0
-        for i in run:
-            got[i] = offs[i] + HEADER_BYTES + szs[i] - offs[first] <= nread
+        read(todo[g:h])
         g = h
     return got
 

@@ -225,7 +225,7 @@ class SsdMover:
         return np.concatenate(got)
 
     def _write(self, rows: np.ndarray, evict: bool = True, keep_copies: np.ndarray | None = None) -> np.ndarray:
-        """Write DRAM blocks ``rows`` (one size) to SSD; returns the SSD ids
+        """Write DRAM blocks ``rows`` to SSD (one call per size); returns the SSD ids
         (-1 where there was no room or the write failed). ``evict`` False:
         into free SSD space only. ``keep_copies``: rows whose SSD copies must
         not be dropped to make room (``_ssd_room``)."""
@@ -243,7 +243,13 @@ class SsdMover:
             if not keep.all():
                 out[keep] = self._write(rows[keep], evict, keep_copies)
                 return out
-        nbytes = int(idx.size[rows[0]])
+        sizes = idx.size[rows]
+        if (sizes != sizes[0]).any():  # victims of several block sizes: SSD ids are sized one size a call
+            for size in np.unique(sizes).tolist():
+                sel = np.flatnonzero(sizes == size)
+                out[sel] = self._write(rows[sel], evict, keep_copies)
+            return out
+        nbytes = int(sizes[0])
         idx.pins[rows] += 1  # in flight: not evicted, not reused
         try:
             protect = rows if keep_copies is None else np.concatenate([rows, keep_copies])

@@ -185,3 +185,21 @@ def test_disk_full_drops_demotions_reads_keep_working_and_writes_resume(tmp_path
         assert st.lookup(ns, b).tiers == [TierKind.SSD] * 2
         assert [g.tobytes() for g in st.get(ns, b).payloads] == [P(k) for k in b]
         st.index.check_invariants()
+
+
+def test_write_back_of_two_block_sizes_demotes_both(tmp_path, ns, ns2):
+    """Background write-back picks DRAM victims of any namespace: blocks of
+    two sizes demote in one call, none dropped for the other's size."""
+    with TieredStore(StoreConfig(dram_bytes=64 * BS, dram_page_bytes=16 * BS, ssd=SsdSpec(
+            path=str(tmp_path / "ssd"), capacity_bytes=256 * (BS + 88), admit_min_hits=0, sync=False,
+            segment_bytes=1 << 20, low_watermark=0.99))) as st:
+        a, b = chain(b"a", 8), chain(b"b", 8)
+        st.put(ns, a, [P(k) for k in a])
+        st.put(ns2, b, [payload_for(b"t", k, 2 * BS) for k in b])
+        drain(st)
+        assert st.ssd.write_errors == 0 and st.ssd.dropped_cold == 0
+        assert st.lookup(ns, a).hit_blocks == 8 and st.lookup(ns2, b).hit_blocks == 8
+        assert TierKind.SSD in st.lookup(ns, a).tiers + st.lookup(ns2, b).tiers
+        assert [g.tobytes() for g in st.get(ns, a).payloads] == [P(k) for k in a]
+        assert [g.tobytes() for g in st.get(ns2, b).payloads] == [payload_for(b"t", k, 2 * BS) for k in b]
+        st.index.check_invariants()

@@ -14,6 +14,7 @@ import pytest
 
 from tests.unit.tiers.test_ssd import KIB, MIB, NS, du_bytes, get, metas, put
 from tests.conftest import chain
+from tiers import ssd_format
 from tiers.ssd import HEADER_BYTES, OsFileLayer, SsdTier
 from tiers.ssd_format import preallocate
 
@@ -101,3 +102,24 @@ def test_without_preallocation_segments_are_written_as_before(tdir: str) -> None
             assert allocated(p) < os.path.getsize(p) + 64 * KIB
         assert abs(t.disk_bytes - du_bytes(tdir)) <= 0.1 * du_bytes(tdir)
         assert get(t, locs, owners, size, csums)[0].all()
+
+
+def test_a_preallocation_that_fails_part_way_keeps_no_room(tdir: str, monkeypatch: Any) -> None:
+    """fallocate that runs out of space (ENOSPC) part way keeps the blocks
+    it got on ext4 and XFS: ``preallocate`` gives them back when it says
+    False, or they stay past the segment's end until it is removed."""
+    real = ssd_format._fallocate
+    assert real is not None
+
+    def half(fd: int, mode: int, offset: int, length: int) -> int:
+        real(fd, mode, offset, length // 2)
+        return -1
+
+    monkeypatch.setattr(ssd_format, "_fallocate", half)
+    size = 64 * KIB
+    owners = metas(NS, chain(b"ph", 20))
+    with SsdTier(tdir, 64 * MIB, segment_bytes=SEG) as t:
+        locs, csums = put(t, owners, size)  # two segments: the first sealed, the second closed
+        assert get(t, locs, owners, size, csums)[0].all()
+    for p in segs(tdir):
+        assert allocated(p) < os.path.getsize(p) + 64 * KIB
