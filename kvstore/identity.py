@@ -460,13 +460,30 @@ def _select(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return sel
 
 
+def _unlisted(merged: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The overridden fields :func:`_select` leaves out, with their values
+    in ``merged``: those not in :data:`KV_CONFIG_FIELDS`, at the top level
+    and inside an overridden ``text_config`` (which ``_select`` reduces to
+    the listed fields)."""
+    out: dict[str, Any] = {}
+    for k in sorted(overrides or {}):
+        v = (overrides or {})[k]
+        if k not in _FIELD_NAMES:
+            out[k] = merged[k]
+        elif k == "text_config" and isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            nested = _unlisted(merged[k], v)
+            if nested:
+                out[k] = nested
+    return out
+
+
 def config_digest(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> str:
     """xxh3_128 hex over the canonical JSON of the :data:`KV_CONFIG_FIELDS`
     of ``hf_config`` after ``overrides`` (vLLM's ``hf_overrides``), plus
-    every overridden field not in that list."""
+    every overridden field not in that list (a nested ``text_config``
+    override's included)."""
     merged = _merged(hf_config, overrides)
-    extra = {k: merged[k] for k in sorted(overrides or {}) if k not in _FIELD_NAMES}
-    return _h128(_canonical({"fields": _select(merged), "overrides": extra}))
+    return _h128(_canonical({"fields": _select(merged), "overrides": _unlisted(merged, overrides)}))
 
 
 def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -114,6 +114,20 @@ def test_hf_overrides_enter_the_digest() -> None:
         config_digest({**BASE, "text_config": {"rope_theta": 2.0, "hidden_size": 8}})
 
 
+def test_nested_override_of_an_unlisted_field_enters_the_digest() -> None:
+    # a multimodal model's language model: an unlisted field of text_config
+    # (Gemma 3's local-layer RoPE base) overridden through hf_overrides
+    # changes the KV, so it must change the namespace like a top-level one
+    mm = {**BASE, "text_config": {"rope_theta": 1.0, "rope_local_base_freq": 10000.0}}
+    base = config_digest(mm)
+    assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != base
+    assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != \
+        config_digest(mm, {"text_config": {"rope_local_base_freq": 40000.0}})
+    # a listed nested field still counts once, as it would edited in config.json
+    assert config_digest(mm, {"text_config": {"rope_theta": 2.0}}) == \
+        config_digest({**BASE, "text_config": {"rope_theta": 2.0, "rope_local_base_freq": 10000.0}})
+
+
 def test_kv_schema_follows_the_config_geometry() -> None:
     assert config_geometry(BASE) == (4, 2, 64)
     assert config_geometry(BASE, tp_size=2) == (4, 1, 64)
