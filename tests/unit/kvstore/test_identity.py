@@ -346,6 +346,28 @@ def test_mistral_format_params_json_is_the_config(tmp_path: Path) -> None:
     assert ns_of(d, tmp_path / "c.json").model_id != a.model_id
 
 
+def test_kv_fields_of_mistral_params_json_and_gemma3_change_the_namespace(tmp_path: Path) -> None:
+    # config edits that change the KV with the weights untouched: a
+    # params.json's YaRN factor and norm epsilon, Gemma 3's local RoPE base
+    params = {"dim": 64, "n_layers": 2, "head_dim": 16, "hidden_dim": 128, "n_heads": 4, "n_kv_heads": 2,
+              "norm_eps": 1e-5, "vocab_size": 256, "rope_theta": 1e6,
+              "yarn": {"factor": 4.0, "original_max_position_embeddings": 4096, "beta": 32, "alpha": 1}}
+    gemma = {**BASE, "architectures": ["Gemma3ForCausalLM"], "rope_local_base_freq": 10000.0}
+    for cfg, edited in ((params, {**params, "yarn": {**params["yarn"], "factor": 8.0}}),
+                        (params, {**params, "norm_eps": 1e-6}),
+                        (params, {**params, "llama_4_scaling": {"original_max_position_embeddings": 8192,
+                                                                "beta": 0.1}}),
+                        (gemma, {**gemma, "rope_local_base_freq": 20000.0})):
+        assert config_digest(cfg) != config_digest(edited)
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "consolidated.safetensors").write_bytes(b"w")
+    (d / "params.json").write_text(json.dumps(params))
+    a = ns_of(d, tmp_path / "c.json")
+    (d / "params.json").write_text(json.dumps({**params, "yarn": {**params["yarn"], "factor": 8.0}}))
+    assert ns_of(d, tmp_path / "c.json").digest != a.digest
+
+
 def test_adapter_digest_names_a_lora_by_its_files(tmp_path: Path) -> None:
     def lora(d: Path, weights: bytes, **cfg: Any) -> Path:
         d.mkdir(parents=True, exist_ok=True)
