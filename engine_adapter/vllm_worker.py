@@ -58,7 +58,7 @@ from kvstore.client import Client, PendingReservation
 from kvstore.client.shards import seal_bytes
 from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter, ShardScatter, ShardSink
 from kvstore.errors import KeyStatus
-from kvstore.keys import Namespace
+from kvstore.keys import KVDtype, Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,6 +76,10 @@ staging buffer and the daemon connection (made on first use), the Acquire
 call, the verified copies out of the slab (straight into vLLM's KV tensors
 when ``scatter_layout`` places them), sending the Release, and the copies
 from staging into the KV tensors (0 when there is no staging)."""
+
+
+FP8_KV = (KVDtype.FLOAT8_E4M3FN, KVDtype.FLOAT8_E5M2)
+"""KV dtypes whose cache vLLM allocates as ``torch.uint8`` (the fp8 bytes)."""
 
 
 def vllm_tp_group(tp_size: int) -> TPGroup:
@@ -154,7 +158,9 @@ class WorkerSide(SaveSide):
         if len(shapes) != 1:
             raise ValueError(f"kvstore connector: layers differ in block shape or dtype: {sorted(map(str, shapes))}")
         shape, dtype = shapes.pop()
-        if TORCH_KV.get(dtype) is not self.ident.kv_dtype:
+        # vLLM allocates an fp8 KV cache ("fp8", "fp8_e4m3", "fp8_e5m2") as uint8 tensors of the fp8 bytes
+        fp8_bytes = dtype == torch.uint8 and self.ident.kv_dtype in FP8_KV
+        if TORCH_KV.get(dtype) is not self.ident.kv_dtype and not fp8_bytes:
             raise ValueError(f"kvstore connector: KV tensors are {dtype} but the namespace says "
                              f"{self.ident.kv_dtype.value}")
         mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config

@@ -115,10 +115,16 @@ KV_CONFIG_FIELDS: Final[tuple[tuple[str, str], ...]] = (
     ("n_embd", "residual width (GPT-2 style)"), ("n_layer", "layers (GPT-2 style)"), ("n_head", "heads"),
     ("num_layers", "layers"), ("d_model", "residual width"), ("kv_channels", "KV head size (ChatGLM)"),
     ("multi_query_group_num", "KV heads (ChatGLM)"), ("ffn_hidden_size", "MLP width"),
-    ("rotary_emb_fraction", "fraction of the head that is rotated"),
+    ("rotary_emb_fraction", "fraction of the head that is rotated"), ("rope_ratio", "RoPE base multiplier (ChatGLM)"),
     ("parallel_attn", "attention and MLP in parallel (Falcon)"), ("use_parallel_residual", "parallel residual"),
     ("new_decoder_architecture", "Falcon decoder variant"), ("layers_block_type", "hybrid layer kinds"),
     ("attn_layer_indices", "hybrid attention layers"), ("residual_in_fp32", "residual precision"),
+    ("layernorm_epsilon", "normalisation epsilon (ChatGLM)"), ("layer_rope_theta", "per-layer RoPE base"),
+    ("rope_local_base_freq", "RoPE base of local layers (Gemma 3)"), ("rope_local_theta", "RoPE base of local layers"),
+    ("swa_rope_theta", "RoPE base of sliding-window layers"), ("interleaved_sliding_window", "window of local layers"),
+    ("dim", "residual width (Mistral params.json)"), ("n_layers", "layers"), ("n_heads", "query heads"),
+    ("n_kv_heads", "KV heads"), ("hidden_dim", "MLP width"), ("norm_eps", "normalisation epsilon"),
+    ("yarn", "YaRN RoPE scaling"), ("llama_4_scaling", "position-dependent query scale"), ("moe", "MoE settings"),
     # nested configs of multimodal and composite models
     ("text_config", "the language model of a multimodal model"),
 )
@@ -460,13 +466,26 @@ def _select(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return sel
 
 
+def _unlisted(merged: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The overridden fields :func:`_select` leaves out (unlisted ones, at
+    the top level and in an overridden ``text_config``), as in ``merged``."""
+    out: dict[str, Any] = {}
+    for k, v in sorted((overrides or {}).items()):
+        if k not in _FIELD_NAMES:
+            out[k] = merged[k]
+        elif k == "text_config" and isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            if nested := _unlisted(merged[k], v):
+                out[k] = nested
+    return out
+
+
 def config_digest(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> str:
     """xxh3_128 hex over the canonical JSON of the :data:`KV_CONFIG_FIELDS`
     of ``hf_config`` after ``overrides`` (vLLM's ``hf_overrides``), plus
-    every overridden field not in that list."""
+    every overridden field not in that list (a nested ``text_config``
+    override's included)."""
     merged = _merged(hf_config, overrides)
-    extra = {k: merged[k] for k in sorted(overrides or {}) if k not in _FIELD_NAMES}
-    return _h128(_canonical({"fields": _select(merged), "overrides": extra}))
+    return _h128(_canonical({"fields": _select(merged), "overrides": _unlisted(merged, overrides)}))
 
 
 def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:

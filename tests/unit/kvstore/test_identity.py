@@ -114,6 +114,20 @@ def test_hf_overrides_enter_the_digest() -> None:
         config_digest({**BASE, "text_config": {"rope_theta": 2.0, "hidden_size": 8}})
 
 
+def test_nested_override_of_an_unlisted_field_enters_the_digest() -> None:
+    # a multimodal model's language model: an unlisted field of text_config
+    # (Gemma 3's local-layer RoPE base) overridden through hf_overrides
+    # changes the KV, so it must change the namespace like a top-level one
+    mm = {**BASE, "text_config": {"rope_theta": 1.0, "rope_local_base_freq": 10000.0}}
+    base = config_digest(mm)
+    assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != base
+    assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != \
+        config_digest(mm, {"text_config": {"rope_local_base_freq": 40000.0}})
+    # a listed nested field still counts once, as it would edited in config.json
+    assert config_digest(mm, {"text_config": {"rope_theta": 2.0}}) == \
+        config_digest({**BASE, "text_config": {"rope_theta": 2.0, "rope_local_base_freq": 10000.0}})
+
+
 def test_kv_schema_follows_the_config_geometry() -> None:
     assert config_geometry(BASE) == (4, 2, 64)
     assert config_geometry(BASE, tp_size=2) == (4, 1, 64)
@@ -330,6 +344,28 @@ def test_mistral_format_params_json_is_the_config(tmp_path: Path) -> None:
     a = ns_of(d, tmp_path / "c.json")
     (d / "params.json").write_text(json.dumps({"dim": 4096, "rope_theta": 1e4}))
     assert ns_of(d, tmp_path / "c.json").model_id != a.model_id
+
+
+def test_kv_fields_of_mistral_params_json_and_gemma3_change_the_namespace(tmp_path: Path) -> None:
+    # config edits that change the KV with the weights untouched: a
+    # params.json's YaRN factor and norm epsilon, Gemma 3's local RoPE base
+    params = {"dim": 64, "n_layers": 2, "head_dim": 16, "hidden_dim": 128, "n_heads": 4, "n_kv_heads": 2,
+              "norm_eps": 1e-5, "vocab_size": 256, "rope_theta": 1e6,
+              "yarn": {"factor": 4.0, "original_max_position_embeddings": 4096, "beta": 32, "alpha": 1}}
+    gemma = {**BASE, "architectures": ["Gemma3ForCausalLM"], "rope_local_base_freq": 10000.0}
+    for cfg, edited in ((params, {**params, "yarn": {**params["yarn"], "factor": 8.0}}),
+                        (params, {**params, "norm_eps": 1e-6}),
+                        (params, {**params, "llama_4_scaling": {"original_max_position_embeddings": 8192,
+                                                                "beta": 0.1}}),
+                        (gemma, {**gemma, "rope_local_base_freq": 20000.0})):
+        assert config_digest(cfg) != config_digest(edited)
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "consolidated.safetensors").write_bytes(b"w")
+    (d / "params.json").write_text(json.dumps(params))
+    a = ns_of(d, tmp_path / "c.json")
+    (d / "params.json").write_text(json.dumps({**params, "yarn": {**params["yarn"], "factor": 8.0}}))
+    assert ns_of(d, tmp_path / "c.json").digest != a.digest
 
 
 def test_adapter_digest_names_a_lora_by_its_files(tmp_path: Path) -> None:
