@@ -337,19 +337,41 @@ class Placement:
         """Policy order over ``rows`` (all of ``tier``'s blocks), but blocks of
         tenants over their share of ``tier`` first; the requester's usage
         counts the ``incoming`` bytes it asks for, so a tenant at its share
-        makes room from its own blocks."""
-        over = None
-        if self.shares is not None and rows.size:
-            idx = self.index
-            ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
-            names = self.namespaces.tenant_names()
-            usage = np.bincount(ns_tenant[idx.ns[rows]], weights=idx.size[rows].astype(np.float64),
-                                minlength=len(names))
-            if for_ns is not None:
-                usage[ns_tenant[for_ns]] += incoming
-            shares = self.shares.array(names, tier)
-            over = victim_mask(ns_tenant[idx.ns[rows]], usage, self.tiers[tier].capacity_bytes, shares)
-        return select_subtrees(self.index, self.policy, rows, blocked, k, over)
+        makes room from its own blocks. A tenant's blocks go first only
+        until its overage is covered (as ``admission.quota.victim_order``
+        with sizes): a batch of ``k`` victims never takes a tenant below
+        its share while another is still over it."""
+        idx = self.index
+        if self.shares is None or not rows.size:
+            return select_subtrees(idx, self.policy, rows, blocked, k)
+        ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
+        names = self.namespaces.tenant_names()
+        tid = ns_tenant[idx.ns[rows]]
+        usage = np.bincount(tid, weights=idx.size[rows].astype(np.float64), minlength=len(names))
+        if for_ns is not None:
+            usage[ns_tenant[for_ns]] += incoming
+        shares = self.shares.array(names, tier)
+        over = victim_mask(tid, usage, self.tiers[tier].capacity_bytes, shares)
+        # every block of over-share tenants, in eviction order (a subtree is one tenant's) ...
+        first = select_subtrees(idx, self.policy, rows, blocked | ~over, rows.size)
+        if first.size:
+            # ... each tenant's only until its overage is covered: a prefix of
+            # its eviction order, so still closed under descendants
+            ft = ns_tenant[idx.ns[first]]
+            by = np.argsort(ft, kind="stable")
+            sz = idx.size[first[by]].astype(np.float64)
+            cs = np.cumsum(sz)
+            starts = np.flatnonzero(np.r_[True, ft[by][1:] != ft[by][:-1]])
+            before = cs - sz - np.repeat(cs[starts] - sz[starts], np.diff(np.r_[starts, by.size]))
+            keep = np.empty(by.size, dtype=bool)
+            keep[by] = before < usage[ft[by]] - shares[ft[by]] * self.tiers[tier].capacity_bytes
+            first = first[keep][:k]
+        if first.size >= k:
+            return first
+        # then the rest (the trimmed ones included) in policy order
+        rest = ~np.isin(rows, first)
+        second = select_subtrees(idx, self.policy, rows[rest], blocked[rest], k - first.size)
+        return np.concatenate([first, second]) if first.size else second
 
     def _victims_other_class(self, tier: TierKind, cls: int) -> np.ndarray:
         """To give a page to class ``cls``: the lowest-ranked candidate of
