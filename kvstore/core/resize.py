@@ -97,10 +97,13 @@ class Resizer:
             rows = rows[idx.tier[rows] == T_DRAM]
             inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
             granted = self.grants.locs() if self.grants is not None else inside[:0]
-            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != S_COMMITTED) or \
+            # a retired block that finds no slot leaves with its subtree: none of it may be held
+            sub = idx.subtree(inside)
+            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != S_COMMITTED) or \
                     t.locs_in_pages(granted, pages).any():
-                raise CapacityError("blocks in the region being retired are pinned or being "
-                                    "written (or its slots are granted to a writer); retry after they are released")
+                raise CapacityError("blocks in the region being retired (or blocks stored under them) are "
+                                    "pinned or being written (or its slots are granted to a writer); "
+                                    "retry after they are released")
             # stop handing out retired pages, then relocate what is there
             t.retire_pages(pages)
             for r in inside.tolist():
