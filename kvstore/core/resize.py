@@ -111,13 +111,18 @@ class Resizer:
                     continue
                 n = int(idx.size[r])
                 dst = t.allocate(n, 1)
-                if dst.size == 0:
+                while dst.size == 0 and idx.state[r] != S_FREE:
+                    # policy order, leaf first: a victim in the retired region frees no
+                    # slot but is one block fewer to move; r itself may be the one
                     victims = place.victims(TierKind.DRAM, t.class_of(n), 1)
-                    victims = victims[~t.locs_in_pages(idx.loc[victims], pages)]
-                    if victims.size:
-                        place.drop(victims, DropReason.RESIZED)
-                        evicted += 1
-                        dst = t.allocate(n, 1)
+                    if victims.size == 0:
+                        break
+                    place.drop(victims, DropReason.RESIZED)
+                    evicted += int(victims.size)
+                    dst = t.allocate(n, 1)
+                if idx.state[r] == S_FREE:
+                    t.free(dst)
+                    continue
                 if dst.size == 0:
                     if idx.nchild[r] == 0:
                         place.drop(np.asarray([r]), DropReason.RESIZED)

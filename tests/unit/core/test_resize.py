@@ -99,6 +99,21 @@ def test_shrink_never_drops_a_leased_block_stored_under_a_retired_one(ns):
         st.index.check_invariants()
 
 
+def test_shrink_evicts_in_policy_order_when_the_coldest_block_is_being_retired(ns):
+    with make(slots=4) as st:
+        w0, y, x = (chain(t, 1)[0] for t in (b"w0", b"y", b"x"))
+        head, tail = chain(b"hot", 2)
+        put_each(st, ns, [w0, y, head, x])  # pages 0..3
+        assert st.remove(ns, [w0]).statuses == [KeyStatus.OK]
+        assert st.put(ns, [tail], [P(tail)], parent=head).statuses == [KeyStatus.OK]
+        assert pages_of(st, ns, [y, head, x, tail]) == [1, 2, 3, 0]
+        st.get(ns, [y])
+        st.get(ns, [head, tail])  # LRU order, coldest first: x, y, then the hot chain
+        assert st.resize(TierKind.DRAM, 2 * BS) == 2
+        assert readable(st, ns, [y, head, x, tail]) == [head, tail]  # x and y left, not the hot chain
+        st.index.check_invariants()
+
+
 def test_resize_of_a_tier_that_is_not_configured(ns):
     with make() as st:
         with pytest.raises(NotFound):
