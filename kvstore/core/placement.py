@@ -328,6 +328,8 @@ class Placement:
         rows = idx.used_rows()
         rows = rows[idx.tier[rows] == tier]
         blocked = (idx.state[rows] != S_COMMITTED) | (idx.pins[rows] > 0)
+        if tier is TierKind.DRAM and self.lower is None:  # dropped, not demoted: children elsewhere (hbm) stay
+            blocked |= idx.nchild[rows] != idx.nchild_tier[rows]
         if cls is not None and rows.size:
             blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
         return self.select(tier, rows, blocked, k, for_ns, incoming)

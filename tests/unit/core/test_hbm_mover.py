@@ -273,3 +273,18 @@ def test_tenant_over_its_share_of_hbm_is_demoted_first():
         st.put(b, kb2, pl(b, kb2))  # ... but a holds 3/4 > its half: a's block goes down
         assert tiers_of(st, b, kb) == [HBM] and tiers_of(st, b, kb2) == [HBM]
         assert sorted(t for k in ka for t in tiers_of(st, a, [k])) == [HBM, HBM, DRAM]
+
+
+def test_without_ssd_dram_eviction_leaves_a_block_whose_child_is_in_hbm(ns):
+    # nowhere to demote: a DRAM block keeping a child in HBM cannot leave (its
+    # drop alone would orphan the child; with it, a hot HBM block would go)
+    with make(hbm_blocks=4, dram_blocks=2) as st:
+        p = chain(b"p", 2)
+        assert st.put(ns, p[:1], pl(ns, p[:1])).statuses == [KeyStatus.OK]
+        assert st.put(ns, p[1:], pl(ns, p[1:]), parent=p[0], tier=HBM).statuses == [KeyStatus.OK]
+        q = [chain(b"q%d" % i, 1)[0] for i in range(3)]
+        for k in q:  # DRAM holds 2: each new block evicts the other q, never p[0]
+            assert st.put(ns, [k], pl(ns, [k])).statuses == [KeyStatus.OK]
+        assert tiers_of(st, ns, p) == [DRAM, HBM]
+        check_all(st, ns, p + q[2:])
+        st.index.check_invariants()
