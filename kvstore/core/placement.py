@@ -25,6 +25,7 @@ from kvstore.core.eviction import (
     FrequencySketch,
     Policy,
     admitted,
+    close_upward,
     select_subtrees,
     select_victims,
 )
@@ -309,6 +310,17 @@ class Placement:
         idx = self.index
         vkeys = np.stack([idx.k0[v], idx.k1[v]], axis=1)
         return karr.shape[0] - need + admitted(self.freq.estimate(karr[-need:]), self.freq.estimate(vkeys))
+
+    def held_below(self, rows: np.ndarray) -> np.ndarray:
+        """Mask of ``rows`` whose subtree (in any tier, the row included)
+        holds a pinned or uncommitted block: rows that may not be dropped."""
+        idx = self.index
+        used = idx.used_rows()
+        held = (idx.pins[used] > 0) | (idx.state[used] != S_COMMITTED)
+        below = np.zeros(idx.parent.size, dtype=bool)
+        if held.any():
+            below[used] = close_upward(idx, used, held)
+        return below[rows]
 
     def evictable(self, tier: TierKind) -> np.ndarray:
         """Committed, unpinned blocks of ``tier`` with no child in it."""
