@@ -141,7 +141,17 @@ class HbmMover:
         return DRAM
 
     def place(self, nbytes: int, count: int, protect: np.ndarray, for_ns: int | None) -> np.ndarray:
-        """``count`` HBM slots, or none (the caller then uses DRAM)."""
+        """``count`` HBM slots, or none (the caller then uses DRAM). A batch
+        that eviction could never make room for (larger than HBM, than its
+        tenant's share of it, or than what is not pinned) and that the free
+        slots do not hold demotes nothing."""
+        try:
+            whole = self.placement.evict_plan(HBM, nbytes, count, for_ns) >= count
+            whole = whole or self.tier.free_slots(nbytes) >= count
+        except InvalidArgument:  # a payload no HBM slot holds
+            whole = False
+        if not whole:
+            return np.zeros(0, dtype=np.int64)
         locs = self.make_room(nbytes, count, protect, for_ns)
         if locs.size < count:
             self.tier.free(locs)

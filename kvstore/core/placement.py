@@ -287,7 +287,7 @@ class Placement:
         tenant below its share. Otherwise at most what eviction could ever
         free (the tier less its pinned and reserved blocks): nothing is
         evicted for keys that would be refused anyway."""
-        slot = self.dram.footprint(nbytes)
+        slot = self.tiers[tier].footprint(nbytes)
         cap = self.tiers[tier].capacity_bytes
         limit = cap
         if self.shares is not None and for_ns is not None:

@@ -319,3 +319,19 @@ def test_hbm_shrink_refuses_while_a_block_below_a_retired_one_is_leased(ns):
         assert tiers_of(st, ns, a + b) == [HBM, HBM, DRAM]
         check_all(st, ns, a + b)
         st.index.check_invariants()
+
+
+def test_a_batch_hbm_can_never_hold_demotes_nothing(ns):
+    from kvstore.keys import Namespace
+
+    b = Namespace(tenant="b", model_id="m", block_size=4)
+    with make(hbm_blocks=4, dram_blocks=16) as st:
+        a = [chain(b"a%d" % i, 1)[0] for i in range(4)]
+        for k in a:  # tenant ns fills HBM
+            assert st.put(ns, [k], pl(ns, [k]), tier=HBM).statuses == [KeyStatus.OK]
+        big = chain(b"big", 5)  # more than HBM holds: it goes to DRAM whole ...
+        assert st.put(b, big, pl(b, big), tier=HBM).statuses == [KeyStatus.OK] * 5
+        assert tiers_of(st, b, big) == [DRAM] * 5
+        assert [t for k in a for t in tiers_of(st, ns, [k])] == [HBM] * 4  # ... and moved nobody out of HBM
+        assert st.hbm is not None and st.hbm.demoted == 0
+        st.index.check_invariants()
