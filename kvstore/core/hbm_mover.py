@@ -17,7 +17,8 @@ Eviction from HBM (policy order, tenant shares, leaf-first within HBM,
 exactly as DRAM) *demotes*: the victims are copied into new DRAM slots (made
 with ``TieredStore._make_room``, so DRAM in turn demotes to SSD or drops),
 their checksums verified on the DRAM side, then the index moves them. A
-victim that DRAM has no room for is dropped with its subtree; one whose copy
+victim that DRAM has no room for is dropped with its subtree (unless a block
+of it is pinned or being written: then it stays); one whose copy
 fails or whose bytes do not match is a miss (dropped, counted as corrupt).
 
 Readers (``Acquire``): one that maps HBM (``tier=HBM``) gets the DRAM blocks
@@ -140,7 +141,17 @@ class HbmMover:
         return DRAM
 
     def place(self, nbytes: int, count: int, protect: np.ndarray, for_ns: int | None) -> np.ndarray:
-        """``count`` HBM slots, or none (the caller then uses DRAM)."""
+        """``count`` HBM slots, or none (the caller then uses DRAM). A batch
+        that eviction could never make room for (larger than HBM, than its
+        tenant's share of it, or than what is not pinned) and that the free
+        slots do not hold demotes nothing."""
+        try:
+            whole = self.placement.evict_plan(HBM, nbytes, count, for_ns) >= count
+            whole = whole or self.tier.free_slots(nbytes) >= count
+        except InvalidArgument:  # a payload no HBM slot holds
+            whole = False
+        if not whole:
+            return np.zeros(0, dtype=np.int64)
         locs = self.make_room(nbytes, count, protect, for_ns)
         if locs.size < count:
             self.tier.free(locs)
@@ -163,7 +174,12 @@ class HbmMover:
                 victims = self._victims(cls, 1, protect, None, 0, False)
                 if victims.size == 0:
                     break
-            self.demote(victims, drop_unplaced=True)
+            moved = self.demote(victims, drop_unplaced=True)
+            idx = self.placement.index
+            stuck = victims[~moved]
+            stuck = stuck[(idx.state[stuck] == S_COMMITTED) & (idx.tier[stuck] == HBM)]
+            if stuck.size:  # neither moved nor dropped (a descendant is held): not a victim again
+                protect = np.concatenate([protect, stuck])
             more = t.allocate(nbytes, count - got)
             parts.append(more)
             got += more.size
@@ -193,7 +209,8 @@ class HbmMover:
     def demote(self, rows: np.ndarray, drop_unplaced: bool) -> np.ndarray:
         """Copy HBM blocks into new DRAM slots and move them there. Returns the
         mask of rows now in DRAM. Rows DRAM has no room for are dropped with
-        their subtrees when ``drop_unplaced`` (eviction), else left in HBM."""
+        their subtrees when ``drop_unplaced`` (eviction) and none of a subtree is
+        pinned or being written, else left in HBM."""
         st = self.placement
         idx = st.index
         moved = np.zeros(rows.size, dtype=bool)
@@ -235,6 +252,8 @@ class HbmMover:
                     st.corrupt(use[~ok])
             rest = sel[k:]
             rest = rest[(idx.state[rest] == S_COMMITTED) & (idx.tier[rest] == HBM)]
+            if drop_unplaced and rest.size:
+                rest = rest[~st.held_below(rest)]  # a pinned or reserved descendant keeps it in HBM
             if drop_unplaced and rest.size:
                 self.dropped += int(rest.size)
                 st.drop(idx.subtree(rest), DropReason.EVICTED)
@@ -347,9 +366,10 @@ class HbmMover:
             rows = idx.used_rows()
             rows = rows[idx.tier[rows] == HBM]
             inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
-            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != S_COMMITTED):
-                raise CapacityError("hbm blocks in the region being retired are pinned or being written; "
-                                    "retry after they are released")
+            # one DRAM has no room for leaves with its subtree: none of it may be held
+            if st.held_below(inside).any():
+                raise CapacityError("hbm blocks in the region being retired (or blocks stored under them) are "
+                                    "pinned or being written; retry after they are released")
             t.retire_pages(pages)
             for size in dict.fromkeys(idx.size[inside].tolist()):
                 part = inside[idx.size[inside] == size]

@@ -25,6 +25,7 @@ from kvstore.core.eviction import (
     FrequencySketch,
     Policy,
     admitted,
+    close_upward,
     select_subtrees,
     select_victims,
 )
@@ -286,7 +287,7 @@ class Placement:
         tenant below its share. Otherwise at most what eviction could ever
         free (the tier less its pinned and reserved blocks): nothing is
         evicted for keys that would be refused anyway."""
-        slot = self.dram.footprint(nbytes)
+        slot = self.tiers[tier].footprint(nbytes)
         cap = self.tiers[tier].capacity_bytes
         limit = cap
         if self.shares is not None and for_ns is not None:
@@ -310,6 +311,17 @@ class Placement:
         vkeys = np.stack([idx.k0[v], idx.k1[v]], axis=1)
         return karr.shape[0] - need + admitted(self.freq.estimate(karr[-need:]), self.freq.estimate(vkeys))
 
+    def held_below(self, rows: np.ndarray) -> np.ndarray:
+        """Mask of ``rows`` whose subtree (in any tier, the row included)
+        holds a pinned or uncommitted block: rows that may not be dropped."""
+        idx = self.index
+        used = idx.used_rows()
+        held = (idx.pins[used] > 0) | (idx.state[used] != S_COMMITTED)
+        below = np.zeros(idx.parent.size, dtype=bool)
+        if held.any():
+            below[used] = close_upward(idx, used, held)
+        return below[rows]
+
     def evictable(self, tier: TierKind) -> np.ndarray:
         """Committed, unpinned blocks of ``tier`` with no child in it."""
         idx = self.index
@@ -328,6 +340,8 @@ class Placement:
         rows = idx.used_rows()
         rows = rows[idx.tier[rows] == tier]
         blocked = (idx.state[rows] != S_COMMITTED) | (idx.pins[rows] > 0)
+        if tier is TierKind.DRAM and self.lower is None:  # dropped, not demoted: children elsewhere (hbm) stay
+            blocked |= idx.nchild[rows] != idx.nchild_tier[rows]
         if cls is not None and rows.size:
             blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
         return self.select(tier, rows, blocked, k, for_ns, incoming)
@@ -337,19 +351,41 @@ class Placement:
         """Policy order over ``rows`` (all of ``tier``'s blocks), but blocks of
         tenants over their share of ``tier`` first; the requester's usage
         counts the ``incoming`` bytes it asks for, so a tenant at its share
-        makes room from its own blocks."""
-        over = None
-        if self.shares is not None and rows.size:
-            idx = self.index
-            ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
-            names = self.namespaces.tenant_names()
-            usage = np.bincount(ns_tenant[idx.ns[rows]], weights=idx.size[rows].astype(np.float64),
-                                minlength=len(names))
-            if for_ns is not None:
-                usage[ns_tenant[for_ns]] += incoming
-            shares = self.shares.array(names, tier)
-            over = victim_mask(ns_tenant[idx.ns[rows]], usage, self.tiers[tier].capacity_bytes, shares)
-        return select_subtrees(self.index, self.policy, rows, blocked, k, over)
+        makes room from its own blocks. A tenant's blocks go first only
+        until its overage is covered (as ``admission.quota.victim_order``
+        with sizes): a batch of ``k`` victims never takes a tenant below
+        its share while another is still over it."""
+        idx = self.index
+        if self.shares is None or not rows.size:
+            return select_subtrees(idx, self.policy, rows, blocked, k)
+        ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
+        names = self.namespaces.tenant_names()
+        tid = ns_tenant[idx.ns[rows]]
+        usage = np.bincount(tid, weights=idx.size[rows].astype(np.float64), minlength=len(names))
+        if for_ns is not None:
+            usage[ns_tenant[for_ns]] += incoming
+        shares = self.shares.array(names, tier)
+        over = victim_mask(tid, usage, self.tiers[tier].capacity_bytes, shares)
+        # every block of over-share tenants, in eviction order (a subtree is one tenant's) ...
+        first = select_subtrees(idx, self.policy, rows, blocked | ~over, rows.size)
+        if first.size:
+            # ... each tenant's only until its overage is covered: a prefix of
+            # its eviction order, so still closed under descendants
+            ft = ns_tenant[idx.ns[first]]
+            by = np.argsort(ft, kind="stable")
+            sz = idx.size[first[by]].astype(np.float64)
+            cs = np.cumsum(sz)
+            starts = np.flatnonzero(np.r_[True, ft[by][1:] != ft[by][:-1]])
+            before = cs - sz - np.repeat(cs[starts] - sz[starts], np.diff(np.r_[starts, by.size]))
+            keep = np.empty(by.size, dtype=bool)
+            keep[by] = before < usage[ft[by]] - shares[ft[by]] * self.tiers[tier].capacity_bytes
+            first = first[keep][:k]
+        if first.size >= k:
+            return first
+        # then the rest (the trimmed ones included) in policy order
+        rest = ~np.isin(rows, first)
+        second = select_subtrees(idx, self.policy, rows[rest], blocked[rest], k - first.size)
+        return np.concatenate([first, second]) if first.size else second
 
     def _victims_other_class(self, tier: TierKind, cls: int) -> np.ndarray:
         """To give a page to class ``cls``: the lowest-ranked candidate of

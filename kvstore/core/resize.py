@@ -97,10 +97,13 @@ class Resizer:
             rows = rows[idx.tier[rows] == T_DRAM]
             inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
             granted = self.grants.locs() if self.grants is not None else inside[:0]
-            if np.any(idx.pins[inside] > 0) or np.any(idx.state[inside] != S_COMMITTED) or \
+            # a retired block that finds no slot leaves with its subtree: none of it may be held
+            sub = idx.subtree(inside)
+            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != S_COMMITTED) or \
                     t.locs_in_pages(granted, pages).any():
-                raise CapacityError("blocks in the region being retired are pinned or being "
-                                    "written (or its slots are granted to a writer); retry after they are released")
+                raise CapacityError("blocks in the region being retired (or blocks stored under them) are "
+                                    "pinned or being written (or its slots are granted to a writer); "
+                                    "retry after they are released")
             # stop handing out retired pages, then relocate what is there
             t.retire_pages(pages)
             for r in inside.tolist():
@@ -108,13 +111,18 @@ class Resizer:
                     continue
                 n = int(idx.size[r])
                 dst = t.allocate(n, 1)
-                if dst.size == 0:
+                while dst.size == 0 and idx.state[r] != S_FREE:
+                    # policy order, leaf first: a victim in the retired region frees no
+                    # slot but is one block fewer to move; r itself may be the one
                     victims = place.victims(TierKind.DRAM, t.class_of(n), 1)
-                    victims = victims[~t.locs_in_pages(idx.loc[victims], pages)]
-                    if victims.size:
-                        place.drop(victims, DropReason.RESIZED)
-                        evicted += 1
-                        dst = t.allocate(n, 1)
+                    if victims.size == 0:
+                        break
+                    place.drop(victims, DropReason.RESIZED)
+                    evicted += int(victims.size)
+                    dst = t.allocate(n, 1)
+                if idx.state[r] == S_FREE:
+                    t.free(dst)
+                    continue
                 if dst.size == 0:
                     if idx.nchild[r] == 0:
                         place.drop(np.asarray([r]), DropReason.RESIZED)

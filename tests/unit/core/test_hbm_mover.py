@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tests.conftest import chain, payload_for  # noqa: E402
-from kvstore.errors import InvalidArgument, KeyStatus  # noqa: E402
+from kvstore.errors import CapacityError, InvalidArgument, KeyStatus  # noqa: E402
 from kvstore.core.hbm_mover import HbmSpec  # noqa: E402
 from kvstore.core.store import StoreConfig, TieredStore  # noqa: E402
 from tiers.base import TierKind  # noqa: E402
@@ -273,3 +273,65 @@ def test_tenant_over_its_share_of_hbm_is_demoted_first():
         st.put(b, kb2, pl(b, kb2))  # ... but a holds 3/4 > its half: a's block goes down
         assert tiers_of(st, b, kb) == [HBM] and tiers_of(st, b, kb2) == [HBM]
         assert sorted(t for k in ka for t in tiers_of(st, a, [k])) == [HBM, HBM, DRAM]
+
+
+def test_without_ssd_dram_eviction_leaves_a_block_whose_child_is_in_hbm(ns):
+    # nowhere to demote: a DRAM block keeping a child in HBM cannot leave (its
+    # drop alone would orphan the child; with it, a hot HBM block would go)
+    with make(hbm_blocks=4, dram_blocks=2) as st:
+        p = chain(b"p", 2)
+        assert st.put(ns, p[:1], pl(ns, p[:1])).statuses == [KeyStatus.OK]
+        assert st.put(ns, p[1:], pl(ns, p[1:]), parent=p[0], tier=HBM).statuses == [KeyStatus.OK]
+        q = [chain(b"q%d" % i, 1)[0] for i in range(3)]
+        for k in q:  # DRAM holds 2: each new block evicts the other q, never p[0]
+            assert st.put(ns, [k], pl(ns, [k])).statuses == [KeyStatus.OK]
+        assert tiers_of(st, ns, p) == [DRAM, HBM]
+        check_all(st, ns, p + q[2:])
+        st.index.check_invariants()
+
+
+def test_demotion_dram_cannot_take_never_drops_a_leased_block_below(ns):
+    with make(hbm_blocks=1, dram_blocks=2) as st:
+        p = chain(b"p", 2)
+        assert st.put(ns, p[:1], pl(ns, p[:1]), tier=HBM).statuses == [KeyStatus.OK]
+        assert st.put(ns, p[1:], pl(ns, p[1:]), parent=p[0]).statuses == [KeyStatus.OK]
+        q = chain(b"q", 1)
+        assert st.put(ns, q, pl(ns, q)).statuses == [KeyStatus.OK]
+        assert st.acquire(ns, p[1:], owner="r").statuses == [KeyStatus.OK]  # a reader holds p's DRAM child
+        assert st.pin(ns, q).statuses == [KeyStatus.OK]
+        r = chain(b"r", 1)  # ... and DRAM is all pinned: p[0] cannot be demoted to make HBM room
+        assert st.put(ns, r, pl(ns, r), tier=HBM).statuses == [KeyStatus.CAPACITY]
+        assert tiers_of(st, ns, p) == [HBM, DRAM]
+        check_all(st, ns, p + q)
+        st.index.check_invariants()
+
+
+def test_hbm_shrink_refuses_while_a_block_below_a_retired_one_is_leased(ns):
+    with make(hbm_blocks=2, dram_blocks=1) as st:
+        a, b = chain(b"a", 1), chain(b"b", 2)
+        assert st.put(ns, a, pl(ns, a), tier=HBM).statuses == [KeyStatus.OK]  # hbm page 0
+        assert st.put(ns, b[:1], pl(ns, b[:1]), tier=HBM).statuses == [KeyStatus.OK]  # hbm page 1
+        assert st.put(ns, b[1:], pl(ns, b[1:]), parent=b[0]).statuses == [KeyStatus.OK]  # DRAM, full
+        assert st.pin(ns, b[1:]).statuses == [KeyStatus.OK]
+        with pytest.raises(CapacityError):  # b[0] has nowhere to go: it could only leave with b[1]
+            st.resize(HBM, B)
+        assert st.tiers[HBM].capacity_bytes == 2 * B
+        assert tiers_of(st, ns, a + b) == [HBM, HBM, DRAM]
+        check_all(st, ns, a + b)
+        st.index.check_invariants()
+
+
+def test_a_batch_hbm_can_never_hold_demotes_nothing(ns):
+    from kvstore.keys import Namespace
+
+    b = Namespace(tenant="b", model_id="m", block_size=4)
+    with make(hbm_blocks=4, dram_blocks=16) as st:
+        a = [chain(b"a%d" % i, 1)[0] for i in range(4)]
+        for k in a:  # tenant ns fills HBM
+            assert st.put(ns, [k], pl(ns, [k]), tier=HBM).statuses == [KeyStatus.OK]
+        big = chain(b"big", 5)  # more than HBM holds: it goes to DRAM whole ...
+        assert st.put(b, big, pl(b, big), tier=HBM).statuses == [KeyStatus.OK] * 5
+        assert tiers_of(st, b, big) == [DRAM] * 5
+        assert [t for k in a for t in tiers_of(st, ns, [k])] == [HBM] * 4  # ... and moved nobody out of HBM
+        assert st.hbm is not None and st.hbm.demoted == 0
+        st.index.check_invariants()

@@ -75,6 +75,45 @@ def test_shrink_refuses_while_a_retired_block_is_leased(ns):
         assert st.resize(TierKind.DRAM, 2 * BS) == 2
 
 
+def pages_of(st: TieredStore, ns, keys: list[bytes]) -> list[int]:
+    rows = st.index.find(st.namespace_id(ns), keys_to_array(keys))
+    return [int(st.index.loc[r]) // BS for r in rows]
+
+
+def test_shrink_never_drops_a_leased_block_stored_under_a_retired_one(ns):
+    with make(slots=4) as st:
+        w = [chain(b"w%d" % i, 1)[0] for i in range(2)]
+        put_each(st, ns, w)  # pages 0 and 1, freed below
+        c = chain(b"c", 4)
+        assert st.put(ns, c[:2], [P(k) for k in c[:2]]).statuses == [KeyStatus.OK] * 2
+        assert st.remove(ns, w).statuses == [KeyStatus.OK] * 2
+        assert st.put(ns, c[2:], [P(k) for k in c[2:]], parent=c[1]).statuses == [KeyStatus.OK] * 2
+        assert pages_of(st, ns, c) == [2, 3, 1, 0]  # the chain's head is in the pages a shrink to 2 retires
+        assert st.pin(ns, c[3:]).statuses == [KeyStatus.OK]  # a reader holds the tail (page 0, kept)
+        with pytest.raises(CapacityError):  # no room to move the head: it could only leave with the tail
+            st.resize(TierKind.DRAM, 2 * BS)
+        assert st.dram.capacity_bytes == 4 * BS and readable(st, ns, c) == c
+        assert st.unpin(ns, c[3:]).statuses == [KeyStatus.OK]
+        assert st.resize(TierKind.DRAM, 2 * BS) == 2  # unheld: the tail leaves, the head moves down
+        assert readable(st, ns, c) == c[:2]
+        st.index.check_invariants()
+
+
+def test_shrink_evicts_in_policy_order_when_the_coldest_block_is_being_retired(ns):
+    with make(slots=4) as st:
+        w0, y, x = (chain(t, 1)[0] for t in (b"w0", b"y", b"x"))
+        head, tail = chain(b"hot", 2)
+        put_each(st, ns, [w0, y, head, x])  # pages 0..3
+        assert st.remove(ns, [w0]).statuses == [KeyStatus.OK]
+        assert st.put(ns, [tail], [P(tail)], parent=head).statuses == [KeyStatus.OK]
+        assert pages_of(st, ns, [y, head, x, tail]) == [1, 2, 3, 0]
+        st.get(ns, [y])
+        st.get(ns, [head, tail])  # LRU order, coldest first: x, y, then the hot chain
+        assert st.resize(TierKind.DRAM, 2 * BS) == 2
+        assert readable(st, ns, [y, head, x, tail]) == [head, tail]  # x and y left, not the hot chain
+        st.index.check_invariants()
+
+
 def test_resize_of_a_tier_that_is_not_configured(ns):
     with make() as st:
         with pytest.raises(NotFound):
