@@ -235,9 +235,16 @@ class StoreCollector(Collector):
         }
         for name, value in scalars.items():
             f[name].add_metric([], value)
-        for ns in sorted(st.namespaces, key=lambda n: n.label):
-            f["kvstore_namespace_lookup_blocks"].add_metric([ns.label], ns.queried_blocks)
-            f["kvstore_namespace_lookup_hit_blocks"].add_metric([ns.label], ns.hit_blocks)
+        # the label leaves out fields (salt, weights digest, layout...): namespaces that
+        # share it are one series, summed (two samples with one label set would clash)
+        per_label: dict[str, list[int]] = {}
+        for ns in st.namespaces:
+            sums = per_label.setdefault(ns.label, [0, 0])
+            sums[0] += ns.queried_blocks
+            sums[1] += ns.hit_blocks
+        for label, (queried, hit) in sorted(per_label.items()):
+            f["kvstore_namespace_lookup_blocks"].add_metric([label], queried)
+            f["kvstore_namespace_lookup_hit_blocks"].add_metric([label], hit)
         f["kvstore_eviction_policy"].add_metric([], {"policy": str(st.policy)})
         return list(f.values())
 

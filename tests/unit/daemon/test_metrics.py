@@ -105,6 +105,29 @@ def test_collector_values_from_real_store(store: TieredStore) -> None:
     assert sample(text, "kvstore_lookup_hit_blocks_total") == 6
 
 
+def test_namespaces_sharing_a_label_are_one_summed_series(store: TieredStore) -> None:
+    """The label leaves out the salt (and weights digest, layout...): two
+    namespaces that differ only there once gave two samples with the same
+    label set, which Prometheus refuses as duplicates (and the per-namespace
+    hit ratio read one of them)."""
+    a = Namespace(tenant="acme", model_id="llama", salt="user-1")
+    b = Namespace(tenant="acme", model_id="llama", salt="user-2")
+    keys = _keys(3, 2)
+    for ns in (a, b):
+        assert store.put(ns, keys, [np.zeros(BLOCK, np.uint8)] * 2).ok
+    assert store.lookup(a, keys).hit_blocks == 2
+    assert store.lookup(b, keys[:1] + _keys(4, 1)).hit_blocks == 1
+
+    text = Metrics(store.stats).render().decode()
+    label = 'namespace="acme/llama/bfloat16/bs16"'
+    for name, want in (("kvstore_namespace_lookup_blocks_total", 4),
+                       ("kvstore_namespace_lookup_hit_blocks_total", 3)):
+        lines = [line for line in text.splitlines() if line.startswith(f"{name}{{{label}}}")]
+        assert len(lines) == 1, lines
+        assert sample(text, name, namespace="acme/llama/bfloat16/bs16") == want
+
+
+
 def test_reservations_leases_and_capacity_rejects(store: TieredStore) -> None:
     ns = Namespace(tenant="t", model_id="m")
     slots = (1 << 20) // BLOCK
