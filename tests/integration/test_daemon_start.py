@@ -1,0 +1,48 @@
+"""A daemon whose start fails (a port taken, a TLS file missing) leaves
+nothing behind: its slab and owner file in /dev/shm were made before the
+failure and used to stay until another daemon's start swept them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any, Iterator
+
+import pytest
+
+from kvstore.config import load_config
+from kvstore.daemon import server
+
+
+def _shm_files() -> set[str]:
+    uid = os.getuid()
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith((f"kvstore-{uid}-{os.getpid()}-", f"kvstore.owner-{uid}-"))}
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _fails_to_start(overrides: dict[str, Any]) -> None:
+    config = load_config(None, {}, {"metrics.port": 0, "dram.capacity": "16MiB", **overrides})
+    before = _shm_files()
+    with pytest.raises((OSError, RuntimeError)):
+        asyncio.run(server.start(config))
+    assert _shm_files() - before == set()
+
+
+def test_port_taken_leaves_no_slab(taken_port: int) -> None:
+    _fails_to_start({"server.port": taken_port})  # a fixed address: an owner file too
+
+
+def test_missing_tls_key_leaves_no_slab(tmp_path) -> None:
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not used: the key is read first\n")
+    _fails_to_start({"server.port": 0, "server.tls_cert_file": str(cert),
+                     "server.tls_key_file": str(tmp_path / "missing.key")})
