@@ -39,17 +39,23 @@ class Auth:
         self.rates: dict[str, RateLimit] = {}
         """tenant -> Admit rate limit (tenants_file ``rate_limit_rps``)."""
         s = cfg.server
-        if s.auth_token_file:
-            with open(s.auth_token_file) as f:
-                tok = f.read().strip()
-            if not tok:
+        if s.auth_token_file:  # tokens one per line
+            try:
+                with open(s.auth_token_file) as f:
+                    toks = [line.strip() for line in f.read().splitlines() if line.strip()]
+            except OSError as e:
+                raise InvalidArgument(f"server.auth_token_file {s.auth_token_file} cannot be read: "
+                                      f"{e.strerror or e}") from None
+            if not toks:
                 raise InvalidArgument(f"server.auth_token_file {s.auth_token_file} is empty")
-            self._add(tok, Principal("default", True), "server.auth_token_file")
-        if s.auth_token_env:
-            tok = env.get(s.auth_token_env, "").strip()
-            if not tok:
+            for tok in toks:
+                self._add(tok, Principal("default", True), "server.auth_token_file")
+        if s.auth_token_env:  # tokens comma-separated
+            toks = [t.strip() for t in env.get(s.auth_token_env, "").split(",") if t.strip()]
+            if not toks:
                 raise InvalidArgument(f"server.auth_token_env names {s.auth_token_env}, which is unset or empty")
-            self._add(tok, Principal("default", True), "server.auth_token_env")
+            for tok in toks:
+                self._add(tok, Principal("default", True), "server.auth_token_env")
         if s.tenants_file:
             for i, t in enumerate(_tenant_entries(s.tenants_file)):
                 name, tok = t.get("name"), str(t.get("token") or "").strip()

@@ -115,3 +115,22 @@ def test_a_tenants_file_that_would_be_ignored_or_crash_is_refused(tmp_path: Path
     assert "server.tenants_file" in str(exc.value)
     with pytest.raises(InvalidArgument, match="cannot be read"):
         Auth(load_config(None, {}, {"server.tenants_file": str(tmp_path / "missing.toml")}), env={})
+
+
+def test_token_file_one_per_line_and_env_comma_separated(tmp_path: Path) -> None:
+    """As config.py documents: server.auth_token_file holds tokens one per
+    line, server.auth_token_env's variable comma-separated. Both were read as
+    one token ("a\\nb"), which no client can send: nobody authenticated."""
+    f = tmp_path / "tokens"
+    f.write_text("tok-a\n\n  tok-b  \n")
+    a = Auth(load_config(None, {}, {"server.auth_token_file": str(f)}), env={})
+    b = Auth(load_config(None, {}, {"server.auth_token_env": "T"}), env={"T": "x1, x2,"})
+    for auth, toks in ((a, ("tok-a", "tok-b")), (b, ("x1", "x2"))):
+        for tok in toks:
+            assert auth.principal(_md(tok)) == Principal("default", True)
+        with pytest.raises(Unauthenticated):
+            auth.principal(_md(",".join(toks)))
+    with pytest.raises(InvalidArgument, match="cannot be read"):
+        Auth(load_config(None, {}, {"server.auth_token_file": str(tmp_path / "missing")}), env={})
+    with pytest.raises(InvalidArgument, match="unset or empty"):
+        Auth(load_config(None, {}, {"server.auth_token_env": "T"}), env={"T": " , "})
