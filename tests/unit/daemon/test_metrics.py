@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.keys import Namespace
-from kvstore.daemon.metrics import OP_BUCKETS, Metrics, loop_stats_fn
+from kvstore.daemon.metrics import MAX_TENANT_LABELS, OP_BUCKETS, OTHER_TENANT, Metrics, loop_stats_fn
 from kvstore.core.store import StoreConfig, TieredStore
 
 yaml = pytest.importorskip("yaml")
@@ -369,3 +369,18 @@ def test_dashboard_uses_only_exported_metrics(store: TieredStore) -> None:
         assert needed in used_all, needed
     ids = [p["id"] for p in doc["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_admission_tenant_label_is_bounded(store: TieredStore) -> None:
+    """Without auth the tenant of an Admit is whatever the request names:
+    each new name was a new series for the daemon's life (a client looping
+    over tenant names grew /metrics and the daemon without bound)."""
+    m = Metrics(store.stats)
+    for i in range(MAX_TENANT_LABELS + 50):
+        m.admission_decision(f"t{i}", "admit", "ok", 0.01)
+    m.admission_decision("t0", "admit", "ok", 0.01)  # a tenant that has its label keeps it
+    text = m.render().decode()
+    tenants = set(re.findall(r'^kvstore_admission_decisions_total\{[^}]*tenant="([^"]*)"', text, re.M))
+    assert len(tenants) == MAX_TENANT_LABELS + 1 and OTHER_TENANT in tenants
+    assert sample(text, "kvstore_admission_decisions_total", kind="admit", reason="ok", tenant=OTHER_TENANT) == 50
+    assert sample(text, "kvstore_admission_decisions_total", kind="admit", reason="ok", tenant="t0") == 2
