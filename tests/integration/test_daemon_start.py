@@ -46,3 +46,23 @@ def test_missing_tls_key_leaves_no_slab(tmp_path) -> None:
     cert.write_text("not used: the key is read first\n")
     _fails_to_start({"server.port": 0, "server.tls_cert_file": str(cert),
                      "server.tls_key_file": str(tmp_path / "missing.key")})
+
+
+def test_dram_capacity_beyond_dev_shm_is_refused_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """The slab is a sparse file in /dev/shm: a dram.capacity larger than
+    /dev/shm can back was accepted (a resize to it is refused), and the put
+    that found tmpfs full would have killed the daemon with SIGBUS."""
+    from kvstore.config import ConfigError
+    from kvstore.tools.cli import main
+
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    before = _shm_files()
+    config = load_config(None, {}, {"server.port": 0, "metrics.port": 0, "dram.capacity": too_big})
+    with pytest.raises(ConfigError, match="dram.capacity") as exc:
+        asyncio.run(server.start(config))
+    assert exc.value.key == "dram.capacity"
+    assert main(["serve", "--port", "0", "--metrics-port", "0", "--dram", str(too_big)]) == 2
+    err = capsys.readouterr().err
+    assert "dram.capacity" in err and "/dev/shm" in err and "Traceback" not in err
+    assert _shm_files() - before == set()
