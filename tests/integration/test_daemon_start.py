@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from kvstore.config import load_config
+from kvstore.config import ConfigError, load_config
 from kvstore.daemon import server
 
 
@@ -32,7 +32,7 @@ def taken_port() -> Iterator[int]:
 def _fails_to_start(overrides: dict[str, Any]) -> None:
     config = load_config(None, {}, {"metrics.port": 0, "dram.capacity": "16MiB", **overrides})
     before = _shm_files()
-    with pytest.raises((OSError, RuntimeError)):
+    with pytest.raises((OSError, RuntimeError, ConfigError)):
         asyncio.run(server.start(config))
     assert _shm_files() - before == set()
 
@@ -52,7 +52,6 @@ def test_dram_capacity_beyond_dev_shm_is_refused_at_start(capsys: pytest.Capture
     """The slab is a sparse file in /dev/shm: a dram.capacity larger than
     /dev/shm can back was accepted (a resize to it is refused), and the put
     that found tmpfs full would have killed the daemon with SIGBUS."""
-    from kvstore.config import ConfigError
     from kvstore.tools.cli import main
 
     st = os.statvfs("/dev/shm")
@@ -65,4 +64,38 @@ def test_dram_capacity_beyond_dev_shm_is_refused_at_start(capsys: pytest.Capture
     assert main(["serve", "--port", "0", "--metrics-port", "0", "--dram", str(too_big)]) == 2
     err = capsys.readouterr().err
     assert "dram.capacity" in err and "/dev/shm" in err and "Traceback" not in err
+    assert _shm_files() - before == set()
+
+
+def test_unusable_tls_files_are_a_config_error_naming_the_key(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A TLS file that is not PEM (or a key that is not the certificate's)
+    made grpc fail to listen with "Failed to bind to address 127.0.0.1:P"
+    (exit 1), which points at the port; a missing one gave a bare errno."""
+    from kvstore.tools.cli import main
+    from tests.support.tls import make_ca
+
+    ca = make_ca(tmp_path / "ca")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM\n")
+    cases = [
+        ({"server.tls_cert_file": str(junk), "server.tls_key_file": str(junk)}, "server.tls_cert_file"),
+        ({"server.tls_cert_file": ca.cert, "server.tls_key_file": str(tmp_path / "nope.key")},
+         "server.tls_key_file"),
+        ({"server.tls_cert_file": ca.cert, "server.tls_key_file": ca.key, "server.tls_client_ca_file": str(junk)},
+         "server.tls_client_ca_file"),
+    ]
+    before = _shm_files()
+    for overrides, key in cases:
+        config = load_config(None, {}, {"server.port": 0, "metrics.port": 0, "dram.capacity": "16MiB", **overrides})
+        with pytest.raises(ConfigError, match=key) as exc:
+            asyncio.run(server.start(config))
+        assert exc.value.key == key
+    argv = ["serve", "--port", "0", "--metrics-port", "0", "--dram", "16MiB"]
+    env = {"KVSTORE_SERVER_TLS_CERT_FILE": str(junk), "KVSTORE_SERVER_TLS_KEY_FILE": str(junk)}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "server.tls_cert_file" in err and "bind" not in err
     assert _shm_files() - before == set()
