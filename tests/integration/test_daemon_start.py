@@ -99,3 +99,20 @@ def test_unusable_tls_files_are_a_config_error_naming_the_key(tmp_path, capsys: 
     err = capsys.readouterr().err
     assert "server.tls_cert_file" in err and "bind" not in err
     assert _shm_files() - before == set()
+
+
+def test_admin_config_shows_the_running_capacity_and_policy(make_daemon) -> None:
+    """`kvstore admin config` "prints the whole running tree": after a resize
+    and a policy switch it still printed the capacity and policy of start."""
+    import tomllib
+
+    from kvstore.client import Client
+
+    d = make_daemon(dram__capacity="8MiB", dram__page_size="1MiB")
+    with Client(d.target, use_shm=False) as c:
+        c.admin_resize("dram", 4 << 20)
+        c.admin_set_policy("lfu")
+        running = tomllib.loads(c.admin_get_config())
+    assert running["dram"]["capacity"] == "4MiB"
+    assert running["eviction"]["policy"] == "lfu"
+    assert d.config.dram.capacity == 8 << 20  # the config read at start is unchanged
