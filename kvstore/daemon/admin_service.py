@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from kvstore import errors
+from kvstore.config import Config
 from kvstore.daemon.auth import Principal
 from kvstore.daemon.rpc import rpc
 from kvstore.daemon.state import DaemonState
@@ -22,7 +23,18 @@ class AdminService(DaemonState, pb_grpc.AdminServicer):
     # ------------------------------------------------------------- admin
     @rpc("GetConfig", admin=True)
     async def GetConfig(self, request: pb.GetConfigRequest, context: Any, who: Principal) -> pb.GetConfigResponse:
-        return pb.GetConfigResponse(toml=self.config.to_toml(), json=json.dumps(self.config.to_dict()))
+        running = self.running_config()
+        return pb.GetConfigResponse(toml=running.to_toml(), json=json.dumps(running.to_dict()))
+
+    def running_config(self) -> Config:
+        """The config as the daemon runs now: with the capacities and the
+        eviction policy that ResizeTier and SetEvictionPolicy changed since
+        start (the config read at start is kept as it was)."""
+        changes: dict[str, Any] = {"eviction.policy": self.store.policy.name.value}
+        for tier, t in self.store.tiers.items():
+            if tier in (TierKind.DRAM, TierKind.SSD, TierKind.HBM):
+                changes[f"{tier.label}.capacity"] = t.capacity_bytes
+        return self.config.replace(**changes)
 
     @rpc("ResizeTier", admin=True)
     async def ResizeTier(self, request: pb.ResizeTierRequest, context: Any, who: Principal) -> pb.ResizeTierResponse:

@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 from kvstore.core.store import StoreStats
 from tiers.base import TierKind
 
-__all__ = ["OP_BUCKETS", "PREFIX", "Metrics", "StoreCollector", "exported_names",
+__all__ = ["MAX_TENANT_LABELS", "OP_BUCKETS", "OTHER_TENANT", "PREFIX", "Metrics", "StoreCollector", "exported_names",
            "loop_stats_fn", "tier_label"]
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,11 @@ OP_BUCKETS: tuple[float, ...] = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )
 """Latency buckets of ``kvstore_op_seconds``: 50 µs to 5 s (+Inf above)."""
+
+MAX_TENANT_LABELS = 256
+"""Distinct ``tenant`` label values of ``kvstore_admission_decisions_total``
+(without auth a request names any tenant it likes); later ones are ``OTHER_TENANT``."""
+OTHER_TENANT = "_other"
 
 _SUFFIXES: dict[str, tuple[str, ...]] = {
     # sample-name suffixes each metric type exposes in the text format
@@ -235,9 +240,16 @@ class StoreCollector(Collector):
         }
         for name, value in scalars.items():
             f[name].add_metric([], value)
-        for ns in sorted(st.namespaces, key=lambda n: n.label):
-            f["kvstore_namespace_lookup_blocks"].add_metric([ns.label], ns.queried_blocks)
-            f["kvstore_namespace_lookup_hit_blocks"].add_metric([ns.label], ns.hit_blocks)
+        # the label leaves out fields (salt, weights digest, layout...): namespaces that
+        # share it are one series, summed (two samples with one label set would clash)
+        per_label: dict[str, list[int]] = {}
+        for ns in st.namespaces:
+            sums = per_label.setdefault(ns.label, [0, 0])
+            sums[0] += ns.queried_blocks
+            sums[1] += ns.hit_blocks
+        for label, (queried, hit) in sorted(per_label.items()):
+            f["kvstore_namespace_lookup_blocks"].add_metric([label], queried)
+            f["kvstore_namespace_lookup_hit_blocks"].add_metric([label], hit)
         f["kvstore_eviction_policy"].add_metric([], {"policy": str(st.policy)})
         return list(f.values())
 
@@ -324,6 +336,7 @@ class Metrics:
         self._http_thread: threading.Thread | None = None
         self._op_children: dict[str, Any] = {}
         self._tier_children: dict[int, Any] = {}
+        self._tenant_labels: set[str] = set()
 
     # ---------------------------------------------------------- direct updates
     def observe(self, op: str, seconds: float) -> None:
@@ -363,7 +376,14 @@ class Metrics:
             self.inline_bytes_total.labels(direction=direction).inc(nbytes)
 
     def admission_decision(self, tenant: str, kind: str, reason: str, predicted_s: float) -> None:
-        """Count an Admit decision and observe its predicted TTFT."""
+        """Count an Admit decision and observe its predicted TTFT. Without
+        auth the tenant is whatever the request names: past
+        ``MAX_TENANT_LABELS`` distinct tenants, new ones count as ``OTHER_TENANT``."""
+        if tenant not in self._tenant_labels:
+            if len(self._tenant_labels) >= MAX_TENANT_LABELS:
+                tenant = OTHER_TENANT
+            else:
+                self._tenant_labels.add(tenant)
         self.admission_decisions.labels(kind=kind, reason=reason, tenant=tenant).inc()
         self.predicted_ttft.observe(predicted_s)
 

@@ -75,13 +75,29 @@ class Running:
 
 
 async def start(config: Config, store: TieredStore | None = None) -> Running:
-    """Build and start the daemon's gRPC server on the running loop."""
+    """Build and start the daemon's gRPC server on the running loop. When
+    start fails (a port taken, a TLS file missing, the cluster unreachable),
+    what it built goes again: the store it made (and so its slab in
+    /dev/shm) is closed; a ``store`` passed in is left to its caller."""
     s = config.server
     opts = [("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
             ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(options=opts)
     daemon = Daemon(config, store)
+    try:
+        return await _start(config, server, daemon)
+    except BaseException:
+        await server.stop(0)
+        daemon.stop_background()
+        if store is None:
+            slab_owner.forget(daemon.identity, daemon.store.dram.name)
+            daemon.store.close()
+        raise
+
+
+async def _start(config: Config, server: grpc.aio.Server, daemon: Daemon) -> Running:
+    s = config.server
     # undecodable request bytes: INVALID_ARGUMENT and one rate-limited log line per peer (decode.py)
     guard = daemon.decode_guard = DecodeGuard(
         lambda method: daemon.metrics.rejected(method, "INVALID_ARGUMENT"),

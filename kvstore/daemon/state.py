@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from typing import Any
@@ -20,7 +21,7 @@ from admission.qos import QosClass, QosConfig, QosGate, QosRejected
 from admission.quota import TenantRateLimiter
 from admission.slo import AdmissionConfig, AdmissionController, PredictorConfig, TTFTPredictor
 from kvstore import errors
-from kvstore.config import Config
+from kvstore.config import Config, ConfigError, format_size
 from kvstore.core.eviction import PolicyName
 from kvstore.core.ssd_mover import SsdSpec, WriteMode
 from kvstore.core.hbm_mover import spec_from_config as hbm_spec_from_config
@@ -51,6 +52,8 @@ class DaemonState:
         self.identity = slab_owner.identity(config) if store is None else ""
         self.reclaimed_slab = slab_owner.reclaim_predecessor(self.identity, config.dram.shm_name)
         self.swept = slab_owner.sweep_dead() if store is None else []  # other dead daemons' slabs
+        if store is None:
+            check_dram_room(config)
         self.disk = DiskWorker(store or TieredStore(store_config(config, self.auth.shares)))
         slab_owner.record(self.identity, self.disk.raw.dram.name)
         self.store = self.disk.store  # each call under the store lock; disk-bound ones on the disk worker
@@ -188,6 +191,21 @@ class DaemonState:
         for t in self._tasks:
             t.cancel()
         self.disk.close()
+
+
+def check_dram_room(config: Config, shm_dir: str = slab_owner.SHM_DIR) -> None:
+    """Refuse at start a ``dram.capacity`` that the shared-memory file system
+    cannot back, as a resize past it is refused (kvstore/core/resize.py): the
+    slab is a sparse file, so it would be accepted, and the first write
+    that finds tmpfs full would kill the daemon (and clients that map the
+    slab) with SIGBUS."""
+    st = os.statvfs(shm_dir)
+    free = int(st.f_bavail) * int(st.f_frsize)
+    cap = config.dram.capacity
+    if cap > free:
+        raise ConfigError(f"dram.capacity: {format_size(cap)} ({cap} bytes) is more than {shm_dir} can back "
+                          f"({free} bytes free): lower dram.capacity (--dram) or give {shm_dir} more room",
+                          key="dram.capacity")
 
 
 def store_config(config: Config, shares: dict[str, float] | None = None) -> StoreConfig:

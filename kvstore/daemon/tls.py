@@ -14,23 +14,53 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import ssl
 
 import grpc
 
-from kvstore.config import Config, ServerConfig
+from kvstore.config import Config, ConfigError, ServerConfig
 
 log = logging.getLogger("kvstore.daemon.tls")
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _read(path: str, key: str = "") -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        if not key:
+            raise
+        raise ConfigError(f"{key}: {path} cannot be read: {e.strerror or e}", key=key) from None
+
+
+def check_server_files(s: ServerConfig) -> None:
+    """ConfigError naming the key when the TLS files cannot serve: grpc takes
+    any bytes and then fails to listen with "Failed to bind to address",
+    which points at the port instead."""
+    for key in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        if getattr(s, key):
+            _read(getattr(s, key), f"server.{key}")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(s.tls_cert_file, s.tls_key_file, password=lambda: b"")
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"server.tls_cert_file / server.tls_key_file ({s.tls_cert_file}, {s.tls_key_file}): "
+                          f"not a PEM certificate chain and its unencrypted private key: {e}",
+                          key="server.tls_cert_file") from None
+    if s.tls_client_ca_file:
+        try:
+            ctx.load_verify_locations(cafile=s.tls_client_ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"server.tls_client_ca_file ({s.tls_client_ca_file}): not a PEM CA bundle: {e}",
+                              key="server.tls_client_ca_file") from None
 
 
 def server_credentials(s: ServerConfig) -> grpc.ServerCredentials | None:
-    """The gRPC server's credentials; None with TLS off."""
+    """The gRPC server's credentials; None with TLS off. ConfigError naming
+    the key when a file cannot be read or used."""
     if not s.tls_cert_file:
         return None
+    check_server_files(s)
     ca = _read(s.tls_client_ca_file) if s.tls_client_ca_file else None
     return grpc.ssl_server_credentials([(_read(s.tls_key_file), _read(s.tls_cert_file))], root_certificates=ca,
                                        require_client_auth=ca is not None)

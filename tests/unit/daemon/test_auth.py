@@ -89,3 +89,48 @@ def test_a_tenant_token_is_compared_as_sent_stripped(tmp_path: Path) -> None:
     p.write_text('[[tenant]]\nname = "acme"\ntoken = "  "\n')
     with pytest.raises(InvalidArgument, match="entry 0 needs name and token"):
         Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[[tenants]]\nname = "acme"\ntoken = "tok-acme"\n', "unknown key"),    # a typo: auth was off
+    ("# tenants come later\n", "defines no"),                                # auth was off
+    ('tenant = "acme"\n', "must be"),                                        # AttributeError
+    ('[[tenant]]\nname = "acme"\ntoken = "t"\nshaer = 0.5\n', "unknown key"),  # share was unset
+    ('[[tenant]]\nname = "acme"\ntoken = "t"\nshare = "half"\n', "share = 'half'"),  # ValueError
+    ('[[tenant]]\nname = "acme"\ntoken = "t"\nshare = 1.5\n', "share = 1.5"),
+    ('[[tenant]]\nname = "acme"\ntoken = "t"\nrate_limit_rps = "fast"\n', "rate_limit_rps"),
+    ('[[tenant]]\nname = "acme"\ntoken = "t"\nrate_limit_rps = 0\n', "rate_per_s must be > 0"),
+    ('[[tenant\nname = "acme"\n', "not valid TOML"),                         # TOMLDecodeError
+], ids=["typo-tenants", "no-tenant", "not-tables", "typo-share", "share-text", "share-over-1",
+        "rps-text", "rps-zero", "bad-toml"])
+def test_a_tenants_file_that_would_be_ignored_or_crash_is_refused(tmp_path: Path, text: str, match: str) -> None:
+    """A tenants file that defines no tenant left auth off (every caller
+    admin, tenant from the namespace) while the config said auth was on;
+    bad values or TOML raised a bare ValueError/TOMLDecodeError, a traceback
+    out of `kvstore serve`. Each is an InvalidArgument (exit 2) naming the file."""
+    p = tmp_path / "tenants.toml"
+    p.write_text(text)
+    with pytest.raises(InvalidArgument, match=match) as exc:
+        Auth(load_config(None, {}, {"server.tenants_file": str(p)}), env={})
+    assert "server.tenants_file" in str(exc.value)
+    with pytest.raises(InvalidArgument, match="cannot be read"):
+        Auth(load_config(None, {}, {"server.tenants_file": str(tmp_path / "missing.toml")}), env={})
+
+
+def test_token_file_one_per_line_and_env_comma_separated(tmp_path: Path) -> None:
+    """As config.py documents: server.auth_token_file holds tokens one per
+    line, server.auth_token_env's variable comma-separated. Both were read as
+    one token ("a\\nb"), which no client can send: nobody authenticated."""
+    f = tmp_path / "tokens"
+    f.write_text("tok-a\n\n  tok-b  \n")
+    a = Auth(load_config(None, {}, {"server.auth_token_file": str(f)}), env={})
+    b = Auth(load_config(None, {}, {"server.auth_token_env": "T"}), env={"T": "x1, x2,"})
+    for auth, toks in ((a, ("tok-a", "tok-b")), (b, ("x1", "x2"))):
+        for tok in toks:
+            assert auth.principal(_md(tok)) == Principal("default", True)
+        with pytest.raises(Unauthenticated):
+            auth.principal(_md(",".join(toks)))
+    with pytest.raises(InvalidArgument, match="cannot be read"):
+        Auth(load_config(None, {}, {"server.auth_token_file": str(tmp_path / "missing")}), env={})
+    with pytest.raises(InvalidArgument, match="unset or empty"):
+        Auth(load_config(None, {}, {"server.auth_token_env": "T"}), env={"T": " , "})

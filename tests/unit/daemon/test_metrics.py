@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.keys import Namespace
-from kvstore.daemon.metrics import OP_BUCKETS, Metrics, loop_stats_fn
+from kvstore.daemon.metrics import MAX_TENANT_LABELS, OP_BUCKETS, OTHER_TENANT, Metrics, loop_stats_fn
 from kvstore.core.store import StoreConfig, TieredStore
 
 yaml = pytest.importorskip("yaml")
@@ -103,6 +103,29 @@ def test_collector_values_from_real_store(store: TieredStore) -> None:
     text = m.render().decode()
     assert sample(text, "kvstore_lookups_total") == 3
     assert sample(text, "kvstore_lookup_hit_blocks_total") == 6
+
+
+def test_namespaces_sharing_a_label_are_one_summed_series(store: TieredStore) -> None:
+    """The label leaves out the salt (and weights digest, layout...): two
+    namespaces that differ only there once gave two samples with the same
+    label set, which Prometheus refuses as duplicates (and the per-namespace
+    hit ratio read one of them)."""
+    a = Namespace(tenant="acme", model_id="llama", salt="user-1")
+    b = Namespace(tenant="acme", model_id="llama", salt="user-2")
+    keys = _keys(3, 2)
+    for ns in (a, b):
+        assert store.put(ns, keys, [np.zeros(BLOCK, np.uint8)] * 2).ok
+    assert store.lookup(a, keys).hit_blocks == 2
+    assert store.lookup(b, keys[:1] + _keys(4, 1)).hit_blocks == 1
+
+    text = Metrics(store.stats).render().decode()
+    label = 'namespace="acme/llama/bfloat16/bs16"'
+    for name, want in (("kvstore_namespace_lookup_blocks_total", 4),
+                       ("kvstore_namespace_lookup_hit_blocks_total", 3)):
+        lines = [line for line in text.splitlines() if line.startswith(f"{name}{{{label}}}")]
+        assert len(lines) == 1, lines
+        assert sample(text, name, namespace="acme/llama/bfloat16/bs16") == want
+
 
 
 def test_reservations_leases_and_capacity_rejects(store: TieredStore) -> None:
@@ -346,3 +369,18 @@ def test_dashboard_uses_only_exported_metrics(store: TieredStore) -> None:
         assert needed in used_all, needed
     ids = [p["id"] for p in doc["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_admission_tenant_label_is_bounded(store: TieredStore) -> None:
+    """Without auth the tenant of an Admit is whatever the request names:
+    each new name was a new series for the daemon's life (a client looping
+    over tenant names grew /metrics and the daemon without bound)."""
+    m = Metrics(store.stats)
+    for i in range(MAX_TENANT_LABELS + 50):
+        m.admission_decision(f"t{i}", "admit", "ok", 0.01)
+    m.admission_decision("t0", "admit", "ok", 0.01)  # a tenant that has its label keeps it
+    text = m.render().decode()
+    tenants = set(re.findall(r'^kvstore_admission_decisions_total\{[^}]*tenant="([^"]*)"', text, re.M))
+    assert len(tenants) == MAX_TENANT_LABELS + 1 and OTHER_TENANT in tenants
+    assert sample(text, "kvstore_admission_decisions_total", kind="admit", reason="ok", tenant=OTHER_TENANT) == 50
+    assert sample(text, "kvstore_admission_decisions_total", kind="admit", reason="ok", tenant="t0") == 2
