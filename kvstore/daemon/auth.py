@@ -24,8 +24,9 @@ class Principal:
 class Auth:
     """Bearer tokens -> principals. Off when no token is configured.
 
-    Sources: ``server.auth_token_file`` (one token, full access, tenant
-    "default"), the env var named by ``server.auth_token_env`` (same), and
+    Sources: ``server.auth_token_file`` (tokens one per line, full access,
+    tenant "default"), the env var named by ``server.auth_token_env`` (same,
+    comma-separated), and
     ``server.tenants_file``: TOML ``[[tenant]] name = "acme" token = "..."
     admin = false``, optionally ``share = 0.5`` (of each tier: over it, the
     tenant's blocks are evicted first) and ``rate_limit_rps = 100`` (Admit).
