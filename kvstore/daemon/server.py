@@ -34,6 +34,7 @@ from kvstore.daemon.admin_service import AdminService
 from kvstore.daemon.cluster_service import ClusterService
 from kvstore.daemon.decode import DecodeGuard, add_guarded
 from kvstore.daemon.kv_service import KVStoreService
+from kvstore.daemon.private import private_umask
 from kvstore.errors import KVStoreError
 from kvstore.daemon.state import PROTOCOL_VERSION, SESSION_MD, store_config
 from kvstore.wire.convert import ns_from_pb
@@ -120,7 +121,8 @@ async def _start(config: Config, server: grpc.aio.Server, daemon: Daemon) -> Run
         address = f"{s.host}:{port}"
     if s.unix_socket:
         uaddr = f"unix:{s.unix_socket}"
-        server.add_secure_port(uaddr, creds) if creds else server.add_insecure_port(uaddr)
+        with private_umask():  # bound here: 0600 from the start, whatever the operator's umask
+            server.add_secure_port(uaddr, creds) if creds else server.add_insecure_port(uaddr)
         address = address or uaddr
     await server.start()
     fast = None

@@ -65,8 +65,6 @@ import mmap
 import os
 import re
 import secrets
-import stat
-import tempfile
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
@@ -75,6 +73,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvstore.checksum import copy_many
+from kvstore.daemon.private import private_dir, private_umask
 from kvstore.daemon import granted
 from kvstore.daemon.auth import Principal
 from kvstore.daemon.shared_index import SharedIndex, sweep_stale
@@ -112,26 +111,6 @@ _REQUESTS = tuple(getattr(pb, name + "Request") for name in CALLS)
 
 def _error(code: grpc.StatusCode, message: str) -> bytes:
     return frames.error_frame(code.value[0], message)
-
-
-def private_dir() -> str:
-    """A directory only the daemon's user may enter (mode 0700, owned by it):
-    ``$XDG_RUNTIME_DIR/kvstore`` when that variable names such a directory,
-    else ``<tmp>/kvstore-<uid>``. Created when missing; a directory of
-    another owner or open to others is refused (Unavailable), never used."""
-    uid = os.getuid()
-    run = os.environ.get("XDG_RUNTIME_DIR", "")
-    base = os.path.join(run, "kvstore") if run and os.path.isdir(run) else \
-        os.path.join(tempfile.gettempdir(), f"kvstore-{uid}")
-    try:
-        os.mkdir(base, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(base)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & 0o077:
-        raise Unavailable(f"{base} is not a private directory of uid {uid} (mode 0700): "
-                          "no same-host socket; set server.lookup_socket")
-    return base
 
 
 def default_path(unix_socket: str) -> str:
@@ -570,7 +549,8 @@ class LookupSocketServer:
         if os.path.exists(self.path):
             os.unlink(self.path)
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_unix_server(lambda: _Connection(self), path=self.path)
+        with private_umask():  # 0600 from the bind on, whatever the operator's umask
+            self.server = await loop.create_unix_server(lambda: _Connection(self), path=self.path)
         os.chmod(self.path, 0o600)
         sweep_stale(SHM_DIR, STAGE_NAME)  # staging files a crashed daemon left before their first put
         self.shared = share_index(self.daemon)

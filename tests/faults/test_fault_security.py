@@ -327,6 +327,30 @@ def test_weakened_hash_namespace_collision_in_one_store(tmp_path, monkeypatch) -
 
 
 # ---------------------------------------------------------- files and modes
+def test_sockets_are_private_from_their_bind_not_from_a_chmod_after(make_daemon, tmp_path, monkeypatch) -> None:
+    """With a umask of 0 a socket is bound 0777: the chmod that follows
+    leaves a window in which anyone could connect and keep the connection.
+    With every chmod of the sockets skipped (the window held open), both are
+    0600 all the same: they are bound under a private umask."""
+    real = os.chmod
+
+    def chmod(path, mode, *a, **kw):
+        if str(path).endswith((".sock", ".lookup")):
+            return None  # as if the daemon had not got to its chmod yet
+        return real(path, mode, *a, **kw)
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    sock = str(tmp_path / "kv.sock")
+    old = os.umask(0)
+    try:
+        d = make_daemon(server__host="", server__unix_socket=sock)
+    finally:
+        os.umask(old)
+    for path in (sock, sock + ".lookup"):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    assert d.store is not None and os.umask(old) == old  # the daemon left the process's umask as it was
+
+
 def test_shm_ssd_and_socket_are_private(make_daemon, tmp_path) -> None:
     old = os.umask(0)  # modes must not depend on the operator's umask
     try:
