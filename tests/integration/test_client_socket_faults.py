@@ -126,3 +126,31 @@ def test_a_read_without_a_lease_survives_a_shrink_of_the_slab_under_it(repo_root
                          cwd=repo_root, timeout=300)
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     assert out.stdout.split()[0] == "survived" and int(out.stdout.split()[1]) >= 12
+
+
+class _DroppedOnUse:
+    """The client's ``SharedPath`` as its keepalive thread leaves it when the
+    daemon goes away: ``Client._shared`` becomes None at any moment, here
+    right at the first use of the object read."""
+
+    def __init__(self, client, shared):
+        self.client, self.shared = client, shared
+
+    def __getattr__(self, name):
+        self.client._shared = None  # (kvstore.client.sync.Client._drain_keepalive, on another thread)
+        return getattr(self.shared, name)
+
+
+def test_the_shared_index_dropped_by_the_keepalive_thread_mid_call_is_no_crash(uds_daemon):
+    """``Client._shared`` is set to None by the keepalive thread: a call
+    that reads it twice (tested, then used) must not meet None the second
+    time (an AttributeError no adapter catches, from any gRPC call)."""
+    ns, keys, data = _stored(uds_daemon)
+    with Client(uds_daemon.target) as c:
+        assert c.lookup(ns, keys).hit_blocks == 2  # (a lookup counted: a tally pending)
+        shared = c._shared
+        for call in (lambda: c.tally_pending, c.flush, lambda: c.stats(False), lambda: c.shared_lookups,
+                     lambda: c.put(ns, keys, data), lambda: c.lookup(ns, keys)):
+            c._shared = _DroppedOnUse(c, shared)
+            call()
+            assert c._shared is None
