@@ -22,6 +22,12 @@ first write costs a page fault, an allocation and a zeroing per 4 KiB. With
 (and the pages a resize adds, before they hold anything): the daemon takes
 all of its memory at start, as an engine's pinned pool does, and no put pays
 for the host's allocation later.
+
+A shrink never makes the file shorter: a same-host client may be copying a
+block out of a retired page that very moment (a read without a lease,
+kvstore/client/shared.py), and reading past the end of a mapped file is a
+SIGBUS that kills it. The retired pages' memory goes back to the host
+(``MADV_REMOVE``) and reads there see zeros, which fail their checksum.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class DramTier(PagedSlots):
         try:
             os.fchmod(self._fd, 0o600)  # umask cannot widen it, but be explicit
             os.ftruncate(self._fd, self._capacity)
+            self._file_bytes = self._capacity
+            """The file's size: at least the capacity (a shrink keeps it, see the module docstring)."""
             if self.populate:
                 self._back(0, self._capacity)
             self._map = self._mmap(self._capacity)
@@ -137,18 +145,20 @@ class DramTier(PagedSlots):
         if new_pages > self._npages:
             new_cap = new_pages * self.page_bytes
             try:
-                os.ftruncate(self._fd, new_cap)
+                if new_cap > self._file_bytes:
+                    os.ftruncate(self._fd, new_cap)
                 if self.populate:
                     self._back(self._capacity, new_cap)
                 new_map = self._mmap(new_cap)
             except (OSError, ValueError, OverflowError, CapacityError) as e:
                 try:
-                    os.ftruncate(self._fd, self._capacity)
+                    os.ftruncate(self._fd, self._file_bytes)
                 except OSError:
                     pass
                 raise CapacityError(f"cannot grow the dram slab to {new_cap} bytes (now {self._capacity} "
                                     f"bytes): {e}") from None
             self._resize_pages(capacity_bytes)
+            self._file_bytes = max(self._file_bytes, new_cap)
             # Outstanding views keep the old mapping alive; both map the same pages.
             self._map = new_map
             self.buf = np.frombuffer(self._map, dtype=np.uint8)
@@ -156,7 +166,10 @@ class DramTier(PagedSlots):
         old = self._resize_pages(capacity_bytes)
         if self._npages == old:
             return
-        os.ftruncate(self._fd, self._capacity)
+        try:  # (the file keeps its size: see the module docstring)
+            self._map.madvise(mmap.MADV_REMOVE, self._capacity, (old - self._npages) * self.page_bytes)
+        except (OSError, ValueError):
+            pass  # (the pages stay backed until the slab is closed: no harm to a reader)
         # clients only touch offsets we hand out, all below the new size
         self.buf = self.buf[: self._capacity]
 

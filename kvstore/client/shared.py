@@ -131,8 +131,10 @@ class SharedPath:
     def nid(self, fast: LookupSocketClient, wire: bytes) -> int | None:
         """The daemon's id of a namespace (asked once over ``fast``; a
         namespace it has no id for yet is asked again after ``NSID_RETRY_S``),
-        or None (also when the socket fails: the caller's socket path reports
-        it). The daemon's refusal raises, as its lookup would."""
+        or None (also when the socket fails: it is closed then, since a read
+        that timed out leaves its answer to come, out of step with the next
+        call's; the caller's next use of the socket reports it). The
+        daemon's refusal raises, as its lookup would."""
         ent = self._nids.get(wire)
         if ent is None or (ent[0] == NO_NSID and time.monotonic() >= ent[1]):
             try:
@@ -140,6 +142,7 @@ class SharedPath:
             except KVStoreError:  # the daemon's answer: the same as the lookup's would be
                 raise
             except OSError:
+                fast.close()
                 return None
             ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
         return None if ent[0] == NO_NSID else ent[0]

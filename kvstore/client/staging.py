@@ -157,7 +157,13 @@ class WriteBehind:
         if self.failed:
             return None
         try:
-            size, path = fast.stage()
+            try:
+                size, path = fast.stage()
+            except KVStoreError:
+                raise
+            except OSError:  # (timed out: its answer is still to come; the next call's use reports it)
+                fast.close()
+                raise
             self.ring = StagingRing(path, size)
         except (KVStoreError, OSError, ValueError) as e:
             log.info("no write-behind puts (%s): puts go through Reserve", e)

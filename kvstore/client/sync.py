@@ -203,9 +203,9 @@ class Client(ControlCalls):
         if self._fast is not None:
             self._fast.close()
             self._fast = None
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
+        shared, self._shared = self._shared, None  # (read once: the keepalive thread may drop it meanwhile)
+        if shared is not None:
+            shared.close()
         if self._keepalive is not None:
             self._keepalive.cancel()
         if self.slab is not None:
@@ -250,22 +250,22 @@ class Client(ControlCalls):
     def tally_pending(self) -> int:
         """Lookups and reads served from the shared index not yet told the
         daemon (sent every 256, 0.1 s, before any other call, or at flush)."""
-        return self._shared.pending + self._shared.reads_pending if self._shared is not None else 0
+        return s.pending + s.reads_pending if (s := self._shared) is not None else 0  # (read once, as in close)
 
     @property
     def shared_reads(self) -> int:
         """``get_into`` calls served from the shared index without a lease."""
-        return self._shared.reads if self._shared is not None else 0
+        return s.reads if (s := self._shared) is not None else 0
 
     @property
     def own_write_reads(self) -> int:
         """Blocks ``get_into`` read from this client's own puts whose Commit was still in flight."""
-        return self._shared.own_blocks if self._shared is not None else 0
+        return s.own_blocks if (s := self._shared) is not None else 0
 
     @property
     def shared_lookups(self) -> int:
         """Lookups answered from the daemon's shared index (no round trip)."""
-        return self._shared.lookups if self._shared is not None else 0
+        return s.lookups if (s := self._shared) is not None else 0
 
     def _own_commits(self) -> bool:
         """Read-your-writes for a shared-index probe that came back short:
@@ -329,8 +329,8 @@ class Client(ControlCalls):
             return staged
         req = self._reserve_request(ns, keys, srcs, parent)
         r = self._unary("Reserve", req)
-        if self._shared is not None:
-            self._shared.known(self._wire_of(ns))  # the namespace exists now: ask for its id again
+        if (shared := self._shared) is not None:
+            shared.known(self._wire_of(ns))  # the namespace exists now: ask for its id again
         if not r.reservation_id:
             return [KeyStatus(x) for x in r.slots.status]
         try:

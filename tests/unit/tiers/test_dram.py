@@ -131,3 +131,42 @@ def test_populate_that_the_host_cannot_back_is_a_clear_error(monkeypatch):
         assert os.stat(t.path).st_blocks * 512 >= 32 * B
     finally:
         t.close()
+
+
+_SHRINK_UNDER_A_READER = """
+import mmap, os
+import numpy as np
+from tiers.dram import DramTier
+B = 4096
+t = DramTier(4 * B, page_bytes=B, copy_threads=1)
+top = t.allocate(B, 4)
+t.write(top, [bytes([i + 1]) * B for i in range(4)])
+fd = os.open(t.path, os.O_RDONLY)
+client = np.frombuffer(mmap.mmap(fd, 4 * B, access=mmap.ACCESS_READ), np.uint8)  # a client's mapping
+os.close(fd)
+loc = int(top.max())
+assert client[loc] != 0
+t.free(top[2:])
+t.resize(2 * B)
+backed = t.host_room()[0]
+print(int(client[loc : loc + B].max()), os.fstat(t._fd).st_size, backed <= 2 * B, flush=True)
+t.resize(4 * B)  # grows back in place: the kept blocks are still there
+print(t.view(int(top[0]), B).tobytes() == bytes([1]) * B, os.fstat(t._fd).st_size)
+t.close()
+"""
+
+
+def test_a_shrink_keeps_the_file_so_a_reader_of_a_retired_page_sees_zeros_not_sigbus():
+    """A same-host client reading without a lease (kvstore/client/shared.py)
+    may still be copying a block out of a page a shrink retires: the file
+    keeps its size (reading past its end would be a SIGBUS that kills the
+    client), and the retired pages' memory goes back to the host, so the
+    reader sees zeros (a checksum mismatch: a miss)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHRINK_UNDER_A_READER], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+                         timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["0", str(4 * B), "True", "True", str(4 * B)]
