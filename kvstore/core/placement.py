@@ -42,7 +42,7 @@ from tiers.dram import DramTier
 class LowerTier(Protocol):
     """What placement needs from the tier below DRAM (``SsdMover``)."""
 
-    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> None: ...
+    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray: ...
 
     def free_copies(self, rows: np.ndarray) -> None: ...
 
@@ -259,6 +259,7 @@ class Placement:
         protect = np.unique(protect)
         pin = protect if self.lower is None else protect[:0]
         self.index.pins[pin] += 1
+        stuck: list[np.ndarray] = []  # victims that stayed (a held block below): pinned, not picked again
         try:
             cls = t.class_of(nbytes)
             while got < count:
@@ -268,7 +269,10 @@ class Placement:
                     if victims.size == 0:
                         break
                 if self.lower is not None:
-                    self.lower.evict_dram(victims, keep=protect)
+                    stay = self.lower.evict_dram(victims, keep=protect)
+                    if stay.size:
+                        self.index.pins[stay] += 1
+                        stuck.append(stay)
                 else:
                     self.drop(victims, DropReason.EVICTED)
                 more = t.allocate(nbytes, count - got)
@@ -276,6 +280,8 @@ class Placement:
                 got += more.size
         finally:
             self.index.pins[pin] -= 1
+            for stay in stuck:
+                self.index.pins[stay] -= 1
         return np.concatenate(parts)
 
     def evict_plan(self, tier: TierKind, nbytes: int, count: int, for_ns: int | None) -> int:

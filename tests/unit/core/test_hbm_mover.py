@@ -335,3 +335,48 @@ def test_a_batch_hbm_can_never_hold_demotes_nothing(ns):
         assert [t for k in a for t in tiers_of(st, ns, [k])] == [HBM] * 4  # ... and moved nobody out of HBM
         assert st.hbm is not None and st.hbm.demoted == 0
         st.index.check_invariants()
+
+
+def test_failed_ssd_demotion_never_drops_a_leased_or_reserved_hbm_block_below(ns, tmp_path):
+    """A DRAM block with HBM children must be demoted to SSD to leave DRAM;
+    when that write fails it may be dropped only with an unheld subtree: a
+    leased HBM child (read in place) and a reserved one (being written) stay,
+    and so does their DRAM parent."""
+    import errno
+
+    from kvstore.core.ssd_mover import SsdSpec
+    from tests.unit.tiers.test_ssd import FaultyFs
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=2, dram_blocks=2, ssd=ssd) as st:
+        p = chain(b"p", 3)
+        assert st.put(ns, p[:1], pl(ns, p[:1])).statuses == [KeyStatus.OK]  # DRAM
+        assert st.put(ns, p[1:2], pl(ns, p[1:2]), parent=p[0], tier=HBM).statuses == [KeyStatus.OK]
+        lease = st.acquire(ns, p[1:2], owner="r", tier=HBM)
+        assert lease.statuses == [KeyStatus.OK] and lease.tier_codes[0] == HBM
+        resv = st.reserve(ns, p[2:3], B, owner="w", parent=p[0], tier=HBM)
+        assert resv.statuses == [KeyStatus.OK] and resv.tier_codes[0] == HBM
+        held = [int(lease.offsets[0]), int(resv.offsets[0])]
+        assert tiers_of(st, ns, p[:2]) == [DRAM, HBM]
+        fs = FaultyFs()
+        st.ssd.tier.fs = fs
+        fs.fail_write = errno.EIO
+        q = chain(b"q", 2)  # DRAM holds 2: p[0] must leave, and its SSD write fails
+        st.put(ns, q, pl(ns, q))
+        assert st.ssd.write_errors >= 1
+        assert tiers_of(st, ns, p[:2]) == [DRAM, HBM]  # nothing under the holders moved or went
+        # the held slots were not handed to anyone else
+        z = chain(b"z", 2)
+        st.put(ns, z, pl(ns, z), tier=HBM)
+        rows = st.index.used_rows()
+        on_hbm = rows[st.index.tier[rows] == HBM]
+        assert sorted(st.index.loc[on_hbm].tolist()) == sorted(held)
+        import torch
+
+        st.hbm.tier.view(held[1], B).copy_(torch.frombuffer(bytearray(pl(ns, p[2:3])[0]), dtype=torch.uint8))
+        assert st.commit(resv.handle, "w").statuses == [KeyStatus.OK]
+        st.release(lease.handle, "r")
+        fs.fail_write = None
+        check_all(st, ns, p)
+        st.index.check_invariants()
