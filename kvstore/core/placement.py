@@ -29,7 +29,7 @@ from kvstore.core.eviction import (
     select_subtrees,
     select_victims,
 )
-from kvstore.core.index import HITS_MAX, S_COMMITTED, S_DOOMED, TICK_MAX, BlockIndex, BlockState
+from kvstore.core.index import HITS_MAX, S_COMMITTED, S_DOOMED, S_RESERVED, TICK_MAX, BlockIndex, BlockState
 from kvstore.core.namespaces import Namespaces
 from kvstore.core.plan import fix_tail_statuses, parent_row, plan
 from kvstore.errors import InvalidArgument, KeyStatus
@@ -436,14 +436,19 @@ class Placement:
 
     def corrupt(self, rows: np.ndarray) -> None:
         """Drop blocks whose bytes failed their checksum, with their subtrees.
-        Where a reader still pins part of a subtree, the subtree becomes
-        DOOMED (invisible at once) and is freed when the pins go."""
+        Where a reader still pins part of a subtree, or a writer still fills
+        a reserved block of it, the subtree becomes DOOMED (invisible at
+        once) and is freed when the pins go; reserved blocks stay the
+        writer's (their slots are not handed to anyone else) until its
+        Commit (a miss), Abort or expiry drops them."""
         self.counters.checksum_failures += int(rows.size)
         idx = self.index
         sub = idx.subtree(rows)
-        if not np.any(idx.pins[sub] > 0):
+        reserved = idx.state[sub] == S_RESERVED
+        if not np.any(idx.pins[sub] > 0) and not reserved.any():
             self.drop(sub, DropReason.CORRUPT)
             return
+        sub = sub[~reserved]
         visible = sub[idx.state[sub] == S_COMMITTED]
         for nid in np.unique(idx.ns[visible]).tolist():
             mine = visible[idx.ns[visible] == nid]
