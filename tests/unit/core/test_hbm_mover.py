@@ -380,3 +380,72 @@ def test_failed_ssd_demotion_never_drops_a_leased_or_reserved_hbm_block_below(ns
         fs.fail_write = None
         check_all(st, ns, p)
         st.index.check_invariants()
+
+
+def test_an_hbm_victim_leased_while_dram_makes_room_is_not_moved_from_under_the_reader(ns, tmp_path):
+    """Demoting an HBM victim may first demote a DRAM block to SSD, and the
+    daemon's disk worker releases the store lock around that write: an HBM
+    reader may lease the victim meanwhile. It then stays in HBM (its slot is
+    the reader's)."""
+    from kvstore.core.ssd_mover import SsdSpec
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=1, dram_blocks=1, ssd=ssd) as st:
+        h, d = chain(b"h", 1), chain(b"d", 1)
+        assert st.put(ns, h, pl(ns, h), tier=HBM).statuses == [KeyStatus.OK]
+        assert st.put(ns, d, pl(ns, d)).statuses == [KeyStatus.OK]
+        real = st.ssd.tier.write
+        leases = []
+
+        def write_while_an_hbm_reader_leases(*args):  # the loop, while the store lock is released
+            if not leases:
+                leases.append(st.acquire(ns, h, owner="r", tier=HBM))
+            return real(*args)
+
+        st.ssd.tier.write = write_while_an_hbm_reader_leases
+        n = chain(b"n", 1)
+        assert st.put(ns, n, pl(ns, n), tier=HBM).statuses == [KeyStatus.OK]
+        lease = leases[0]
+        assert lease.statuses == [KeyStatus.OK] and lease.tier_codes[0] == HBM
+        assert tiers_of(st, ns, h) == [HBM]
+        got = st.hbm.tier.view(int(lease.offsets[0]), B).cpu()
+        assert bytes(got.numpy()) == payload_for(b"x", h[0], B)
+        st.release(lease.handle, "r")
+        check_all(st, ns, h + n)
+        st.index.check_invariants()
+
+
+def test_a_dram_block_leased_while_hbm_makes_room_for_its_promotion_stays_in_dram(ns, tmp_path):
+    """Promoting a DRAM block into HBM may demote an HBM block, which may
+    demote a DRAM block to SSD with the store lock released: a DRAM reader
+    may lease the block being promoted meanwhile. It then stays in DRAM (its
+    slot is that reader's)."""
+    from kvstore.core.ssd_mover import SsdSpec
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=1, dram_blocks=2, ssd=ssd) as st:
+        v, c, x = chain(b"v", 1), chain(b"c", 1), chain(b"x", 1)
+        assert st.put(ns, v, pl(ns, v), tier=HBM).statuses == [KeyStatus.OK]
+        assert st.put(ns, x, pl(ns, x)).statuses == [KeyStatus.OK]
+        assert st.put(ns, c, pl(ns, c)).statuses == [KeyStatus.OK]
+        real = st.ssd.tier.write
+        leases = []
+
+        def write_while_a_dram_reader_leases(*args):  # the loop, while the store lock is released
+            if not leases:
+                leases.append(st.acquire(ns, c, owner="d"))
+            return real(*args)
+
+        st.ssd.tier.write = write_while_a_dram_reader_leases
+        outer = st.acquire(ns, c, owner="e", tier=HBM)
+        assert outer.statuses == [KeyStatus.OK]
+        lease = leases[0]
+        assert lease.statuses == [KeyStatus.OK] and lease.tier_codes[0] == DRAM
+        assert tiers_of(st, ns, c) == [DRAM]
+        assert bytes(st.dram.view(int(lease.offsets[0]), B)) == payload_for(b"x", c[0], B)
+        st.release(lease.handle, "d")
+        st.release(outer.handle, "e")
+        check_all(st, ns, c + v)
+        st.index.check_invariants()
