@@ -449,3 +449,31 @@ def test_a_dram_block_leased_while_hbm_makes_room_for_its_promotion_stays_in_dra
         st.release(outer.handle, "e")
         check_all(st, ns, c + v)
         st.index.check_invariants()
+
+
+@pytest.mark.parametrize("leased", [False, True])
+def test_dram_shrink_evicts_a_block_with_its_hbm_children_never_a_leased_one(ns, tmp_path, leased):
+    """A DRAM shrink that finds no slot for a retired block evicts other DRAM
+    blocks; one with a child in HBM goes with its subtree (never leaving an
+    orphan), and not at all when a reader leases that child."""
+    from kvstore.core.ssd_mover import SsdSpec
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=2, dram_blocks=2, ssd=ssd) as st:
+        p, x = chain(b"p", 2), chain(b"x", 1)
+        assert st.put(ns, p[:1], pl(ns, p[:1])).statuses == [KeyStatus.OK]  # dram page 0
+        assert st.put(ns, p[1:], pl(ns, p[1:]), parent=p[0], tier=HBM).statuses == [KeyStatus.OK]
+        assert st.put(ns, x, pl(ns, x)).statuses == [KeyStatus.OK]  # dram page 1, retired below
+        check_all(st, ns, x)  # p[0] is the coldest
+        lease = st.acquire(ns, p[1:], owner="r", tier=HBM) if leased else None
+        st.resize(DRAM, B)
+        st.index.check_invariants()
+        if leased:
+            assert tiers_of(st, ns, p) == [DRAM, HBM]
+            check_all(st, ns, p)
+            st.release(lease.handle, "r")
+        else:
+            assert tiers_of(st, ns, p) == [] and tiers_of(st, ns, x) == [DRAM]
+            check_all(st, ns, x)
+        st.index.check_invariants()
