@@ -226,8 +226,10 @@ class HbmMover:
                 idx.pins[sel] -= 1
             k = locs.size
             use = sel[:k]
-            live = (idx.state[use] == S_COMMITTED) & (idx.tier[use] == HBM)
-            if not live.all():  # (a failed SSD demotion may have dropped a subtree)
+            # (a failed SSD demotion may have dropped a subtree; a reader may have
+            # leased a row while the SSD write ran with the store lock released)
+            live = (idx.state[use] == S_COMMITTED) & (idx.tier[use] == HBM) & (idx.pins[use] == 0)
+            if not live.all():
                 st.dram.free(locs[~live])
                 use, locs, where = use[live], locs[live], where[:k][live]
             else:
@@ -276,6 +278,13 @@ class HbmMover:
                 use = part[: locs.size]
                 if use.size == 0:
                     break
+                # a reader that leased one while an SSD write ran (store lock released) keeps it in DRAM
+                mine = (idx.pins[use] == 1) & (idx.state[use] == S_COMMITTED) & (idx.tier[use] == DRAM)
+                if not mine.all():
+                    self.tier.free(locs[~mine])
+                    use, locs = use[mine], locs[mine]
+                    if use.size == 0:
+                        continue
                 srcs = [st.dram.view(int(o), int(size)) for o in idx.loc[use].tolist()]
                 csums, ok = self.tier.write_masked(locs, srcs)
                 bad_bytes = ok & (csums != idx.csum[use])

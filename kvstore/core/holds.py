@@ -126,6 +126,13 @@ class Holds:
         rows = h.rows
         live = h.own(idx)
         rows = rows[live]
+        par = idx.parent[rows].astype(np.int64)
+        doomed = rows[(par >= 0) & (idx.state[np.maximum(par, 0)] == S_DOOMED)]
+        if doomed.size:  # under a block found corrupt meanwhile: never visible (a miss)
+            self.placement.drop(idx.subtree(doomed), DropReason.ABORTED)
+            self.placement.sweep_doomed()
+            live &= h.own(idx)
+            rows = h.rows[live]
         res = BatchResult([KeyStatus.OK] * int(h.rows.size))
         for i in np.nonzero(~live)[0].tolist():
             res.statuses[i] = KeyStatus.MISS
@@ -163,6 +170,7 @@ class Holds:
             return 0
         sub = idx.subtree(rows)
         self.placement.drop(sub, DropReason.ABORTED)
+        self.placement.sweep_doomed()  # a corrupt parent kept for them goes now
         return int(rows.size)
 
     # ---------------------------------------------------------- acquire

@@ -29,7 +29,7 @@ from kvstore.core.eviction import (
     select_subtrees,
     select_victims,
 )
-from kvstore.core.index import HITS_MAX, S_COMMITTED, S_DOOMED, TICK_MAX, BlockIndex, BlockState
+from kvstore.core.index import HITS_MAX, S_COMMITTED, S_DOOMED, S_RESERVED, TICK_MAX, BlockIndex, BlockState
 from kvstore.core.namespaces import Namespaces
 from kvstore.core.plan import fix_tail_statuses, parent_row, plan
 from kvstore.errors import InvalidArgument, KeyStatus
@@ -42,7 +42,7 @@ from tiers.dram import DramTier
 class LowerTier(Protocol):
     """What placement needs from the tier below DRAM (``SsdMover``)."""
 
-    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> None: ...
+    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray: ...
 
     def free_copies(self, rows: np.ndarray) -> None: ...
 
@@ -259,6 +259,7 @@ class Placement:
         protect = np.unique(protect)
         pin = protect if self.lower is None else protect[:0]
         self.index.pins[pin] += 1
+        stuck: list[np.ndarray] = []  # victims that stayed (a held block below): pinned, not picked again
         try:
             cls = t.class_of(nbytes)
             while got < count:
@@ -268,7 +269,10 @@ class Placement:
                     if victims.size == 0:
                         break
                 if self.lower is not None:
-                    self.lower.evict_dram(victims, keep=protect)
+                    stay = self.lower.evict_dram(victims, keep=protect)
+                    if stay.size:
+                        self.index.pins[stay] += 1
+                        stuck.append(stay)
                 else:
                     self.drop(victims, DropReason.EVICTED)
                 more = t.allocate(nbytes, count - got)
@@ -276,6 +280,8 @@ class Placement:
                 got += more.size
         finally:
             self.index.pins[pin] -= 1
+            for stay in stuck:
+                self.index.pins[stay] -= 1
         return np.concatenate(parts)
 
     def evict_plan(self, tier: TierKind, nbytes: int, count: int, for_ns: int | None) -> int:
@@ -430,14 +436,19 @@ class Placement:
 
     def corrupt(self, rows: np.ndarray) -> None:
         """Drop blocks whose bytes failed their checksum, with their subtrees.
-        Where a reader still pins part of a subtree, the subtree becomes
-        DOOMED (invisible at once) and is freed when the pins go."""
+        Where a reader still pins part of a subtree, or a writer still fills
+        a reserved block of it, the subtree becomes DOOMED (invisible at
+        once) and is freed when the pins go; reserved blocks stay the
+        writer's (their slots are not handed to anyone else) until its
+        Commit (a miss), Abort or expiry drops them."""
         self.counters.checksum_failures += int(rows.size)
         idx = self.index
         sub = idx.subtree(rows)
-        if not np.any(idx.pins[sub] > 0):
+        reserved = idx.state[sub] == S_RESERVED
+        if not np.any(idx.pins[sub] > 0) and not reserved.any():
             self.drop(sub, DropReason.CORRUPT)
             return
+        sub = sub[~reserved]
         visible = sub[idx.state[sub] == S_COMMITTED]
         for nid in np.unique(idx.ns[visible]).tolist():
             mine = visible[idx.ns[visible] == nid]

@@ -115,8 +115,12 @@ class Resizer:
                     # policy order, leaf first: a victim in the retired region frees no
                     # slot but is one block fewer to move; r itself may be the one
                     victims = place.victims(TierKind.DRAM, t.class_of(n), 1)
+                    # (with an SSD tier a victim may have children in other tiers: they go
+                    # with it, unless one is held; then r itself goes below)
+                    victims = victims[~place.held_below(victims)]
                     if victims.size == 0:
                         break
+                    victims = idx.subtree(victims)
                     place.drop(victims, DropReason.RESIZED)
                     evicted += int(victims.size)
                     dst = t.allocate(n, 1)

@@ -275,12 +275,18 @@ class SsdMover:
             idx.pins[rows] -= 1
 
     # ----------------------------------------------------------- eviction
-    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> None:
+    def evict_dram(self, victims: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
         """Make DRAM room from ``victims`` (DRAM blocks, unpinned, closed under
         their DRAM descendants). ``keep``
-        rows must stay stored: they are demoted even when not admitted."""
+        rows must stay stored: they are demoted even when not admitted.
+        A victim that is not written to SSD is dropped with its subtree,
+        unless a block of that subtree (in any tier) is pinned or being
+        written; such a victim stays in DRAM, and so do its ancestors among
+        ``victims`` and any victim a reader pinned while the write ran.
+        Returns the victims left in DRAM."""
         st = self.placement
         idx = st.index
+        stuck = victims[:0]
         st.policy.on_evict(idx, victims)
         copied = idx.ssd_loc[victims] >= 0
         has_copy = victims[copied]
@@ -309,11 +315,22 @@ class SsdMover:
                 failed = to_write[ids < 0]
                 cold = np.concatenate([cold, failed])
             if cold.size:
+                held = st.held_below(cold)  # a holder's block below (e.g. in hbm) is never dropped
+                stuck, cold = cold[held], cold[~held]
+            if cold.size:
                 self.dropped_cold += int(cold.size)
                 st.drop(idx.subtree(cold), DropReason.EVICTED)
                 has_copy = has_copy[idx.state[has_copy] == S_COMMITTED]  # not dropped with a parent
+        # a victim pinned while the write ran (the store lock is released
+        # around it) is not moved; it and the stuck ones keep their ancestors
+        pinned = has_copy[idx.pins[has_copy] > 0]
+        if stuck.size or pinned.size:
+            stay = victims[close_upward(idx, victims, np.isin(victims, np.concatenate([stuck, pinned])))]
+            has_copy = has_copy[~np.isin(has_copy, stay)]
+            stuck = stay[(idx.state[stay] == S_COMMITTED) & (idx.tier[stay] == T_DRAM)]
         if has_copy.size:
             self._move_to_ssd(has_copy)
+        return stuck
 
     def _move_to_ssd(self, rows: np.ndarray) -> None:
         st = self.placement
@@ -437,8 +454,8 @@ class SsdMover:
                     k = max(1, min(budget // size, (low - free) // size + 1))
                     victims = st.victims(TierKind.DRAM, None, k)
                     if victims.size:
-                        self.evict_dram(victims)
-                        return True
+                        # more only while it makes progress (a held block below may keep them all)
+                        return self.evict_dram(victims).size < victims.size
         if self.tier.garbage_bytes > self.spec.segment_bytes:
             # more only while reclaim makes progress: garbage spread thinly over
             # segments may stay above the threshold with nothing worth compacting

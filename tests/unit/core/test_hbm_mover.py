@@ -335,3 +335,145 @@ def test_a_batch_hbm_can_never_hold_demotes_nothing(ns):
         assert [t for k in a for t in tiers_of(st, ns, [k])] == [HBM] * 4  # ... and moved nobody out of HBM
         assert st.hbm is not None and st.hbm.demoted == 0
         st.index.check_invariants()
+
+
+def test_failed_ssd_demotion_never_drops_a_leased_or_reserved_hbm_block_below(ns, tmp_path):
+    """A DRAM block with HBM children must be demoted to SSD to leave DRAM;
+    when that write fails it may be dropped only with an unheld subtree: a
+    leased HBM child (read in place) and a reserved one (being written) stay,
+    and so does their DRAM parent."""
+    import errno
+
+    from kvstore.core.ssd_mover import SsdSpec
+    from tests.unit.tiers.test_ssd import FaultyFs
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=2, dram_blocks=2, ssd=ssd) as st:
+        p = chain(b"p", 3)
+        assert st.put(ns, p[:1], pl(ns, p[:1])).statuses == [KeyStatus.OK]  # DRAM
+        assert st.put(ns, p[1:2], pl(ns, p[1:2]), parent=p[0], tier=HBM).statuses == [KeyStatus.OK]
+        lease = st.acquire(ns, p[1:2], owner="r", tier=HBM)
+        assert lease.statuses == [KeyStatus.OK] and lease.tier_codes[0] == HBM
+        resv = st.reserve(ns, p[2:3], B, owner="w", parent=p[0], tier=HBM)
+        assert resv.statuses == [KeyStatus.OK] and resv.tier_codes[0] == HBM
+        held = [int(lease.offsets[0]), int(resv.offsets[0])]
+        assert tiers_of(st, ns, p[:2]) == [DRAM, HBM]
+        fs = FaultyFs()
+        st.ssd.tier.fs = fs
+        fs.fail_write = errno.EIO
+        q = chain(b"q", 2)  # DRAM holds 2: p[0] must leave, and its SSD write fails
+        st.put(ns, q, pl(ns, q))
+        assert st.ssd.write_errors >= 1
+        assert tiers_of(st, ns, p[:2]) == [DRAM, HBM]  # nothing under the holders moved or went
+        # the held slots were not handed to anyone else
+        z = chain(b"z", 2)
+        st.put(ns, z, pl(ns, z), tier=HBM)
+        rows = st.index.used_rows()
+        on_hbm = rows[st.index.tier[rows] == HBM]
+        assert sorted(st.index.loc[on_hbm].tolist()) == sorted(held)
+        import torch
+
+        st.hbm.tier.view(held[1], B).copy_(torch.frombuffer(bytearray(pl(ns, p[2:3])[0]), dtype=torch.uint8))
+        assert st.commit(resv.handle, "w").statuses == [KeyStatus.OK]
+        st.release(lease.handle, "r")
+        fs.fail_write = None
+        check_all(st, ns, p)
+        st.index.check_invariants()
+
+
+def test_an_hbm_victim_leased_while_dram_makes_room_is_not_moved_from_under_the_reader(ns, tmp_path):
+    """Demoting an HBM victim may first demote a DRAM block to SSD, and the
+    daemon's disk worker releases the store lock around that write: an HBM
+    reader may lease the victim meanwhile. It then stays in HBM (its slot is
+    the reader's)."""
+    from kvstore.core.ssd_mover import SsdSpec
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=1, dram_blocks=1, ssd=ssd) as st:
+        h, d = chain(b"h", 1), chain(b"d", 1)
+        assert st.put(ns, h, pl(ns, h), tier=HBM).statuses == [KeyStatus.OK]
+        assert st.put(ns, d, pl(ns, d)).statuses == [KeyStatus.OK]
+        real = st.ssd.tier.write
+        leases = []
+
+        def write_while_an_hbm_reader_leases(*args):  # the loop, while the store lock is released
+            if not leases:
+                leases.append(st.acquire(ns, h, owner="r", tier=HBM))
+            return real(*args)
+
+        st.ssd.tier.write = write_while_an_hbm_reader_leases
+        n = chain(b"n", 1)
+        assert st.put(ns, n, pl(ns, n), tier=HBM).statuses == [KeyStatus.OK]
+        lease = leases[0]
+        assert lease.statuses == [KeyStatus.OK] and lease.tier_codes[0] == HBM
+        assert tiers_of(st, ns, h) == [HBM]
+        got = st.hbm.tier.view(int(lease.offsets[0]), B).cpu()
+        assert bytes(got.numpy()) == payload_for(b"x", h[0], B)
+        st.release(lease.handle, "r")
+        check_all(st, ns, h + n)
+        st.index.check_invariants()
+
+
+def test_a_dram_block_leased_while_hbm_makes_room_for_its_promotion_stays_in_dram(ns, tmp_path):
+    """Promoting a DRAM block into HBM may demote an HBM block, which may
+    demote a DRAM block to SSD with the store lock released: a DRAM reader
+    may lease the block being promoted meanwhile. It then stays in DRAM (its
+    slot is that reader's)."""
+    from kvstore.core.ssd_mover import SsdSpec
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=1, dram_blocks=2, ssd=ssd) as st:
+        v, c, x = chain(b"v", 1), chain(b"c", 1), chain(b"x", 1)
+        assert st.put(ns, v, pl(ns, v), tier=HBM).statuses == [KeyStatus.OK]
+        assert st.put(ns, x, pl(ns, x)).statuses == [KeyStatus.OK]
+        assert st.put(ns, c, pl(ns, c)).statuses == [KeyStatus.OK]
+        real = st.ssd.tier.write
+        leases = []
+
+        def write_while_a_dram_reader_leases(*args):  # the loop, while the store lock is released
+            if not leases:
+                leases.append(st.acquire(ns, c, owner="d"))
+            return real(*args)
+
+        st.ssd.tier.write = write_while_a_dram_reader_leases
+        outer = st.acquire(ns, c, owner="e", tier=HBM)
+        assert outer.statuses == [KeyStatus.OK]
+        lease = leases[0]
+        assert lease.statuses == [KeyStatus.OK] and lease.tier_codes[0] == DRAM
+        assert tiers_of(st, ns, c) == [DRAM]
+        assert bytes(st.dram.view(int(lease.offsets[0]), B)) == payload_for(b"x", c[0], B)
+        st.release(lease.handle, "d")
+        st.release(outer.handle, "e")
+        check_all(st, ns, c + v)
+        st.index.check_invariants()
+
+
+@pytest.mark.parametrize("leased", [False, True])
+def test_dram_shrink_evicts_a_block_with_its_hbm_children_never_a_leased_one(ns, tmp_path, leased):
+    """A DRAM shrink that finds no slot for a retired block evicts other DRAM
+    blocks; one with a child in HBM goes with its subtree (never leaving an
+    orphan), and not at all when a reader leases that child."""
+    from kvstore.core.ssd_mover import SsdSpec
+
+    ssd = SsdSpec(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, admit_min_hits=0, sync=False,
+                  low_watermark=0.0)
+    with make(hbm_blocks=2, dram_blocks=2, ssd=ssd) as st:
+        p, x = chain(b"p", 2), chain(b"x", 1)
+        assert st.put(ns, p[:1], pl(ns, p[:1])).statuses == [KeyStatus.OK]  # dram page 0
+        assert st.put(ns, p[1:], pl(ns, p[1:]), parent=p[0], tier=HBM).statuses == [KeyStatus.OK]
+        assert st.put(ns, x, pl(ns, x)).statuses == [KeyStatus.OK]  # dram page 1, retired below
+        check_all(st, ns, x)  # p[0] is the coldest
+        lease = st.acquire(ns, p[1:], owner="r", tier=HBM) if leased else None
+        st.resize(DRAM, B)
+        st.index.check_invariants()
+        if leased:
+            assert tiers_of(st, ns, p) == [DRAM, HBM]
+            check_all(st, ns, p)
+            st.release(lease.handle, "r")
+        else:
+            assert tiers_of(st, ns, p) == [] and tiers_of(st, ns, x) == [DRAM]
+            check_all(st, ns, x)
+        st.index.check_invariants()

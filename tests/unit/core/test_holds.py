@@ -251,7 +251,39 @@ def test_an_ended_reservation_whose_rows_were_reused_leaves_the_new_one_alone(ns
         st.report_corrupt(ns, p)
         b_keys = chain(b"b", 1)
         rb = st.reserve(ns, b_keys, BS, owner="b")
-        assert st.abort(ra.handle, owner="a") == 0  # nothing of a's is left to abort
+        assert st.abort(ra.handle, owner="a") == 1  # its row under the corrupt parent stayed a's
         fill(st, rb, b_keys)
         assert st.commit(rb.handle, owner="b").statuses == [KeyStatus.OK]
         assert st.lookup(ns, b_keys).hit_blocks == 1
+
+
+def test_a_corrupt_parent_never_hands_a_reserved_slot_to_another_writer(ns):
+    """A parent reported corrupt while a writer still fills a reserved child:
+    the child's slot must stay that writer's. Were it handed to the next
+    Reserve, the first writer's late bytes land in it, and a Commit without
+    checksums (the store hashes the slot) makes the other key visible with a
+    valid checksum over the wrong bytes."""
+    with make(slots=4) as st:
+        p = chain(b"p", 1)
+        r0 = st.reserve(ns, p, BS, owner="c0")
+        fill(st, r0, p)
+        st.commit(r0.handle, owner="c0")
+        a = chain(b"a", 1)
+        ra = st.reserve(ns, a, BS, owner="a", parent=p[0])
+        assert st.report_corrupt(ns, p) == 1
+        assert st.lookup(ns, p).hit_blocks == 0  # the corrupt block is gone at once
+        b = chain(b"b", 2)  # the rest of DRAM: p's and a's slots are held until a ends
+        rb = st.reserve(ns, b, BS, owner="b")
+        assert rb.statuses == [KeyStatus.OK] * 2
+        taken = set(rb.offsets[rb.offsets >= 0].tolist())
+        assert int(ra.offsets[0]) not in taken  # a is still writing there
+        fill(st, rb, b)
+        fill(st, ra, a)  # a's bytes land (late) in its slot
+        st.commit(rb.handle, owner="b")  # no checksums: the store hashes the slots
+        got = st.get(ns, b)
+        for k, s, x in zip(b, got.statuses, got.payloads):
+            assert s is not KeyStatus.OK or x.tobytes() == P(k)
+        assert st.commit(ra.handle, owner="a").statuses == [KeyStatus.MISS]  # under a corrupt parent
+        assert st.lookup(ns, a).hit_blocks == 0
+        st.index.check_invariants()
+        assert st.stats().tiers[0].used_bytes == sum(1 for s in got.statuses if s is KeyStatus.OK) * BS

@@ -203,3 +203,38 @@ def test_write_back_of_two_block_sizes_demotes_both(tmp_path, ns, ns2):
         assert [g.tobytes() for g in st.get(ns, a).payloads] == [P(k) for k in a]
         assert [g.tobytes() for g in st.get(ns2, b).payloads] == [payload_for(b"t", k, 2 * BS) for k in b]
         st.index.check_invariants()
+
+
+def test_a_victim_leased_while_its_demotion_writes_is_not_moved_from_under_the_reader(tmp_path, ns):
+    """The daemon's disk worker releases the store lock around the SSD
+    write; a DRAM hit on the loop may lease a victim meanwhile. The victim
+    then stays in DRAM (its slot is the reader's) and keeps its SSD copy."""
+    with make(tmp_path, dram_slots=2, low_watermark=0.0) as st:
+        a, b = chain(b"a", 1), chain(b"b", 1)
+        st.put(ns, a, [P(a[0])])
+        st.put(ns, b, [P(b[0])])
+        st.get(ns, b)  # a is the coldest: the next put demotes it
+        real = st.ssd.tier.write
+        leases = []
+
+        def write_while_a_reader_leases(*args):  # what the loop may do while the lock is released
+            if not leases:
+                leases.append(st.acquire(ns, a, owner="r"))
+            return real(*args)
+
+        st.ssd.tier.write = write_while_a_reader_leases
+        c = chain(b"c", 1)
+        st.put(ns, c, [P(c[0])])
+        lease = leases[0]
+        assert lease.statuses == [KeyStatus.OK] and lease.tier_codes[0] == TierKind.DRAM
+        assert st.lookup(ns, a).tiers == [TierKind.DRAM]
+        d = chain(b"d", 1)
+        st.put(ns, d, [P(d[0])])  # DRAM is full: whatever it evicts, not the leased slot
+        assert bytes(st.dram.view(int(lease.offsets[0]), BS)) == P(a[0])
+        st.release(lease.handle, "r")
+        for k in a + b + c + d:
+            got = st.get(ns, [k])
+            assert got.statuses in ([KeyStatus.OK], [KeyStatus.MISS])
+            if got.statuses == [KeyStatus.OK]:
+                assert got.payloads[0].tobytes() == P(k)
+        st.index.check_invariants()
