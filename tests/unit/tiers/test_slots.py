@@ -93,3 +93,33 @@ def test_retired_pages_are_not_handed_out_and_resize_checks_them():
     assert s.allocate(A, 4).size == 4  # grown pages are handed out
     with pytest.raises(InvalidArgument):
         s.resize(A - 1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_allocate_and_free_keep_every_slot_handed_out_once(seed):
+    """Random batches across pages and two size classes, freed in shuffled
+    batches: every offset live at most once, in its class's page, aligned;
+    used bytes and free slots agree with a plain model at every step."""
+    rng = np.random.default_rng(seed)
+    s = Slots(32 * A, 4 * A)
+    live: dict[int, int] = {}  # offset -> slot size
+    for _ in range(300):
+        if live and rng.random() < 0.45:
+            offs = np.array(list(live), dtype=np.int64)
+            gone = rng.choice(offs, size=int(rng.integers(1, offs.size + 1)), replace=False)
+            s.free(gone)
+            for o in gone.tolist():
+                del live[o]
+        else:
+            nbytes = int(rng.choice([A, 2 * A]))
+            got = s.allocate(nbytes, int(rng.integers(1, 12))).tolist()
+            assert not set(got) & set(live) and len(set(got)) == len(got)
+            for o in got:
+                assert o % nbytes == 0 and 0 <= o < 32 * A
+                assert s.classes_of_locs(np.array([o]))[0] == s.class_of(nbytes)
+                live[o] = nbytes
+        assert s.used_bytes == sum(live.values())
+    s.free(np.array(list(live), dtype=np.int64))
+    assert s.used_bytes == 0 and s.free_pages == 8  # every page back, whatever order the frees came in
+    assert s.allocate(2 * A, 100).size == 16  # and all of it can be handed out again
+
