@@ -31,7 +31,8 @@ import numpy as np
 from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.daemon import tls
-from kvstore.errors import KVStoreError, KeyStatus
+from kvstore.daemon.fetch_slots import FETCH_OWNER, FetchSlots
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import Event, EventKind, LookupResult, DropReason
 from kvstore.wire.convert import ns_pb
@@ -42,9 +43,6 @@ from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate,
 from transport.ucx_wire import Served  # the wire's types only: importing it does not start UCX
 
 log = logging.getLogger("kvstore.cluster")
-
-FETCH_OWNER = "cluster-fetch"
-"""Owner of the reservations a fetch writes into."""
 
 
 def default_transport() -> tuple[Any, Any]:
@@ -452,42 +450,32 @@ class ClusterNode:
         header = pb.BlockFetchHeader(ns=ns_pb(ns), credential=credential, keys_packed=pack_keys(want),
                                      node_id=self.node_id).SerializeToString()
         store = self.store
-        held: dict[str, Any] = {}
-
-        def alloc(lengths: np.ndarray) -> list[memoryview | None]:
-            lengths = np.asarray(lengths, dtype=np.int64)
-            k = int(np.argmin(lengths > 0)) if (lengths <= 0).any() else int(lengths.size)
-            dests: list[memoryview | None] = [None] * int(lengths.size)
-            if k == 0:
-                return dests
-            res = store.reserve(ns, want[:k], lengths[:k].tolist(), owner=FETCH_OWNER, parent=parent)
-            held["handle"], held["res"] = res.handle, res
-            for i in range(k):
-                if res.statuses[i] is not KeyStatus.OK:
-                    break
-                dests[i] = memoryview(store.dram.view(int(res.offsets[i]), int(res.lengths[i])))
-            return dests
-
+        slots = FetchSlots(store, ns, want, parent)
         # one round trip once this store knows the namespace's block size (fixed by
         # its first block; never the directory's figure: docs/transport.md)
         own = store.block_bytes(ns)
         sizes = np.full(len(want), own, dtype=np.int64) if own else None
         t0 = time.perf_counter()
+        transfer = asyncio.ensure_future(self.block_client.fetch(
+            m.block_address, header, len(want), slots.alloc, self.cfg.fetch_timeout, sizes=sizes))
+        try:  # never cancelled with the caller: the slots end only once the transport is done with them
+            finished, _ = await asyncio.wait({transfer}, timeout=self.cfg.fetch_timeout + 5.0)
+        except asyncio.CancelledError:
+            transfer.add_done_callback(slots.settle)
+            raise
         try:
-            res = await asyncio.wait_for(
-                self.block_client.fetch(m.block_address, header, len(want), alloc, self.cfg.fetch_timeout,
-                                        sizes=sizes),
-                self.cfg.fetch_timeout + 5.0)
+            if not finished:
+                transfer.add_done_callback(slots.settle)
+                raise TimeoutError(f"the transport overran its deadline of {self.cfg.fetch_timeout:g}s")
+            res = transfer.result()
         except Exception as e:  # the transport must not hurt the caller: a miss
             log.warning("fetch of %d blocks from %s failed: %s", len(want), view.peer, e)
-            self._abort(held)
+            if finished:
+                slots.abort()
             self.metrics.peer_fetch_failed(view.peer, "error")
             return 0
         if res.error is not None:
-            if "do not reuse" in res.error:
-                self._quarantine(held)
-            else:
-                self._abort(held)
+            slots.failed(res.error)
             reason = "refused" if "ermission" in res.error else "error"
             log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
             self.metrics.peer_fetch_failed(view.peer, reason)
@@ -496,19 +484,11 @@ class ClusterNode:
         if res.corrupt:
             store.counters.checksum_failures += int(res.corrupt)
             self.metrics.peer_fetch_failed(view.peer, "corrupt", int(res.corrupt))
-        got = int(np.argmin(ok)) if (~ok).any() else int(ok.size)
-        if "handle" not in held or not held["handle"]:
-            if got == 0 and ok.size:
+        if not slots.handle:
+            if ok.size and not ok[0]:
                 self.metrics.peer_fetch_failed(view.peer, "absent")  # a stale directory entry
             return 0
-        rres = held["res"]
-        reserved = 0
-        while reserved < len(rres.statuses) and rres.statuses[reserved] is KeyStatus.OK:
-            reserved += 1
-        got = min(got, reserved)
-        sums = res.checksums
-        done = store.commit_prefix(held["handle"], FETCH_OWNER, got,
-                                   None if sums is None else np.asarray(sums, dtype=np.uint64)[: len(rres.statuses)])
+        done = slots.commit(ok, res.checksums)
         nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
         seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
         if done:
@@ -517,23 +497,6 @@ class ClusterNode:
         if done < len(want) and not res.corrupt:
             self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
         return done
-
-    def _quarantine(self, held: dict[str, Any]) -> None:
-        """The transport could not confirm that no late bytes will land in
-        the slots: keep them reserved for good (leaked, never reused) rather
-        than hand them to another block."""
-        h = held.get("handle")
-        if h and self.store.holds.quarantine(h):
-            log.error("fetch slots of reservation %s quarantined: the transport could not confirm "
-                      "its receives ended", h)
-
-    def _abort(self, held: dict[str, Any]) -> None:
-        h = held.get("handle")
-        if h:
-            try:
-                self.store.abort(h, FETCH_OWNER)
-            except KVStoreError:
-                pass
 
     # ----------------------------------------------------- serving side
     async def provide(self, header: bytes) -> Any:

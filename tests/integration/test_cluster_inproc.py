@@ -375,3 +375,23 @@ def test_an_acquire_with_its_lookups_hint_fetches_without_locating_again(make_da
     n = node.locates
     acq = acquire(a_id, 0, 4)  # a live peer that holds only the first two: those, then a miss
     assert acq.fetched_blocks == 2 and acq.hit_blocks == 2 and node.locates == n
+
+
+def test_an_acquire_cancelled_mid_fetch_ends_its_reservation_when_the_transfer_ends(make_daemon):
+    """The caller's deadline passes while its Acquire waits on a peer (gRPC
+    cancels the handler): the fetch's slots must be ended once the transport
+    is done with them (aborted), not left reserved until the reaper frees
+    them under receives the transport may still have posted."""
+    a, b = static_pair(make_daemon, server__reservation_timeout="120s")
+    keys = chain(3, seed=12)
+    b.put(chain(1, seed=13))  # b knows the namespace's block size: a sized fetch reserves before it asks
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "remote blocks visible")
+    a.d.daemon.cluster.block_server.paused = True
+    with pytest.raises(grpc.RpcError) as e:
+        b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True), timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert b.d.daemon.cluster.block_client.sized == 1
+    # the transport gives up at fetch_timeout (1 s); the reaper would take 120 s
+    wait_until(lambda: b.d.call(lambda: b.d.store.stats().reservations) == 0, 20, "the fetch's slots are aborted")
+    a.d.daemon.cluster.block_server.paused = False
