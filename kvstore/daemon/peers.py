@@ -111,6 +111,9 @@ class ClusterNode:
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
         self._pending: list[tuple[str, bytes, list[bytes]]] = []
         self._resync = True
+        self._owed: set[str] = set()
+        """Owners that resynced (their view changed, or they restarted: they may have dropped what this
+        node published to them): the next flush sends each its share of the inventory again."""
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._digest_ns: dict[bytes, Namespace] = {}
@@ -262,17 +265,34 @@ class ClusterNode:
     async def flush(self) -> None:
         """Send pending stored/removed events (or, after a membership change,
         the whole inventory) to the owners of their keys."""
-        resync = self._resync
-        if resync:
-            self._resync = False
+        resync, owed = self._resync, self._owed - {self.node_id}
+        self._owed = set()
+        if resync:  # (a full resync covers what is owed)
+            self._resync, owed = False, set()
             ops = self._inventory()
             self._pending.clear()
         else:
             ops, self._pending = self._pending, []
-        if not ops and not resync:
+        if not ops and not resync and not owed:
             return
         ids = self.live_ids()
         per: dict[str, list[pb.DirectoryUpdate]] = {n: [] for n in ids} if resync else {}
+        if owed:  # as plain adds (an owner answers only a resync), before the pending events
+            self._route(per, ids, self._inventory(), owed)
+        self._route(per, ids, ops)
+        members = self.membership.members
+        calls = []
+        for node, ups in per.items():
+            req = pb.PublishRequest(node_id=self.node_id, updates=ups, resync=resync)
+            if node == self.node_id:
+                self.apply(req)
+            elif node in members:
+                calls.append(self._publish_to(members[node], req))
+        await asyncio.gather(*calls)
+
+    def _route(self, per: dict[str, list[pb.DirectoryUpdate]], ids: list[str],
+               ops: list[tuple[str, bytes, list[bytes]]], only: set[str] | None = None) -> None:
+        """Append ``ops`` to ``per``, each key's update for its owner (among ``only``)."""
         for kind, digest, keys in ops:
             if kind == "clear":
                 for n in ids:
@@ -283,18 +303,10 @@ class ClusterNode:
             arr = np.frombuffer(packed, np.uint8).reshape(-1, 16)
             bb = self._block_bytes_of(digest) if kind == "add" else 0
             for i in np.unique(own).tolist():
-                per.setdefault(ids[i], []).append(pb.DirectoryUpdate(
-                    ns_digest=digest, keys_packed=arr[own == i].tobytes(), removed=kind == "remove",
-                    block_bytes=bb))
-        members = self.membership.members
-        calls = []
-        for node, ups in per.items():
-            req = pb.PublishRequest(node_id=self.node_id, updates=ups, resync=resync)
-            if node == self.node_id:
-                self.apply(req)
-            elif node in members:
-                calls.append(self._publish_to(members[node], req))
-        await asyncio.gather(*calls)
+                if only is None or ids[i] in only:
+                    per.setdefault(ids[i], []).append(pb.DirectoryUpdate(
+                        ns_digest=digest, keys_packed=arr[own == i].tobytes(), removed=kind == "remove",
+                        block_bytes=bb))
 
     async def _publish_to(self, m: Member, req: pb.PublishRequest) -> None:
         try:
@@ -315,6 +327,9 @@ class ClusterNode:
             raise Unavailable(f"{node!r} is not a live member in this daemon's view")
         if req.resync:
             self.table.drop_node(node)
+            if node != self.node_id:  # its view changed or it restarted: it may have lost what it had from here
+                self._owed.add(node)
+                self._wake.set()
         n = 0
         for u in req.updates:
             if u.cleared:

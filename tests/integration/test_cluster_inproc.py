@@ -395,3 +395,25 @@ def test_an_acquire_cancelled_mid_fetch_ends_its_reservation_when_the_transfer_e
     # the transport gives up at fetch_timeout (1 s); the reaper would take 120 s
     wait_until(lambda: b.d.call(lambda: b.d.store.stats().reservations) == 0, 20, "the fetch's slots are aborted")
     a.d.daemon.cluster.block_server.paused = False
+
+
+def test_an_owner_whose_view_flapped_gets_the_entries_it_dropped_back(make_daemon):
+    """b answers slowly once: a's probe fails, a drops b and with it every
+    directory entry b published to a; b's next probe answer brings b back.
+    b saw nothing change (its probes of a kept answering), so nothing made
+    it publish its blocks to a again: the blocks of b that a owns stayed
+    invisible for good. a's resync after its view changed must get them
+    back (the same holds for an owner restarted under the same identity)."""
+    a, b = static_pair(make_daemon)
+    ids = a.d.daemon.cluster.live_ids()
+    a_at = ids.index(a.d.daemon.cluster.node_id)
+    chains = (block_keys(NS, np.random.default_rng(s).integers(0, 30000, 3 * NS.block_size)) for s in range(1000))
+    keys = next(k for k in chains if (owners(pack_keys(k), ids) == a_at).all())  # a owns every one of them
+    b.put(keys)
+    wait_until(lambda: a.lookup(keys).remote_blocks == 3, 10, "a's directory has b's blocks")
+    b_id = b.d.daemon.cluster.node_id
+    node = a.d.daemon.cluster
+    a.d.call(lambda: node.membership._set({}))  # one failed probe round: b left a's view, and came back
+    assert b_id not in a.d.call(lambda: node.table.nodes())
+    wait_until(lambda: a.members() == 2, 10, "b is back in a's view")
+    wait_until(lambda: a.lookup(keys).remote_blocks == 3, 10, "b's entries are back in a's directory")
