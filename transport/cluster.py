@@ -55,13 +55,16 @@ class Member:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Member":
-        d = json.loads(raw)
+        d = json.loads(raw)  # (its errors are ValueErrors)
         if not isinstance(d, dict) or not isinstance(d.get("node_id"), str) or not d["node_id"]:
             raise InvalidArgument("member record without node_id")
         caps = d.get("capacities") or {}
-        return cls(node_id=d["node_id"], grpc_address=str(d.get("grpc_address", "")),
-                   block_address=str(d.get("block_address", "")),
-                   capacities=tuple(sorted((str(k), int(v)) for k, v in dict(caps).items())))
+        try:  # any malformed record is a ValueError: a member source skips it
+            return cls(node_id=d["node_id"], grpc_address=str(d.get("grpc_address", "")),
+                       block_address=str(d.get("block_address", "")),
+                       capacities=tuple(sorted((str(k), int(v)) for k, v in dict(caps).items())))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidArgument(f"member record {d['node_id']!r}: bad capacities: {e}") from None
 
 
 # ------------------------------------------------------------ rendezvous
