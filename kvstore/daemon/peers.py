@@ -186,11 +186,18 @@ class ClusterNode:
             log.info("cluster: %s left; dropped its %d directory entries", node, n)
         for peer in set(self.cost.links) - set(members):
             self.cost.forget(peer)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        # channels and pooled endpoints to peers that left (a static peer's address is probed still);
+        # a call in flight on a channel closed under it would raise CancelledError: let it end first
+        keep = {m.grpc_address for m in members.values()} | set(self.cfg.peer_list)
+        for address in set(self._channels) - keep:
+            ch = self._channels.pop(address)[0]
+            self._tasks.append(self._loop.create_task(ch.close(grace=self.cfg.rpc_timeout + 1.0)))
+        self.block_client.retain({m.block_address for m in members.values() if m.block_address})
         if self.cfg.probe_links:
             for node, m in members.items():
                 if node != self.node_id and node not in self.cost.links and m.block_address:
                     self.cost.link(node)  # seeded from config until the probe answers
-                    self._tasks = [t for t in self._tasks if not t.done()]
                     self._tasks.append(self._loop.create_task(self._probe_link(m)))
         self.metrics.cluster_members(len(members), self.membership.healthy)
         self._sync_health()

@@ -94,3 +94,25 @@ def test_etcd_down_keeps_local_serving_and_says_so(make_daemon, etcd):  # noqa: 
     wait_until(lambda: cluster_health(a) == health_pb2.HealthCheckResponse.SERVING, 30, "cluster health back")
     wait_until(lambda: a.members() == 2 and b.members() == 2, 30, "membership restored")
     wait_until(lambda: b.lookup(more).remote_blocks == 2, 10, "b finds a's blocks again")
+
+
+def test_a_peer_that_left_leaves_no_channel_or_pooled_endpoint_behind(make_daemon, etcd):  # noqa: F811
+    """Peers come and go (new addresses each time: pods, ephemeral ports):
+    the gRPC channel and the block transport's pooled endpoint to one that
+    left are closed, or they pile up for as long as the daemon runs."""
+    a = etcd_node(make_daemon, etcd)
+    b = etcd_node(make_daemon, etcd)
+    wait_until(lambda: a.members() == 2 and b.members() == 2, 20, "both registered")
+    keys = chain(3, seed=15)
+    b.put(keys)
+    wait_until(lambda: a.lookup(keys).remote_blocks == 3, 10, "a sees b's blocks")
+    assert a.acquire(keys).fetched_blocks == 3
+    node = a.d.daemon.cluster
+    me = node.membership.me
+    b_member = node.membership.members[b.d.daemon.cluster.node_id]
+    assert b_member.grpc_address in a.d.call(lambda: set(node._channels))
+    assert b_member.block_address in node.block_client.pooled
+    b.d.stop()
+    wait_until(lambda: a.members() == 1, 20, "b left")
+    wait_until(lambda: a.d.call(lambda: set(node._channels)) <= {me.grpc_address}, 10, "b's channel is closed")
+    assert b_member.block_address not in node.block_client.pooled
