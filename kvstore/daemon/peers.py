@@ -575,7 +575,8 @@ class ClusterNode:
                 loop.call_soon_threadsafe(unpin)
 
         nbytes = int(res.lengths[:present].sum())
-        self.metrics.peer_served(h.node_id or "?", present, nbytes)
+        # the header's node id is the requester's word: a series only for a live member
+        self.metrics.peer_served(h.node_id if h.node_id in self.membership.members else "other", present, nbytes)
         lengths = res.lengths.copy()
         lengths[present:] = 0
         return Served(lengths, res.checksums.copy(), regions, release)

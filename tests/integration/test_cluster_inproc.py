@@ -417,3 +417,22 @@ def test_an_owner_whose_view_flapped_gets_the_entries_it_dropped_back(make_daemo
     assert b_id not in a.d.call(lambda: node.table.nodes())
     wait_until(lambda: a.members() == 2, 10, "b is back in a's view")
     wait_until(lambda: a.lookup(keys).remote_blocks == 3, 10, "b's entries are back in a's directory")
+
+
+def test_a_fetch_header_names_no_metric_series_of_its_own(make_daemon):
+    """The node id in a block fetch header is whatever the requester wrote
+    (no credential binds it): a label per distinct id would grow the
+    metrics registry without bound. Only live members get their own series."""
+    import asyncio
+
+    a, b = static_pair(make_daemon)
+    keys = chain(2, seed=16)
+    a.put(keys)
+    node = a.d.daemon.cluster
+    for who in [f"made-up-{i}" for i in range(5)] + [b.d.daemon.cluster.node_id]:
+        hdr = pb.BlockFetchHeader(ns=ns_pb(NS), keys_packed=b"".join(keys), node_id=who).SerializeToString()
+        served = asyncio.run_coroutine_threadsafe(node.provide(hdr), a.d.loop).result(10)
+        a.d.call(served.release)
+    text = a.d.daemon.metrics.render().decode()
+    assert "made-up" not in text
+    assert f'kvstore_peer_served_bytes_total{{peer="{b.d.daemon.cluster.node_id}"}}' in text
