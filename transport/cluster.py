@@ -55,13 +55,16 @@ class Member:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Member":
-        d = json.loads(raw)
+        d = json.loads(raw)  # (its errors are ValueErrors)
         if not isinstance(d, dict) or not isinstance(d.get("node_id"), str) or not d["node_id"]:
             raise InvalidArgument("member record without node_id")
         caps = d.get("capacities") or {}
-        return cls(node_id=d["node_id"], grpc_address=str(d.get("grpc_address", "")),
-                   block_address=str(d.get("block_address", "")),
-                   capacities=tuple(sorted((str(k), int(v)) for k, v in dict(caps).items())))
+        try:  # any malformed record is a ValueError: a member source skips it
+            return cls(node_id=d["node_id"], grpc_address=str(d.get("grpc_address", "")),
+                       block_address=str(d.get("block_address", "")),
+                       capacities=tuple(sorted((str(k), int(v)) for k, v in dict(caps).items())))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidArgument(f"member record {d['node_id']!r}: bad capacities: {e}") from None
 
 
 # ------------------------------------------------------------ rendezvous
@@ -282,6 +285,19 @@ class EtcdMembership(Membership):
     def _key(self, node_id: str) -> bytes:
         return (self.prefix + node_id).encode()
 
+    def _record(self, kv: Any) -> Member | None:
+        """The member a record names, or None for a bad one: malformed, or
+        its node id not its key's name (it would never leave: a key's delete
+        removes the member of that name)."""
+        try:
+            m = Member.from_json(kv.value)
+        except ValueError:
+            m = None
+        if m is None or self._key(m.node_id) != bytes(kv.key):
+            log.warning("ignoring bad member record at %r", kv.key)
+            return None
+        return m
+
     async def _session(self) -> None:
         """Register, list, then follow the prefix until etcd fails."""
         import aetcd
@@ -295,11 +311,9 @@ class EtcdMembership(Membership):
             watch = await client.watch_prefix(self.prefix.encode())
             members: dict[str, Member] = {}
             for kv in await client.get_prefix(self.prefix.encode()):
-                try:
-                    m = Member.from_json(kv.value)
+                m = self._record(kv)
+                if m is not None:
                     members[m.node_id] = m
-                except ValueError:
-                    log.warning("ignoring bad member record at %r", kv.key)
             if not self.healthy:
                 log.warning("etcd at %s:%d reachable again: cluster membership restored", self.host, self.port)
             self.healthy, self.status = True, "ok"
@@ -321,9 +335,8 @@ class EtcdMembership(Membership):
                             raise ConnectionError("our member record was deleted (lease lapsed)")
                         cur.pop(node, None)
                     else:
-                        try:
-                            m = Member.from_json(ev.kv.value)
-                        except ValueError:
+                        m = self._record(ev.kv)
+                        if m is None:
                             continue
                         cur[m.node_id] = m
                     self._set(cur)

@@ -47,7 +47,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Awaitable, Callable, Final
+from typing import Any, Awaitable, Callable, Final, Iterable
 
 import numpy as np
 
@@ -86,7 +86,6 @@ def _tuning(opts: dict[str, str]) -> dict[str, str]:
             and {t.strip() for t in tls.split(",")} <= PUT_RNDV_TLS):
         out["RNDV_SCHEME"] = "put_zcopy"
     return out
-
 
 
 # -------------------------------------------------------------- UCX setup
@@ -378,6 +377,16 @@ class BlockClient:
         if self._conns.get(c.address) is c:
             del self._conns[c.address]
         _abort(c.ep)
+
+    def retain(self, addresses: Iterable[str]) -> int:
+        """Close the pooled endpoints to every address not in ``addresses``
+        (peers that left; a fetch still running on one ends as a transport
+        fault). Returns how many were closed."""
+        keep = set(addresses)
+        gone = [c for a, c in self._conns.items() if a not in keep]
+        for c in gone:
+            self._drop(c)
+        return len(gone)
 
     async def close(self) -> None:
         for c in list(self._conns.values()):

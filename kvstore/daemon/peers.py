@@ -31,7 +31,8 @@ import numpy as np
 from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.daemon import tls
-from kvstore.errors import KVStoreError, KeyStatus
+from kvstore.daemon.fetch_slots import FETCH_OWNER, FetchSlots
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import Event, EventKind, LookupResult, DropReason
 from kvstore.wire.convert import ns_pb
@@ -42,9 +43,6 @@ from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate,
 from transport.ucx_wire import Served  # the wire's types only: importing it does not start UCX
 
 log = logging.getLogger("kvstore.cluster")
-
-FETCH_OWNER = "cluster-fetch"
-"""Owner of the reservations a fetch writes into."""
 
 
 def default_transport() -> tuple[Any, Any]:
@@ -113,6 +111,9 @@ class ClusterNode:
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
         self._pending: list[tuple[str, bytes, list[bytes]]] = []
         self._resync = True
+        self._owed: set[str] = set()
+        """Owners that resynced (their view changed, or they restarted: they may have dropped what this
+        node published to them): the next flush sends each its share of the inventory again."""
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._digest_ns: dict[bytes, Namespace] = {}
@@ -185,11 +186,18 @@ class ClusterNode:
             log.info("cluster: %s left; dropped its %d directory entries", node, n)
         for peer in set(self.cost.links) - set(members):
             self.cost.forget(peer)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        # channels and pooled endpoints to peers that left (a static peer's address is probed still);
+        # a call in flight on a channel closed under it would raise CancelledError: let it end first
+        keep = {m.grpc_address for m in members.values()} | set(self.cfg.peer_list)
+        for address in set(self._channels) - keep:
+            ch = self._channels.pop(address)[0]
+            self._tasks.append(self._loop.create_task(ch.close(grace=self.cfg.rpc_timeout + 1.0)))
+        self.block_client.retain({m.block_address for m in members.values() if m.block_address})
         if self.cfg.probe_links:
             for node, m in members.items():
                 if node != self.node_id and node not in self.cost.links and m.block_address:
                     self.cost.link(node)  # seeded from config until the probe answers
-                    self._tasks = [t for t in self._tasks if not t.done()]
                     self._tasks.append(self._loop.create_task(self._probe_link(m)))
         self.metrics.cluster_members(len(members), self.membership.healthy)
         self._sync_health()
@@ -264,17 +272,34 @@ class ClusterNode:
     async def flush(self) -> None:
         """Send pending stored/removed events (or, after a membership change,
         the whole inventory) to the owners of their keys."""
-        resync = self._resync
-        if resync:
-            self._resync = False
+        resync, owed = self._resync, self._owed - {self.node_id}
+        self._owed = set()
+        if resync:  # (a full resync covers what is owed)
+            self._resync, owed = False, set()
             ops = self._inventory()
             self._pending.clear()
         else:
             ops, self._pending = self._pending, []
-        if not ops and not resync:
+        if not ops and not resync and not owed:
             return
         ids = self.live_ids()
         per: dict[str, list[pb.DirectoryUpdate]] = {n: [] for n in ids} if resync else {}
+        if owed:  # as plain adds (an owner answers only a resync), before the pending events
+            self._route(per, ids, self._inventory(), owed)
+        self._route(per, ids, ops)
+        members = self.membership.members
+        calls = []
+        for node, ups in per.items():
+            req = pb.PublishRequest(node_id=self.node_id, updates=ups, resync=resync)
+            if node == self.node_id:
+                self.apply(req)
+            elif node in members:
+                calls.append(self._publish_to(members[node], req))
+        await asyncio.gather(*calls)
+
+    def _route(self, per: dict[str, list[pb.DirectoryUpdate]], ids: list[str],
+               ops: list[tuple[str, bytes, list[bytes]]], only: set[str] | None = None) -> None:
+        """Append ``ops`` to ``per``, each key's update for its owner (among ``only``)."""
         for kind, digest, keys in ops:
             if kind == "clear":
                 for n in ids:
@@ -285,18 +310,10 @@ class ClusterNode:
             arr = np.frombuffer(packed, np.uint8).reshape(-1, 16)
             bb = self._block_bytes_of(digest) if kind == "add" else 0
             for i in np.unique(own).tolist():
-                per.setdefault(ids[i], []).append(pb.DirectoryUpdate(
-                    ns_digest=digest, keys_packed=arr[own == i].tobytes(), removed=kind == "remove",
-                    block_bytes=bb))
-        members = self.membership.members
-        calls = []
-        for node, ups in per.items():
-            req = pb.PublishRequest(node_id=self.node_id, updates=ups, resync=resync)
-            if node == self.node_id:
-                self.apply(req)
-            elif node in members:
-                calls.append(self._publish_to(members[node], req))
-        await asyncio.gather(*calls)
+                if only is None or ids[i] in only:
+                    per.setdefault(ids[i], []).append(pb.DirectoryUpdate(
+                        ns_digest=digest, keys_packed=arr[own == i].tobytes(), removed=kind == "remove",
+                        block_bytes=bb))
 
     async def _publish_to(self, m: Member, req: pb.PublishRequest) -> None:
         try:
@@ -317,6 +334,9 @@ class ClusterNode:
             raise Unavailable(f"{node!r} is not a live member in this daemon's view")
         if req.resync:
             self.table.drop_node(node)
+            if node != self.node_id:  # its view changed or it restarted: it may have lost what it had from here
+                self._owed.add(node)
+                self._wake.set()
         n = 0
         for u in req.updates:
             if u.cleared:
@@ -452,42 +472,32 @@ class ClusterNode:
         header = pb.BlockFetchHeader(ns=ns_pb(ns), credential=credential, keys_packed=pack_keys(want),
                                      node_id=self.node_id).SerializeToString()
         store = self.store
-        held: dict[str, Any] = {}
-
-        def alloc(lengths: np.ndarray) -> list[memoryview | None]:
-            lengths = np.asarray(lengths, dtype=np.int64)
-            k = int(np.argmin(lengths > 0)) if (lengths <= 0).any() else int(lengths.size)
-            dests: list[memoryview | None] = [None] * int(lengths.size)
-            if k == 0:
-                return dests
-            res = store.reserve(ns, want[:k], lengths[:k].tolist(), owner=FETCH_OWNER, parent=parent)
-            held["handle"], held["res"] = res.handle, res
-            for i in range(k):
-                if res.statuses[i] is not KeyStatus.OK:
-                    break
-                dests[i] = memoryview(store.dram.view(int(res.offsets[i]), int(res.lengths[i])))
-            return dests
-
+        slots = FetchSlots(store, ns, want, parent)
         # one round trip once this store knows the namespace's block size (fixed by
         # its first block; never the directory's figure: docs/transport.md)
         own = store.block_bytes(ns)
         sizes = np.full(len(want), own, dtype=np.int64) if own else None
         t0 = time.perf_counter()
+        transfer = asyncio.ensure_future(self.block_client.fetch(
+            m.block_address, header, len(want), slots.alloc, self.cfg.fetch_timeout, sizes=sizes))
+        try:  # never cancelled with the caller: the slots end only once the transport is done with them
+            finished, _ = await asyncio.wait({transfer}, timeout=self.cfg.fetch_timeout + 5.0)
+        except asyncio.CancelledError:
+            transfer.add_done_callback(slots.settle)
+            raise
         try:
-            res = await asyncio.wait_for(
-                self.block_client.fetch(m.block_address, header, len(want), alloc, self.cfg.fetch_timeout,
-                                        sizes=sizes),
-                self.cfg.fetch_timeout + 5.0)
+            if not finished:
+                transfer.add_done_callback(slots.settle)
+                raise TimeoutError(f"the transport overran its deadline of {self.cfg.fetch_timeout:g}s")
+            res = transfer.result()
         except Exception as e:  # the transport must not hurt the caller: a miss
             log.warning("fetch of %d blocks from %s failed: %s", len(want), view.peer, e)
-            self._abort(held)
+            if finished:
+                slots.abort()
             self.metrics.peer_fetch_failed(view.peer, "error")
             return 0
         if res.error is not None:
-            if "do not reuse" in res.error:
-                self._quarantine(held)
-            else:
-                self._abort(held)
+            slots.failed(res.error)
             reason = "refused" if "ermission" in res.error else "error"
             log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
             self.metrics.peer_fetch_failed(view.peer, reason)
@@ -496,19 +506,11 @@ class ClusterNode:
         if res.corrupt:
             store.counters.checksum_failures += int(res.corrupt)
             self.metrics.peer_fetch_failed(view.peer, "corrupt", int(res.corrupt))
-        got = int(np.argmin(ok)) if (~ok).any() else int(ok.size)
-        if "handle" not in held or not held["handle"]:
-            if got == 0 and ok.size:
+        if not slots.handle:
+            if ok.size and not ok[0]:
                 self.metrics.peer_fetch_failed(view.peer, "absent")  # a stale directory entry
             return 0
-        rres = held["res"]
-        reserved = 0
-        while reserved < len(rres.statuses) and rres.statuses[reserved] is KeyStatus.OK:
-            reserved += 1
-        got = min(got, reserved)
-        sums = res.checksums
-        done = store.commit_prefix(held["handle"], FETCH_OWNER, got,
-                                   None if sums is None else np.asarray(sums, dtype=np.uint64)[: len(rres.statuses)])
+        done = slots.commit(ok, res.checksums)
         nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
         seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
         if done:
@@ -517,23 +519,6 @@ class ClusterNode:
         if done < len(want) and not res.corrupt:
             self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
         return done
-
-    def _quarantine(self, held: dict[str, Any]) -> None:
-        """The transport could not confirm that no late bytes will land in
-        the slots: keep them reserved for good (leaked, never reused) rather
-        than hand them to another block."""
-        h = held.get("handle")
-        if h and self.store.holds.quarantine(h):
-            log.error("fetch slots of reservation %s quarantined: the transport could not confirm "
-                      "its receives ended", h)
-
-    def _abort(self, held: dict[str, Any]) -> None:
-        h = held.get("handle")
-        if h:
-            try:
-                self.store.abort(h, FETCH_OWNER)
-            except KVStoreError:
-                pass
 
     # ----------------------------------------------------- serving side
     async def provide(self, header: bytes) -> Any:
@@ -590,7 +575,8 @@ class ClusterNode:
                 loop.call_soon_threadsafe(unpin)
 
         nbytes = int(res.lengths[:present].sum())
-        self.metrics.peer_served(h.node_id or "?", present, nbytes)
+        # the header's node id is the requester's word: a series only for a live member
+        self.metrics.peer_served(h.node_id if h.node_id in self.membership.members else "other", present, nbytes)
         lengths = res.lengths.copy()
         lengths[present:] = 0
         return Served(lengths, res.checksums.copy(), regions, release)

@@ -55,9 +55,17 @@ class FakeBlockClient:
     def __init__(self, *, connect_timeout_s: float = 2.0) -> None:
         self.sized = 0
         """Sized fetches asked for."""
+        self.pooled: list[str] = []
+        """Addresses fetched from and not dropped (the real client's pooled endpoints)."""
 
     async def close(self) -> None:
-        pass
+        self.pooled.clear()
+
+    def retain(self, addresses: Any) -> int:
+        keep = set(addresses)
+        gone = [a for a in self.pooled if a not in keep]
+        self.pooled[:] = [a for a in self.pooled if a in keep]
+        return len(gone)
 
     async def fetch(self, address: str, header: bytes, count: int,
                     alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float, *,
@@ -72,6 +80,8 @@ class FakeBlockClient:
         def fail(msg: str) -> FetchResult:
             return FetchResult(none, np.zeros(count, np.int64), 0, time.perf_counter() - t0, msg)
 
+        if address not in self.pooled:
+            self.pooled.append(address)
         srv = REGISTRY.get(address)
         if srv is None or srv.dead:
             return fail(f"connection to {address} refused")

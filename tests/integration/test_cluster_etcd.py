@@ -94,3 +94,49 @@ def test_etcd_down_keeps_local_serving_and_says_so(make_daemon, etcd):  # noqa: 
     wait_until(lambda: cluster_health(a) == health_pb2.HealthCheckResponse.SERVING, 30, "cluster health back")
     wait_until(lambda: a.members() == 2 and b.members() == 2, 30, "membership restored")
     wait_until(lambda: b.lookup(more).remote_blocks == 2, 10, "b finds a's blocks again")
+
+
+def test_a_peer_that_left_leaves_no_channel_or_pooled_endpoint_behind(make_daemon, etcd):  # noqa: F811
+    """Peers come and go (new addresses each time: pods, ephemeral ports):
+    the gRPC channel and the block transport's pooled endpoint to one that
+    left are closed, or they pile up for as long as the daemon runs."""
+    a = etcd_node(make_daemon, etcd)
+    b = etcd_node(make_daemon, etcd)
+    wait_until(lambda: a.members() == 2 and b.members() == 2, 20, "both registered")
+    keys = chain(3, seed=15)
+    b.put(keys)
+    wait_until(lambda: a.lookup(keys).remote_blocks == 3, 10, "a sees b's blocks")
+    assert a.acquire(keys).fetched_blocks == 3
+    node = a.d.daemon.cluster
+    me = node.membership.me
+    b_member = node.membership.members[b.d.daemon.cluster.node_id]
+    assert b_member.grpc_address in a.d.call(lambda: set(node._channels))
+    assert b_member.block_address in node.block_client.pooled
+    b.d.stop()
+    wait_until(lambda: a.members() == 1, 20, "b left")
+    wait_until(lambda: a.d.call(lambda: set(node._channels)) <= {me.grpc_address}, 10, "b's channel is closed")
+    assert b_member.block_address not in node.block_client.pooled
+
+
+def test_a_member_is_the_record_at_its_own_key(make_daemon, etcd):  # noqa: F811
+    """A record whose node id is not its key's name (a foreign or corrupted
+    writer) would join under the id and never leave: deleting its key
+    removes a different name. Such a record is ignored."""
+    import asyncio
+
+    import aetcd
+
+    from transport.cluster import Member
+
+    a = etcd_node(make_daemon, etcd)
+    wait_until(lambda: a.members() == 1, 20, "registered")
+    host, port = etcd.endpoint.rsplit(":", 1)
+
+    async def put(key: str, m: Member) -> None:
+        async with aetcd.Client(host=host, port=int(port)) as c:
+            await c.put(f"/kvstore/members/{key}".encode(), m.to_json())
+
+    asyncio.run(put("ghost", Member("phantom", "127.0.0.1:1")))
+    asyncio.run(put("witness", Member("witness", "127.0.0.1:2")))  # after the ghost in the watch's order
+    wait_until(lambda: "witness" in a.d.call(a.d.daemon.cluster.live_ids), 20, "the witness joined")
+    assert "phantom" not in a.d.call(a.d.daemon.cluster.live_ids)

@@ -375,3 +375,64 @@ def test_an_acquire_with_its_lookups_hint_fetches_without_locating_again(make_da
     n = node.locates
     acq = acquire(a_id, 0, 4)  # a live peer that holds only the first two: those, then a miss
     assert acq.fetched_blocks == 2 and acq.hit_blocks == 2 and node.locates == n
+
+
+def test_an_acquire_cancelled_mid_fetch_ends_its_reservation_when_the_transfer_ends(make_daemon):
+    """The caller's deadline passes while its Acquire waits on a peer (gRPC
+    cancels the handler): the fetch's slots must be ended once the transport
+    is done with them (aborted), not left reserved until the reaper frees
+    them under receives the transport may still have posted."""
+    a, b = static_pair(make_daemon, server__reservation_timeout="120s", cluster__fetch_timeout="4s")
+    keys = chain(3, seed=12)
+    b.put(chain(1, seed=13))  # b knows the namespace's block size: a sized fetch reserves before it asks
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "remote blocks visible")
+    a.d.daemon.cluster.block_server.paused = True
+    with pytest.raises(grpc.RpcError) as e:
+        b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True), timeout=1.0)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert b.d.daemon.cluster.block_client.sized == 1  # it gave up mid-fetch
+    # the transport gives up at fetch_timeout (4 s); the reaper would take 120 s
+    wait_until(lambda: b.d.call(lambda: b.d.store.stats().reservations) == 0, 30, "the fetch's slots are aborted")
+    a.d.daemon.cluster.block_server.paused = False
+
+
+def test_an_owner_whose_view_flapped_gets_the_entries_it_dropped_back(make_daemon):
+    """b answers slowly once: a's probe fails, a drops b and with it every
+    directory entry b published to a; b's next probe answer brings b back.
+    b saw nothing change (its probes of a kept answering), so nothing made
+    it publish its blocks to a again: the blocks of b that a owns stayed
+    invisible for good. a's resync after its view changed must get them
+    back (the same holds for an owner restarted under the same identity)."""
+    a, b = static_pair(make_daemon)
+    ids = a.d.daemon.cluster.live_ids()
+    a_at = ids.index(a.d.daemon.cluster.node_id)
+    chains = (block_keys(NS, np.random.default_rng(s).integers(0, 30000, 3 * NS.block_size)) for s in range(1000))
+    keys = next(k for k in chains if (owners(pack_keys(k), ids) == a_at).all())  # a owns every one of them
+    b.put(keys)
+    wait_until(lambda: a.lookup(keys).remote_blocks == 3, 10, "a's directory has b's blocks")
+    b_id = b.d.daemon.cluster.node_id
+    node = a.d.daemon.cluster
+    # one failed probe round: b left a's view (and its entries with it); the next probe brings b back
+    assert b_id not in a.d.call(lambda: (node.membership._set({}), node.table.nodes())[1])
+    wait_until(lambda: a.members() == 2, 10, "b is back in a's view")
+    wait_until(lambda: a.lookup(keys).remote_blocks == 3, 10, "b's entries are back in a's directory")
+
+
+def test_a_fetch_header_names_no_metric_series_of_its_own(make_daemon):
+    """The node id in a block fetch header is whatever the requester wrote
+    (no credential binds it): a label per distinct id would grow the
+    metrics registry without bound. Only live members get their own series."""
+    import asyncio
+
+    a, b = static_pair(make_daemon)
+    keys = chain(2, seed=16)
+    a.put(keys)
+    node = a.d.daemon.cluster
+    for who in [f"made-up-{i}" for i in range(5)] + [b.d.daemon.cluster.node_id]:
+        hdr = pb.BlockFetchHeader(ns=ns_pb(NS), keys_packed=b"".join(keys), node_id=who).SerializeToString()
+        served = asyncio.run_coroutine_threadsafe(node.provide(hdr), a.d.loop).result(10)
+        a.d.call(served.release)
+    text = a.d.daemon.metrics.render().decode()
+    assert "made-up" not in text
+    assert f'kvstore_peer_served_bytes_total{{peer="{b.d.daemon.cluster.node_id}"}}' in text

@@ -68,6 +68,13 @@ def test_member_record_round_trip_and_bad_records():
     assert Member.from_json(m.to_json()) == m
     with pytest.raises(ValueError):
         Member.from_json(b'{"grpc_address": "x"}')
+    # any malformed record is a ValueError: etcd membership skips it (a TypeError or an
+    # OverflowError ended its session, and the same record then ended every new one)
+    for bad in (b'{"node_id": "x", "capacities": {"dram": [1]}}', b'{"node_id": "x", "capacities": [1, 2]}',
+                b'{"node_id": "x", "capacities": {"dram": Infinity}}', b'{"node_id": "x", "capacities": 7}',
+                b'{"node_id": "x", "grpc_address": {"a": 1}, "capacities": {"dram": null}}', b"[1]", b"\xff"):
+        with pytest.raises(ValueError):
+            Member.from_json(bad)
 
 
 def test_static_membership_follows_probes():

@@ -117,6 +117,21 @@ async def test_a_request_is_served_no_longer_than_max_wait_whatever_the_client_a
     assert ep.aborted and released == [1]
 
 
+def test_retain_closes_the_pooled_endpoints_of_peers_that_left():
+    class Ep:
+        closed = False
+
+        def abort(self) -> None:
+            self.closed = True
+
+    c = BlockClient()
+    eps = {a: Ep() for a in ("h:1", "h:2", "h:3")}
+    c._conns = {a: ucx._Conn(ep, a) for a, ep in eps.items()}
+    assert c.retain(["h:2", "h:9"]) == 2
+    assert c.pooled == ["h:2"]
+    assert eps["h:1"].closed and eps["h:3"].closed and not eps["h:2"].closed
+
+
 def test_fetch_result_defaults():
     r = FetchResult(np.zeros(2, bool), np.zeros(2, np.int64), 0, 0.0, None)
     assert r.corrupt == 0 and r.checksums is None
