@@ -1539,6 +1539,24 @@ done:
 
 #define KV_SCATTER_MAX_DSTS 4096
 
+/* A private copy of the first len bytes of an int64 table (pieces, indices,
+ * slots) that a call checks and then reads again with the GIL released: a
+ * destination that aliases it, or another thread writing it meanwhile, must
+ * not change what was checked before it is used.  NULL with MemoryError. */
+static int64_t *
+kv_snapshot(const Py_buffer *b, Py_ssize_t len)
+{
+    int64_t *p = PyMem_Malloc(len > 0 ? (size_t)len : 1);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (len > 0) {
+        memcpy(p, b->buf, (size_t)len);
+    }
+    return p;
+}
+
 /* A sealed block's seal (kvstore/client/shards.py) at seal: 1 and *own =
  * shard rank's checksum when it holds the magic, shard_bytes and key; else 0. */
 static int
@@ -1645,7 +1663,7 @@ kv_verify_scatter_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_buffer *db = NULL, *sb = NULL;
     PyObject *dsts, *srcs = NULL;
     Py_ssize_t nd = 0, n, got = 0, gots = 0, np_, r, i;
-    const int64_t *pc, *ix;
+    int64_t *pc = NULL, *ix = NULL;
     const unsigned long long *ev;
     unsigned char *okp;
     int64_t lo_i = 0, hi_i = 0;
@@ -1696,11 +1714,15 @@ kv_verify_scatter_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "pieces must be rows of 5 int64");
         goto e5;
     }
-    ix = (const int64_t *)idx.buf;
+    ix = kv_snapshot(&idx, idx.len);
+    pc = kv_snapshot(&pcs, pcs.len);
+    if (ix == NULL || pc == NULL) {
+        goto e6;
+    }
     for (i = 0; i < n; i++) {
         if (ix[i] < 0) {
             PyErr_SetString(PyExc_ValueError, "indices must be >= 0");
-            goto e5;
+            goto e6;
         }
         if (i == 0 || ix[i] < lo_i) {
             lo_i = ix[i];
@@ -1739,7 +1761,6 @@ kv_verify_scatter_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto e6;
         }
     }
-    pc = (const int64_t *)pcs.buf;
     np_ = pcs.len / (5 * 8);
     for (i = 0; i < n; i++) {  /* every piece of every block fits its source */
         for (r = 0; r < np_; r++) {
@@ -1799,6 +1820,8 @@ e6:
     PyMem_Free(sb);
     PyMem_Free(sp);
     PyMem_Free(ord);
+    PyMem_Free(pc);
+    PyMem_Free(ix);
 e5:
     Py_DECREF(srcs);
 e4:
@@ -1852,7 +1875,7 @@ kv_scatter_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *dsts, *seal;
     Py_ssize_t nd = 0, n, np_, r, i, got = 0, nsp = 0, done = -1;
     long long block, tp = 1, rank = 0, shard = 0;
-    const int64_t *sl, *pc, *ix;
+    int64_t *sl = NULL, *pc = NULL, *ix = NULL;
     int64_t hi_i = 0;
     size_t at = 0, part;
     kv_span *sp = NULL;
@@ -1925,14 +1948,17 @@ kv_scatter_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                      "at least one int64 per slot%s", n, sealed ? ", keys 16 bytes per slot" : "");
         goto e4;
     }
-    sl = (const int64_t *)slots.buf;
-    pc = (const int64_t *)pcs.buf;
-    ix = (const int64_t *)idx.buf;
+    sl = kv_snapshot(&slots, slots.len);
+    pc = kv_snapshot(&pcs, pcs.len);
+    ix = kv_snapshot(&idx, n * 8);
+    if (sl == NULL || pc == NULL || ix == NULL) {
+        goto e5;
+    }
     np_ = pcs.len / 40;
     for (i = 0; i < n; i++) {
         if (ix[i] < 0) {
             PyErr_SetString(PyExc_ValueError, "indices must be >= 0");
-            goto e4;
+            goto e5;
         }
         if (ix[i] > hi_i) {
             hi_i = ix[i];
@@ -1942,14 +1968,14 @@ kv_scatter_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         int64_t off = pc[5 * r], len = pc[5 * r + 1];
         if (off < 0 || len < 0 || (size_t)off > part || (size_t)len > part - (size_t)off) {
             PyErr_Format(PyExc_ValueError, "piece %zd does not fit the block", r);
-            goto e4;
+            goto e5;
         }
     }
     for (i = 0; i < n; i++) {  /* a slot of another size, or outside the slab: not read here */
         int64_t off = sl[4 * i + 1], len = sl[4 * i + 2];
         if (len != block || off < 0 || off > (int64_t)slab.len - block) {
             fail = 0;
-            goto e4;
+            goto e5;
         }
     }
     nd = PyTuple_GET_SIZE(dsts);
@@ -1995,6 +2021,9 @@ e5:
     PyMem_Free(db);
     PyMem_Free(sp);
     PyMem_Free(ord);
+    PyMem_Free(sl);
+    PyMem_Free(pc);
+    PyMem_Free(ix);
 e4:
     PyBuffer_Release(&idx);
 e3:
@@ -2041,7 +2070,7 @@ kv_gather_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_buffer *db = NULL, *sb = NULL;
     PyObject *dsts = NULL, *srcs;
     Py_ssize_t ns = 0, n, got = 0, gots = 0, np_, r, i, k;
-    const int64_t *pc, *ix;
+    int64_t *pc = NULL, *ix = NULL;
     int64_t lo_i = 0, hi_i = 0;
     int fail = 1, want;
     size_t end = 0;
@@ -2083,11 +2112,15 @@ kv_gather_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "pieces must be rows of 5 int64");
         goto e4;
     }
-    ix = (const int64_t *)idx.buf;
+    ix = kv_snapshot(&idx, idx.len);
+    pc = kv_snapshot(&pcs, pcs.len);
+    if (ix == NULL || pc == NULL) {
+        goto e5;
+    }
     for (i = 0; i < n; i++) {
         if (ix[i] < 0) {
             PyErr_SetString(PyExc_ValueError, "indices must be >= 0");
-            goto e4;
+            goto e5;
         }
         if (i == 0 || ix[i] < lo_i) {
             lo_i = ix[i];
@@ -2096,7 +2129,6 @@ kv_gather_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             hi_i = ix[i];
         }
     }
-    pc = (const int64_t *)pcs.buf;
     np_ = pcs.len / (5 * 8);
     db = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     ns = PyTuple_GET_SIZE(srcs);
@@ -2196,6 +2228,8 @@ e5:
     PyMem_Free(ord);
     PyMem_Free((void *)lo);
     PyMem_Free((void *)hi);
+    PyMem_Free(pc);
+    PyMem_Free(ix);
 e4:
     Py_DECREF(dsts);
 e3:
