@@ -2172,7 +2172,7 @@ kv_gather_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                             "and no overlap" : "pieces overlap in the block");
             goto e5;
         }
-        end = (size_t)(off + len);
+        end = (size_t)off + (size_t)len;  /* (unsigned: no signed overflow near 2**63) */
         sp[r].off = (size_t)off;
         sp[r].len = (size_t)len;
     }
