@@ -118,6 +118,7 @@ class SsdTier:
             self._open()
         except BaseException:
             self._closed = True
+            self._dir.close_db(getattr(self, "_db", None))  # (else its RocksDB lock outlives the tier)
             os.close(self._lock_fd)
             raise
 
