@@ -286,3 +286,26 @@ def test_a_failed_open_closes_its_index(tdir: str, monkeypatch: Any) -> None:
     with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
         assert failed.value.errno == errno.EIO
         assert t.index_rebuilds == 0 and len(t.recover()) == 3
+
+
+def test_an_index_entry_with_a_huge_id_costs_only_its_block(tdir: str) -> None:
+    """A damaged index key naming an id near ID_LIMIT: open sizes nothing
+    by that id (no table, count or free list up to it); the entry is
+    dropped (a miss) and the tier keeps working."""
+    size = 4 * KIB
+    owners = metas(NS, chain(b"hi", 3))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, _ = put(t, owners, size)
+    os.unlink(os.path.join(tdir, SNAPSHOT_FILE))  # read the index itself
+    db = rocksdict.Rdict(os.path.join(tdir, "index"), rocksdict.Options(raw_mode=True))
+    key = b"b" + int(locs[1]).to_bytes(8, "big")
+    value = db[key]
+    del db[key]
+    db[b"b" + ((1 << 31) - 2).to_bytes(8, "big")] = value
+    db.close()
+    script = _OPEN_LIMITED.format(root=ROOT, path=tdir, ns=NS)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "1"]
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        assert sorted(loc for loc, *_ in t.recover())[:2] == [int(locs[0]), int(locs[1])]  # the id given again
