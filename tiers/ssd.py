@@ -68,7 +68,7 @@ from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_
                               LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, SEG_RE, VALUE, FileLayer,
                               OsFileLayer, ident_bytes, identity_arrays, io_error, loc_keys, record_checksum,
                               read_runs, vec_io, write_all, scan_segment, parse_index, Segment)
-from tiers.ssd_table import ID_LIMIT, U32_LIMIT, LocationTable
+from tiers.ssd_table import DENSE_IDS, ID_LIMIT, U32_LIMIT, LocationTable
 from tiers.ssd_recover import RecoveredBlocks, newest_per_name, recovery_order, take_snapshot, write_snapshot
 
 log = logging.getLogger("kvstore.ssd")
@@ -118,6 +118,7 @@ class SsdTier:
             self._open()
         except BaseException:
             self._closed = True
+            self._dir.close_db(getattr(self, "_db", None))  # (else its RocksDB lock outlives the tier)
             os.close(self._lock_fd)
             raise
 
@@ -174,9 +175,10 @@ class SsdTier:
         known = np.array([*ids, np.iinfo(np.int64).max], dtype=np.int64)  # a last one that is no segment
         at = np.searchsorted(known, seg_ids)
         have = np.where(known[at] == seg_ids, np.array([*(self._segs[s].size for s in ids), -1])[at], -1)
+        bound = min(ID_LIMIT, max(4 * locs.size, DENSE_IDS))  # ids are dense: a far one is damaged (DENSE_IDS)
         good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
                 & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
-                & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < ID_LIMIT)
+                & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < bound)
                 & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT)
                 & (idn["size"] > 0) & (idn["size"] < U32_LIMIT - HEADER_BYTES))  # unsigned: not wrapped by the cast
         self.dropped_count += int((~good).sum())

@@ -134,8 +134,21 @@ class SsdDirectory:
         o.set_keep_log_file_num(2)
         o.set_write_buffer_size(16 << 20)
         db = rocksdict.Rdict(os.path.join(self.path, INDEX_DIR), o)
-        self.private_index()
+        try:
+            self.private_index()
+        except BaseException:  # (an open handle keeps RocksDB's lock: a rebuild could not open the index)
+            self.close_db(db)
+            raise
         return db
+
+    @staticmethod
+    def close_db(db: rocksdict.Rdict | None) -> None:
+        """Close ``db`` (if any) on a failure path: an error closing it is not raised."""
+        if db is not None:
+            try:
+                db.close()
+            except Exception:  # noqa: BLE001 - absent or broken
+                pass
 
     def private_index(self) -> None:
         path = os.path.join(self.path, INDEX_DIR)
@@ -151,11 +164,7 @@ class SsdDirectory:
     def fresh_index(self, db: rocksdict.Rdict | None) -> rocksdict.Rdict:
         """Close ``db`` (if any), move the index aside to ``index.corrupt``
         and open an empty one."""
-        if db is not None:
-            try:
-                db.close()
-            except Exception:  # noqa: BLE001 - absent or broken
-                pass
+        self.close_db(db)
         old, aside = os.path.join(self.path, INDEX_DIR), os.path.join(self.path, INDEX_DIR + ".corrupt")
         shutil.rmtree(aside, ignore_errors=True)
         if os.path.exists(old):

@@ -98,7 +98,10 @@ class GrantPool:
             self.off = isinstance(e, Unavailable)
             log.info("no grant for %d-byte blocks (%s): the put goes through staging or Reserve", size, e)
             return
-        _, life_ms, most = frames.GRANT_OK.unpack_from(b"\0" + body[:12])  # (body: the answer after its status)
+        if len(body) < 12 or (len(body) - 12) % 8:  # (body: the answer after its status)
+            fast.close()  # (a malformed answer: the socket is failed over as a broken one)
+            raise ConnectionError(f"malformed grant answer of {len(body)} bytes on the same-host socket")
+        _, life_ms, most = frames.GRANT_OK.unpack_from(b"\0" + body[:12])
         self.limit = min(GRANT_BYTES, int(most))
         got = np.frombuffer(body, dtype="<u8", offset=12).tolist()
         if not got:

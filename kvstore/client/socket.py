@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 
-from kvstore.errors import KeyStatus, KVStoreError, NotFound, Unavailable
+from kvstore.errors import KeyStatus, KVStoreError, Unavailable
 from kvstore.wire import frames
 from kvstore.wire.status import code_from_value, error_for
 
@@ -27,6 +27,9 @@ log = logging.getLogger("kvstore.client")
 
 MAX_OWED = 64
 """Answers a client may leave unread (pipelined frames) before it reads them."""
+READ_CHUNK = 1 << 20
+"""Most bytes asked of one ``recv`` (each allocates what it asks for): an
+answer's buffer grows with the bytes that arrive, not with its stated length."""
 _HEADER = frames.HEADER.unpack_from
 _HIT = frames.HIT.unpack_from
 
@@ -75,9 +78,12 @@ class LookupSocketClient:
             if not data:
                 raise ConnectionError("same-host socket closed")
             buf += data
-        end = 4 + _HEADER(buf)[0]
+        n = _HEADER(buf)[0]
+        if not 0 < n <= frames.MAX_ANSWER:  # (every answer has its status byte)
+            raise self._malformed(f"a frame of {n} bytes")
+        end = 4 + n
         while len(buf) < end:
-            data = recv(max(65536, end - len(buf)))
+            data = recv(max(65536, min(end - len(buf), READ_CHUNK)))
             if not data:
                 raise ConnectionError("same-host socket closed")
             buf += data
@@ -85,11 +91,22 @@ class LookupSocketClient:
         del buf[:end]
         return body
 
-    def _answer(self) -> bytearray:
+    def _answer(self, least: int = 1) -> bytearray:
+        """The next answer's body, at least ``least`` bytes when it is OK
+        (else the daemon's error is raised)."""
         body = self._frame()
         if body[0] != frames.OK:
             raise error_for(code_from_value(body[0]), bytes(body[1:]).decode(errors="replace"))
+        if len(body) < least:
+            raise self._malformed(f"an answer of {len(body)} bytes, at least {least} expected")
         return body
+
+    def _malformed(self, what: str) -> ConnectionError:
+        """A malformed answer: the stream cannot be trusted any more, so the
+        socket is closed and the caller fails over as for a broken socket
+        (an OSError, never a KVStoreError)."""
+        self.sock.close()
+        return ConnectionError(f"malformed answer on the same-host socket: {what}")
 
     def _settle(self) -> None:
         """Read the answers owed to pipelined calls (lock held)."""
@@ -124,11 +141,11 @@ class LookupSocketClient:
             self.sock.sendall(msg)
             if self.owed:
                 self._settle()
-            body = self._answer()
-        _, hit = _HIT(body)
-        tiers = bytes(body[frames.HIT.size:])
-        if len(tiers) != hit:
-            raise NotFound(f"malformed lookup answer: {hit} hits, {len(tiers)} tiers")
+            body = self._answer(frames.HIT.size)
+            _, hit = _HIT(body)
+            tiers = bytes(body[frames.HIT.size:])
+            if len(tiers) != hit:
+                raise self._malformed(f"a lookup answer of {hit} hits and {len(tiers)} tiers")
         return hit, tiers
 
     def nsid(self, ns_wire: bytes) -> int:
@@ -139,7 +156,7 @@ class LookupSocketClient:
             self.sock.sendall(msg)
             if self.owed:
                 self._settle()
-            body = self._answer()
+            body = self._answer(frames.NSID.size)
         return int(frames.NSID.unpack_from(body)[1])
 
     def stage(self) -> tuple[int, str]:
@@ -148,7 +165,7 @@ class LookupSocketClient:
             self.sock.sendall(frames.stage_frame())
             if self.owed:
                 self._settle()
-            body = self._answer()
+            body = self._answer(frames.STAGE_OK.size)
         _, size = frames.STAGE_OK.unpack_from(body)
         return int(size), bytes(body[frames.STAGE_OK.size :]).decode()
 

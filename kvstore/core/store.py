@@ -528,6 +528,16 @@ class TieredStore:
     def report_corrupt(self, ns: Namespace, keys: KeysLike) -> int:
         return self.holds.report_corrupt(ns, keys)
 
+    def quarantine(self, handle: str) -> bool:
+        """Forget a reservation but keep its slots reserved for good (see
+        ``Holds.quarantine``). True when it was held."""
+        return self.holds.quarantine(handle)
+
+    def count_checksum_failures(self, blocks: int) -> None:
+        """Count blocks that failed their checksum outside the store (a
+        cluster fetch's damaged transfers)."""
+        self.counters.checksum_failures += int(blocks)
+
     def release_owner(self, owner: str) -> tuple[int, int]:
         self.grants.release(owner)
         return self.holds.release_owner(owner)

@@ -6,7 +6,9 @@ could not confirm that no late bytes will land in them -- quarantined.
 A reservation is ended only once the transport is done with its slots: a
 caller that stops waiting (its RPC cancelled, the transport overrunning its
 own bound) hands the ending to ``settle``, called when the transfer ends.
-Runs on the daemon's event loop (the store is single-threaded)."""
+Runs on the daemon's event loop; every change to the store is a store
+method (the daemon's ``LockedStore`` runs each under the store lock, which
+the disk worker thread also holds while it works on the store)."""
 
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ class FetchSlots:
         the slots: keep them reserved for good (leaked, never reused) rather
         than hand them to another block."""
         h, self.handle = self.handle, ""
-        if h and self.store.holds.quarantine(h):
+        if h and self.store.quarantine(h):
             log.error("fetch slots of reservation %s quarantined: the transport could not confirm "
                       "its receives ended", h)
 

@@ -504,7 +504,7 @@ class ClusterNode:
             return 0
         ok = np.asarray(res.ok, dtype=bool)
         if res.corrupt:
-            store.counters.checksum_failures += int(res.corrupt)
+            store.count_checksum_failures(int(res.corrupt))  # (a store method: under the store lock)
             self.metrics.peer_fetch_failed(view.peer, "corrupt", int(res.corrupt))
         if not slots.handle:
             if ok.size and not ok[0]:

@@ -71,6 +71,13 @@ def fits_frame(message_bytes: int) -> bool:
     return message_bytes + FRAME_OVERHEAD <= MAX_FRAME
 
 
+MAX_ANSWER = 1 << 31
+"""Largest answer frame a client accepts: a status byte and a message no
+larger than the daemon may send over gRPC (``server.max_message_bytes`` is
+at most 2^31 - 1). Not ``MAX_FRAME``: an answer may be larger than its
+request (an Acquire of 60,000 keys, a 960 KB request, answers 1.25 MB; a
+Commit of a whole reservation answers for every key). The client reads an
+answer as its bytes arrive, never allocating the length it was told."""
 MAX_HELLO = 8192
 """Largest hello frame."""
 MAX_ERROR_TEXT = 4096

@@ -154,3 +154,40 @@ def test_the_shared_index_dropped_by_the_keepalive_thread_mid_call_is_no_crash(u
             c._shared = _DroppedOnUse(c, shared)
             call()
             assert c._shared is None
+
+
+class _Garbled:
+    """A socket whose next answer is a frame with no status byte (the
+    daemon's real answer comes after it)."""
+
+    def __init__(self, sock):
+        self.sock, self.garbled = sock, False
+
+    def recv(self, n):
+        if not self.garbled:
+            self.garbled = True
+            return b"\0\0\0\0"
+        return self.sock.recv(n)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("call", ["lookup", "get_into"])
+def test_a_malformed_answer_drops_the_socket_for_grpc(uds_daemon, call):
+    """A malformed answer on the same-host socket is a broken socket: the
+    socket is dropped and calls go over gRPC (a Lookup is answered there at
+    once), never an IndexError into the engine."""
+    ns, keys, data = _stored(uds_daemon)
+    with Client(uds_daemon.target) as c:
+        c._shared = None  # (else a lookup is answered from the shared index, not the socket)
+        c._fast.sock = _Garbled(c._fast.sock)
+        if call == "lookup":
+            assert c.lookup(ns, keys).hit_blocks == 2
+        else:
+            with pytest.raises(KVStoreError):  # (Unavailable: the Acquire may have run)
+                c.get_into(ns, keys[:1], [np.zeros(BS, np.uint8)])
+        assert c._fast is None
+        outs = [np.zeros(BS, np.uint8)]
+        assert c.get_into(ns, keys[1:], outs) == [KeyStatus.OK] and np.array_equal(outs[0], data[1])
+        assert c.lookup(ns, keys).hit_blocks == 2

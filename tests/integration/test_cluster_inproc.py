@@ -13,6 +13,7 @@ from kvstore.buffers import pack_keys
 from kvstore.daemon import peers
 from kvstore.client import ns_pb
 from kvstore.keys import Namespace, block_keys
+from kvstore.results import Counters
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from tiers.base import TierKind
@@ -180,10 +181,22 @@ def test_corrupt_transfer_is_a_counted_miss(make_daemon):
     wait_until(lambda: b.lookup(keys).remote_blocks == 4, 10, "remote blocks visible")
     srv = a.d.daemon.cluster.block_server
     before = b.d.call(lambda: b.d.store.stats().counters.checksum_failures)
+    lock, counted = b.d.daemon.disk.lock, []
+
+    class Watched(Counters):  # the disk worker counts failures too, under the store lock
+        __slots__ = ()
+
+        def __setattr__(self, name: str, value: object) -> None:
+            if name == "checksum_failures":
+                counted.append(lock.held())
+            super().__setattr__(name, value)
+
+    b.d.daemon.disk.raw.counters.__class__ = Watched
     srv.corrupt = 4  # every block of this fetch is damaged
     acq = b.acquire(keys)
     assert acq.fetched_blocks == 0 and acq.hit_blocks == 0
     assert b.d.call(lambda: b.d.store.stats().counters.checksum_failures) == before + 4
+    assert counted == [True]
     assert b.get(keys) == [None] * 4
     text = b.d.daemon.metrics.render().decode()
     assert 'reason="corrupt"' in text

@@ -97,7 +97,7 @@ def test_socket_client_speaks_the_frames() -> None:
         assert c.call("Commit", b"REQ") == b"RESP"
         with pytest.raises(PermissionDenied, match="PERMISSION_DENIED: not yours"):
             c.call("Release", b"")
-        with pytest.raises(NotFound, match="malformed"):
+        with pytest.raises(ConnectionError, match="malformed"):  # (a broken socket: the client fails over)
             c.lookup(b"NS", b"")
     finally:
         c.close()
@@ -155,3 +155,71 @@ def test_own_writes_find_runs_of_one_put_in_flight_only():
     live.update({2, 3})
     assert own.find(b"ns", b"\x06" * 16, in_flight) is not None
     assert len(own.recent) == 2
+
+
+@pytest.mark.parametrize("answer, call", [
+    (struct.pack("<I", 0), "lookup"),  # a frame with no status byte
+    (struct.pack("<I", 0xFFFFFFFF), "lookup"),  # past any answer the daemon may send
+    (frames.frame(b"\x00"), "lookup"),  # OK, but no hit count
+    (frames.frame(b"\x00\x01"), "nsid"),
+    (frames.frame(b"\x00"), "stage"),
+])
+def test_a_malformed_answer_is_a_broken_socket(answer: bytes, call: str) -> None:
+    """The daemon's answer is checked before it is used: a malformed one
+    closes the socket and raises ConnectionError (the client then goes over
+    gRPC), never an IndexError or struct.error into the engine."""
+    def script(conn: socket.socket) -> None:
+        _read(conn)
+        conn.sendall(frames.frame(b"\x00"))
+        _read(conn)
+        conn.sendall(answer)
+        conn.recv(1)  # (until the client hangs up)
+
+    path, t = _peer(script)
+    c = LookupSocketClient(path, "s-1", timeout=30)
+    try:
+        with pytest.raises(ConnectionError, match="malformed"):
+            if call == "lookup":
+                c.lookup(b"NS", b"k" * 16)
+            elif call == "nsid":
+                c.nsid(b"NS")
+            else:
+                c.stage()
+        assert c.sock.fileno() == -1  # closed: the stream is out of step
+    finally:
+        c.close()
+        t.join(30)
+
+
+class _Asked:
+    """A socket that refuses a ``recv`` asking for more than ``most`` bytes."""
+
+    def __init__(self, sock: socket.socket, most: int) -> None:
+        self.sock, self.most = sock, most
+
+    def recv(self, n: int) -> bytes:
+        assert n <= self.most, f"recv of {n} bytes"
+        return self.sock.recv(n)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)
+
+
+def test_an_answer_is_read_as_it_arrives_not_by_its_stated_length() -> None:
+    """A length the daemon states (here 2 GiB - 1, then a hang-up) is not
+    allocated up front: the buffer grows with the bytes that arrive."""
+    def script(conn: socket.socket) -> None:
+        _read(conn)
+        conn.sendall(frames.frame(b"\x00"))
+        _read(conn)
+        conn.sendall(struct.pack("<I", (1 << 31) - 1) + b"\x00" * 10)
+
+    path, t = _peer(script)
+    c = LookupSocketClient(path, "s-1", timeout=30)
+    c.sock = _Asked(c.sock, 1 << 20)  # type: ignore[assignment]
+    try:
+        with pytest.raises(ConnectionError, match="closed"):
+            c.lookup(b"NS", b"k" * 16)
+    finally:
+        c.close()
+        t.join(30)

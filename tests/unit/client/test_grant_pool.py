@@ -4,6 +4,7 @@ stand-in for the same-host socket: no daemon, no wall clock."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvstore.client import grants
 from kvstore.client.grants import GrantPool
@@ -50,3 +51,30 @@ def test_granted_slots_answered_at_once_are_used(monkeypatch):
     pool.ask(fast, b"", 4096, 2)  # type: ignore[arg-type]
     clock[0] += 1.0
     assert pool.take(fast, 4096, 2) == [0, 4096]  # type: ignore[arg-type]
+
+
+class _Garbled(_Fast):
+    """Answers a grant frame with ``body`` (the answer after its status byte)."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__(30_000, [])
+        self.body, self.closed = body, False
+
+    def answer(self, seq: int) -> bytes:
+        return self.body
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("body", [b"", b"\x01" * 11, b"\x01" * 12 + b"\x00" * 5])
+def test_a_malformed_grant_answer_is_a_broken_socket(body):
+    """A grant answer too short for its fields, or with a partial offset:
+    the socket is closed and ConnectionError raised (the put fails over as
+    for a broken socket), never a struct.error or ValueError."""
+    fast = _Garbled(body)
+    pool = GrantPool()
+    pool.ask(fast, b"", 4096, 2)  # type: ignore[arg-type]
+    with pytest.raises(ConnectionError, match="malformed grant answer"):
+        pool.take(fast, 4096, 2)  # type: ignore[arg-type]
+    assert fast.closed

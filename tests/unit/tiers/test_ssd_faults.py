@@ -242,3 +242,70 @@ def test_an_index_file_gone_while_open_makes_it_private_is_no_rebuild(tdir: str,
     with t:
         assert t.index_rebuilds == 0
         assert len(t.recover()) == 4
+
+
+def test_an_index_that_cannot_be_made_private_is_closed_before_the_rebuild(tdir: str, monkeypatch: Any) -> None:
+    """Open makes the index private right after RocksDB opens it: when
+    that fails (EPERM, EROFS), the handle is closed, so the rebuild that
+    follows can open the index again (RocksDB's lock is per process)."""
+    owners = metas(NS, chain(b"pv", 4))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        put(t, owners, 4 * KIB)
+    os.unlink(os.path.join(tdir, SNAPSHOT_FILE))
+    real, failed = os.chmod, []
+
+    def chmod(path: str, mode: int) -> None:
+        if os.path.basename(path) == "index" and not failed:
+            failed.append(path)
+            raise OSError(errno.EPERM, "operation not permitted", path)
+        real(path, mode)
+
+    monkeypatch.setattr(ssd_dir.os, "chmod", chmod)
+    try:
+        t = SsdTier(tdir, 16 * MIB, segment_bytes=MIB)
+    finally:
+        monkeypatch.undo()
+    with t:
+        assert failed and t.index_rebuilds == 1
+        assert len(t.recover()) == 4
+
+
+def test_a_failed_open_closes_its_index(tdir: str, monkeypatch: Any) -> None:
+    """An open that fails after the index is open (here: loading it) lets
+    go of it: the next open of the directory works."""
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        put(t, metas(NS, chain(b"fo", 3)), 4 * KIB)
+
+    def load(self: SsdTier, locs: Any, vals: Any) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(SsdTier, "_load", load)
+    with pytest.raises(OSError) as failed:  # (its traceback keeps the failed tier alive)
+        SsdTier(tdir, 16 * MIB, segment_bytes=MIB)
+    monkeypatch.undo()
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        assert failed.value.errno == errno.EIO
+        assert t.index_rebuilds == 0 and len(t.recover()) == 3
+
+
+def test_an_index_entry_with_a_huge_id_costs_only_its_block(tdir: str) -> None:
+    """A damaged index key naming an id near ID_LIMIT: open sizes nothing
+    by that id (no table, count or free list up to it); the entry is
+    dropped (a miss) and the tier keeps working."""
+    size = 4 * KIB
+    owners = metas(NS, chain(b"hi", 3))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, _ = put(t, owners, size)
+    os.unlink(os.path.join(tdir, SNAPSHOT_FILE))  # read the index itself
+    db = rocksdict.Rdict(os.path.join(tdir, "index"), rocksdict.Options(raw_mode=True))
+    key = b"b" + int(locs[1]).to_bytes(8, "big")
+    value = db[key]
+    del db[key]
+    db[b"b" + ((1 << 31) - 2).to_bytes(8, "big")] = value
+    db.close()
+    script = _OPEN_LIMITED.format(root=ROOT, path=tdir, ns=NS)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "1"]
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        assert sorted(loc for loc, *_ in t.recover())[:2] == [int(locs[0]), int(locs[1])]  # the id given again

@@ -1,0 +1,43 @@
+"""The slots a cluster fetch writes into (kvstore/daemon/fetch_slots.py):
+every change they make to the store goes through the store lock, which the
+daemon's disk worker holds while it works on (and iterates) the store's
+reservations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvstore.core.ssd_io import StoreLock
+from kvstore.core.store import StoreConfig, TieredStore
+from kvstore.daemon.disk_worker import LockedStore
+from kvstore.daemon.fetch_slots import FetchSlots
+from kvstore.keys import Namespace, block_keys
+
+NS = Namespace(tenant="t", model_id="m", block_size=16)
+BS = 4096
+
+
+def test_quarantine_changes_the_store_under_its_lock() -> None:
+    raw = TieredStore(StoreConfig(dram_bytes=64 * BS, dram_page_bytes=64 * BS))
+    lock = StoreLock()
+    store: Any = LockedStore(raw, lock)
+    keys = block_keys(NS, np.arange(3 * 16, dtype=np.uint32))
+    slots = FetchSlots(store, NS, keys, None)
+    assert all(d is not None for d in slots.alloc(np.full(3, BS, dtype=np.int64)))
+    handle = slots.handle
+    assert handle in raw.holds.reservations
+    held: list[bool] = []
+    real = raw.holds.quarantine
+
+    def watched(h: str) -> bool:  # the disk worker iterates reservations while it holds the lock
+        held.append(lock.held())
+        return real(h)
+
+    raw.holds.quarantine = watched  # type: ignore[method-assign]
+    slots.quarantine()
+    assert held == [True]
+    assert handle not in raw.holds.reservations
+    assert raw.hold_counts() == (0, 0)
+    raw.close()
