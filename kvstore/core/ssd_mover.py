@@ -314,12 +314,16 @@ class SsdMover:
                 has_copy = np.concatenate([has_copy, written])
                 failed = to_write[ids < 0]
                 cold = np.concatenate([cold, failed])
-            if cold.size:
-                held = st.held_below(cold)  # a holder's block below (e.g. in hbm) is never dropped
+            sub = idx.subtree(cold)
+            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != S_COMMITTED):
+                # a holder's block below (e.g. in hbm) is never dropped: which victims hold one
+                # (over every stored block, so only when the subtrees to drop hold any)
+                held = st.held_below(cold)
                 stuck, cold = cold[held], cold[~held]
+                sub = idx.subtree(cold)
             if cold.size:
                 self.dropped_cold += int(cold.size)
-                st.drop(idx.subtree(cold), DropReason.EVICTED)
+                st.drop(sub, DropReason.EVICTED)
                 has_copy = has_copy[idx.state[has_copy] == S_COMMITTED]  # not dropped with a parent
         # a victim pinned while the write ran (the store lock is released
         # around it) is not moved; it and the stuck ones keep their ancestors
