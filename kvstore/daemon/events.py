@@ -1,14 +1,16 @@
 """The daemon's event log: numbered ``BlockStored``/``BlockRemoved``/``Cleared``
 events in a bounded ring buffer, replayable from a sequence number
 (``WatchEvents``); a watcher whose replay point fell out of the buffer is told
-so with a ``Gap``."""
+so with a ``Gap``, and so is one that falls behind the buffer while it follows
+(a slow reader): events are never lost without a ``Gap``."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
-from typing import Any, cast
+from typing import Any, AsyncIterator, Callable, cast
 
 from kvstore.results import Event, EventKind, DropReason
 from kvstore.wire.convert import REASON_PB
@@ -51,12 +53,40 @@ class EventLog:
             return None, []
         first = self.buf[0].seq
         gap = first if after + 1 < first else None
-        start = max(0, after + 1 - first)
-        return gap, list(self.buf)[start:] if start < len(self.buf) else []
+        n = len(self.buf) - max(0, after + 1 - first)
+        if n <= 0:
+            return gap, []
+        # only the tail: a follower that is up to date does not copy the whole ring
+        return gap, list(itertools.islice(reversed(self.buf), n))[::-1]
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, timeout: float, wake: asyncio.Event | None = None) -> None:
+        """Until the next append (or the one after ``wake`` was taken), at most ``timeout``."""
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await asyncio.wait_for((wake or self._wake).wait(), timeout)
         except asyncio.TimeoutError:
             pass
 
+    async def stream(self, after: int, keep: Callable[[pb.Event], bool]) -> AsyncIterator[pb.Event]:
+        """The events after ``after`` that ``keep`` accepts, then each new one, for ever.
+
+        A ``Gap`` (seq 0) comes first when ``after`` is from a previous daemon
+        run (then everything buffered follows) or fell out of the buffer, and
+        again whenever the reader fell so far behind while following that
+        events it had not read yet left the buffer. ``after`` 0 starts from the
+        oldest buffered event."""
+        if after > self.seq:  # numbered by a previous daemon run: everything since is unknown
+            yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=self.buf[0].seq if self.buf else self.seq + 1))
+            after = 0
+        if not after and self.buf:
+            after = self.buf[0].seq - 1
+        while True:
+            wake = self._wake
+            gap, evs = self.since(after)
+            if gap is not None:
+                yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=gap))
+            for ev in evs:
+                after = ev.seq
+                if keep(ev):
+                    yield ev
+            if after >= self.seq:
+                await self.wait(1.0, wake)

@@ -339,21 +339,8 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         except KVStoreError as e:
             await context.abort(status_for(e), str(e))
             return
-        after = request.after_seq
-        gap, _ = self.events.since(after)
-        if after and gap is not None:
-            yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=gap))
-        elif after > self.events.seq:
-            # from a previous daemon run: everything since is unknown
-            yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=self.events.buf[0].seq if self.events.buf else self.events.seq + 1))
-            after = 0
-        while True:
-            _, evs = self.events.since(after)
-            for ev in evs:
-                after = ev.seq
-                if self._visible(ev, who, only):
-                    yield ev
-            await self.events.wait(1.0)
+        async for ev in self.events.stream(request.after_seq, lambda e: self._visible(e, who, only)):
+            yield ev
 
     def _visible(self, ev: pb.Event, who: Principal, only: bytes | None) -> bool:
         kind = ev.WhichOneof("kind")

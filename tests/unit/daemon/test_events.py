@@ -95,3 +95,58 @@ def test_wait_wakes_on_append() -> None:
         return log.seq
 
     assert asyncio.run(run()) == 1
+
+
+class _Ctx:
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    async def abort(self, code: object, msg: str) -> None:
+        raise AssertionError(f"aborted: {code} {msg}")
+
+
+def _watch(log: EventLog, after: int):  # type: ignore[no-untyped-def]
+    """``KVStoreService.WatchEvents`` on ``log``, without a server (auth off, every event visible)."""
+    from types import SimpleNamespace
+
+    from kvstore.daemon.auth import Principal
+    from kvstore.daemon.kv_service import KVStoreService
+
+    svc = SimpleNamespace(auth=SimpleNamespace(principal=lambda md: Principal(None, True)), events=log,
+                          _visible=lambda ev, who, only: True)
+    return KVStoreService.WatchEvents(svc, pb.WatchRequest(after_seq=after), _Ctx())  # type: ignore[arg-type]
+
+
+def test_a_reader_that_falls_behind_while_following_gets_a_gap() -> None:
+    """A slow watcher whose unread events left the ring is told so (Gap), not
+    silently handed the events after the hole."""
+    async def run() -> list[tuple[int, int]]:
+        log = EventLog(2)
+        log.append(Event(EventKind.STORED, D, K[:1], TierKind.DRAM))
+        stream = _watch(log, 0)
+        got = [await asyncio.wait_for(stream.__anext__(), 30.0)]  # seq 1: now following
+        for k in K:  # seq 2..5 while the reader is slow: 2 and 3 fall out of the ring
+            log.append(Event(EventKind.STORED, D, [k], TierKind.DRAM))
+        for _ in range(3):
+            got.append(await asyncio.wait_for(stream.__anext__(), 30.0))
+        await stream.aclose()
+        return [(e.seq, e.gap.first_available_seq if e.WhichOneof("kind") == "gap" else 0) for e in got]
+
+    assert asyncio.run(run()) == [(1, 0), (0, 4), (4, 0), (5, 0)]
+
+
+def test_watch_replays_from_after_seq_and_says_gap_when_it_fell_out() -> None:
+    async def run(after: int, n: int) -> list[int]:
+        log = EventLog(2)
+        for k in K:  # seq 1..4; 3 and 4 buffered
+            log.append(Event(EventKind.STORED, D, [k], TierKind.DRAM))
+        stream = _watch(log, after)
+        got = [await asyncio.wait_for(stream.__anext__(), 30.0) for _ in range(n)]
+        await stream.aclose()
+        return [e.seq if e.WhichOneof("kind") != "gap" else -e.gap.first_available_seq for e in got]
+
+    assert asyncio.run(run(0, 2)) == [3, 4]  # from the oldest buffered
+    assert asyncio.run(run(1, 3)) == [-3, 3, 4]  # seq 2 is gone
+    assert asyncio.run(run(2, 2)) == [3, 4]
+    assert asyncio.run(run(3, 1)) == [4]
+    assert asyncio.run(run(9, 3)) == [-3, 3, 4]  # from a previous daemon run
