@@ -74,7 +74,9 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         if sid not in self.sessions or self.sessions[sid] != who.tenant:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"session {sid!r} is unknown")
             return
-        self.unbound.pop(sid, None)
+        if self.unbound.pop(sid, None) is None:  # its stream is open already: one per session
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {sid!r} already has a KeepAlive stream")
+            return
         interval = max(0.05, float(self.config.server.lease_check_interval))
         try:
             while True:
