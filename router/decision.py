@@ -173,16 +173,18 @@ class Decider:
                    f"prefill {bd.prefill_s * 1e3:.0f} ms of {bd.uncached_tokens} tokens) misses the "
                    f"{klass!r} target of {limit * 1e3:.0f} ms")
             return Rejection(reason, msg, max(best - limit, bd.queue_s, 0.1), best)
-        wait = self.rate.acquire(tenant)
+        wait = self.rate.peek(tenant)
         if wait > 0:
+            self.rate.limited[tenant] += 1
             return Rejection(RejectReason.RATE_LIMITED, f"tenant {tenant!r} is over its request rate", wait, best)
         tb = self._token_bucket(tenant)
         if tb is not None:
             n = min(float(n_tokens), tb.burst)
             tw = tb.acquire(n)
-            if tw > 0:
+            if tw > 0:  # refused: no request token is spent either
                 return Rejection(RejectReason.TOKEN_QUOTA, f"tenant {tenant!r} is over its prompt-token rate",
                                  tw, best)
+        self.rate.acquire(tenant)  # there since the peek (time only adds tokens)
         if fair is not None:
             fair.note_grant(hc)
         return Plan(tuple(cands), target)
