@@ -348,6 +348,12 @@ class HFPrefixCache:
         ``start_block - 1`` must be stored already)."""
         return self._save(input_ids, cache, start_block, start_block)
 
+    def _first_held(self, cache: Any) -> int:
+        """The first position every layer of ``cache`` still holds (0 unless
+        a sliding-window layer dropped the oldest ones)."""
+        total = cache.get_seq_length()
+        return max(total - int(_layer_kv(cache, layer)[0].shape[-2]) for layer in range(self.layout.num_layers))
+
     def _save(self, input_ids: Any, cache: Any, copy_from: int, start_block: int) -> SaveResult:
         """Copy blocks ``[copy_from, nb)`` of ``cache`` into the page pool
         (earlier pages already hold this prompt's blocks) and save from
@@ -359,6 +365,14 @@ class HFPrefixCache:
             return SaveResult(0, ())
         bs, kvh, hd = self.block_size, self.layout.kv_heads, self.layout.head_dim
         a = min(copy_from, nb)
+        if a < nb and self._first_held(cache) > a * bs:
+            # a sliding-window layer no longer holds the first positions to
+            # copy: its tensor starts later, so indexing it from position
+            # ``a * bs`` would store other positions' KV under these keys.
+            # Save only the blocks the pool already holds.
+            nb = a
+            if nb == 0:
+                return SaveResult(0, ())
         if a < nb:
             for layer in range(self.layout.num_layers):
                 k, v = _layer_kv(cache, layer)

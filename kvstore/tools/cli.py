@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=16)
     for tier in ("dram", "ssd", "hbm"):
         p.add_argument(f"--{tier}", help=f"{tier.upper()} tier size, e.g. 64GiB")
+    p.add_argument("--page-size", help="slab page of the DRAM and HBM tiers (dram.page_size; default 16MiB)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_capacity)
 

@@ -121,8 +121,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     tiers = _sizes(args, ("hbm", "dram", "ssd"))
     if not tiers:
         tiers = {"dram": 1 << 30}
+    page = _sizes(args, ("page_size",)).get("page_size", 16 << 20)
     t = capacity_table(args.layers, args.kv_heads, args.head_dim, args.dtype, args.tp,
-                       args.block_size, tiers, args.ranks_per_node)
+                       args.block_size, tiers, args.ranks_per_node, page)
     print(json.dumps(t, indent=2) if args.json else format_capacity(t), end="\n" if args.json else "")
     return 0
 

@@ -11,6 +11,8 @@ import numpy as np
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, first_divergence
+from tiers.slots import SLOT_ALIGN
+from tiers.ssd_format import HEADER_BYTES
 
 __all__ = ["DiffReport", "capacity_table", "diff_report", "format_capacity", "format_diff",
            "format_lookup", "format_stats", "human_bytes", "int_field", "percent", "table",
@@ -143,14 +145,18 @@ def format_stats(d: Mapping[str, Any]) -> str:
 def capacity_table(layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
                    tp: int = 1, block_size: int = 16,
                    tiers: Mapping[str, int] | None = None,
-                   ranks_per_node: int | None = None) -> dict[str, Any]:
+                   ranks_per_node: int | None = None, page_size: int = 16 << 20) -> dict[str, Any]:
     """How many tokens and blocks fit in each tier.
 
     bytes/token of one TP rank = 2 (K and V) x layers x ceil(kv_heads / tp) x
     head_dim x dtype bytes (with tp > kv_heads each rank holds one replicated
     head). A node's daemon stores the shards of ``ranks_per_node`` ranks
     (default: all ``tp``: mirrored shards live together), so tier capacity is
-    divided by per-rank bytes x ranks_per_node. Raises InvalidArgument."""
+    divided by per-rank bytes x ranks_per_node. A tier holds what its
+    allocator can place: the DRAM and HBM slabs put each block in a slot
+    rounded up to 4 KiB and whole slots in pages of ``page_size``
+    (``dram.page_size``, ``hbm.page_size``), whole pages in the capacity;
+    an SSD record is the block plus an 88-byte header. Raises InvalidArgument."""
     for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                     ("tp", tp), ("block_size", block_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -164,9 +170,16 @@ def capacity_table(layers: int, kv_heads: int, head_dim: int, dtype: str = "bflo
     whole = 2 * layers * kv_heads * head_dim * dt.itemsize
     per_node = per_rank * ranks
     block_bytes = per_node * block_size
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < SLOT_ALIGN:
+        raise InvalidArgument(f"--page-size must be at least {SLOT_ALIGN} bytes, got {page_size!r}")
     rows = []
     for tier, cap in (tiers or {}).items():
-        blocks = cap // block_bytes
+        if tier == "ssd":
+            blocks = cap // (block_bytes + HEADER_BYTES)
+        else:  # the slab tiers (tiers.slots.PagedSlots with the default slot sizes)
+            page = min(page_size, cap) // SLOT_ALIGN * SLOT_ALIGN
+            slot = -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
+            blocks = (cap // page) * (page // slot) if page else 0
         rows.append({"tier": tier, "capacity_bytes": cap, "blocks": blocks,
                      "tokens": blocks * block_size})
     return {

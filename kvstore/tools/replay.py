@@ -340,8 +340,8 @@ def _capacity(text: str, pt: PreparedTrace, payload: int) -> int:
         v = float(text)
     except ValueError:
         return max(1, parse_size(text) // (-(-payload // _SLOT) * _SLOT))
-    if v <= 0:
-        raise InvalidArgument(f"capacity must be positive, got {text}")
+    if not v > 0 or math.isinf(v):
+        raise InvalidArgument(f"capacity must be positive and finite, got {text}")
     if v < 1 or "." in text:
         return capacity_levels(pt, [v])[0]
     return int(v)
@@ -350,6 +350,8 @@ def _capacity(text: str, pt: PreparedTrace, payload: int) -> int:
 def run(args: argparse.Namespace) -> int:
     """``kvstore replay``: print the table (and write JSON); exit 0."""
     trace: Sequence[w.Request | TraceRequest]
+    if args.payload_bytes < 1:
+        raise InvalidArgument(f"--payload-bytes must be >= 1, got {args.payload_bytes}")
     if args.workload:
         try:
             trace = w.make_trace(args.workload, args.seed, w.parse_params(args.workload, args.param), args.quick)
@@ -403,7 +405,13 @@ def run(args: argparse.Namespace) -> int:
 def _ssd_blocks(text: str, dram_blocks: int, payload: int) -> int:
     text = text.strip().lower()
     if text.endswith("x"):
-        return int(round(float(text[:-1]) * dram_blocks))
+        try:
+            factor = float(text[:-1])
+        except ValueError:
+            factor = math.nan
+        if not 0 <= factor < math.inf:
+            raise InvalidArgument(f"--ssd: {text!r} is not a multiple of the DRAM capacity like 4x")
+        return int(round(factor * dram_blocks))
     if text.isdigit():
         return int(text)
     return parse_size(text) // (payload + _SSD_RECORD)

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import Namespace, block_keys_array
+from kvstore.keys import Namespace, as_token_array, block_keys_array
 
 __all__ = ["PreparedTrace", "TraceRequest", "capacity_levels", "prepare", "read_trace"]
 
@@ -149,14 +149,25 @@ def read_trace(path: str) -> list[TraceRequest]:
     """A JSON-lines trace: one ``{"tenant", "tokens": [...], "arrival"}`` per
     line (``tokens`` required), sorted by arrival."""
     out: list[TraceRequest] = []
+    i = -1
     try:
         with open(path) as f:
             for i, line in enumerate(f):
                 if line.strip():
                     d = json.loads(line)
-                    out.append(TraceRequest(str(d.get("tenant", "default")),
-                                            np.asarray(d["tokens"], dtype=np.uint32), float(d.get("arrival", i))))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+                    if not isinstance(d, dict):
+                        raise ValueError(f"line {i + 1}: expected a JSON object, got {type(d).__name__}")
+                    if "tokens" not in d:
+                        raise ValueError(f'line {i + 1}: no "tokens" list')
+                    # ids validated as the engines' keys take them: a negative, too large or
+                    # non-integer id is an error, never wrapped or truncated into another id
+                    tokens = as_token_array(d["tokens"], f"line {i + 1}: tokens")
+                    out.append(TraceRequest(str(d.get("tenant", "default")), tokens,
+                                            float(d.get("arrival", i))))
+    except InvalidArgument as e:
         raise InvalidArgument(f"cannot read trace {path}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        where = f"line {i + 1}: " if i >= 0 and not str(e).startswith("line ") else ""
+        raise InvalidArgument(f"cannot read trace {path}: {where}{e}") from None
     out.sort(key=lambda r: r.arrival)
     return out

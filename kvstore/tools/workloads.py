@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -214,8 +215,10 @@ def bursty_arrivals(rng: np.random.Generator, n: int, rate: float, burst: float 
     """
     if n <= 0:
         return np.zeros(0)
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
+    if not 0 < rate < math.inf:
+        raise ValueError(f"rate must be > 0 and finite, got {rate}")
+    if not 0 < period_s < math.inf:  # 0, < 0 or nan never advanced the clock: an endless loop
+        raise ValueError(f"burst_period_s must be > 0 and finite, got {period_s}")
     burst = max(1.0, burst)
     share = min(max(burst_share, 0.0), 1.0) if burst > 1 else 0.0
     calm = rate / ((1 - share) + share * burst)
@@ -383,8 +386,10 @@ def parse_params(kind: str, items: Iterable[str] | Mapping[str, Any] = ()) -> An
         conv = int if types[name] in (int, "int") else float
         try:
             kw[name] = conv(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"parameter {name} of {kind} must be {conv.__name__}, got {value!r}") from None
+        if not math.isfinite(kw[name]):
+            raise ValueError(f"parameter {name} of {kind} must be finite, got {value!r}")
     return spec(**kw)
 
 

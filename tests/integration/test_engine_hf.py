@@ -108,6 +108,39 @@ def test_tp1_prefix_from_ssd_after_restart_matches_full_recompute(make_daemon, m
         assert set(hc.connector.lookup(p2).tiers) == {"dram"}  # Acquire promoted them
 
 
+def test_sliding_window_cache_saves_no_kv_of_other_positions(daemon):
+    """A sliding-window layer keeps only the last ``window - 1`` positions:
+    after generation its tensor no longer starts at position 0, so blocks
+    it no longer holds must not be saved (before: positions 4..35 were
+    stored under the keys of tokens 0..31, and a later load used them)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        sliding_window=40, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        mistral = MistralForCausalLM(cfg).eval()
+    ns = model_namespace(mistral, tenant="sw", block_size=BS)
+    g = torch.Generator().manual_seed(3)
+    p1 = torch.randint(0, 512, (32,), generator=g)
+    p2 = torch.cat([p1, torch.randint(0, 512, (4,), generator=g)])
+    with HFPrefixCache(mistral, ns, target=daemon.target, max_tokens=256) as hc:
+        # 32 prompt + 11 generated positions: the window holds positions 4..42 only
+        hc.generate(p1, 12)
+        full = hc.generate(p2, 4, use_store=False, save=False)
+        cached = hc.generate(p2, 4, save=False)
+        assert_same(cached, full)
+        # while the window still holds every prompt position, blocks are saved
+        p3 = torch.randint(0, 512, (33,), generator=g)
+        assert hc.generate(p3, 2).save.stored_blocks == 2
+        p4 = torch.cat([p3[:32], torch.randint(0, 512, (4,), generator=g)])
+        cached = hc.generate(p4, 4, save=False)
+        assert cached.cached_tokens == 32
+        assert_same(cached, hc.generate(p4, 4, use_store=False, save=False))
+
+
 def test_daemon_down_means_a_normal_full_prefill(model):
     ns = model_namespace(model, tenant="t", block_size=BS)
     _, p2 = prompts(model.config.vocab_size)

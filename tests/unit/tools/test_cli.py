@@ -132,11 +132,44 @@ def test_capacity_table_llama70b_tp8() -> None:
     assert t["bytes_per_token_node"] == 327_680          # all 8 ranks' shards on this node
     assert t["bytes_per_block_node"] == 327_680 * 16
     dram = t["tiers"][0]
-    assert dram["blocks"] == (64 << 30) // (327_680 * 16) == 13_107
-    assert dram["tokens"] == 13_107 * 16
+    # 5 MiB blocks: three to a 16 MiB slab page (not 64 GiB / 5 MiB = 13,107)
+    assert dram["blocks"] == (64 << 30) // (16 << 20) * 3 == 12_288
+    assert dram["tokens"] == 12_288 * 16
+    assert t["tiers"][1]["blocks"] == (2 << 40) // (327_680 * 16 + 88)
     text = format_capacity(t)
     assert "40,960 per rank, 327,680 whole model" in text
-    assert "13,107" in text and "209,712" in text
+    assert "12,288" in text and "196,608" in text
+
+
+@pytest.mark.parametrize("layers, kv_heads, head_dim, dtype, tp, bs, page", [
+    (80, 8, 128, "bfloat16", 8, 16, 16 << 20),    # 5 MiB blocks: 3 per page, 1 MiB of each page unused
+    (2, 1, 64, "bfloat16", 1, 1, 16 << 20),       # 256-byte blocks: one 4 KiB slot each
+    (3, 2, 80, "float8_e4m3fn", 1, 16, 1 << 20),  # 15,360-byte blocks in 16 KiB slots
+    (32, 8, 128, "bfloat16", 1, 16, 16 << 20),    # 2 MiB blocks: no waste
+])
+def test_capacity_is_what_the_slab_allocator_places(layers, kv_heads, head_dim, dtype, tp, bs, page) -> None:
+    """The DRAM/HBM figure is what tiers.slots places in a fresh slab of that
+    size (4 KiB-aligned slots, whole slots per page, whole pages), not
+    capacity / block bytes, which promised up to 16x the blocks that fit."""
+    from kvstore.errors import InvalidArgument
+    from tiers.slots import SLOT_ALIGN, PagedSlots
+
+    class Slab(PagedSlots):
+        def __init__(self, capacity: int) -> None:
+            self._init_slots(capacity, page, SLOT_ALIGN, ())
+
+    cap = (1 << 30) + (5 << 20)
+    t = capacity_table(layers, kv_heads, head_dim, dtype, tp=tp, block_size=bs,
+                       tiers={"dram": cap, "hbm": 3 << 20}, page_size=page)
+    block = t["bytes_per_block_node"]
+    for row in t["tiers"]:
+        slab = Slab(row["capacity_bytes"])
+        if block > slab.page_bytes:  # the tier refuses a block larger than a page
+            assert row["blocks"] == 0
+            with pytest.raises(InvalidArgument):
+                slab.free_slots(block)
+        else:
+            assert row["blocks"] == slab.free_slots(block), row
 
 
 def test_capacity_gqa_replication_and_ranks_per_node() -> None:

@@ -179,6 +179,37 @@ def test_read_trace(tmp_path) -> None:
         R.read_trace(str(path))
 
 
+@pytest.mark.parametrize("line, msg", [
+    ('{"tokens": [1, -1, 2]}', r"line 1: tokens\[1\] = -1 is out of range"),
+    ('{"tokens": [4294967296]}', r"tokens\[0\] = 4294967296 is out of range"),
+    ('{"tokens": [1.7, 2]}', "must be integer ids"),
+    ('[1, 2, 3]', "expected a JSON object"),
+    ('{"tenant": "a"}', 'no "tokens" list'),
+])
+def test_read_trace_rejects_bad_token_ids(tmp_path, line: str, msg: str) -> None:
+    """Token ids are checked as the engines' keys check them: a negative id
+    used to escape as an OverflowError traceback, and a float was truncated
+    into another id (1.7 -> 1) and replayed as if it were one."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(R.InvalidArgument, match=msg):
+        R.read_trace(str(path))
+
+
+@pytest.mark.parametrize("flags", [["--capacity", "nan"], ["--capacity", "inf"], ["--ssd", "abcx"],
+                                   ["--payload-bytes", "0", "--capacity", "1MiB"]])
+def test_cli_replay_bad_numbers_exit_2_without_a_traceback(tmp_path, capsys, flags: list[str]) -> None:
+    from kvstore.tools.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"tenant": "a", "tokens": list(range(40))}) + "\n")
+    bad = tmp_path / "neg.jsonl"
+    bad.write_text('{"tokens": [1, -1]}\n')
+    assert main(["replay", "--trace", str(path), *flags]) == 2
+    assert main(["replay", "--trace", str(bad)]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_cli_replay_runs(tmp_path, capsys) -> None:
     from kvstore.tools.cli import main
 

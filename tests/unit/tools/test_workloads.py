@@ -141,6 +141,21 @@ def test_parse_params_converts_and_rejects() -> None:
     assert W.params_for("agent", quick=True).scale == W.QUICK_SCALE
 
 
+@pytest.mark.timeout(30)  # before the fix these looped forever: the clock never advanced
+@pytest.mark.parametrize("param", ["burst_period_s=0", "burst_period_s=-1", "burst_period_s=nan", "rate=nan",
+                                   "rate=inf", "think_s=inf"])
+def test_non_positive_period_and_non_finite_params_are_refused(param: str) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        W.make_trace("chat", 0, W.parse_params("chat", [param]), quick=True)
+
+
+def test_cli_replay_with_a_zero_burst_period_exits_2(capsys) -> None:
+    from kvstore.tools.cli import main
+
+    assert main(["replay", "--workload", "chat", "--quick", "-p", "burst_period_s=0"]) == 2
+    assert "burst_period_s must be > 0" in capsys.readouterr().err
+
+
 def test_scale_multiplies_counts() -> None:
     small = list(W.shared_prompt(0, W.SharedPromptParams(requests=400, scale=0.5)))
     assert len(small) == 200
