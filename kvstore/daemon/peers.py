@@ -167,6 +167,9 @@ class ClusterNode:
     def _stub(self, address: str) -> pb_grpc.ClusterStub:
         got = self._channels.get(address)
         if got is None:
+            if address not in self.cfg.peer_list and \
+                    address not in {m.grpc_address for m in self.membership.members.values()}:
+                raise KeyError(address)  # a peer that left (a call begun before): no channel is opened again
             ch = tls.peer_channel(address, self.creds)
             got = self._channels[address] = (ch, pb_grpc.ClusterStub(ch))
         return got[1]
@@ -318,6 +321,8 @@ class ClusterNode:
     async def _publish_to(self, m: Member, req: pb.PublishRequest) -> None:
         try:
             await self._stub(m.grpc_address).Publish(req, timeout=self.cfg.rpc_timeout, metadata=self._md())
+        except KeyError:  # it left meanwhile: nothing to send it
+            pass
         except grpc.RpcError as e:
             log.debug("publish to %s failed: %s", m.node_id, e)
             self._resync = True  # it missed updates: send it everything once it answers again

@@ -111,11 +111,13 @@ def test_a_peer_that_left_leaves_no_channel_or_pooled_endpoint_behind(make_daemo
     me = node.membership.me
     b_member = node.membership.members[b.d.daemon.cluster.node_id]
     assert b_member.grpc_address in a.d.call(lambda: set(node._channels))
-    assert b_member.block_address in node.block_client.pooled
+    # (the pool and the channels are the daemon loop's: read them on it, never from this thread)
+    assert b_member.block_address in a.d.call(lambda: node.block_client.pooled)
     b.d.stop()
     wait_until(lambda: a.members() == 1, 20, "b left")
     wait_until(lambda: a.d.call(lambda: set(node._channels)) <= {me.grpc_address}, 10, "b's channel is closed")
-    assert b_member.block_address not in node.block_client.pooled
+    wait_until(lambda: b_member.block_address not in a.d.call(lambda: node.block_client.pooled), 10,
+               "b's pooled endpoint is closed")
 
 
 def test_a_member_is_the_record_at_its_own_key(make_daemon, etcd):  # noqa: F811
