@@ -122,16 +122,22 @@ def test_a_damaged_segment_name_costs_only_its_blocks(tdir: str) -> None:
     assert not glob.glob(os.path.join(tdir, "seg-8*.kvs"))  # nothing points into it: removed
 
 
+def stored_index(tdir: str, owners, size: int):
+    """Blocks ``owners`` of ``size`` bytes written and the tier closed, its
+    snapshot removed (an open reads the index itself), and that RocksDB
+    index opened raw to be damaged: (db, locations, checksums)."""
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, csums = put(t, owners, size)
+    os.unlink(os.path.join(tdir, SNAPSHOT_FILE))
+    return rocksdict.Rdict(os.path.join(tdir, "index"), rocksdict.Options(raw_mode=True)), locs, csums
+
 @pytest.mark.parametrize("bad_size", [0, (1 << 64) - 8, 1 << 63])
 def test_an_index_entry_with_an_impossible_size_is_dropped(tdir: str, bad_size: int) -> None:
     """An index entry's size is bounded as the unsigned number it is (a
     size of 2^63 or more must not pass the bound as a negative one)."""
     size = 4 * KIB
     owners = metas(NS, chain(b"sz", 3))
-    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
-        locs, csums = put(t, owners, size)
-    os.unlink(os.path.join(tdir, SNAPSHOT_FILE))  # read the index itself
-    db = rocksdict.Rdict(os.path.join(tdir, "index"), rocksdict.Options(raw_mode=True))
+    db, locs, csums = stored_index(tdir, owners, size)
     key = b"b" + int(locs[1]).to_bytes(8, "big")
     v = np.frombuffer(db[key], dtype=VALUE).copy()
     v["ident"]["size"] = bad_size
@@ -191,24 +197,30 @@ def test_disk_figures_read_while_a_write_adds_a_segment(tdir: str) -> None:
             owners = owners[:20] + metas(NS, chain(figure.encode(), 10))
 
 
+def vanishing_scandir(tdir: str, nbytes: int) -> Any:
+    """An ``os.scandir`` that lists, in the tier's index directory, a file
+    that is gone by the time the caller looks at it (as RocksDB's own
+    threads delete obsolete files)."""
+    doomed = os.path.join(tdir, "index", "OLD.log")
+    real = os.scandir
+
+    def scandir(path: str) -> Any:
+        if os.path.basename(path) == "index":
+            with open(doomed, "wb") as f:
+                f.write(b"x" * nbytes)
+            entries = list(real(path))
+            os.unlink(doomed)
+            return iter(entries)
+        return real(path)
+
+    return scandir
+
 def test_disk_bytes_when_a_file_goes_while_it_is_counted(tdir: str, monkeypatch: Any) -> None:
     """RocksDB's own threads delete index files at any time: one listed and
     gone before it is measured is not counted, not an error."""
     with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
         put(t, metas(NS, chain(b"gf", 2)), 4 * KIB)
-        doomed = os.path.join(tdir, "index", "OLD.log")
-        real = os.scandir
-
-        def scandir(path: str) -> Any:
-            if os.path.basename(path) == "index":
-                with open(doomed, "wb") as f:
-                    f.write(b"x" * 8192)
-                entries = list(real(path))
-                os.unlink(doomed)
-                return iter(entries)
-            return real(path)
-
-        monkeypatch.setattr(ssd_dir.os, "scandir", scandir)
+        monkeypatch.setattr(ssd_dir.os, "scandir", vanishing_scandir(tdir, 8192))
         try:
             assert t.disk_bytes > 0
         finally:
@@ -222,19 +234,7 @@ def test_an_index_file_gone_while_open_makes_it_private_is_no_rebuild(tdir: str,
     owners = metas(NS, chain(b"pi", 4))
     with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
         put(t, owners, 4 * KIB)
-    doomed = os.path.join(tdir, "index", "OLD.log")
-    real = os.scandir
-
-    def scandir(path: str) -> Any:
-        if os.path.basename(path) == "index":
-            with open(doomed, "wb") as f:
-                f.write(b"x")
-            entries = list(real(path))
-            os.unlink(doomed)
-            return iter(entries)
-        return real(path)
-
-    monkeypatch.setattr(ssd_dir.os, "scandir", scandir)
+    monkeypatch.setattr(ssd_dir.os, "scandir", vanishing_scandir(tdir, 1))
     try:
         t = SsdTier(tdir, 16 * MIB, segment_bytes=MIB)
     finally:
@@ -294,10 +294,7 @@ def test_an_index_entry_with_a_huge_id_costs_only_its_block(tdir: str) -> None:
     dropped (a miss) and the tier keeps working."""
     size = 4 * KIB
     owners = metas(NS, chain(b"hi", 3))
-    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
-        locs, _ = put(t, owners, size)
-    os.unlink(os.path.join(tdir, SNAPSHOT_FILE))  # read the index itself
-    db = rocksdict.Rdict(os.path.join(tdir, "index"), rocksdict.Options(raw_mode=True))
+    db, locs, _ = stored_index(tdir, owners, size)
     key = b"b" + int(locs[1]).to_bytes(8, "big")
     value = db[key]
     del db[key]
