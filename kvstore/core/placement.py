@@ -317,12 +317,18 @@ class Placement:
         vkeys = np.stack([idx.k0[v], idx.k1[v]], axis=1)
         return karr.shape[0] - need + admitted(self.freq.estimate(karr[-need:]), self.freq.estimate(vkeys))
 
+    def held(self, rows: np.ndarray) -> np.ndarray:
+        """Mask of ``rows`` a reader pins or that are not committed (being
+        written, doomed): blocks that may not be dropped or moved."""
+        idx = self.index
+        return (idx.pins[rows] > 0) | (idx.state[rows] != S_COMMITTED)
+
     def held_below(self, rows: np.ndarray) -> np.ndarray:
         """Mask of ``rows`` whose subtree (in any tier, the row included)
-        holds a pinned or uncommitted block: rows that may not be dropped."""
+        holds a ``held`` block: rows that may not be dropped."""
         idx = self.index
         used = idx.used_rows()
-        held = (idx.pins[used] > 0) | (idx.state[used] != S_COMMITTED)
+        held = self.held(used)
         below = np.zeros(idx.parent.size, dtype=bool)
         if held.any():
             below[used] = close_upward(idx, used, held)

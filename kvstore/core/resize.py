@@ -99,7 +99,7 @@ class Resizer:
             granted = self.grants.locs() if self.grants is not None else inside[:0]
             # a retired block that finds no slot leaves with its subtree: none of it may be held
             sub = idx.subtree(inside)
-            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != S_COMMITTED) or \
+            if place.held(sub).any() or \
                     t.locs_in_pages(granted, pages).any():
                 raise CapacityError("blocks in the region being retired (or blocks stored under them) are "
                                     "pinned or being written (or its slots are granted to a writer); "

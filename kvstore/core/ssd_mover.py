@@ -315,7 +315,7 @@ class SsdMover:
                 failed = to_write[ids < 0]
                 cold = np.concatenate([cold, failed])
             sub = idx.subtree(cold)
-            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != S_COMMITTED):
+            if st.held(sub).any():
                 # a holder's block below (e.g. in hbm) is never dropped: which victims hold one
                 # (over every stored block, so only when the subtrees to drop hold any)
                 held = st.held_below(cold)

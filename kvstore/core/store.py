@@ -424,7 +424,7 @@ class TieredStore:
             if r < 0 or idx.state[r] != S_COMMITTED:
                 continue  # gone already (e.g. descendant of an earlier key)
             sub = idx.subtree(np.asarray([r]))
-            if np.any(idx.pins[sub] > 0) or np.any(idx.state[sub] != S_COMMITTED):
+            if self.place.held(sub).any():
                 res.statuses[i] = KeyStatus.BUSY
                 res.messages[i] = "block or a descendant is pinned or being written"
                 continue
