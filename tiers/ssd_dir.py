@@ -74,6 +74,16 @@ class SsdDirectory:
                 f"SSD directory {self.path} has schema {m.group(1)}, this kvstore reads only schema "
                 f"{SCHEMA_VERSION}; refusing to reinterpret it (use a matching kvstore or another directory)")
 
+    def segments(self) -> dict[int, int]:
+        """The segment files (id as named -> size); leftover ``.tmp`` files are removed."""
+        found = {}
+        for name in os.listdir(self.path):
+            if m := SEG_RE.match(name):
+                found[int(m.group(1))] = os.stat(os.path.join(self.path, name)).st_size
+            elif name.endswith(".tmp"):
+                os.unlink(os.path.join(self.path, name))
+        return found
+
     def write_small(self, path: str, data: bytes) -> None:
         """Atomically replace a small file: tmp, fdatasync, rename, fsync dir."""
         fd = self.fs.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | CLOEXEC, 0o600)
