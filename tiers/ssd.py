@@ -358,7 +358,11 @@ class SsdTier:
         self._next_seg += sid == self._next_seg
         seg = self._segs[sid] = Segment(sid, 0)
         self._active, self._active_fd = seg, fd
-        self._dir.sync_dir()  # the name is durable before anything points at it
+        try:
+            self._dir.sync_dir()  # the name is durable before anything points at it
+        except OSError:
+            self._drop_segment(sid)  # nothing points in: the next new segment syncs the directory again
+            raise
         return seg
 
     def _drop_segment(self, sid: int) -> int:

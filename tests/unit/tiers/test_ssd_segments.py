@@ -2,20 +2,67 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from typing import Any
 
+import numpy as np
 import pytest
 
-from tests.conftest import chain
+from kvstore.errors import Unavailable
+from tests.conftest import chain, payload_for
 from tests.unit.tiers.test_ssd import KIB, MIB, NS, get, metas, put, seg_files
-from tiers.ssd import SsdTier
+from tiers.ssd import OsFileLayer, SsdTier
 from tiers.ssd_recover import SNAPSHOT_FILE
 
 
 @pytest.fixture
 def tdir(tmp_path: Any) -> str:
     return str(tmp_path / "ssd")
+
+
+class DirSync(OsFileLayer):
+    """The real OS; an fsync of a directory fails (EIO) while ``fail`` is
+    set, and each segment write records whether the directory was synced
+    since its segment was created."""
+
+    def __init__(self) -> None:
+        self.fail = False
+        self.dir_syncs: list[bool] = []  # each directory fsync: did it succeed
+
+    def fsync(self, fd: int) -> None:  # type: ignore[override]
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            self.dir_syncs.append(not self.fail)
+            if self.fail:
+                raise OSError(errno.EIO, "injected directory fsync failure")
+        super().fsync(fd)
+
+
+def test_a_failed_directory_fsync_fails_the_write_and_is_retried(tdir: str) -> None:
+    """A new segment's name is fsynced into the directory before anything
+    points into it. When that fsync fails the write fails (Unavailable,
+    nothing indexed), and the next write does not append to that segment
+    as if its name were durable: the directory is synced again first."""
+    size = 64 * KIB
+    fs = DirSync()
+    owners = metas(NS, chain(b"ds", 4))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB, fs=fs) as t:
+        fs.fail = True
+        locs = t.allocate(size, 2)
+        with pytest.raises(Unavailable):
+            t.write(locs, [np.frombuffer(payload_for(o.ns_digest, o.key, size), np.uint8) for o in owners[:2]],
+                    owners[:2])
+        assert len(t.recover()) == 0 and t.garbage_bytes == 0
+        assert seg_files(tdir) == []  # the segment whose name may not be durable is gone: nothing points in
+        fs.fail = False
+        done = len(fs.dir_syncs)
+        t.free(locs)
+        got, csums = put(t, owners, size)
+        assert True in fs.dir_syncs[done:]  # synced (again) before these records counted as stored
+        assert get(t, got, owners, size, csums)[0].all()
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        assert len(t.recover()) == 4
 
 
 def test_a_damaged_segment_name_below_2_32_does_not_use_up_the_segment_ids(tdir: str) -> None:
