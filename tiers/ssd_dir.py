@@ -43,6 +43,20 @@ from tiers.ssd_format import (
 log = logging.getLogger("kvstore.ssd")
 
 
+def files_bytes(path: str) -> int:
+    """Bytes on disk (du) of everything under an SSD tier's directory
+    ``path``: segments with their preallocated room, index, small files;
+    0 where it does not exist yet."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:  # removed since listed
+                pass
+    return total
+
+
 class SsdDirectory:
     """Where the tier's files live, and how its small files are written."""
 
