@@ -135,8 +135,7 @@ class SsdTier:
             log.warning("ssd index at %s unreadable (%s); rebuilding from segment headers", self.path, exc)
             locs, vals = self._rebuild_index()
         self._load(locs, vals)
-        # counted from the segments left, which the index points into (one a damaged name made, that
-        # nothing points into, is gone): such a name does not use up the ids (see _ensure_active)
+        # from the segments left (one a damaged name made, that nothing points into, is gone): see _ensure_active
         self._next_seg = max(self._segs, default=0) + 1
 
     def _read_index(self) -> tuple[np.ndarray, np.ndarray]:
@@ -194,8 +193,11 @@ class SsdTier:
         live = np.bincount(np.searchsorted(known, seg_ids), weights=HEADER_BYTES + sizes, minlength=known.size)
         for i, sid in enumerate(ids):
             self._segs[sid].live = int(live[i])
-            if self._segs[sid].live == 0:
-                self._drop_segment(sid)
+            try:
+                if self._segs[sid].live == 0:
+                    self._drop_segment(sid)
+            except OSError as exc:  # kept (a later reclaim removes it): the blocks stored stay usable
+                log.warning("ssd segment %d not removed at open: %s", sid, exc)
 
     def _alloc_arrays(self, cap: int) -> None:
         """Room for ``cap`` locations in the table (``tiers/ssd_table.py``)."""

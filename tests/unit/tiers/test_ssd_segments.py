@@ -103,3 +103,37 @@ def test_a_rebuilt_index_naming_the_last_segment_id_still_writes(tdir: str) -> N
         assert get(t, more, owners[20:], size, csums)[0].all()
     with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
         assert len(t.recover()) == 40
+
+
+class NoUnlink(OsFileLayer):
+    """The real OS, but unlinking a file fails (EIO) while ``fail`` is set."""
+
+    def __init__(self) -> None:
+        self.fail = True
+
+    def unlink(self, path: str) -> None:  # type: ignore[override]
+        if self.fail:
+            raise OSError(errno.EIO, "unlink failed")
+        super().unlink(path)
+
+
+def test_a_failed_unlink_at_open_keeps_the_tier_and_its_blocks(tdir: str) -> None:
+    """Open removes segments nothing points into; an unlink that fails
+    there (EIO) made the whole open fail, so every stored block was lost
+    to the daemon. The file now stays until a later reclaim removes it."""
+    size = 64 * KIB
+    owners = metas(NS, chain(b"uo", 20))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, _ = put(t, owners, size)  # 15 records a segment: two segments
+        t.free(locs[15:])  # the second segment holds only garbage
+    assert len(seg_files(tdir)) == 2
+    fs = NoUnlink()
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB, fs=fs) as t:
+        got = t.recover()
+        assert len(got) == 15
+        more, csums = put(t, metas(NS, chain(b"uo2", 20)), size)
+        assert get(t, more, metas(NS, chain(b"uo2", 20)), size, csums)[0].all()
+        fs.fail = False
+        t.reclaim()
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        assert len(t.recover()) == 35
