@@ -65,7 +65,7 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, Unavail
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.ssd_dir import NamespaceFile, SsdDirectory
 from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_BYTES, LIVE,
-                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, SEG_RE, VALUE, FileLayer,
+                              LOCK_FILE, MAX_FDS, RECORD_MAGIC, RECORD_VERSION, VALUE, FileLayer,
                               OsFileLayer, ident_bytes, identity_arrays, io_error, loc_keys, record_checksum,
                               read_runs, vec_io, write_all, scan_segment, parse_index, Segment)
 from tiers.ssd_table import DENSE_IDS, ID_LIMIT, U32_LIMIT, LocationTable
@@ -124,17 +124,9 @@ class SsdTier:
 
     # ------------------------------------------------------------ open path
     def _open(self) -> None:
-        for name in os.listdir(self.path):
-            m = SEG_RE.match(name)
-            if m:
-                sid = int(m.group(1))
-                self._segs[sid] = Segment(sid, os.stat(self._seg_path(sid)).st_size)
-                if sid < U32_LIMIT:  # past it no segment this tier wrote (a damaged name): nothing points in, dropped
-                    self._next_seg = max(self._next_seg, sid + 1)
-            elif name.endswith(".tmp"):
-                os.unlink(os.path.join(self.path, name))
-        if self._next_seg - 1 in self._segs:  # the segment being written when the last run stopped: its room back
-            self._dir.trim(self._seg_path(self._next_seg - 1))
+        self._segs = {sid: Segment(sid, size) for sid, size in self._dir.segments().items()}
+        if last := max((sid for sid in self._segs if sid < U32_LIMIT), default=0):  # past 2^32: a damaged name
+            self._dir.trim(self._seg_path(last))  # the segment being written when the last run stopped: its room back
         self._nsfile.load()
         try:
             self._db = self._dir.open_db()
@@ -143,6 +135,8 @@ class SsdTier:
             log.warning("ssd index at %s unreadable (%s); rebuilding from segment headers", self.path, exc)
             locs, vals = self._rebuild_index()
         self._load(locs, vals)
+        # from the segments left (one a damaged name made, that nothing points into, is gone): see _ensure_active
+        self._next_seg = max(self._segs, default=0) + 1
 
     def _read_index(self) -> tuple[np.ndarray, np.ndarray]:
         """All block entries of the index as (locs, values): one pass over RocksDB."""
@@ -199,8 +193,11 @@ class SsdTier:
         live = np.bincount(np.searchsorted(known, seg_ids), weights=HEADER_BYTES + sizes, minlength=known.size)
         for i, sid in enumerate(ids):
             self._segs[sid].live = int(live[i])
-            if self._segs[sid].live == 0:
-                self._drop_segment(sid)
+            try:
+                if self._segs[sid].live == 0:
+                    self._drop_segment(sid)
+            except OSError as exc:  # kept (a later reclaim removes it): the blocks stored stay usable
+                log.warning("ssd segment %d not removed at open: %s", sid, exc)
 
     def _alloc_arrays(self, cap: int) -> None:
         """Room for ``cap`` locations in the table (``tiers/ssd_table.py``)."""
@@ -356,14 +353,18 @@ class SsdTier:
         if act is not None and self.sync:
             self.fs.fdatasync(self._active_fd)
         self._seal()
-        if (sid := self._next_seg) >= U32_LIMIT:  # (2^32 segments written: never in practice)
-            raise CapacityError("ssd tier: segment ids exhausted")
+        if (sid := self._next_seg) >= U32_LIMIT:  # past the last id (2^32 written, or a damaged name found
+            sid = min(set(range(1, len(self._segs) + 2)) - self._segs.keys())  # in a rebuild): the lowest free
         fd = self.fs.open(self._seg_path(sid), os.O_RDWR | os.O_CREAT | os.O_EXCL | CLOEXEC, 0o600)
         self._prealloc = self.segment_bytes if self.fs.preallocate(fd, self.segment_bytes) else 0
-        self._next_seg += 1
+        self._next_seg += sid == self._next_seg
         seg = self._segs[sid] = Segment(sid, 0)
         self._active, self._active_fd = seg, fd
-        self._dir.sync_dir()  # the name is durable before anything points at it
+        try:
+            self._dir.sync_dir()  # the name is durable before anything points at it
+        except OSError:
+            self._drop_segment(sid)  # nothing points in: the next new segment syncs the directory again
+            raise
         return seg
 
     def _drop_segment(self, sid: int) -> int:

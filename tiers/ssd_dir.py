@@ -43,6 +43,20 @@ from tiers.ssd_format import (
 log = logging.getLogger("kvstore.ssd")
 
 
+def files_bytes(path: str) -> int:
+    """Bytes on disk (du) of everything under an SSD tier's directory
+    ``path``: segments with their preallocated room, index, small files;
+    0 where it does not exist yet."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:  # removed since listed
+                pass
+    return total
+
+
 class SsdDirectory:
     """Where the tier's files live, and how its small files are written."""
 
@@ -73,6 +87,16 @@ class SsdDirectory:
             raise InvalidArgument(
                 f"SSD directory {self.path} has schema {m.group(1)}, this kvstore reads only schema "
                 f"{SCHEMA_VERSION}; refusing to reinterpret it (use a matching kvstore or another directory)")
+
+    def segments(self) -> dict[int, int]:
+        """The segment files (id as named -> size); leftover ``.tmp`` files are removed."""
+        found = {}
+        for name in os.listdir(self.path):
+            if m := SEG_RE.match(name):
+                found[int(m.group(1))] = os.stat(os.path.join(self.path, name)).st_size
+            elif name.endswith(".tmp"):
+                os.unlink(os.path.join(self.path, name))
+        return found
 
     def write_small(self, path: str, data: bytes) -> None:
         """Atomically replace a small file: tmp, fdatasync, rename, fsync dir."""

@@ -36,6 +36,7 @@ from kvstore.keys import Namespace
 from kvstore.wire.convert import ns_from_pb, slots_pb
 from kvstore.wire.shm import host_identity
 from proto import kvstore_pb2 as pb
+from tiers.ssd_dir import files_bytes
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -54,6 +55,7 @@ class DaemonState:
         self.swept = slab_owner.sweep_dead() if store is None else []  # other dead daemons' slabs
         if store is None:
             check_dram_room(config)
+            check_ssd_room(config)
         self.disk = DiskWorker(store or TieredStore(store_config(config, self.auth.shares)))
         slab_owner.record(self.identity, self.disk.raw.dram.name)
         self.store = self.disk.store  # each call under the store lock; disk-bound ones on the disk worker
@@ -206,6 +208,27 @@ def check_dram_room(config: Config, shm_dir: str = slab_owner.SHM_DIR) -> None:
         raise ConfigError(f"dram.capacity: {format_size(cap)} ({cap} bytes) is more than {shm_dir} can back "
                           f"({free} bytes free): lower dram.capacity (--dram) or give {shm_dir} more room",
                           key="dram.capacity")
+
+
+def check_ssd_room(config: Config) -> None:
+    """Refuse at start an ``ssd.capacity`` that the directory's file system
+    cannot hold: more than its free space plus what the tier's own files
+    there already take (a resize past it is refused the same way,
+    kvstore/core/resize.py). Else writes would fail with ENOSPC once the
+    disk filled, long after start."""
+    cap = config.ssd.capacity
+    if not cap:
+        return
+    path = str(config.ssd.resolved_path())
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:  # not made yet: where it will be
+        probe = os.path.dirname(probe)
+    st = os.statvfs(probe)
+    free, held = int(st.f_bavail) * int(st.f_frsize), files_bytes(path)
+    if cap > free + held:
+        raise ConfigError(f"ssd.capacity: {format_size(cap)} ({cap} bytes) is more than {path} can hold "
+                          f"({free + held} bytes: {held} its files take + {free} free): lower ssd.capacity "
+                          f"(--ssd) or put ssd.path (--ssd-path) on a disk with more room", key="ssd.capacity")
 
 
 def store_config(config: Config, shares: dict[str, float] | None = None) -> StoreConfig:

@@ -116,3 +116,66 @@ def test_admin_config_shows_the_running_capacity_and_policy(make_daemon) -> None
     assert running["dram"]["capacity"] == "4MiB"
     assert running["eviction"]["policy"] == "lfu"
     assert d.config.dram.capacity == 8 << 20  # the config read at start is unchanged
+
+
+def _start_expecting_refusal(config: Any, key: str) -> None:
+    async def go() -> None:
+        running = await server.start(config)  # (on the current code: started, and stopped again)
+        await running.stop(0)
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as exc:
+        asyncio.run(go())
+    assert exc.value.key == key
+
+
+def test_ssd_capacity_beyond_its_disk_is_refused_at_start(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An ssd.capacity larger than the directory's file system can hold was
+    accepted, and writes failed later with ENOSPC (CapacityError) once the
+    disk filled; start now refuses it, naming ssd.capacity and the figures,
+    as it refuses a dram.capacity /dev/shm cannot back."""
+    from kvstore.tools.cli import main
+
+    path = tmp_path / "ssd"
+    st = os.statvfs(tmp_path)
+    too_big = st.f_bavail * st.f_frsize + (1 << 40)
+    before = _shm_files()
+    config = load_config(None, {}, {"server.port": 0, "metrics.port": 0, "dram.capacity": "16MiB",
+                                    "ssd.capacity": too_big, "ssd.path": str(path), "ssd.sync": False})
+    _start_expecting_refusal(config, "ssd.capacity")
+    assert main(["serve", "--port", "0", "--metrics-port", "0", "--dram", "16MiB", "--ssd", str(too_big),
+                 "--ssd-path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "ssd.capacity" in err and str(path) in err and "Traceback" not in err
+    assert _shm_files() - before == set()
+
+
+def test_ssd_capacity_counts_the_tiers_own_files_as_room(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the tier's directory already holds (blocks of an earlier run)
+    is room for the capacity too, not only the file system's free space:
+    here 1 MiB free and 4 MiB of segments allow 4 MiB and refuse 6 MiB."""
+    from kvstore.daemon import state
+    from kvstore.tools.cli import main
+
+    path = tmp_path / "ssd"
+    path.mkdir()
+    with open(path / "seg-000000000001.kvs", "wb") as f:  # an earlier run's blocks: 4 MiB on disk
+        f.write(b"\1" * (4 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    real = os.statvfs
+
+    class Full:
+        f_bavail, f_frsize = 256, 4096  # 1 MiB free
+
+    monkeypatch.setattr(state.os, "statvfs", lambda p: Full() if str(p).startswith(str(tmp_path)) else real(p))
+    fits = load_config(None, {}, {"server.port": 0, "metrics.port": 0, "dram.capacity": "16MiB",
+                                  "ssd.capacity": "4MiB", "ssd.path": str(path), "ssd.sync": False})
+    state.check_ssd_room(fits)
+    refused = load_config(None, {}, {"server.port": 0, "metrics.port": 0, "dram.capacity": "16MiB",
+                                     "ssd.capacity": "6MiB", "ssd.path": str(path), "ssd.sync": False})
+    with pytest.raises(ConfigError, match=r"ssd\.capacity") as exc:
+        state.check_ssd_room(refused)
+    assert exc.value.key == "ssd.capacity"
+    assert main(["serve", "--port", "0", "--metrics-port", "0", "--dram", "16MiB", "--ssd", "6MiB",
+                 "--ssd-path", str(path)]) == 2
+
