@@ -11,8 +11,10 @@ ends), and on the fetching side reserves DRAM slots, fetches into them,
 commits the blocks that arrived intact and aborts the rest: a failed or
 corrupt block is a clean miss, never wrong data.
 
-Everything runs on the daemon's event loop (the store is single-threaded);
-``Served.release`` may be called from a transport thread and hops back.
+Everything runs on the daemon's event loop (each store call under the store
+lock), except a served fetch's read of blocks on SSD, which runs on the
+daemon's disk worker; ``Served.release`` may be called from a transport
+thread and hops back.
 """
 
 from __future__ import annotations
@@ -552,7 +554,10 @@ class ClusterNode:
                 raise ValueError(str(e)) from None
             raise PermissionError(str(e)) from None
         owner = f"peer:{h.node_id}"
-        res = self.store.acquire(ns, h.keys_packed, owner=owner, ttl=self.lease_s, promote=True)
+        store, keys = self.store, h.keys_packed
+        # blocks on SSD are read on the disk worker, never on this loop (every other call would wait)
+        res = await d.disk.run(lambda: store.needs_disk_read(ns, keys), store.acquire, ns, keys, owner=owner,
+                               ttl=self.lease_s, promote=True, undo=lambda r: r.handle and store.release(r.handle, owner))
         present = int(np.count_nonzero(res.offsets >= 0))
         regions = [memoryview(self.store.dram.view(int(o), int(n)))
                    for o, n in zip(res.offsets[:present].tolist(), res.lengths[:present].tolist())]

@@ -1,0 +1,70 @@
+"""Cluster fetch faults between real in-process daemons (the block transport
+is ``tests/integration/cluster_fake``): a peer's fetch of blocks on SSD does
+not stall the serving daemon's loop; a peer whose transport hangs is a miss
+at once for a back-off, then probed again; a peer that comes back with a new
+block address is probed again. No timing: events and bounded waits only."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from kvstore.client import Client, ns_pb
+from kvstore.daemon import peers
+from proto import kvstore_pb2 as pb
+from tests.faults.test_fault_disk_worker import StalledReads
+from tests.integration import cluster_fake
+from tests.integration.test_cluster_inproc import NS, chain, payloads, static_pair
+from tests.support.keys import chain_keys
+from tests.support.waits import wait_until
+from tiers.base import TierKind
+
+
+@pytest.fixture(autouse=True)
+def fake_transport(monkeypatch):
+    monkeypatch.setattr(peers, "transport_factory", cluster_fake.fake_transport)
+
+
+def test_a_peer_fetching_blocks_on_ssd_does_not_stall_the_holders_other_calls(make_daemon, tmp_path) -> None:
+    """The holder's provide reads SSD blocks on the disk worker: while that
+    read is stalled, the holder still answers a Lookup (before: the read ran
+    on its event loop and every other call waited for the disk)."""
+    a, b = static_pair(make_daemon, cluster__fetch_timeout="60s", n0={
+        "dram__capacity": "4MiB", "dram__page_size": "1MiB", "ssd__capacity": "64MiB",
+        "ssd__path": str(tmp_path / "ssd"), "ssd__admit_min_hits": 0, "ssd__write_mode": "back"})
+    fs = StalledReads()
+    a.d.call(lambda: setattr(a.d.store.ssd.tier, "fs", fs))
+    chains = [chain_keys(4000 + i, 8, NS) for i in range(16)]  # 8 MiB through 4 MiB of DRAM
+    for keys in chains:
+        a.put(keys)
+    with Client(a.d.target) as c:
+        c.flush()
+
+        def on_ssd() -> list[bytes] | None:
+            return next((k for k in chains if set(c.lookup(NS, k).tiers[:8]) == {TierKind.SSD}), None)
+
+        wait_until(lambda: on_ssd() is not None, 30, "a chain wholly on SSD at the holder")
+        keys = on_ssd()
+        assert keys is not None
+        wait_until(lambda: b.lookup(keys).remote_blocks == 8, 10, "b sees the holder's blocks")
+        fs.hold = True
+        got: list[Any] = []
+        fetcher = threading.Thread(target=lambda: got.append(b.acquire(keys)), daemon=True)
+        fetcher.start()
+        try:
+            wait_until(fs.waiting.is_set, 30, "the holder's provide waits on the disk")
+            other = c._call(c.stub.Lookup, pb.LookupRequest(ns=ns_pb(NS), keys_packed=b"".join(chains[-1])),
+                            timeout=10)
+            still_reading = fetcher.is_alive()
+        finally:
+            fs.hold = False
+            fs.go.set()
+        fetcher.join(60)
+    assert other.hit_blocks == 8 and still_reading
+    assert got and got[0].fetched_blocks == 8  # and the stalled fetch completes once the disk answers
+    b.stub.Release(pb.ReleaseRequest(lease_id=got[0].lease_id), timeout=10)
+    assert b.get(keys) == payloads(keys)
+    wait_until(lambda: a.d.call(lambda: a.d.store.stats().leases) == 0, 10, "the holder's send lease released")
