@@ -6,7 +6,6 @@ block address is probed again. No timing: events and bounded waits only."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
@@ -68,3 +67,56 @@ def test_a_peer_fetching_blocks_on_ssd_does_not_stall_the_holders_other_calls(ma
     b.stub.Release(pb.ReleaseRequest(lease_id=got[0].lease_id), timeout=10)
     assert b.get(keys) == payloads(keys)
     wait_until(lambda: a.d.call(lambda: a.d.store.stats().leases) == 0, 10, "the holder's send lease released")
+
+
+class CountingFetches:
+    """Wraps a daemon's block client: counts fetches of blocks and empty probes."""
+
+    def __init__(self, client: Any) -> None:
+        self.real = client.fetch
+        self.fetches = 0
+        self.probes = 0
+        client.fetch = self.fetch
+
+    async def fetch(self, address: str, header: bytes, count: int, *a: Any, **kw: Any) -> Any:
+        if count:
+            self.fetches += 1
+        else:
+            self.probes += 1
+        return await self.real(address, header, count, *a, **kw)
+
+
+def test_a_peer_whose_transport_hangs_is_a_miss_at_once_until_a_probe_answers(make_daemon) -> None:
+    """gRPC answers, the block transport hangs: the first fetch waits its
+    deadline and marks the link suspect; within the back-off the next
+    Acquire is a miss (recompute) without calling the transport; once the
+    back-off has passed (a fake clock) the link is probed again, and when the
+    probe answers, fetches resume."""
+    a, b = static_pair(make_daemon, cluster__peer_backoff="30s")
+    keys = chain(3, seed=21)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "b sees a's blocks")
+    node = b.d.daemon.cluster
+    now = [1000.0]
+    node.cost.clock = lambda: now[0]
+    a_id = a.d.daemon.cluster.node_id
+    count = CountingFetches(node.block_client)
+    a.d.daemon.cluster.block_server.paused = True
+    try:
+        first = b.acquire(keys)
+        assert first.fetched_blocks == 0 and first.hit_blocks == 0 and count.fetches == 1
+        again = b.acquire(keys)
+        assert again.fetched_blocks == 0 and again.hit_blocks == 0
+        assert again.decision == pb.CHAIN_DECISION_RECOMPUTE
+        assert count.fetches == 1  # the transport was not asked again
+        assert b.lookup(keys).decision == pb.CHAIN_DECISION_RECOMPUTE
+        probes = count.probes
+    finally:
+        a.d.daemon.cluster.block_server.paused = False
+    now[0] += 31.0  # the back-off has passed: the next decision has the link probed again
+    assert b.acquire(keys).fetched_blocks == 0
+    wait_until(lambda: count.probes > probes, 10, "the link is probed again")
+    wait_until(lambda: b.lookup(keys).decision == pb.CHAIN_DECISION_FETCH, 10, "the answered probe clears the link")
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 3 and count.fetches == 2
+    assert b.d.call(lambda: node.cost.link(a_id).fetches) == 1
