@@ -131,6 +131,8 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[Any]] = []
         self._digest_ns: dict[bytes, Namespace] = {}
         self._probing: set[str] = set()
+        self._block_addresses: dict[str, str] = {}
+        """Each member's block address as membership last said (a change: its link is forgotten)."""
         """Suspect peers whose link is being probed again."""
         self._loop = asyncio.get_running_loop()
         self.health_fn: Callable[[bool], None] | None = None
@@ -204,6 +206,12 @@ class ClusterNode:
             log.info("cluster: %s left; dropped its %d directory entries", node, n)
         for peer in set(self.cost.links) - set(members):
             self.cost.forget(peer)
+        for node, m in members.items():  # back with a new block address (restarted): the old link's figures
+            if self._block_addresses.get(node, m.block_address) != m.block_address:  # and suspicion are not its
+                log.info("cluster: %s moved its block transport to %s; probing its link again", node,
+                         m.block_address or "-")
+                self.cost.forget(node)
+        self._block_addresses = {node: m.block_address for node, m in members.items()}
         self._tasks = [t for t in self._tasks if not t.done()]
         # channels and pooled endpoints to peers that left (a static peer's address is probed still);
         # a call in flight on a channel closed under it would raise CancelledError: let it end first
@@ -235,7 +243,7 @@ class ClusterNode:
                     return False
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
-            if best is not None:
+            if best is not None and self.membership.members.get(m.node_id) == m:  # (not a peer since gone or moved)
                 self.cost.set_link(m.node_id, latency_s=best, seed=True)  # real fetches refit it
             return True
         except Exception as e:

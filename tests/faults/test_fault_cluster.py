@@ -7,6 +7,7 @@ block address is probed again. No timing: events and bounded waits only."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -120,3 +121,35 @@ def test_a_peer_whose_transport_hangs_is_a_miss_at_once_until_a_probe_answers(ma
     acq = b.acquire(keys)
     assert acq.fetched_blocks == 3 and count.fetches == 2
     assert b.d.call(lambda: node.cost.link(a_id).fetches) == 1
+
+
+def test_a_peer_back_with_a_new_block_address_has_its_link_forgotten_and_probed_again(make_daemon) -> None:
+    """A peer restarted under the same node id with a new block address (an
+    etcd record put again, a static probe's answer): its old link figures
+    and endpoint belong to the old process. Its link is forgotten and probed
+    again at the new address (before: the old figures stayed for good)."""
+    a, b = static_pair(make_daemon)
+    keys = chain(3, seed=22)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "b sees a's blocks")
+    node, a_id = b.d.daemon.cluster, a.d.daemon.cluster.node_id
+    node.cost.clock = lambda: 1000.0  # (frozen: no back-off ends during the test)
+    b.d.call(lambda: node.cost.set_link(a_id, latency_s=100.0))  # what the old process's link had come to
+    b.d.call(lambda: node.cost.mark_suspect(a_id))
+    assert b.lookup(keys).decision == pb.CHAIN_DECISION_RECOMPUTE
+    srv = a.d.daemon.cluster.block_server
+    old, new = srv.address, "fake-restarted:0"
+    cluster_fake.REGISTRY[new] = cluster_fake.REGISTRY.pop(old)  # a's block transport now answers at `new`
+    real = node.membership.probe
+
+    async def restarted(address: str) -> Any:  # NodeInfo now tells the new block address
+        m = await real(address)
+        return replace(m, block_address=new) if m is not None and m.block_address == old else m
+
+    b.d.call(lambda: setattr(node.membership, "probe", restarted))
+    wait_until(lambda: b.d.call(lambda: node.membership.members[a_id].block_address) == new, 10,
+               "b's membership has a's new block address")
+    wait_until(lambda: b.lookup(keys).decision == pb.CHAIN_DECISION_FETCH, 10, "a's link is probed again")
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 3
+    assert old not in node.block_client.pooled and new in node.block_client.pooled
