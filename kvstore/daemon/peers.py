@@ -538,6 +538,7 @@ class ClusterNode:
             finished, _ = await asyncio.wait({transfer}, timeout=self.cfg.fetch_timeout + 5.0)
         except asyncio.CancelledError:
             transfer.add_done_callback(slots.settle)
+            transfer.add_done_callback(lambda t: self._settled(view.peer, t))  # (a caller that gave up first)
             raise
         try:
             if not finished:
@@ -553,8 +554,7 @@ class ClusterNode:
             self.metrics.peer_fetch_failed(view.peer, "error")
             return 0
         if res.error is not None:
-            if any(w in res.error for w in LINK_FAULTS):
-                self._suspect(view.peer, res.error)
+            self._settled(view.peer, transfer)
             slots.failed(res.error)
             reason = "refused" if "ermission" in res.error else "error"
             log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
@@ -577,6 +577,14 @@ class ClusterNode:
         if done < len(want) and not res.corrupt:
             self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
         return done
+
+    def _settled(self, peer: str | None, transfer: asyncio.Future[Any]) -> None:
+        """A transfer from ``peer`` ended: a link fault makes the peer suspect."""
+        if peer is None or transfer.cancelled() or transfer.exception() is not None:
+            return
+        err = transfer.result().error
+        if err is not None and any(w in err for w in LINK_FAULTS):
+            self._suspect(peer, err)
 
     def _suspect(self, peer: str, why: str) -> None:
         """The link to ``peer`` failed: its blocks are misses at once for the back-off, then it is probed."""

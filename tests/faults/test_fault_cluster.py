@@ -10,6 +10,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
+import grpc
 import pytest
 
 from kvstore.client import Client, ns_pb
@@ -153,3 +154,28 @@ def test_a_peer_back_with_a_new_block_address_has_its_link_forgotten_and_probed_
     acq = b.acquire(keys)
     assert acq.fetched_blocks == 3
     assert old not in node.block_client.pooled and new in node.block_client.pooled
+
+
+def test_a_hung_transfer_its_caller_gave_up_on_still_marks_the_link_suspect(make_daemon) -> None:
+    """A caller whose deadline is shorter than fetch_timeout gives up first
+    (its handler is cancelled); the transfer still ends in a timeout, and
+    that must mark the link suspect too, or every such caller waits on the
+    hung peer again."""
+    a, b = static_pair(make_daemon, cluster__fetch_timeout="2s", cluster__peer_backoff="30s")
+    keys = chain(3, seed=23)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "b sees a's blocks")
+    node, a_id = b.d.daemon.cluster, a.d.daemon.cluster.node_id
+    node.cost.clock = lambda: 1000.0  # (frozen: the back-off does not end during the test)
+    count = CountingFetches(node.block_client)
+    a.d.daemon.cluster.block_server.paused = True
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True), timeout=0.5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and count.fetches == 1
+        wait_until(lambda: b.d.call(lambda: node.cost.suspect(a_id)), 10, "the transfer ends: the link is suspect")
+        assert b.d.call(lambda: b.d.store.stats().reservations) == 0
+        again = b.acquire(keys)
+        assert again.fetched_blocks == 0 and again.decision == pb.CHAIN_DECISION_RECOMPUTE and count.fetches == 1
+    finally:
+        a.d.daemon.cluster.block_server.paused = False
