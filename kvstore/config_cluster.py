@@ -59,6 +59,9 @@ class ClusterConfig(Section):
     """Seed of a peer link's bandwidth, Gb/s (measured transfers update it)."""
     probe_links: bool = True
     """Measure each new peer's round trip with an empty fetch."""
+    peer_backoff: Duration = 5.0
+    """A peer whose block transport timed out or failed is a miss (recompute) at once for this long,
+    then probed again with an empty fetch; fetches resume once a probe answers. 0: no back-off."""
     h2d_bandwidth_gbytes: Annotated[float, bounds(1e-6, None)] = 25.0
     """Host-to-device copy bandwidth, GB/s (targets in HBM)."""
     prefill_tokens_per_s: Annotated[float, bounds(0, None)] = 0.0
@@ -91,6 +94,8 @@ class ClusterConfig(Section):
                        "environment variable name")
         if self.fetch_timeout <= 0 or self.rpc_timeout <= 0:
             self._fail("fetch_timeout", "fetch_timeout and rpc_timeout must be > 0")
+        if self.peer_backoff < 0:
+            self._fail("peer_backoff", f"must be >= 0s, got {self.peer_backoff:g}s")
         if self.lease_ttl < 1:
             self._fail("lease_ttl", "must be >= 1s (etcd leases have whole seconds)")
 

@@ -8,7 +8,10 @@ Transfer of ``B`` bytes from peer ``p``::
     transfer_s = latency[p] + B / bandwidth[p]            (+ B / h2d_bandwidth + h2d_latency  when the target is HBM)
 
 ``latency`` and ``bandwidth`` start from the configured link (or a probe at
-start). :meth:`CostModel.observe` follows wire-level transfers as
+start). A link whose transport timed out or failed is *suspect*
+(:meth:`CostModel.mark_suspect`): its blocks are recomputed at once, without
+waiting on it again, until a probe, due ``backoff_s`` later, answers.
+:meth:`CostModel.observe` follows wire-level transfers as
 exponentially weighted averages: a small transfer (below ``small_bytes``)
 updates the latency, a large one the bandwidth (its seconds less the current
 latency; averaged as seconds per byte, so one slow transfer corrects an
@@ -181,6 +184,9 @@ class CostConfig:
     """Weight of a new measurement in the EWMAs."""
     small_bytes: int = 64 * 1024
     """Transfers below this size measure latency; above, bandwidth."""
+    backoff_s: float = 5.0
+    """A link whose transport timed out or failed is suspect (every fetch from
+    it a miss) for at least this long, until a probe answers; 0: never suspect."""
     fit_spread: float = 0.05
     """End-to-end fetches fit a slope (bandwidth) only once their sizes spread
     by at least this fraction of their mean (weighted standard deviation)."""
@@ -191,8 +197,8 @@ class CostConfig:
         if self.prefill_tokens_per_s <= 0:
             raise InvalidArgument("prefill_tokens_per_s must be > 0")
         if min(self.latency_s, self.h2d_latency_s, self.prefill_overhead_s, self.margin,
-               self.prefill_flops_per_s) < 0:
-            raise InvalidArgument("latencies, overhead, margin and flops must be >= 0")
+               self.prefill_flops_per_s, self.backoff_s) < 0:
+            raise InvalidArgument("latencies, overhead, margin, flops and backoff must be >= 0")
         if not 0 < self.alpha <= 1:
             raise InvalidArgument("alpha must be in (0, 1]")
 
@@ -211,6 +217,9 @@ class Link:
     fit: list[float] = field(default_factory=lambda: [0.0] * 5)
     """Exponentially weighted sums of the fetch samples: weight, x, y, x*x, x*y
     (x = MB, y = seconds)."""
+    suspect_until: float = 0.0
+    """0: sound. Else its transport timed out or failed: fetches from it are
+    misses until a probe answers, and the probe is due at this clock time."""
 
     def transfer_s(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
@@ -262,6 +271,28 @@ class CostModel:
 
     def forget(self, peer: str) -> None:
         self.links.pop(peer, None)
+
+    def mark_suspect(self, peer: str) -> None:
+        """A fetch from ``peer`` timed out or failed in its transport (or a
+        probe of it did): every fetch from it is a miss until a probe answers
+        (:meth:`clear_suspect`), and a probe is due ``backoff_s`` from now."""
+        if self.config.backoff_s > 0:
+            self.link(peer).suspect_until = max(self.clock() + self.config.backoff_s, 1e-9)
+
+    def clear_suspect(self, peer: str) -> None:
+        """A probe of ``peer`` answered: fetches from it may be chosen again."""
+        ln = self.links.get(peer)
+        if ln is not None:
+            ln.suspect_until = 0.0
+
+    def suspect(self, peer: str) -> bool:
+        ln = self.links.get(peer)
+        return ln is not None and ln.suspect_until > 0
+
+    def probe_due(self, peer: str) -> bool:
+        """Suspect, and its back-off has passed: time to probe it again."""
+        ln = self.links.get(peer)
+        return ln is not None and 0 < ln.suspect_until <= self.clock()
 
     def observe(self, peer: str, nbytes: int, seconds: float) -> None:
         """A real transfer of ``nbytes`` from ``peer`` took ``seconds``."""
@@ -327,7 +358,8 @@ class CostModel:
         """(fixed seconds, wire seconds) of fetching ``nbytes`` over the
         cheapest known link (the configured seed without one): what a TTFT
         prediction charges for remote blocks."""
-        ln = min(self.links.values(), key=lambda v: v.transfer_s(nbytes), default=None)
+        ln = min((v for v in self.links.values() if not v.suspect_until), key=lambda v: v.transfer_s(nbytes),
+                 default=None)
         if ln is None:
             return self.config.latency_s, nbytes / self.config.bandwidth_Bps
         return ln.latency_s, nbytes / ln.bandwidth_Bps
@@ -364,12 +396,14 @@ class CostModel:
     def decide(self, peer: str | None, nbytes: int, model_id: str, new_tokens: int,
                context_tokens: int = 0, to_hbm: bool = False) -> Estimate:
         """The decision for blocks of ``nbytes`` / ``new_tokens`` a peer holds
-        after ``context_tokens`` present locally (``peer`` None: none does)."""
+        after ``context_tokens`` present locally (``peer`` None: none does).
+        A suspect peer's blocks are recomputed whatever the estimates say."""
         if peer is None or new_tokens <= 0:
             return Estimate(ChainDecision.LOCAL, 0.0, 0.0, 0, 0)
         t = self.transfer_s(peer, nbytes, to_hbm)
         r = self.recompute_s(model_id, new_tokens, context_tokens)
-        kind = ChainDecision.FETCH if t * (1 + self.config.margin) <= r else ChainDecision.RECOMPUTE
+        fetch = t * (1 + self.config.margin) <= r and not self.suspect(peer)
+        kind = ChainDecision.FETCH if fetch else ChainDecision.RECOMPUTE
         return Estimate(kind, t, r, int(nbytes), int(new_tokens))
 
     def best_peer(self, peers: Sequence[str], nbytes: float) -> str | None:

@@ -1,7 +1,7 @@
 """The daemon's side of the cluster: membership, the directory share this
 daemon owns, publishing its stored/removed blocks to their owners, Lookup's
-cluster mode, the fetch behind Acquire, and the provider that serves its
-blocks to peers over the block transport.
+cluster mode and the fetch behind Acquire; its blocks are served to peers
+over the block transport by ``block_provider.BlockProvider``.
 
 The transport (``transport.ucx`` by default) moves memory regions and knows
 nothing about the index; this module encodes the request header
@@ -9,10 +9,14 @@ nothing about the index; this module encodes the request header
 it on the serving side, pins what is served (a lease released when the send
 ends), and on the fetching side reserves DRAM slots, fetches into them,
 commits the blocks that arrived intact and aborts the rest: a failed or
-corrupt block is a clean miss, never wrong data.
+corrupt block is a clean miss, never wrong data. A fetch whose link timed
+out or failed makes the peer suspect: its blocks are recomputed at once for
+``cluster.peer_backoff``, then its link is probed again (``_reprobe``).
 
-Everything runs on the daemon's event loop (the store is single-threaded);
-``Served.release`` may be called from a transport thread and hops back.
+Everything runs on the daemon's event loop (each store call under the store
+lock), except a served fetch's read of blocks on SSD, which runs on the
+daemon's disk worker; ``Served.release`` may be called from a transport
+thread and hops back.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import numpy as np
 from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.daemon import tls
+from kvstore.daemon.block_provider import BlockProvider
 from kvstore.daemon.fetch_slots import FETCH_OWNER, FetchSlots
-from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import Event, EventKind, LookupResult, DropReason
 from kvstore.wire.convert import ns_pb
@@ -40,7 +44,6 @@ from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
 from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate, shapes_from_toml
-from transport.ucx_wire import Served  # the wire's types only: importing it does not start UCX
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -54,6 +57,11 @@ def default_transport() -> tuple[Any, Any]:
 
 transport_factory: Callable[[], tuple[Any, Any]] = default_transport
 """Where the daemon gets its block transport (tests swap in a fake)."""
+
+LINK_FAULTS = ("timed out", "deadline", "connect", "fetch from ")
+"""Words of a fetch error that say the link failed and cost the wait (``transport.ucx``: a connect that
+timed out or failed, a fetch that missed its deadline or broke, a provider that timed out), unlike a
+peer's refusal or a local allocation failure: the peer is then suspect (``cluster.peer_backoff``)."""
 
 
 @dataclass(slots=True)
@@ -88,7 +96,8 @@ class ClusterNode:
             latency_s=c.peer_latency, bandwidth_Bps=c.peer_bandwidth_gbps * GBIT,
             h2d_bandwidth_Bps=c.h2d_bandwidth_gbytes * 1e9,
             prefill_tokens_per_s=c.prefill_tokens_per_s or config.admission.prefill_tokens_per_s,
-            prefill_flops_per_s=c.prefill_tflops * 1e12, margin=c.fetch_margin), shapes, tables)
+            prefill_flops_per_s=c.prefill_tflops * 1e12, margin=c.fetch_margin, backoff_s=c.peer_backoff),
+            shapes, tables)
         predictor = getattr(getattr(daemon, "admission", None), "predictor", None)
         if predictor is not None:  # one model: Admit's remote terms and the fetch decision's recompute side
             predictor.attach_cost(self.cost, share_prefill=not c.prefill_tokens_per_s)
@@ -104,6 +113,10 @@ class ClusterNode:
         # served for at most serve_s (+ < 1 s slack) whatever a peer asks; pinned longer (lease_s)
         self.serve_s = 2 * c.fetch_timeout
         self.lease_s = 2 * self.serve_s + 1.0
+        self.provider = BlockProvider(daemon, self.lease_s,
+                                      lambda node: hasattr(self, "membership") and node in self.membership.members)
+        self.provide = self.provider.provide
+        """Serves a peer's fetch (``kvstore.daemon.block_provider``)."""
         self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
         self.block_address = ""
@@ -117,6 +130,10 @@ class ClusterNode:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._digest_ns: dict[bytes, Namespace] = {}
+        self._probing: set[str] = set()
+        self._block_addresses: dict[str, str] = {}
+        """Each member's block address as membership last said (a change: its link is forgotten)."""
+        """Suspect peers whose link is being probed again."""
         self._loop = asyncio.get_running_loop()
         self.health_fn: Callable[[bool], None] | None = None
         self._last_health: bool | None = None
@@ -189,6 +206,12 @@ class ClusterNode:
             log.info("cluster: %s left; dropped its %d directory entries", node, n)
         for peer in set(self.cost.links) - set(members):
             self.cost.forget(peer)
+        for node, m in members.items():  # back with a new block address (restarted): the old link's figures
+            if self._block_addresses.get(node, m.block_address) != m.block_address:  # and suspicion are not its
+                log.info("cluster: %s moved its block transport to %s; probing its link again", node,
+                         m.block_address or "-")
+                self.cost.forget(node)
+        self._block_addresses = {node: m.block_address for node, m in members.items()}
         self._tasks = [t for t in self._tasks if not t.done()]
         # channels and pooled endpoints to peers that left (a static peer's address is probed still);
         # a call in flight on a channel closed under it would raise CancelledError: let it end first
@@ -207,8 +230,8 @@ class ClusterNode:
         self._resync = True  # ownership moved: every owner gets a full inventory
         self._wake.set()
 
-    async def _probe_link(self, m: Member) -> None:
-        """Seed the link's latency with an empty fetch's round trip."""
+    async def _probe_link(self, m: Member) -> bool:
+        """Seed the link's latency with an empty fetch's round trip; whether it answered."""
         try:
             hdr = pb.BlockFetchHeader(node_id=self.node_id).SerializeToString()
             best = None
@@ -217,13 +240,36 @@ class ClusterNode:
                 res = await self.block_client.fetch(m.block_address, hdr, 0, lambda _l: [],
                                                     max(self.cfg.rpc_timeout, 2.0))
                 if res.error is not None:
-                    return
+                    return False
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
-            if best is not None:
+            if best is not None and self.membership.members.get(m.node_id) == m:  # (not a peer since gone or moved)
                 self.cost.set_link(m.node_id, latency_s=best, seed=True)  # real fetches refit it
+            return True
         except Exception as e:
             log.debug("link probe of %s failed: %s", m.node_id, e)
+            return False
+
+    def _reprobe(self, peer: str) -> None:
+        """Probe a suspect peer's link again (once at a time): cleared when it answers, else suspect anew."""
+        m = self.membership.members.get(peer)
+        if peer in self._probing or m is None or not m.block_address:
+            return
+        self._probing.add(peer)
+
+        async def probe() -> None:
+            try:
+                ok = await self._probe_link(m)
+            finally:
+                self._probing.discard(peer)
+            if self.membership.members.get(peer) == m:  # (a peer that left or changed has its link forgotten)
+                if ok:
+                    log.info("cluster: the link to %s answers again", peer)
+                    self.cost.clear_suspect(peer)
+                else:
+                    self.cost.mark_suspect(peer)
+
+        self._tasks.append(self._loop.create_task(probe()))
 
     async def _health_watch(self) -> None:
         while True:
@@ -409,7 +455,8 @@ class ClusterNode:
         holders, bb = await self._locate(ns.digest, rest)
         live = set(self.membership.members) - {self.node_id}
         best, run = None, 0
-        for peer in holders[0] & live:
+        holding = holders[0] & live
+        for peer in {p for p in holding if not self.cost.suspect(p)} or holding:  # a suspect link last
             k = 0
             while k < len(rest) and peer in holders[k]:
                 k += 1
@@ -425,6 +472,8 @@ class ClusterNode:
     def _decide(self, out: ClusterView, ns: Namespace, peer: str, run: int, bb: int, to_hbm: bool) -> ClusterView:
         """``out`` with the run of ``run`` blocks at ``peer`` after its local prefix, and the cost model's call."""
         hit = out.local.hit_blocks
+        if self.cost.probe_due(peer):  # a suspect link's back-off has passed: still a miss until a probe answers
+            self._reprobe(peer)
         out.remote_blocks, out.peer, out.block_bytes = run, peer, bb
         out.estimate = self.cost.decide(peer, run * bb, ns.model_id, run * ns.block_size, hit * ns.block_size,
                                         to_hbm)
@@ -489,6 +538,7 @@ class ClusterNode:
             finished, _ = await asyncio.wait({transfer}, timeout=self.cfg.fetch_timeout + 5.0)
         except asyncio.CancelledError:
             transfer.add_done_callback(slots.settle)
+            transfer.add_done_callback(lambda t: self._settled(view.peer, t))  # (a caller that gave up first)
             raise
         try:
             if not finished:
@@ -499,9 +549,12 @@ class ClusterNode:
             log.warning("fetch of %d blocks from %s failed: %s", len(want), view.peer, e)
             if finished:
                 slots.abort()
+            else:
+                self._suspect(view.peer, "the transport overran its deadline")
             self.metrics.peer_fetch_failed(view.peer, "error")
             return 0
         if res.error is not None:
+            self._settled(view.peer, transfer)
             slots.failed(res.error)
             reason = "refused" if "ermission" in res.error else "error"
             log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
@@ -525,66 +578,21 @@ class ClusterNode:
             self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
         return done
 
-    # ----------------------------------------------------- serving side
-    async def provide(self, header: bytes) -> Any:
-        """Serve a peer's fetch: authorize, pin the present prefix, hand out
-        views over the slab; ``release`` unpins."""
-        try:
-            h = pb.BlockFetchHeader.FromString(bytes(header))
-        except Exception:
-            raise ValueError("malformed block fetch header") from None
-        if not h.keys_packed:  # a link probe
-            return Served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
-        if len(h.keys_packed) % 16:
-            raise ValueError("keys_packed is not a multiple of 16 bytes")
-        d = self.daemon
-        try:
-            who = d.auth.principal([("authorization", f"Bearer {h.credential}")] if h.credential else [])
-            if d.auth.enabled and who.tenant is not None and not who.admin and h.ns.tenant != who.tenant:
-                raise PermissionError(f"tenant {who.tenant!r} may not read namespace of tenant {h.ns.tenant!r}")
-            ns = d.namespace(h.ns, who)
-        except PermissionError:
-            raise
-        except KVStoreError as e:
-            from kvstore.errors import InvalidArgument
+    def _settled(self, peer: str | None, transfer: asyncio.Future[Any]) -> None:
+        """A transfer from ``peer`` ended: a link fault makes the peer suspect."""
+        if peer is None or transfer.cancelled() or transfer.exception() is not None:
+            return
+        err = transfer.result().error
+        if err is not None and any(w in err for w in LINK_FAULTS):
+            self._suspect(peer, err)
 
-            if isinstance(e, InvalidArgument):
-                raise ValueError(str(e)) from None
-            raise PermissionError(str(e)) from None
-        owner = f"peer:{h.node_id}"
-        res = self.store.acquire(ns, h.keys_packed, owner=owner, ttl=self.lease_s, promote=True)
-        present = int(np.count_nonzero(res.offsets >= 0))
-        regions = [memoryview(self.store.dram.view(int(o), int(n)))
-                   for o, n in zip(res.offsets[:present].tolist(), res.lengths[:present].tolist())]
-        handle = res.handle
-        loop = self._loop
-        done = [False]
+    def _suspect(self, peer: str, why: str) -> None:
+        """The link to ``peer`` failed: its blocks are misses at once for the back-off, then it is probed."""
+        if not self.cost.suspect(peer) and self.cfg.peer_backoff > 0:
+            log.warning("cluster: the link to %s failed (%s): its blocks are recomputed for %gs, then it is "
+                        "probed again", peer, why, self.cfg.peer_backoff)
+        self.cost.mark_suspect(peer)
 
-        def unpin() -> None:
-            if done[0] or not handle:
-                return
-            done[0] = True
-            try:
-                self.store.release(handle, owner)
-            except KVStoreError:
-                pass  # reaped already
-
-        def release() -> None:
-            try:
-                on_loop = asyncio.get_running_loop() is loop
-            except RuntimeError:
-                on_loop = False
-            if on_loop:
-                unpin()
-            else:
-                loop.call_soon_threadsafe(unpin)
-
-        nbytes = int(res.lengths[:present].sum())
-        # the header's node id is the requester's word: a series only for a live member
-        self.metrics.peer_served(h.node_id if h.node_id in self.membership.members else "other", present, nbytes)
-        lengths = res.lengths.copy()
-        lengths[present:] = 0
-        return Served(lengths, res.checksums.copy(), regions, release)
 
 
 __all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "transport_factory"]

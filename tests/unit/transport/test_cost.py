@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.errors import InvalidArgument
 from transport.cost import (GBIT, ChainDecision, CostConfig, CostModel, ModelShape, PrefillTable,
                             shapes_from_toml)
 
@@ -173,3 +174,25 @@ def test_one_slow_transfer_corrects_an_optimistic_seed():
     m.observe("p", 8 << 20, 0.040)  # 8 MiB in 40 ms: ~210 MB/s
     # seconds-per-byte average: 0.8 * 1/12.5e9 + 0.2 * 0.04/8MiB -> about 1 GB/s, not 10 GB/s
     assert m.link("p").bandwidth_Bps < 1.1e9
+
+
+def test_a_suspect_link_is_recomputed_until_cleared_and_its_probe_is_due_after_the_backoff():
+    now = [0.0]
+    m = CostModel(CostConfig(latency_s=1e-3, bandwidth_Bps=100 * GBIT, prefill_tokens_per_s=1000.0, backoff_s=5.0),
+                  clock=lambda: now[0])
+    assert m.decide("p", 1 << 20, "x", 1000).decision is ChainDecision.FETCH
+    m.mark_suspect("p")
+    assert m.suspect("p") and not m.probe_due("p")
+    assert m.decide("p", 1 << 20, "x", 1000).decision is ChainDecision.RECOMPUTE
+    assert m.remote_terms(1 << 20) == (1e-3, (1 << 20) / (100 * GBIT))  # the configured seed, not the suspect link
+    now[0] = 5.0
+    assert m.probe_due("p") and m.suspect("p")  # still a miss until a probe answers
+    assert m.decide("p", 1 << 20, "x", 1000).decision is ChainDecision.RECOMPUTE
+    m.clear_suspect("p")
+    assert not m.suspect("p") and not m.probe_due("p")
+    assert m.decide("p", 1 << 20, "x", 1000).decision is ChainDecision.FETCH
+    off = CostModel(CostConfig(backoff_s=0.0))
+    off.mark_suspect("p")
+    assert not off.suspect("p")
+    with pytest.raises(InvalidArgument):
+        CostConfig(backoff_s=-1.0)
