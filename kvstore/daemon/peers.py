@@ -131,9 +131,9 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[Any]] = []
         self._digest_ns: dict[bytes, Namespace] = {}
         self._probing: set[str] = set()
+        """Suspect peers whose link is being probed again."""
         self._block_addresses: dict[str, str] = {}
         """Each member's block address as membership last said (a change: its link is forgotten)."""
-        """Suspect peers whose link is being probed again."""
         self._loop = asyncio.get_running_loop()
         self.health_fn: Callable[[bool], None] | None = None
         self._last_health: bool | None = None
