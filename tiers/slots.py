@@ -22,6 +22,8 @@ import numpy as np
 from kvstore.errors import CapacityError, InvalidArgument
 
 SLOT_ALIGN = 4096
+_NEGATIVE = -(1 << 62)
+"""Bits set in a negative offset (and in none from 0 to 2^62)."""
 
 
 class _Page:
@@ -62,6 +64,11 @@ class PagedSlots:
         self._partial: list[dict[int, None]] = []  # class id -> pages with a free slot (ordered set)
         self._used = 0
         self._retired: set[int] = set()
+        self._shift = slot_align.bit_length() - 1
+        self._not_slot = (slot_align - 1) | _NEGATIVE
+        """Bits an offset that starts a slot has none of (a slot starts on ``slot_align``, never below 0)."""
+        self._held = bytearray(self._capacity >> self._shift)
+        """1 per ``slot_align`` unit where a slot handed out starts: ``free`` refuses any other offset."""
 
     # ----------------------------------------------------------- properties
     @property
@@ -140,9 +147,12 @@ class PagedSlots:
                 partial[pno] = None
             pno = next(iter(partial))
             page = self._pages[pno]
-            take = min(count - got, len(page.free))
+            free, held, shift = page.free, self._held, self._shift
+            take = min(count - got, len(free))
             for _ in range(take):
-                out[got] = page.free.pop()
+                off = free.pop()
+                out[got] = off
+                held[off >> shift] = 1
                 got += 1
             page.used += take
             self._used += take * slot
@@ -151,24 +161,38 @@ class PagedSlots:
         return out[:got]
 
     def free(self, locs: np.ndarray) -> None:
-        for off in np.asarray(locs, dtype=np.int64).tolist():
-            pno = off // self.page_bytes
-            page = self._pages[pno]
-            cid = page.cls
-            if cid < 0:
-                raise AssertionError(f"free of offset {off} in an unassigned page")
-            slot = self._class_size[cid]
-            page.free.append(off)
-            page.used -= 1
-            self._used -= slot
-            if page.used == 0:
-                page.free = []
-                page.cls = -1
-                self._partial[cid].pop(pno, None)
-                if pno not in self._retired:
-                    self._free_pages.append(pno)
-            elif len(page.free) == 1 and pno not in self._retired:
-                self._partial[cid][pno] = None
+        """Give slots back. An offset that is not a slot handed out (freed
+        already, inside a slot, outside the slab) is refused with an
+        AssertionError (the caller's bug) before it is touched: the slots
+        before it in ``locs`` are freed, none is ever handed out twice."""
+        pages, partial, retired, held = self._pages, self._partial, self._retired, self._held
+        pb, shift, not_slot = self.page_bytes, self._shift, self._not_slot
+        freed = 0
+        try:
+            for off in np.asarray(locs, dtype=np.int64).tolist():
+                i = off >> shift
+                if off & not_slot or not held[i]:
+                    raise IndexError
+                held[i] = 0
+                pno = off // pb
+                page = pages[pno]
+                cid = page.cls
+                slot = self._class_size[cid]
+                page.free.append(off)
+                page.used -= 1
+                freed += slot
+                if page.used == 0:
+                    page.free = []
+                    page.cls = -1
+                    partial[cid].pop(pno, None)
+                    if pno not in retired:
+                        self._free_pages.append(pno)
+                elif len(page.free) == 1 and pno not in retired:
+                    partial[cid][pno] = None
+        except IndexError:
+            raise AssertionError(f"free of {self.label} offset {off}: not an allocated slot") from None
+        finally:
+            self._used -= freed
 
     # ---------------------------------------------------------------- resize
     def pages_above(self, capacity_bytes: int) -> range:
@@ -207,8 +231,10 @@ class PagedSlots:
             self._free_pages = [p for p in self._free_pages if p not in retired]
             self._retired = set()
             del self._pages[new_pages:]
+            del self._held[(new_pages * self.page_bytes) >> self._shift :]
         elif new_pages > old:
             self._pages.extend(_Page() for _ in range(new_pages - old))
+            self._held.extend(bytes(((new_pages - old) * self.page_bytes) >> self._shift))
             self._free_pages = list(range(new_pages - 1, old - 1, -1)) + self._free_pages
         self._npages = new_pages
         self._capacity = new_pages * self.page_bytes

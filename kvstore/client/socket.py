@@ -16,6 +16,8 @@ daemon could not store (no room, a parent gone) counts them in
 from __future__ import annotations
 
 import logging
+import os
+import select
 import socket
 import threading
 
@@ -58,7 +60,7 @@ class LookupSocketClient:
         """Their answers once read (the response, or the daemon's error), until ``answer`` takes them."""
         try:
             self.sock.connect(path)
-            self.sock.sendall(frames.hello_frame(session, token))
+            self._send(frames.hello_frame(session, token))
             hello = self._answer()
         except BaseException:
             self.sock.close()
@@ -68,6 +70,34 @@ class LookupSocketClient:
 
     def close(self) -> None:
         self.sock.close()
+
+    def _send(self, data: bytes) -> None:
+        """``sendall`` that reads the daemon's answers meanwhile (into
+        ``buf``, for ``_frame``) while the socket is full: the daemon stops
+        reading a connection whose answers pile up unread, so a client that
+        only wrote could wait on it for ever. One system call when the
+        socket takes it all (the usual case)."""
+        sock = self.sock
+        fd = sock.fileno()
+        try:
+            done = os.write(fd, data)  # (the socket is non-blocking under its timeout: no poll first)
+        except BlockingIOError:
+            done = 0
+        rest = memoryview(data)[done:]
+        while rest:
+            readable, writable, _ = select.select([fd], [fd], [], sock.gettimeout())
+            if not readable and not writable:
+                raise TimeoutError("timed out sending to the same-host socket")
+            if readable:
+                got = sock.recv(READ_CHUNK)
+                if not got:
+                    raise ConnectionError("same-host socket closed")
+                self.buf += got
+            if writable:
+                try:
+                    rest = rest[os.write(fd, rest) :]
+                except BlockingIOError:
+                    pass
 
     def _frame(self) -> bytearray:
         """The next answer frame's body (buffered: one read may bring several)."""
@@ -138,7 +168,7 @@ class LookupSocketClient:
         """(hit_blocks, one Tier value byte per hit block)."""
         msg = frames.lookup_frame(ns_wire, packed_keys)
         with self.lock:
-            self.sock.sendall(msg)
+            self._send(msg)
             if self.owed:
                 self._settle()
             body = self._answer(frames.HIT.size)
@@ -153,7 +183,7 @@ class LookupSocketClient:
         checked against the session's tenant as a lookup is."""
         msg = frames.nsid_frame(ns_wire)
         with self.lock:
-            self.sock.sendall(msg)
+            self._send(msg)
             if self.owed:
                 self._settle()
             body = self._answer(frames.NSID.size)
@@ -162,7 +192,7 @@ class LookupSocketClient:
     def stage(self) -> tuple[int, str]:
         """This connection's staging file for write-behind puts: (size, path)."""
         with self.lock:
-            self.sock.sendall(frames.stage_frame())
+            self._send(frames.stage_frame())
             if self.owed:
                 self._settle()
             body = self._answer(frames.STAGE_OK.size)
@@ -174,7 +204,7 @@ class LookupSocketClient:
         with self.lock:
             if len(self.owed) + len(msgs) > MAX_OWED:
                 self._settle()
-            self.sock.sendall(b"".join(msgs))
+            self._send(b"".join(msgs))
             self.owed += [name] * len(msgs)
             self.sent += len(msgs)
 
@@ -186,7 +216,7 @@ class LookupSocketClient:
         with self.lock:
             if len(self.owed) >= MAX_OWED:
                 self._settle()
-            self.sock.sendall(msg)
+            self._send(msg)
             self.owed.append(name)
             self.sent += 1
             if keep:  # (under the lock: no other thread's call can read the answer first)
@@ -198,7 +228,7 @@ class LookupSocketClient:
         response out (errors raise the exception-tree class of their status)."""
         msg = frames.call_frame(name, request)
         with self.lock:
-            self.sock.sendall(msg)
+            self._send(msg)
             if self.owed:
                 self._settle()
             body = self._answer()
@@ -210,7 +240,7 @@ class LookupSocketClient:
         ``sent``)."""
         msg = frames.call_frame(name, request)
         with self.lock:
-            self.sock.sendall(msg)
+            self._send(msg)
             self.owed.append(name)
             self.sent += 1
             return self.sent

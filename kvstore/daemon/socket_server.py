@@ -97,6 +97,9 @@ log = logging.getLogger("kvstore.daemon.socket_server")
 
 MAX_TALLY = 4096
 """Namespaces in one tally frame."""
+OUT_LIMIT = 1 << 20
+"""Answers a connection may hold unread in the daemon (bytes): past it, it
+stops reading and answering that connection until the client reads."""
 STAGING_BYTES = 16 << 20
 """Size of a connection's staging file for write-behind puts."""
 MAX_STAGED = 32
@@ -239,9 +242,12 @@ class _Connection(asyncio.Protocol):
         self.staging: Staging | None = None
         """Its staging file for write-behind puts, once asked for (a stage frame)."""
         self.read_paused = False  # (see ``flow``)
+        self.out_paused = False
+        """Its unread answers passed ``OUT_LIMIT``: no frame is read or answered until they drain."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=OUT_LIMIT)  # type: ignore[union-attr]
         self.server.conns.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -262,11 +268,21 @@ class _Connection(asyncio.Protocol):
         self.pump()
         self.flow()
 
+    def pause_writing(self) -> None:
+        self.out_paused = True
+
+    def resume_writing(self) -> None:
+        self.out_paused = False
+        self.pump()
+        self.flow()
+
     def flow(self) -> None:
         """Stop reading a client that sends on behind a waiting call past a
-        frame's worth (the rest stays in its socket) until that call is done.
-        (Not on unread answers: a client sends a frame whole before it reads.)"""
-        full = self.waiting is not None and len(self.buf) >= MAX_FRAME
+        frame's worth, or that leaves more than ``OUT_LIMIT`` of answers
+        unread (the rest stays in its socket), until that call is done or
+        the answers drain. (kvstore.client.socket reads its answers while
+        it sends: it never waits on this.)"""
+        full = self.out_paused or (self.waiting is not None and len(self.buf) >= MAX_FRAME)
         if self.transport is None or self.closing or full == self.read_paused:
             return
         self.read_paused = full
@@ -284,26 +300,32 @@ class _Connection(asyncio.Protocol):
 
     def pump(self) -> None:
         """Answer every complete frame in the buffer, in order, in one write;
-        stop at a call that has to wait (its task pumps again when done)."""
-        out: list[bytes] = []
-        buf = self.buf
-        while self.waiting is None and not self.closing and len(buf) >= 4:
-            n = frames.HEADER.unpack_from(buf)[0]
-            limit = MAX_FRAME if self.lookups is not None else frames.MAX_HELLO
-            if n > limit or (self.lookups is not None and n < 2):
-                out.append(_error(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "hello too long" if self.lookups is None else f"frame of {n} bytes"))
-                self.closing = True
-                break
-            if len(buf) < 4 + n:
-                break
-            body = bytes(buf[4 : 4 + n])
-            del buf[: 4 + n]
-            answer = self.hello(body) if self.lookups is None else self.frame(body)
-            if answer is not None:
-                out.append(answer)
-        if out and self.transport is not None:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        stop at a call that has to wait (its task pumps again when done) or
+        once the unread answers pass ``OUT_LIMIT`` (``resume_writing`` pumps
+        again)."""
+        buf, more = self.buf, True
+        while more and self.transport is not None:
+            out: list[bytes] = []
+            room = OUT_LIMIT - self.transport.get_write_buffer_size()
+            while room >= 0 and self.waiting is None and not self.closing and not self.out_paused and len(buf) >= 4:
+                n = frames.HEADER.unpack_from(buf)[0]
+                limit = MAX_FRAME if self.lookups is not None else frames.MAX_HELLO
+                if n > limit or (self.lookups is not None and n < 2):
+                    out.append(_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                      "hello too long" if self.lookups is None else f"frame of {n} bytes"))
+                    self.closing = True
+                    break
+                if len(buf) < 4 + n:
+                    break
+                body = bytes(buf[4 : 4 + n])
+                del buf[: 4 + n]
+                answer = self.hello(body) if self.lookups is None else self.frame(body)
+                if answer is not None:
+                    out.append(answer)
+                    room -= len(answer)
+            if out:
+                self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            more = room < 0 and not self.out_paused  # (the kernel took some: the buffer is under the limit again)
         if self.closing:
             self.close()
 

@@ -20,6 +20,12 @@ class _Transport:
     def write(self, data: bytes) -> None:
         self.out.append(data)
 
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
     def pause_reading(self) -> None:
         self.reading = False
 

@@ -123,3 +123,24 @@ def test_batched_allocate_and_free_keep_every_slot_handed_out_once(seed):
     assert s.used_bytes == 0 and s.free_pages == 8  # every page back, whatever order the frees came in
     assert s.allocate(2 * A, 100).size == 16  # and all of it can be handed out again
 
+
+
+def test_a_slot_freed_twice_or_never_allocated_is_refused_and_never_handed_out_twice():
+    s = Slots(8 * A, 4 * A)
+    a = s.allocate(A, 3)
+    s.free(a[:1])
+    with pytest.raises(AssertionError, match="not an allocated slot"):
+        s.free(a[:1])  # a double free
+    for bad in (a[2] + A, a[1] + 1, -A, 8 * A, 64 * A):  # never allocated, inside a slot, outside the slab
+        with pytest.raises(AssertionError, match="not an allocated slot"):
+            s.free(np.asarray([bad]))
+    assert s.used_bytes == 2 * A and s.pages()[0] == (0, 2, 2)  # the refusals changed nothing
+    again = s.allocate(A, 6)
+    assert len(set(again.tolist()) | set(a[1:].tolist())) == 8  # no slot is held twice
+    s.free(np.concatenate([again, a[1:]]))
+    assert s.used_bytes == 0 and s.free_pages == 2
+    s.resize(12 * A)
+    b = s.allocate(4 * A, 3)  # the slots of pages a grow added are freed once too
+    s.free(b)
+    with pytest.raises(AssertionError, match="not an allocated slot"):
+        s.free(b[2:])
