@@ -348,7 +348,9 @@ def test_lookups_from_the_shared_index_read_their_own_writes(uds_daemon):
             assert c.lookup(ns, keys).hit_blocks == 3
             c.remove(ns, keys[1:2])
             assert c.lookup(ns, keys).hit_blocks == 1
-        assert c.shared_lookups == 40
+        # each from the shared index, but for a probe that raced a change in the daemon (it then asks
+        # the daemon, as a loaded CI machine makes a few do): at least half, as bench/peer_mooncake.py checks
+        assert 20 <= c.shared_lookups <= 40
 
 
 @pytest.mark.parametrize("write_behind", [False, True], ids=["commit", "write-behind"])
