@@ -203,7 +203,7 @@ class RouterService:
         for b in backends:
             local = b.cache.chain_tiers(prompt.keys) if b.cache is not None else np.zeros(0, dtype=np.int64)
             if b.cache is not None and b.spec.cluster:
-                local = await asyncio.to_thread(b.cache.cluster_tiers, model.namespace, prompt.keys, local)
+                local = await asyncio.to_thread(b.cache.cluster_tiers, prompt.namespace, prompt.keys, local)
             tiers.append(local)
         return self.decider.decide(who.tenant, who.klass, backends, tiers, prompt.n_tokens, model.spec.block_size,
                                    model.block_bytes)
