@@ -4,16 +4,23 @@ under a cache view, and the background tasks after shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
+import socket
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
+from starlette.requests import ClientDisconnect
 
 from kvstore.keys import Namespace
 from router.cache_view import CacheView
+from router.config import PDSpec
 from router.prompts import Endpoint, request_tokens
-from tests.unit.router.test_route_unit import BS, Rig, model_dir, prompt  # noqa: F401  (fixture)
+from router.server import build_app
+from tests.unit.router.test_route_unit import BS, Rig, model_dir, ns_fn, prompt  # noqa: F401  (fixture)
 from tiers.base import TierKind
 
 
@@ -68,3 +75,81 @@ def test_a_salted_request_is_scored_against_its_own_namespace_on_peers(rig: Rig)
     # and an unsalted request is not credited with the salted blocks
     r = rig.post({"model": "tiny", "prompt": text, "max_tokens": 2})
     assert r.headers["x-kvstore-hit-tokens"] == "0" and view.asked[-1].salt == ""
+
+
+# ---------------------------------------------------------------- 2. clients that leave early
+@pytest.fixture
+def pd_rig(model_dir: str) -> Iterator[Rig]:  # noqa: F811
+    # a prefill that outlives its client is never ended by a timeout here
+    r = Rig(model_dir, pd=PDSpec(prefill=("a",), decode=("b",), visible_timeout=0.5), first_byte_timeout=600.0)
+    yield r
+    r.close()
+
+
+def _raw_request(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer ka\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n").encode() + data
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_during_the_prefill_cancels_it_and_no_decode_runs(pd_rig: Rig, stream: bool) -> None:
+    fa, fb = pd_rig.fakes["a"], pd_rig.fakes["b"]
+    fa.gate = asyncio.Event()  # the prefill does not finish until the client has gone
+    with socket.create_connection(("127.0.0.1", pd_rig.router.port)) as s:
+        s.sendall(_raw_request({"model": "tiny", "prompt": prompt(40), "max_tokens": 5, "stream": stream}))
+        pd_rig.wait(lambda: len(fa.requests) == 1, "the prefill to reach a")
+        assert pd_rig.backend("a").inflight
+    # the client went away: the router cancels the prefill and releases its count
+    pd_rig.wait(lambda: fa.cancelled == 1 and not pd_rig.backend("a").inflight, "the prefill to be cancelled")
+    fa.open_gate()
+    assert not fb.requests and not pd_rig.backend("b").inflight
+    assert pd_rig.svc.pd.outcomes == []  # no decode was planned for nobody
+    # and the router still serves
+    fa.gate = None
+    r = pd_rig.post({"model": "tiny", "prompt": prompt(40), "max_tokens": 5})
+    assert r.status_code == 200 and r.headers["x-kvstore-prefill"] == "a"
+
+
+def _scope(path: str, body: bytes) -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+            "headers": [(b"host", b"x"), (b"authorization", b"Bearer ka"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())]}
+
+
+async def test_a_stream_whose_client_left_before_the_relay_closes_upstream_and_ends_in_flight(rig: Rig) -> None:
+    """The first upstream byte has come, the client is gone before the relay's
+    first step (an ASGI 2.4 server's ``send`` raises OSError then): the
+    upstream stream is closed and the in-flight entry ends."""
+    fa = rig.fakes["a"]
+    fa.gate_after_first = asyncio.Event()  # the backend keeps its stream open after the first event
+    app = build_app(rig.cfg, namespace_fn=ns_fn, follow_events=False)
+    svc = app.state.router
+    body = json.dumps({"model": "tiny", "prompt": prompt(40), "stream": True}).encode()
+    calls = 0
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never.wait()  # the router's watch while it waits for the first byte
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        raise OSError("the client has gone")
+
+    async with app.router.lifespan_context(app):
+        svc.pool.by_name("b").healthy = False
+        with pytest.raises(ClientDisconnect):
+            await asyncio.wait_for(app(_scope("/v1/completions", body), receive, send), 30)
+        assert fa.requests and not svc.pool.by_name("a").inflight
+        for _ in range(3000):  # bounded: fails only on a hang
+            if fa.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert fa.cancelled == 1
+    fa.open_gate()
