@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from starlette.requests import ClientDisconnect
 
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, block_keys
+from kvstore.results import Event, EventKind
 from router.cache_view import CacheView
 from router.config import PDSpec
 from router.prompts import Endpoint, request_tokens
@@ -153,3 +154,33 @@ async def test_a_stream_whose_client_left_before_the_relay_closes_upstream_and_e
             await asyncio.sleep(0.01)
         assert fa.cancelled == 1
     fa.open_gate()
+
+
+# ---------------------------------------------------------------- 3. a daemon that restarted
+def test_a_cache_view_forgets_a_restarted_daemon_even_without_a_gap() -> None:
+    """The new daemon run numbers its events from 1 again; once it has logged
+    more events than the view had seen, a resumed stream brings no Gap. The
+    run id on its events says it is another run: what the old one held is gone."""
+    old, new = [bytes([i]) * 16 for i in range(1, 4)], [bytes([i]) * 16 for i in range(7, 9)]
+    view = CacheView("a", "127.0.0.1:1")
+    view.apply(Event(EventKind.STORED, b"d" * 16, old, TierKind.DRAM, seq=3, run_id=11))
+    assert view.chain_tiers(old).size == 3 and view.run_id == 11
+    view.apply(Event(EventKind.STORED, b"d" * 16, new, TierKind.DRAM, seq=4, run_id=12))
+    assert view.chain_tiers(old).size == 0 and view.chain_tiers(new).size == 2
+    assert view.run_id == 12 and view.gaps == 1
+    # a daemon from before run ids (0) changes nothing
+    view.apply(Event(EventKind.STORED, b"d" * 16, old, TierKind.DRAM, seq=5))
+    assert view.chain_tiers(new).size == 2 and view.run_id == 12
+
+
+def test_the_prefix_router_forgets_a_restarted_daemon_even_without_a_gap() -> None:
+    from engine_adapter.router import PrefixRouter
+
+    ns = Namespace(tenant="t", model_id="m", block_size=BS)
+    toks = np.arange(3, 3 + 4 * BS)
+    keys = block_keys(ns, toks)
+    r = PrefixRouter()
+    r.apply("e", Event(EventKind.STORED, ns.digest, keys, TierKind.DRAM, seq=9, run_id=5))
+    assert [h.blocks for h in r.rank(ns, toks)] == [4]
+    r.apply("e", Event(EventKind.STORED, ns.digest, keys[:1], TierKind.DRAM, seq=10, run_id=6))
+    assert [h.blocks for h in r.rank(ns, toks)] == [1] and r.known_blocks("e") == 1 and r.gaps["e"] == 1
