@@ -1,6 +1,6 @@
 """The router's edges: a salted request in cluster mode, clients that leave
 during a P/D prefill or before a stream's relay, a daemon that restarted
-under a cache view, and the background tasks after shutdown."""
+under a cache view."""
 
 from __future__ import annotations
 
@@ -184,3 +184,4 @@ def test_the_prefix_router_forgets_a_restarted_daemon_even_without_a_gap() -> No
     assert [h.blocks for h in r.rank(ns, toks)] == [4]
     r.apply("e", Event(EventKind.STORED, ns.digest, keys[:1], TierKind.DRAM, seq=10, run_id=6))
     assert [h.blocks for h in r.rank(ns, toks)] == [1] and r.known_blocks("e") == 1 and r.gaps["e"] == 1
+
