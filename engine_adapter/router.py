@@ -8,8 +8,9 @@ orders the endpoints by how many leading blocks each holds, which is what
 a request router needs to send a prompt where its prefix is cached.
 
 It trusts nothing it cannot see: a ``Gap`` (the router fell behind the
-daemon's ring buffer, or the daemon restarted) forgets everything known
-about that endpoint, which then refills from new events. Block keys are
+daemon's ring buffer, or the daemon restarted), or an event from another
+daemon run (its ``run_id``), forgets everything known about that endpoint,
+which then refills from new events. Block keys are
 already namespace-seeded (16-byte chained digests), so the router needs
 the namespace only to hash a prompt, never to tell namespaces apart.
 """
@@ -42,6 +43,8 @@ class PrefixRouter:
         self._where: dict[bytes, set[str]] = {}
         self._keys: dict[str, dict[bytes, bytes]] = {}  # endpoint -> key -> ns digest
         self.seq: dict[str, int] = {}
+        self.run_ids: dict[str, int] = {}
+        """Per endpoint, the daemon run its table describes (events' ``run_id``)."""
         self.gaps: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -50,9 +53,15 @@ class PrefixRouter:
         """Fold one event from ``endpoint``'s daemon into the table."""
         kind = ev.kind
         with self._lock:
+            mine = self._keys.setdefault(endpoint, {})
+            if ev.run_id:
+                run = self.run_ids.get(endpoint, 0)
+                if run and ev.run_id != run:  # the daemon restarted: its old blocks are gone
+                    self.gaps[endpoint] = self.gaps.get(endpoint, 0) + 1
+                    self._drop(endpoint, list(mine))
+                self.run_ids[endpoint] = ev.run_id
             if ev.seq:
                 self.seq[endpoint] = ev.seq
-            mine = self._keys.setdefault(endpoint, {})
             if kind is EventKind.STORED:
                 for k in ev.keys:
                     mine[k] = ev.ns_digest
@@ -82,7 +91,8 @@ class PrefixRouter:
         """Apply the events ``endpoint``'s daemon has after the last one seen,
         waiting up to ``seconds`` for more; returns how many were applied."""
         n = 0
-        for ev in client.watch_events(after_seq=self.seq.get(endpoint, 0), timeout=seconds):
+        for ev in client.watch_events(after_seq=self.seq.get(endpoint, 0), timeout=seconds,
+                                      run_id=self.run_ids.get(endpoint, 0)):
             self.apply(endpoint, ev)
             n += 1
         return n

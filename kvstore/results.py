@@ -163,6 +163,9 @@ class Event:
     """GAP only: the oldest event still buffered."""
     all_namespaces: bool = False
     """CLEARED only: every namespace the caller may see was cleared."""
+    run_id: int = 0
+    """WatchEvents: the daemon run that sent it (random per start; 0 from an
+    older daemon). A change means the daemon restarted: forget what it held."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, EventKind):

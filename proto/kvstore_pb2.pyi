@@ -704,12 +704,14 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., admitted: _Optional[int] = ..., admitted_degraded: _Optional[int] = ..., rejected: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_error_ewma_s: _Optional[float] = ..., cluster_members: _Optional[int] = ..., cluster_status: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("after_seq", "ns")
+    __slots__ = ("after_seq", "ns", "run_id")
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     NS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     after_seq: int
     ns: Namespace
-    def __init__(self, after_seq: _Optional[int] = ..., ns: _Optional[_Union[Namespace, _Mapping]] = ...) -> None: ...
+    run_id: int
+    def __init__(self, after_seq: _Optional[int] = ..., ns: _Optional[_Union[Namespace, _Mapping]] = ..., run_id: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("ns_digest", "keys", "tier", "parent")
@@ -750,20 +752,22 @@ class Gap(_message.Message):
     def __init__(self, first_available_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "time_unix_ns", "stored", "removed", "cleared", "gap")
+    __slots__ = ("seq", "time_unix_ns", "run_id", "stored", "removed", "cleared", "gap")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     CLEARED_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
     seq: int
     time_unix_ns: int
+    run_id: int
     stored: BlockStored
     removed: BlockRemoved
     cleared: Cleared
     gap: Gap
-    def __init__(self, seq: _Optional[int] = ..., time_unix_ns: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[Cleared, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., time_unix_ns: _Optional[int] = ..., run_id: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[Cleared, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ...) -> None: ...
 
 class GetConfigRequest(_message.Message):
     __slots__ = ()

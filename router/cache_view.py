@@ -4,7 +4,9 @@ One :class:`CacheView` per backend follows the daemon's numbered events on a
 daemon thread (the sync :class:`kvstore.client.Client`; a broken stream is
 reopened from the last sequence seen) and keeps ``key -> tier``. A ``Gap``
 (the view fell behind the daemon's ring buffer, or the daemon restarted)
-forgets everything, which then refills from the replay. :meth:`chain_tiers`
+forgets everything, which then refills from the replay; so does an event
+whose ``run_id`` is not the run the table came from (the daemon restarted
+and its new sequence already passed the one the view resumes from). :meth:`chain_tiers`
 answers, for a prompt's keys, the tier of each leading block held (a chain
 stops at its first miss), with one dict lookup per block.
 
@@ -44,6 +46,8 @@ class CacheView:
         self._tier: dict[bytes, int] = {}
         self._ns: dict[bytes, bytes] = {}
         self.seq = 0
+        self.run_id = 0
+        """The daemon run the table describes (its events' ``run_id``; 0 until one is seen)."""
         self.gaps = 0
         self.events = 0
         self.connected = False
@@ -57,6 +61,11 @@ class CacheView:
     def apply(self, ev: Event) -> None:
         """Fold one event (the client's typed ``Event``) into the table."""
         self.events += 1
+        if ev.run_id:
+            if self.run_id and ev.run_id != self.run_id:  # the daemon restarted: its old blocks are gone
+                self.gaps += 1
+                self._tier, self._ns = {}, {}
+            self.run_id = ev.run_id
         if ev.seq:
             self.seq = ev.seq
         if ev.kind is EventKind.STORED:
@@ -85,7 +94,7 @@ class CacheView:
     def poll(self, client: Client, seconds: float) -> int:
         """Apply the events after the last one seen, waiting up to ``seconds``."""
         n = 0
-        for ev in client.watch_events(after_seq=self.seq, timeout=seconds):
+        for ev in client.watch_events(after_seq=self.seq, timeout=seconds, run_id=self.run_id):
             self.apply(ev)
             self.connected = True
             n += 1

@@ -46,7 +46,6 @@ import numpy as np
 
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace
 from kvstore.results import ClusterLookup
 from router.backends import Backend, Pool
 from router.config import RouterConfig
@@ -143,7 +142,7 @@ class PDOrchestrator:
         else:
             out.error = "no prefill backend is available"
         if out.backend != "-":
-            await self.wait_visible(d_cands[0].backend, model, prompt, body, out)
+            await self.wait_visible(d_cands[0].backend, prompt, out)
         log.info("pd: prefill %s (%.1f ms%s) -> decode %s, decision %s (fetch %.2f ms, recompute %.2f ms)",
                  out.backend, out.seconds * 1e3, f", {out.error}" if out.error else "", d_cands[0].backend.name,
                  out.decision, out.fetch_s * 1e3, out.recompute_s * 1e3)
@@ -196,16 +195,12 @@ class PDOrchestrator:
             self.clients[b.name] = c
         return c
 
-    async def wait_visible(self, d: Backend, model: ModelEntry, prompt: PromptKeys, body: Mapping[str, Any],
-                           out: PrefillOutcome) -> None:
+    async def wait_visible(self, d: Backend, prompt: PromptKeys, out: PrefillOutcome) -> None:
         """Until ``d``'s daemon sees every loadable block of the prompt
         (locally or at a peer), at most ``visible_timeout`` seconds."""
         if not d.spec.daemon or not prompt.keys or self.spec.visible_timeout <= 0:
             return
-        ns: Namespace = model.namespace
-        salt = body.get("cache_salt")
-        if isinstance(salt, str) and salt:
-            ns = Namespace(**{**ns.to_dict(), "salt": salt})  # type: ignore[arg-type]
+        ns = prompt.namespace
         want = len(prompt.keys)
         deadline = time.monotonic() + self.spec.visible_timeout
         while True:

@@ -83,6 +83,8 @@ class PromptKeys:
     """Keys of the loadable leading blocks."""
     max_tokens: int
     """Completion tokens asked for (the request's ``max_tokens``; 16 when unset, vLLM's default for completions)."""
+    namespace: Namespace
+    """The namespace :attr:`keys` were hashed in: the model's, salted with the request's ``cache_salt``."""
 
     @property
     def n_tokens(self) -> int:
@@ -233,4 +235,4 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
         ns = Namespace(**{**ns.to_dict(), "salt": salt})  # type: ignore[arg-type]
     loadable = (arr.size - 1) // bs
     keys = block_keys(ns, arr[: loadable * bs]) if loadable else []
-    return PromptKeys(tokens=arr, keys=keys, max_tokens=max_tokens)
+    return PromptKeys(tokens=arr, keys=keys, max_tokens=max_tokens, namespace=ns)

@@ -27,8 +27,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -57,6 +57,7 @@ log = logging.getLogger("kvstore.router")
 __all__ = ["RouterService", "build_app"]
 
 _TIERS = [t.label for t in TierKind]
+_T = TypeVar("_T")
 
 
 def error_response(status: int, message: str, kind: str, code: str | int | None = None,
@@ -94,6 +95,47 @@ async def _disconnected(request: Request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
+
+
+class _ClientGone(Exception):
+    """The client disconnected while the router waited on a backend for it."""
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, _T]) -> _T:
+    """``work``'s result, or :class:`_ClientGone` when the client goes away
+    first; then (or when this handler is cancelled) ``work`` is cancelled,
+    which closes its upstream request and runs its clean-up."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+class _RelayResponse(StreamingResponse):
+    """A stream relayed from a backend: ``release`` (ending the in-flight
+    entry, closing the upstream response) runs however the response ends,
+    also when the client left before the relay's first step (the relay's
+    own ``finally`` never runs then)."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], Awaitable[None]], *,
+                 status_code: int, headers: Mapping[str, str], media_type: str) -> None:
+        super().__init__(content, status_code=status_code, headers=headers, media_type=media_type)
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
 
 
 class RouterService:
@@ -176,7 +218,12 @@ class RouterService:
         stream = bool(body.get("stream", False))
         if self.pd is not None:
             t_pd = time.perf_counter()
-            plan = await self.pd.plan(who.tenant, who.klass, model, prompt, endpoint, body)
+            try:  # a client that leaves during the prefill cancels it (and no decode runs)
+                plan = await _unless_gone(request, self.pd.plan(who.tenant, who.klass, model, prompt, endpoint,
+                                                                body))
+            except _ClientGone:
+                self.metrics.requests.labels("-", endpoint.value, "499").inc()
+                return Response(status_code=499)
             t0 += time.perf_counter() - t_pd  # the prefill step is a backend's work, not the router's
         else:
             plan = await self._plan(who, model, prompt)
@@ -203,7 +250,7 @@ class RouterService:
         for b in backends:
             local = b.cache.chain_tiers(prompt.keys) if b.cache is not None else np.zeros(0, dtype=np.int64)
             if b.cache is not None and b.spec.cluster:
-                local = await asyncio.to_thread(b.cache.cluster_tiers, model.namespace, prompt.keys, local)
+                local = await asyncio.to_thread(b.cache.cluster_tiers, prompt.namespace, prompt.keys, local)
             tiers.append(local)
         return self.decider.decide(who.tenant, who.klass, backends, tiers, prompt.n_tokens, model.spec.block_size,
                                    model.block_bytes)
@@ -282,21 +329,12 @@ class RouterService:
             rid = self.pool.next_id()
             did = self._note_routed(plan, c, who, model, prompt)
             b.begin(rid, prompt.n_tokens, c.predicted_s - c.decision.predicted.queue_s, time.monotonic())
-            opener = asyncio.create_task(self._open(b, endpoint, raw))
-            gone = asyncio.create_task(_disconnected(request))
             try:
-                done, _ = await asyncio.wait({opener, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-            if opener not in done:  # the client went away before the first byte: cancel upstream
-                opener.cancel()
-                with contextlib.suppress(BaseException):
-                    await opener
+                resp, it, first, ttft = await _unless_gone(request, self._open(b, endpoint, raw))
+            except _ClientGone:  # the client went away before the first byte: upstream is cancelled
                 b.end(rid)
                 self.metrics.requests.labels(b.name, endpoint.value, "499").inc()
                 return Response(status_code=499)
-            try:
-                resp, it, first, ttft = opener.result()
             except _RouterBusy:
                 b.end(rid)
                 self.metrics.requests.labels(b.name, endpoint.value, "503").inc()
@@ -315,8 +353,12 @@ class RouterService:
             self.metrics.requests.labels(b.name, endpoint.value, str(status)).inc()
             if stream and status == 200:
                 self._observe_ttft(c, did, ttft)
-                return StreamingResponse(self._relay(b, rid, resp, it, first), status_code=status,
-                                         headers=headers, media_type=ctype)
+                async def release(b: Backend = b, rid: int = rid, resp: httpx.Response = resp) -> None:
+                    b.end(rid)
+                    await resp.aclose()
+
+                return _RelayResponse(self._relay(b, rid, resp, it, first), release, status_code=status,
+                                      headers=headers, media_type=ctype)
             try:
                 rest = [first]
                 async for chunk in it:

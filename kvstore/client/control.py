@@ -55,10 +55,11 @@ class ControlCalls(ClientBase):
         return int(self._call(self.stub.Clear, req).removed)
 
     def watch_events(self, after_seq: int = 0, ns: Namespace | None = None,
-                     timeout: float | None = None) -> Iterator[Event]:
+                     timeout: float | None = None, run_id: int = 0) -> Iterator[Event]:
         """The daemon's events after ``after_seq`` (a GAP event first when some
-        were lost), until ``timeout`` seconds pass (None: for ever)."""
-        req = pb.WatchRequest(after_seq=after_seq)
+        were lost, or when ``run_id``, the run ``after_seq`` came from, is not
+        the daemon's now), until ``timeout`` seconds pass (None: for ever)."""
+        req = pb.WatchRequest(after_seq=after_seq, run_id=run_id)
         if ns is not None:
             req.ns.CopyFrom(ns_pb(ns))
         try:

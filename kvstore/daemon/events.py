@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import secrets
 import time
 from typing import Any, AsyncIterator, Callable, cast
 
@@ -24,11 +25,13 @@ class EventLog:
         self.capacity = max(1, capacity)
         self.buf: collections.deque[pb.Event] = collections.deque(maxlen=self.capacity)
         self.seq = 0
+        self.run_id = secrets.randbits(63) | 1
+        """Random per daemon start (never 0), on every event: a watcher tells a restart by it."""
         self._wake = asyncio.Event()
 
     def append(self, ev: Event) -> None:
         self.seq += 1
-        msg = pb.Event(seq=self.seq, time_unix_ns=time.time_ns())
+        msg = pb.Event(seq=self.seq, time_unix_ns=time.time_ns(), run_id=self.run_id)
         if ev.kind is EventKind.STORED:
             msg.stored.ns_digest = ev.ns_digest
             msg.stored.keys.extend(ev.keys)
@@ -66,16 +69,20 @@ class EventLog:
         except asyncio.TimeoutError:
             pass
 
-    async def stream(self, after: int, keep: Callable[[pb.Event], bool]) -> AsyncIterator[pb.Event]:
+    async def stream(self, after: int, keep: Callable[[pb.Event], bool],
+                     run_id: int = 0) -> AsyncIterator[pb.Event]:
         """The events after ``after`` that ``keep`` accepts, then each new one, for ever.
 
         A ``Gap`` (seq 0) comes first when ``after`` is from a previous daemon
-        run (then everything buffered follows) or fell out of the buffer, and
+        run (``run_id`` given and not this run's, or ``after`` past this run's
+        last event; then everything buffered follows) or fell out of the buffer, and
         again whenever the reader fell so far behind while following that
         events it had not read yet left the buffer. ``after`` 0 starts from the
         oldest buffered event."""
-        if after > self.seq:  # numbered by a previous daemon run: everything since is unknown
-            yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=self.buf[0].seq if self.buf else self.seq + 1))
+        if after > self.seq or (run_id and run_id != self.run_id):
+            # numbered by a previous daemon run: everything since is unknown
+            yield pb.Event(seq=0, run_id=self.run_id,
+                           gap=pb.Gap(first_available_seq=self.buf[0].seq if self.buf else self.seq + 1))
             after = 0
         if not after and self.buf:
             after = self.buf[0].seq - 1
@@ -83,7 +90,7 @@ class EventLog:
             wake = self._wake
             gap, evs = self.since(after)
             if gap is not None:
-                yield pb.Event(seq=0, gap=pb.Gap(first_available_seq=gap))
+                yield pb.Event(seq=0, run_id=self.run_id, gap=pb.Gap(first_available_seq=gap))
             for ev in evs:
                 after = ev.seq
                 if keep(ev):

@@ -341,7 +341,8 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         except KVStoreError as e:
             await context.abort(status_for(e), str(e))
             return
-        async for ev in self.events.stream(request.after_seq, lambda e: self._visible(e, who, only)):
+        async for ev in self.events.stream(request.after_seq, lambda e: self._visible(e, who, only),
+                                           request.run_id):
             yield ev
 
     def _visible(self, ev: pb.Event, who: Principal, only: bytes | None) -> bool:

@@ -58,7 +58,7 @@ def stats_from_pb(r: pb.StatsResponse) -> DaemonStats:
 
 def event_from_pb(ev: pb.Event) -> Event:
     kind = ev.WhichOneof("kind")
-    common: dict[str, Any] = {"seq": int(ev.seq), "time_unix_ns": int(ev.time_unix_ns)}
+    common: dict[str, Any] = {"seq": int(ev.seq), "time_unix_ns": int(ev.time_unix_ns), "run_id": int(ev.run_id)}
     if kind == "stored":
         s = ev.stored
         return Event(EventKind.STORED, s.ns_digest, list(s.keys), tier_from_pb(s.tier), parent=s.parent or None,

@@ -150,3 +150,29 @@ def test_watch_replays_from_after_seq_and_says_gap_when_it_fell_out() -> None:
     assert asyncio.run(run(2, 2)) == [3, 4]
     assert asyncio.run(run(3, 1)) == [4]
     assert asyncio.run(run(9, 3)) == [-3, 3, 4]  # from a previous daemon run
+
+
+def test_a_watcher_resuming_from_another_daemon_run_gets_a_gap_and_the_whole_buffer() -> None:
+    """The restarted daemon's sequence has passed the one the watcher saw in
+    the previous run: ``after_seq`` alone looks current. The run id it sends
+    says otherwise: a Gap, then everything buffered (from seq 1)."""
+    async def run() -> list[tuple[int, int, int]]:
+        log = EventLog(16)
+        for k in K:
+            log.append(Event(EventKind.STORED, D, [k], TierKind.DRAM))
+        req = pb.WatchRequest(after_seq=2, run_id=log.run_id ^ 1)
+        from types import SimpleNamespace
+
+        from kvstore.daemon.auth import Principal
+        from kvstore.daemon.kv_service import KVStoreService
+
+        svc = SimpleNamespace(auth=SimpleNamespace(principal=lambda md: Principal(None, True)), events=log,
+                              _visible=lambda ev, who, only: True)
+        stream = KVStoreService.WatchEvents(svc, req, _Ctx())  # type: ignore[arg-type]
+        got = [await asyncio.wait_for(stream.__anext__(), 30.0) for _ in range(1 + len(K))]
+        await stream.aclose()
+        return [(e.seq, e.gap.first_available_seq if e.WhichOneof("kind") == "gap" else 0, e.run_id) for e in got]
+
+    got = asyncio.run(run())
+    assert [(s, g) for s, g, _ in got] == [(0, 1)] + [(i + 1, 0) for i in range(len(K))]
+    assert len({r for _, _, r in got}) == 1 and got[0][2] != 0  # every event, the Gap too, names the run

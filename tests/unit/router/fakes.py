@@ -73,6 +73,12 @@ class ServerThread:
         self.sock.close()
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client goes away (its body read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @dataclass
 class FakeVLLM:
     """What a test controls about one fake backend."""
@@ -87,6 +93,8 @@ class FakeVLLM:
     running: float = 0.0
     gate: asyncio.Event | None = None
     """When set, requests wait for it before their first byte (a slow prefill)."""
+    gate_after_first: asyncio.Event | None = None
+    """When set, a stream waits for it after its first event (a slow decode)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     loop: asyncio.AbstractEventLoop | None = None
@@ -124,6 +132,8 @@ class FakeVLLM:
                         if me.gate is not None:
                             await me.gate.wait()
                         yield f'data: {json.dumps({"object": kind, "choices": [{"text": text}]})}\n\n'.encode()
+                        if me.gate_after_first is not None:
+                            await me.gate_after_first.wait()
                         if me.die_mid_stream:
                             raise RuntimeError("backend died")
                         yield b'data: {"choices": [{"text": "!"}]}\n\n'
@@ -132,12 +142,17 @@ class FakeVLLM:
                         me.cancelled += 1
                         raise
                 return StreamingResponse(gen(), media_type="text/event-stream")
-            if me.gate is not None:
+            if me.gate is not None:  # as vLLM does, a client that leaves aborts the request
+                opened = asyncio.ensure_future(me.gate.wait())
+                gone = asyncio.ensure_future(_disconnect(request))
                 try:
-                    await me.gate.wait()
-                except asyncio.CancelledError:
+                    await asyncio.wait({opened, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    opened.cancel()
+                    gone.cancel()
+                if not opened.done() or opened.cancelled():
                     me.cancelled += 1
-                    raise
+                    return Response(status_code=499)
             return JSONResponse({"object": kind, "model": body.get("model"), "choices": [{"text": text}]})
 
         @app.post("/v1/completions")
