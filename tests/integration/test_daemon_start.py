@@ -5,6 +5,7 @@ failure and used to stay until another daemon's start swept them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from typing import Any, Iterator
@@ -19,6 +20,22 @@ def _shm_files() -> set[str]:
     uid = os.getuid()
     return {n for n in os.listdir("/dev/shm")
             if n.startswith((f"kvstore-{uid}-{os.getpid()}-", f"kvstore.owner-{uid}-"))}
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """``cmd_serve`` points the root logger at ``sys.stderr``, which in these
+    tests is pytest's capture: left there, later tests' log lines (the
+    router's health checks) hit the closed capture ("Logging error ... I/O
+    operation on closed file" in CI's output). Put the root logger back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            root.removeHandler(h)
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
