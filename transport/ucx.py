@@ -223,24 +223,16 @@ class BlockServer:
             _abort(ep)
             return
         self._eps.add(ep)
-        inbox = np.empty(wire.PRE.size + MAX_HEADER, dtype=np.uint8)
+        inbox = np.zeros(wire.INBOX, dtype=np.uint8)
         try:
             while not self._closing:
                 await ep.recv(inbox, tag=wire.TAG_REQ)
-                magic, _flags, seq, count, hlen, timeout = wire.PRE.unpack_from(inbox.data, 0)
-                sized = magic == wire.MAGIC_SIZED
-                if ((magic != wire.MAGIC and not sized) or hlen > MAX_HEADER or count > MAX_BLOCKS
-                        or (sized and hlen + 8 * count > MAX_HEADER)):
-                    log.warning("bad request preamble from a peer; closing its endpoint")
+                try:
+                    r = wire.parse_request(inbox)
+                except ValueError as e:  # the stream's requests cannot be trusted: end it
+                    log.warning("bad request from a peer (%s); closing its endpoint", e)
                     break
-                header = inbox[wire.PRE.size:wire.PRE.size + hlen].tobytes()
-                posted = None
-                if sized:
-                    posted = inbox[wire.PRE.size + hlen:wire.PRE.size + hlen + 8 * count].copy().view(np.int64)
-                    if (posted < 0).any():
-                        log.warning("negative posted length from a peer; closing its endpoint")
-                        break
-                t = asyncio.ensure_future(self._answer(ep, seq, count, header, timeout, posted))
+                t = asyncio.ensure_future(self._answer(ep, r.seq, r.count, r.header, r.timeout, r.posted))
                 self._tasks.add(t)
                 t.add_done_callback(self._tasks.discard)
         except Exception as e:  # noqa: BLE001 - peer closed or died: the normal end
@@ -440,9 +432,7 @@ class BlockClient:
             table = np.empty(wire.HEAD.size + 16 * count, dtype=np.uint8)
             trecv = asyncio.ensure_future(ep.recv(table, tag=wire.tag_tab(seq)))
             posted.append(trecv)
-            req = bytearray(wire.PRE.size + len(header))
-            wire.PRE.pack_into(req, 0, wire.MAGIC, 0, seq, count, len(header), max(0.0, end - time.monotonic()))
-            req[wire.PRE.size:] = header
+            req = wire.request(wire.MAGIC, seq, count, header, max(0.0, end - time.monotonic()))
             await _bounded(ep.send(req, tag=wire.TAG_REQ), end)
             await _wait_all([trecv], end)
             _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
@@ -533,10 +523,7 @@ class BlockClient:
 
         posted: list[asyncio.Future[Any]] = [trecv]
         try:
-            req = bytearray(wire.PRE.size + len(header) + 8 * count)
-            wire.PRE.pack_into(req, 0, wire.MAGIC_SIZED, 0, seq, count, len(header), max(0.0, end - time.monotonic()))
-            req[wire.PRE.size:wire.PRE.size + len(header)] = header
-            req[wire.PRE.size + len(header):] = want.tobytes()
+            req = wire.request(wire.MAGIC_SIZED, seq, count, header, max(0.0, end - time.monotonic()), want)
             sent = asyncio.ensure_future(ep.send(req, tag=wire.TAG_REQ))
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a fault is reported below
             # posted after the request: the peer answers while these are set up

@@ -1,0 +1,75 @@
+"""The block server against raw requests over real ucxx (a peer process,
+``transport.ucx_peer``): what it does with requests no BlockClient sends
+(a message shorter than it claims, more requests at once than it allows)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ucxx")
+
+from transport import ucx_wire as wire  # noqa: E402
+from tests.integration.test_transport_ucx import PeerProc, poll  # noqa: E402
+from transport.ucx import shutdown, ucx_module  # noqa: E402
+
+KIB = 1 << 10
+
+
+@pytest.fixture
+def peer():
+    p = PeerProc()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+async def ucx():
+    """UCX set up on this test's loop, shut down after it."""
+    yield ucx_module("127.0.0.1", None)
+    shutdown()
+
+
+def request(seq: int, header: bytes, count: int, *, claim: int | None = None, cut: int = 0) -> bytearray:
+    """An unsized request as a BlockClient writes it; ``claim``: the header
+    length the preamble states, ``cut``: bytes left off the end."""
+    msg = wire.request(wire.MAGIC, seq, count, header, 5.0)
+    if claim is not None:
+        wire.PRE.pack_into(msg, 0, wire.MAGIC, 0, seq, count, claim, 5.0)
+    return msg[:len(msg) - cut] if cut else msg
+
+
+async def connect(peer: PeerProc):
+    host, port = peer.address.rsplit(":", 1)
+    ep = await ucx_module(host).create_endpoint(host, int(port))
+    await poll(lambda: peer.stats()["endpoints"] == 1)
+    return ep
+
+
+async def test_a_request_shorter_than_it_claims_is_refused_never_parsed_with_stale_bytes(peer, ucx):
+    """The server receives every request of a connection into one buffer:
+    a message shorter than the one before it used to be parsed together with
+    the earlier message's bytes left there (here: the whole header of the
+    first request, served a second time from a request that sent none)."""
+    ep = await connect(peer)
+    h = json.dumps({"n": 1, "size": KIB, "absent": [0]}).encode()  # nothing present: no GO round trip
+    await ep.send(request(1, h, 1), tag=wire.TAG_REQ)
+    head = np.zeros(wire.HEAD.size + 16, np.uint8)
+    await asyncio.wait_for(ep.recv(head, tag=wire.tag_tab(1)), 30)
+    assert wire.HEAD.unpack_from(head.data, 0)[1] == wire.ST_OK
+    assert peer.stats()["served"] == 1
+    # the same claim, none of the header sent; then a header cut short by one byte
+    for seq, msg in ((2, request(2, b"", 1, claim=len(h))), (3, request(3, h, 1, cut=1))):
+        if seq == 3:
+            ep.abort()
+            ep = await connect(peer)
+            await ep.send(request(1, h, 1), tag=wire.TAG_REQ)
+            await asyncio.wait_for(ep.recv(head, tag=wire.tag_tab(1)), 30)
+        await ep.send(msg, tag=wire.TAG_REQ)
+        await poll(lambda: peer.stats()["endpoints"] == 0)  # refused: the server closed the endpoint
+        st = peer.stats()
+        assert st["served"] == seq - 1 and st["requests"] == seq - 1, st
+    ep.abort()
