@@ -69,6 +69,9 @@ receive it posted has completed or been cancelled."""
 SERVER_SLACK_S: Final = 0.5
 """Added to the client's remaining time for the server's own waits."""
 
+MAX_REQUESTS: Final = 64
+"""Default of ``BlockServer.max_requests``."""
+
 PUT_RNDV_TLS: Final = frozenset({"tcp", "self"})
 
 
@@ -181,8 +184,11 @@ class BlockServer:
     one task per request."""
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", port: int = 0, *,
-                 net_devices: str | None = None, max_wait_s: float = 3600.0) -> None:
+                 net_devices: str | None = None, max_wait_s: float = 3600.0,
+                 max_requests: int = MAX_REQUESTS) -> None:
         self._provider = provider
+        self.max_requests = int(max_requests)
+        """Requests of one connection served at once; the next is refused (head only) until one ends."""
         self.max_wait_s = float(max_wait_s)
         """Cap on the time a request may take here, whatever the client's
         request says (plus ``SERVER_SLACK_S``): a provider that pins what it
@@ -224,6 +230,7 @@ class BlockServer:
             return
         self._eps.add(ep)
         inbox = np.zeros(wire.INBOX, dtype=np.uint8)
+        busy: set[asyncio.Task[Any]] = set()  # this connection's requests being answered
         try:
             while not self._closing:
                 await ep.recv(inbox, tag=wire.TAG_REQ)
@@ -232,14 +239,30 @@ class BlockServer:
                 except ValueError as e:  # the stream's requests cannot be trusted: end it
                     log.warning("bad request from a peer (%s); closing its endpoint", e)
                     break
-                t = asyncio.ensure_future(self._answer(ep, r.seq, r.count, r.header, r.timeout, r.posted))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
+                if len(busy) >= self.max_requests:  # refused before the next request is read
+                    await self._refuse(ep, r, f"{len(busy)} requests at once on this connection "
+                                              f"(the limit is {self.max_requests} requests)")
+                    continue
+                posted = None if r.posted is None else r.posted.copy()
+                t = asyncio.ensure_future(self._answer(ep, r.seq, r.count, r.header.tobytes(), r.timeout, posted))
+                for tasks in (self._tasks, busy):
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
         except Exception as e:  # noqa: BLE001 - peer closed or died: the normal end
             log.debug("endpoint ended: %r", e)
         finally:
             self._eps.discard(ep)
             _abort(ep)
+
+    async def _refuse(self, ep: Any, r: wire.Request, msg: str) -> None:
+        """Answer ``r`` refused: the head alone, and an empty message for
+        each block a sized request posted; nothing is provided or copied.
+        Bounded by the request's time; a fault ends the connection."""
+        end = time.monotonic() + max(0.0, min(r.timeout, self.max_wait_s)) + SERVER_SLACK_S
+        sends = [] if r.posted is None else wire.sized_sends(ep, r.seq, r.posted, None)
+        self.requests += 1
+        head = wire.table(r.seq, wire.ST_REFUSED, msg, None, r.count)
+        await _bounded(asyncio.gather(ep.send(head, tag=wire.tag_tab(r.seq)), *sends), end)
 
     async def _answer(self, ep: Any, seq: int, count: int, header: bytes, timeout: float,
                       posted: np.ndarray | None = None) -> None:

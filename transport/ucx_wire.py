@@ -112,11 +112,13 @@ def request(magic: bytes, seq: int, count: int, header: bytes, timeout: float,
 
 @dataclass(slots=True, frozen=True)
 class Request:
-    """A request as the server parsed it (its own copies: the buffer is reused)."""
+    """A request as the server parsed it: ``header`` and ``posted`` are views
+    of the receive buffer, valid until its next receive (copy what outlives it)."""
 
     seq: int
     count: int
-    header: bytes
+    header: np.ndarray
+    """uint8, the provider's opaque header."""
     timeout: float
     posted: np.ndarray | None
     """A sized request's int64 length per block; None for the two-step protocol."""
@@ -141,10 +143,10 @@ def parse_request(inbox: np.ndarray) -> Request:
         raise ValueError(f"request {seq} is shorter than the {body + TRAILER.size} bytes it claims")
     posted = None
     if sized:
-        posted = inbox[PRE.size + hlen:body].copy().view(np.int64)
+        posted = np.frombuffer(inbox.data, np.int64, count, PRE.size + hlen)
         if (posted < 0).any():
             raise ValueError(f"request {seq} posts a negative length")
-    return Request(seq, count, inbox[PRE.size:PRE.size + hlen].tobytes(), timeout, posted)
+    return Request(seq, count, inbox[PRE.size:PRE.size + hlen], timeout, posted)
 
 
 # ------------------------------------------------------------------ types

@@ -104,7 +104,8 @@ class ClusterNode:
         # served for at most serve_s (+ < 1 s slack) whatever a peer asks; pinned longer (lease_s)
         self.serve_s = 2 * c.fetch_timeout
         self.lease_s = 2 * self.serve_s + 1.0
-        self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s)
+        self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s,
+                                       max_requests=c.peer_max_requests)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
         self.block_address = ""
         self.membership: Membership

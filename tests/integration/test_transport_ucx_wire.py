@@ -73,3 +73,33 @@ async def test_a_request_shorter_than_it_claims_is_refused_never_parsed_with_sta
         st = peer.stats()
         assert st["served"] == seq - 1 and st["requests"] == seq - 1, st
     ep.abort()
+
+
+async def test_requests_over_the_per_connection_limit_are_refused_head_only(ucx):
+    """A connection may have at most ``max_requests`` requests in the
+    server at once (each bounded in time, but a peer could otherwise keep
+    any number of provider calls and pins going): the next one gets the
+    head-only refused answer, at once, with nothing provided for it, and
+    once one ends the connection is served again."""
+    from transport.ucx import BlockClient
+
+    p = PeerProc(max_requests=2)
+    c = BlockClient()
+    try:
+        slow = [asyncio.ensure_future(c.fetch(p.address, json.dumps({"n": 1, "size": KIB, "delay": 60}).encode(),
+                                              1, lambda ls: [None], 120.0)) for _ in range(2)]
+        await poll(lambda: p.stats()["asked"] == 2)  # both in the server, in their provider calls
+        plain = json.dumps({"n": 1, "size": KIB}).encode()
+        for sizes in (None, np.array([KIB], np.int64)):
+            buf = np.zeros(KIB, np.uint8)
+            r = await asyncio.wait_for(c.fetch(p.address, plain, 1, lambda ls: [memoryview(buf)], 60.0,
+                                               sizes=sizes), 60)
+            assert r.error is not None and "refused" in r.error and "2 requests" in r.error, r.error
+            assert not r.ok.any() and not buf.any()
+        st = p.stats()
+        assert st["asked"] == 2 and st["served"] == 0 and c.connects == 1, st  # nothing provided; endpoint kept
+    finally:
+        for t in slow:
+            t.cancel()
+        await c.close()
+        p.close()
