@@ -209,15 +209,16 @@ class ClusterNode:
         self._wake.set()
 
     async def _probe_link(self, m: Member) -> None:
-        """Seed the link's latency with an empty fetch's round trip."""
+        """Seed the link's latency with an empty fetch's round trip (the peer token: a cluster call)."""
         try:
-            hdr = pb.BlockFetchHeader(node_id=self.node_id).SerializeToString()
+            hdr = pb.BlockFetchHeader(node_id=self.node_id, credential=self.token).SerializeToString()
             best = None
             for _ in range(3):  # the first one pays for the connection: keep the fastest round trip
                 t0 = time.perf_counter()
                 res = await self.block_client.fetch(m.block_address, hdr, 0, lambda _l: [],
                                                     max(self.cfg.rpc_timeout, 2.0))
-                if res.error is not None:
+                if res.error is not None:  # (refused: this daemon's peer token is not the peer's admin token)
+                    log.info("link probe of %s: %s", m.node_id, res.error)
                     return
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
@@ -534,13 +535,15 @@ class ClusterNode:
             h = pb.BlockFetchHeader.FromString(bytes(header))
         except Exception:
             raise ValueError("malformed block fetch header") from None
-        if not h.keys_packed:  # a link probe
-            return Served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
         if len(h.keys_packed) % 16:
             raise ValueError("keys_packed is not a multiple of 16 bytes")
         d = self.daemon
         try:
             who = d.auth.principal([("authorization", f"Bearer {h.credential}")] if h.credential else [])
+            if not h.keys_packed:  # a link probe: a cluster call, as NodeInfo needs the peers' (admin) token
+                if not who.admin:
+                    raise PermissionError("a link probe needs the cluster's peer token")
+                return Served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
             if d.auth.enabled and who.tenant is not None and not who.admin and h.ns.tenant != who.tenant:
                 raise PermissionError(f"tenant {who.tenant!r} may not read namespace of tenant {h.ns.tenant!r}")
             ns = d.namespace(h.ns, who)
