@@ -452,7 +452,7 @@ class BlockClient:
         seq = next(_SEQ)
         posted: list[asyncio.Future[Any]] = []
         try:
-            table = np.empty(wire.HEAD.size + 16 * count, dtype=np.uint8)
+            table = np.zeros(wire.HEAD.size + 16 * count, dtype=np.uint8)  # a short table: absent blocks
             trecv = asyncio.ensure_future(ep.recv(table, tag=wire.tag_tab(seq)))
             posted.append(trecv)
             req = wire.request(wire.MAGIC, seq, count, header, max(0.0, end - time.monotonic()))
@@ -524,7 +524,7 @@ class BlockClient:
                 want[i] = d.nbytes
         ep = conn.ep
         seq = next(_SEQ)
-        table = np.empty(wire.HEAD.size + 16 * count, dtype=np.uint8)
+        table = np.zeros(wire.HEAD.size + 16 * count, dtype=np.uint8)  # a short table: absent blocks
         answer: list[Any] = []  # (status, error text, checksums), once the table is read
         verified: dict[int, bool] = {}
 

@@ -103,3 +103,45 @@ async def test_requests_over_the_per_connection_limit_are_refused_head_only(ucx)
             t.cancel()
         await c.close()
         p.close()
+
+
+@pytest.mark.parametrize("sized", [False, True])
+async def test_a_short_ok_table_is_a_miss_never_lengths_from_uninitialised_memory(ucx, sized):
+    """A peer answers OK with the head alone (a malformed table: no lengths,
+    no checksums). The fetcher's table buffer was uninitialised memory, read
+    as the peer's lengths and handed to ``alloc`` (a first reservation fixes
+    a namespace's block size). Now the blocks are absent: a miss."""
+    from transport.ucx import BlockClient
+
+    async def handle(ep) -> None:
+        inbox = np.zeros(wire.INBOX, np.uint8)
+        await ep.recv(inbox, tag=wire.TAG_REQ)
+        r = wire.parse_request(inbox)
+        await ep.send(wire.table(r.seq, wire.ST_OK, "", None, r.count), tag=wire.tag_tab(r.seq))
+        if r.posted is not None:
+            await asyncio.gather(*wire.sized_sends(ep, r.seq, r.posted, None))
+        await done.wait()  # the endpoint stays open until the test ends
+
+    done = asyncio.Event()
+
+    listener = ucx_module("127.0.0.1").create_listener(handle, port=0)  # (bound to this test's loop)
+    c = BlockClient()
+    seen: list[list[int]] = []
+    buf = np.zeros(KIB, np.uint8)
+
+    def alloc(lengths: np.ndarray) -> list[memoryview | None]:
+        seen.append(lengths.tolist())
+        return [memoryview(buf)]
+
+    try:
+        junk = np.full(wire.HEAD.size + 16, 0x41, np.uint8)  # a freed buffer the table's may reuse
+        del junk
+        r = await c.fetch(f"127.0.0.1:{listener.port}", b"h", 1, alloc, 30.0,
+                          sizes=np.array([KIB], np.int64) if sized else None)
+        assert r.error is None and not r.ok.any() and r.corrupt == 0
+        assert r.lengths.tolist() == [0] and r.nbytes == 0
+        assert seen == ([[KIB]] if sized else [])  # (sized: alloc runs before the request)
+    finally:
+        done.set()
+        await c.close()
+        listener.close()
