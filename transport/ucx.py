@@ -460,7 +460,7 @@ class BlockClient:
             await _wait_all([trecv], end)
             _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
             if status != wire.ST_OK:
-                return failed(_refused(address, status, etext[:elen]))
+                return failed(wire.refused(address, status, etext[:elen]))
             body = table[wire.HEAD.size:]
             lengths[:] = body[: 8 * count].view(np.int64)
             sums = body[8 * count:].view(np.uint64).copy()
@@ -488,7 +488,7 @@ class BlockClient:
                     posted.append(asyncio.ensure_future(one(i, d)))
             await _bounded(ep.send(want, tag=wire.tag_go(seq)), end)
             await _wait_all(posted, end)
-            return _verified(verified, lengths, sums, t0)
+            return wire.verified(verified, lengths, sums, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
             return failed(await self._fault(conn, posted, e, deadline_s))
 
@@ -556,24 +556,8 @@ class BlockClient:
             return failed(await self._fault(conn, posted, e, deadline_s))
         status, etext, sums = answer
         if status != wire.ST_OK:
-            return failed(_refused(conn.address, status, etext))
-        return _verified(verified, lengths, sums, t0)
-
-
-def _refused(address: str, status: int, text: bytes) -> str:
-    """The error of a fetch the peer answered with ``status`` (not OK)."""
-    word = wire.STATUS_WORD.get(status, f"status {status}")
-    return f"peer {address} {word}: {text.decode('utf-8', 'replace')}"
-
-
-def _verified(verified: dict[int, bool], lengths: np.ndarray, sums: np.ndarray, t0: float) -> FetchResult:
-    """A fetch's result from its blocks' checksum verdicts (block -> good)."""
-    ok = np.zeros(lengths.size, dtype=bool)
-    corrupt = 0
-    for j, good in verified.items():
-        ok[j] = good
-        corrupt += not good
-    return FetchResult(ok, lengths, int(lengths[ok].sum()), time.monotonic() - t0, None, corrupt, sums)
+            return failed(wire.refused(conn.address, status, etext))
+        return wire.verified(verified, lengths, sums, time.monotonic() - t0)
 
 
 async def _wait_all(futs: list[asyncio.Future[Any]], end: float) -> None:

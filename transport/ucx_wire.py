@@ -55,8 +55,9 @@ from typing import Any, Awaitable, Callable, Final, Sequence
 import numpy as np
 
 __all__ = ["Alloc", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC", "MAGIC_SIZED",
-           "PRE", "TRAILER", "INBOX", "HEAD", "Request", "request", "parse_request", "ST_OK", "ST_REFUSED", "ST_INVALID", "ST_FAILED", "STATUS_WORD", "TAG_REQ",
-           "tag_tab", "tag_go", "tag_blk", "table", "check_served", "sized_sends"]
+           "PRE", "TRAILER", "INBOX", "HEAD", "Request", "request", "parse_request", "ST_OK", "ST_REFUSED",
+           "ST_INVALID", "ST_FAILED", "STATUS_WORD", "TAG_REQ", "tag_tab", "tag_go", "tag_blk", "table",
+           "check_served", "sized_sends", "refused", "verified"]
 
 MAX_HEADER: Final = 1 << 20
 """Largest request header in bytes (the server's receive buffer per endpoint)."""
@@ -233,3 +234,19 @@ def sized_sends(ep: Any, seq: int, posted: np.ndarray, served: Served | None) ->
     region_of = np.cumsum(lengths > 0) - 1  # block i's index in served.regions, where present
     return [ep.send(served.regions[int(region_of[i])] if lengths[i] > 0 and lengths[i] == posted[i] else EMPTY,
                     tag=tag_blk(seq, int(i))) for i in wanted]
+
+
+def refused(address: str, status: int, text: bytes) -> str:
+    """The error of a fetch the peer at ``address`` answered with ``status`` (not OK)."""
+    word = STATUS_WORD.get(status, f"status {status}")
+    return f"peer {address} {word}: {text.decode('utf-8', 'replace')}"
+
+
+def verified(verdicts: dict[int, bool], lengths: np.ndarray, sums: np.ndarray, seconds: float) -> FetchResult:
+    """A fetch's result from its blocks' checksum verdicts (block -> good)."""
+    ok = np.zeros(lengths.size, dtype=bool)
+    corrupt = 0
+    for j, good in verdicts.items():
+        ok[j] = good
+        corrupt += not good
+    return FetchResult(ok, lengths, int(lengths[ok].sum()), seconds, None, corrupt, sums)
