@@ -57,6 +57,9 @@ class ClusterConfig(Section):
     """Seed of a peer link's latency in the cost model (a probe replaces it)."""
     peer_bandwidth_gbps: Annotated[float, bounds(1e-6, None)] = 100.0
     """Seed of a peer link's bandwidth, Gb/s (measured transfers update it)."""
+    peer_max_requests: Annotated[int, bounds(1, 1 << 20)] = 64
+    """Block requests one peer connection may have served here at once; more are refused
+    (the fetcher sees a miss) until one ends."""
     probe_links: bool = True
     """Measure each new peer's round trip with an empty fetch."""
     peer_backoff: Duration = 5.0

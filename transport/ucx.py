@@ -69,6 +69,9 @@ receive it posted has completed or been cancelled."""
 SERVER_SLACK_S: Final = 0.5
 """Added to the client's remaining time for the server's own waits."""
 
+MAX_REQUESTS: Final = 64
+"""Default of ``BlockServer.max_requests``."""
+
 PUT_RNDV_TLS: Final = frozenset({"tcp", "self"})
 
 
@@ -181,8 +184,11 @@ class BlockServer:
     one task per request."""
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", port: int = 0, *,
-                 net_devices: str | None = None, max_wait_s: float = 3600.0) -> None:
+                 net_devices: str | None = None, max_wait_s: float = 3600.0,
+                 max_requests: int = MAX_REQUESTS) -> None:
         self._provider = provider
+        self.max_requests = int(max_requests)
+        """Requests of one connection served at once; the next is refused (head only) until one ends."""
         self.max_wait_s = float(max_wait_s)
         """Cap on the time a request may take here, whatever the client's
         request says (plus ``SERVER_SLACK_S``): a provider that pins what it
@@ -223,31 +229,40 @@ class BlockServer:
             _abort(ep)
             return
         self._eps.add(ep)
-        inbox = np.empty(wire.PRE.size + MAX_HEADER, dtype=np.uint8)
+        inbox = np.zeros(wire.INBOX, dtype=np.uint8)
+        busy: set[asyncio.Task[Any]] = set()  # this connection's requests being answered
         try:
             while not self._closing:
                 await ep.recv(inbox, tag=wire.TAG_REQ)
-                magic, _flags, seq, count, hlen, timeout = wire.PRE.unpack_from(inbox.data, 0)
-                sized = magic == wire.MAGIC_SIZED
-                if ((magic != wire.MAGIC and not sized) or hlen > MAX_HEADER or count > MAX_BLOCKS
-                        or (sized and hlen + 8 * count > MAX_HEADER)):
-                    log.warning("bad request preamble from a peer; closing its endpoint")
+                try:
+                    r = wire.parse_request(inbox)
+                except ValueError as e:  # the stream's requests cannot be trusted: end it
+                    log.warning("bad request from a peer (%s); closing its endpoint", e)
                     break
-                header = inbox[wire.PRE.size:wire.PRE.size + hlen].tobytes()
-                posted = None
-                if sized:
-                    posted = inbox[wire.PRE.size + hlen:wire.PRE.size + hlen + 8 * count].copy().view(np.int64)
-                    if (posted < 0).any():
-                        log.warning("negative posted length from a peer; closing its endpoint")
-                        break
-                t = asyncio.ensure_future(self._answer(ep, seq, count, header, timeout, posted))
-                self._tasks.add(t)
-                t.add_done_callback(self._tasks.discard)
+                if len(busy) >= self.max_requests:  # refused before the next request is read
+                    await self._refuse(ep, r, f"{len(busy)} requests at once on this connection "
+                                              f"(the limit is {self.max_requests} requests)")
+                    continue
+                posted = None if r.posted is None else r.posted.copy()
+                t = asyncio.ensure_future(self._answer(ep, r.seq, r.count, r.header.tobytes(), r.timeout, posted))
+                for tasks in (self._tasks, busy):
+                    tasks.add(t)
+                    t.add_done_callback(tasks.discard)
         except Exception as e:  # noqa: BLE001 - peer closed or died: the normal end
             log.debug("endpoint ended: %r", e)
         finally:
             self._eps.discard(ep)
             _abort(ep)
+
+    async def _refuse(self, ep: Any, r: wire.Request, msg: str) -> None:
+        """Answer ``r`` refused: the head alone, and an empty message for
+        each block a sized request posted; nothing is provided or copied.
+        Bounded by the request's time; a fault ends the connection."""
+        end = time.monotonic() + max(0.0, min(r.timeout, self.max_wait_s)) + SERVER_SLACK_S
+        sends = [] if r.posted is None else wire.sized_sends(ep, r.seq, r.posted, None)
+        self.requests += 1
+        head = wire.table(r.seq, wire.ST_REFUSED, msg, None, r.count)
+        await _bounded(asyncio.gather(ep.send(head, tag=wire.tag_tab(r.seq)), *sends), end)
 
     async def _answer(self, ep: Any, seq: int, count: int, header: bytes, timeout: float,
                       posted: np.ndarray | None = None) -> None:
@@ -437,17 +452,15 @@ class BlockClient:
         seq = next(_SEQ)
         posted: list[asyncio.Future[Any]] = []
         try:
-            table = np.empty(wire.HEAD.size + 16 * count, dtype=np.uint8)
+            table = np.zeros(wire.HEAD.size + 16 * count, dtype=np.uint8)  # a short table: absent blocks
             trecv = asyncio.ensure_future(ep.recv(table, tag=wire.tag_tab(seq)))
             posted.append(trecv)
-            req = bytearray(wire.PRE.size + len(header))
-            wire.PRE.pack_into(req, 0, wire.MAGIC, 0, seq, count, len(header), max(0.0, end - time.monotonic()))
-            req[wire.PRE.size:] = header
+            req = wire.request(wire.MAGIC, seq, count, header, max(0.0, end - time.monotonic()))
             await _bounded(ep.send(req, tag=wire.TAG_REQ), end)
             await _wait_all([trecv], end)
             _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
             if status != wire.ST_OK:
-                return failed(_refused(address, status, etext[:elen]))
+                return failed(wire.refused(address, status, etext[:elen]))
             body = table[wire.HEAD.size:]
             lengths[:] = body[: 8 * count].view(np.int64)
             sums = body[8 * count:].view(np.uint64).copy()
@@ -475,7 +488,7 @@ class BlockClient:
                     posted.append(asyncio.ensure_future(one(i, d)))
             await _bounded(ep.send(want, tag=wire.tag_go(seq)), end)
             await _wait_all(posted, end)
-            return _verified(verified, lengths, sums, t0)
+            return wire.verified(verified, lengths, sums, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
             return failed(await self._fault(conn, posted, e, deadline_s))
 
@@ -511,7 +524,7 @@ class BlockClient:
                 want[i] = d.nbytes
         ep = conn.ep
         seq = next(_SEQ)
-        table = np.empty(wire.HEAD.size + 16 * count, dtype=np.uint8)
+        table = np.zeros(wire.HEAD.size + 16 * count, dtype=np.uint8)  # a short table: absent blocks
         answer: list[Any] = []  # (status, error text, checksums), once the table is read
         verified: dict[int, bool] = {}
 
@@ -533,10 +546,7 @@ class BlockClient:
 
         posted: list[asyncio.Future[Any]] = [trecv]
         try:
-            req = bytearray(wire.PRE.size + len(header) + 8 * count)
-            wire.PRE.pack_into(req, 0, wire.MAGIC_SIZED, 0, seq, count, len(header), max(0.0, end - time.monotonic()))
-            req[wire.PRE.size:wire.PRE.size + len(header)] = header
-            req[wire.PRE.size + len(header):] = want.tobytes()
+            req = wire.request(wire.MAGIC_SIZED, seq, count, header, max(0.0, end - time.monotonic()), want)
             sent = asyncio.ensure_future(ep.send(req, tag=wire.TAG_REQ))
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a fault is reported below
             # posted after the request: the peer answers while these are set up
@@ -546,24 +556,8 @@ class BlockClient:
             return failed(await self._fault(conn, posted, e, deadline_s))
         status, etext, sums = answer
         if status != wire.ST_OK:
-            return failed(_refused(conn.address, status, etext))
-        return _verified(verified, lengths, sums, t0)
-
-
-def _refused(address: str, status: int, text: bytes) -> str:
-    """The error of a fetch the peer answered with ``status`` (not OK)."""
-    word = wire.STATUS_WORD.get(status, f"status {status}")
-    return f"peer {address} {word}: {text.decode('utf-8', 'replace')}"
-
-
-def _verified(verified: dict[int, bool], lengths: np.ndarray, sums: np.ndarray, t0: float) -> FetchResult:
-    """A fetch's result from its blocks' checksum verdicts (block -> good)."""
-    ok = np.zeros(lengths.size, dtype=bool)
-    corrupt = 0
-    for j, good in verified.items():
-        ok[j] = good
-        corrupt += not good
-    return FetchResult(ok, lengths, int(lengths[ok].sum()), time.monotonic() - t0, None, corrupt, sums)
+            return failed(wire.refused(conn.address, status, etext))
+        return wire.verified(verified, lengths, sums, time.monotonic() - t0)
 
 
 async def _wait_all(futs: list[asyncio.Future[Any]], end: float) -> None:

@@ -5,7 +5,7 @@
 filled with :func:`pattern` bytes, as the request header (JSON) asks, and
 prints one JSON line ``{"address": "host:port", "pid": ...}`` on stdout.
 Commands, one JSON line each on stdin, answered by one JSON line:
-``{"op": "stats"}`` -> release/serve counters; ``{"op": "stop"}`` -> stops.
+``{"op": "stats"}`` -> provider calls begun (``asked``), release/serve counters; ``{"op": "stop"}`` -> stops.
 
 Header fields (all optional but ``n`` and ``size``): ``n`` blocks of ``size``
 bytes, block ``i`` is ``slab[(off + i * size) % ...]``; ``absent``: indices
@@ -48,8 +48,10 @@ class Peer:
         self.served = 0
         self.released = 0
         self.pinned = 0
+        self.asked = 0
 
     async def provide(self, header: bytes) -> Served:
+        self.asked += 1
         h = json.loads(header)
         if h.get("delay"):
             await asyncio.sleep(float(h["delay"]))
@@ -88,7 +90,7 @@ class Peer:
 
 async def amain(a: argparse.Namespace) -> int:
     peer = Peer(a.slab_mib << 20)
-    server = BlockServer(peer.provide, a.host, a.port)
+    server = BlockServer(peer.provide, a.host, a.port, **({"max_requests": a.max_requests} if a.max_requests else {}))
     address = await server.start()
     print(json.dumps({"address": address, "pid": os.getpid()}), flush=True)
     loop = asyncio.get_running_loop()
@@ -104,7 +106,7 @@ async def amain(a: argparse.Namespace) -> int:
         line = await lines.get()
         cmd: dict[str, Any] = json.loads(line) if line.strip() else {"op": "stop"}
         if cmd["op"] == "stats":
-            print(json.dumps({"served": peer.served, "released": peer.released, "pinned": peer.pinned,
+            print(json.dumps({"asked": peer.asked, "served": peer.served, "released": peer.released, "pinned": peer.pinned,
                               "requests": server.requests, "endpoints": server.endpoints}), flush=True)
         elif cmd["op"] == "stop":
             await server.stop()
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--slab-mib", type=int, default=16)
+    ap.add_argument("--max-requests", type=int, default=0, help="requests per connection at once (0: the default)")
     try:
         return asyncio.run(amain(ap.parse_args(argv)))
     finally:

@@ -6,7 +6,7 @@ Wire protocol (all tag messages on the one endpoint a client opens to a
 server's listener; ucxx hashes our tags with the endpoint's own tags, so two
 connections never match each other's messages)::
 
-    client -> server  REQUEST   TAG_REQ            preamble + header
+    client -> server  REQUEST   TAG_REQ            preamble + header + trailer
     server -> client  TABLE     tag_tab(seq)       head + lengths[count] + checksums[count]
                                                    (the head alone when the status is not OK)
     client -> server  GO        tag_go(seq)        uint8 want[count]   (only if status OK and
@@ -14,7 +14,13 @@ connections never match each other's messages)::
     server -> client  BLOCK i   tag_blk(seq, i)    the region, received into alloc()'s view
 
 ``seq`` is unique per client process, so the answers of concurrent fetches
-over one endpoint never mix.  The GO round trip lets the receiver say which
+over one endpoint never mix.  The server receives every request of an
+endpoint into one buffer and ucxx does not say how many bytes a message
+had: the trailer (its ``seq``, the message's length, magic ``KVBE``) ends
+every request at the length its preamble claims (the magic last, so even a
+one-byte cut shows), so a message shorter than its claim (whose tail would
+be an earlier request's bytes) is refused, never parsed (``parse_request``);
+the server clears the trailer after each request.  The GO round trip lets the receiver say which
 blocks it has room for (``alloc`` may return ``None``), so nothing is sent
 that nobody receives.
 
@@ -25,7 +31,7 @@ carries after the header the int64 length the client receives into for
 each block (0: none), and the client posts those receives while the server
 answers::
 
-    client -> server  REQUEST   TAG_REQ            preamble + header + posted[count]
+    client -> server  REQUEST   TAG_REQ            preamble + header + posted[count] + trailer
     server -> client  TABLE     tag_tab(seq)       as above
     server -> client  BLOCK i   tag_blk(seq, i)    for every i with posted[i] > 0: the region
                                                    if the status is OK, the block is present
@@ -35,8 +41,9 @@ answers::
 So every receive the client posted is completed by the server, whatever
 the answer, and nothing is sent that nobody receives.  A block whose length
 differs from the posted one is not sent (``ok`` False, ``lengths`` gives
-its real length).  A server older than this protocol closes the endpoint
-on ``KVB2``: the fetch fails (a miss).
+its real length).  A server of another protocol version (magics ``KVB1``/
+``KVB2``: no trailer) closes the endpoint on these magics, and this server
+on theirs: the fetch fails (a miss).
 """
 
 from __future__ import annotations
@@ -48,19 +55,24 @@ from typing import Any, Awaitable, Callable, Final, Sequence
 import numpy as np
 
 __all__ = ["Alloc", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC", "MAGIC_SIZED",
-           "PRE", "HEAD", "ST_OK", "ST_REFUSED", "ST_INVALID", "ST_FAILED", "STATUS_WORD", "TAG_REQ",
-           "tag_tab", "tag_go", "tag_blk", "table", "check_served", "sized_sends"]
+           "PRE", "TRAILER", "INBOX", "HEAD", "Request", "request", "parse_request", "ST_OK", "ST_REFUSED",
+           "ST_INVALID", "ST_FAILED", "STATUS_WORD", "TAG_REQ", "tag_tab", "tag_go", "tag_blk", "table",
+           "check_served", "sized_sends", "refused", "verified"]
 
 MAX_HEADER: Final = 1 << 20
 """Largest request header in bytes (the server's receive buffer per endpoint)."""
 MAX_BLOCKS: Final = 1 << 20
 """Most blocks in one fetch."""
 
-MAGIC: Final = b"KVB1"
-MAGIC_SIZED: Final = b"KVB2"
+MAGIC: Final = b"KVB3"
+MAGIC_SIZED: Final = b"KVB4"
+MAGIC_END: Final = b"KVBE"
 EMPTY: Final = np.empty(0, dtype=np.uint8)
 """The message a sized fetch's receive gets for a block the server does not send."""
 PRE: Final = struct.Struct("<4sIQIId")  # magic, flags, seq, count, header length, timeout (s)
+TRAILER: Final = struct.Struct("<QI4s")  # seq, message length (bytes), MAGIC_END (last: a cut shows)
+INBOX: Final = PRE.size + MAX_HEADER + TRAILER.size
+"""The server's receive buffer per endpoint: the longest request."""
 HEAD: Final = struct.Struct("<QII240s")  # seq, status, error length, error text
 ST_OK, ST_REFUSED, ST_INVALID, ST_FAILED = 0, 1, 2, 3
 STATUS_WORD: Final = {ST_REFUSED: "refused", ST_INVALID: "invalid request", ST_FAILED: "failed"}
@@ -83,6 +95,59 @@ def tag_go(seq: int) -> int:
 
 def tag_blk(seq: int, i: int) -> int:
     return (3 << 57) | (i << 37) | (seq & SEQ_MASK)
+
+
+# --------------------------------------------------------------- requests
+def request(magic: bytes, seq: int, count: int, header: bytes, timeout: float,
+            posted: np.ndarray | None = None) -> bytearray:
+    """A REQUEST message: preamble, header, ``posted`` (int64 per block, a
+    sized request's), trailer."""
+    extra = b"" if posted is None else np.asarray(posted, dtype=np.int64).tobytes()
+    body = PRE.size + len(header) + len(extra)
+    out = bytearray(body + TRAILER.size)
+    PRE.pack_into(out, 0, magic, 0, seq, count, len(header), timeout)
+    out[PRE.size:body] = header + extra
+    TRAILER.pack_into(out, body, seq, len(out), MAGIC_END)
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class Request:
+    """A request as the server parsed it: ``header`` and ``posted`` are views
+    of the receive buffer, valid until its next receive (copy what outlives it)."""
+
+    seq: int
+    count: int
+    header: np.ndarray
+    """uint8, the provider's opaque header."""
+    timeout: float
+    posted: np.ndarray | None
+    """A sized request's int64 length per block; None for the two-step protocol."""
+
+
+def parse_request(inbox: np.ndarray) -> Request:
+    """The request ``inbox`` received (the server's buffer of ``INBOX``
+    bytes), checked before anything is sized by it; ValueError names what is
+    wrong. Clears the trailer: an earlier request's can never end a later,
+    shorter one."""
+    magic, _flags, seq, count, hlen, timeout = PRE.unpack_from(inbox.data, 0)
+    sized = magic == MAGIC_SIZED
+    if magic != MAGIC and not sized:
+        raise ValueError(f"unknown request magic {bytes(magic)!r}")
+    extra = 8 * count if sized else 0
+    if hlen > MAX_HEADER or count > MAX_BLOCKS or hlen + extra > MAX_HEADER:
+        raise ValueError(f"request of {count} blocks and a {hlen}-byte header is over the limits")
+    body = PRE.size + hlen + extra
+    end_seq, length, end_magic = TRAILER.unpack_from(inbox.data, body)
+    inbox[body:body + TRAILER.size] = 0
+    if end_magic != MAGIC_END or length != body + TRAILER.size or end_seq != seq:
+        raise ValueError(f"request {seq} is shorter than the {body + TRAILER.size} bytes it claims")
+    posted = None
+    if sized:
+        posted = np.frombuffer(inbox.data, np.int64, count, PRE.size + hlen)
+        if (posted < 0).any():
+            raise ValueError(f"request {seq} posts a negative length")
+    return Request(seq, count, inbox[PRE.size:PRE.size + hlen], timeout, posted)
 
 
 # ------------------------------------------------------------------ types
@@ -169,3 +234,19 @@ def sized_sends(ep: Any, seq: int, posted: np.ndarray, served: Served | None) ->
     region_of = np.cumsum(lengths > 0) - 1  # block i's index in served.regions, where present
     return [ep.send(served.regions[int(region_of[i])] if lengths[i] > 0 and lengths[i] == posted[i] else EMPTY,
                     tag=tag_blk(seq, int(i))) for i in wanted]
+
+
+def refused(address: str, status: int, text: bytes) -> str:
+    """The error of a fetch the peer at ``address`` answered with ``status`` (not OK)."""
+    word = STATUS_WORD.get(status, f"status {status}")
+    return f"peer {address} {word}: {text.decode('utf-8', 'replace')}"
+
+
+def verified(verdicts: dict[int, bool], lengths: np.ndarray, sums: np.ndarray, seconds: float) -> FetchResult:
+    """A fetch's result from its blocks' checksum verdicts (block -> good)."""
+    ok = np.zeros(lengths.size, dtype=bool)
+    corrupt = 0
+    for j, good in verdicts.items():
+        ok[j] = good
+        corrupt += not good
+    return FetchResult(ok, lengths, int(lengths[ok].sum()), seconds, None, corrupt, sums)

@@ -41,13 +41,15 @@ class BlockProvider:
             h = pb.BlockFetchHeader.FromString(bytes(header))
         except Exception:
             raise ValueError("malformed block fetch header") from None
-        if not h.keys_packed:  # a link probe
-            return Served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
         if len(h.keys_packed) % 16:
             raise ValueError("keys_packed is not a multiple of 16 bytes")
         d = self.daemon
         try:
             who = d.auth.principal([("authorization", f"Bearer {h.credential}")] if h.credential else [])
+            if not h.keys_packed:  # a link probe: a cluster call, as NodeInfo needs the peers' (admin) token
+                if not who.admin:
+                    raise PermissionError("a link probe needs the cluster's peer token")
+                return Served(np.zeros(0, np.int64), np.zeros(0, np.uint64), [], lambda: None)
             if d.auth.enabled and who.tenant is not None and not who.admin and h.ns.tenant != who.tenant:
                 raise PermissionError(f"tenant {who.tenant!r} may not read namespace of tenant {h.ns.tenant!r}")
             ns = d.namespace(h.ns, who)

@@ -117,7 +117,8 @@ class ClusterNode:
                                       lambda node: hasattr(self, "membership") and node in self.membership.members)
         self.provide = self.provider.provide
         """Serves a peer's fetch (``kvstore.daemon.block_provider``)."""
-        self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s)
+        self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s,
+                                       max_requests=c.peer_max_requests)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
         self.block_address = ""
         self.membership: Membership
@@ -231,15 +232,17 @@ class ClusterNode:
         self._wake.set()
 
     async def _probe_link(self, m: Member) -> bool:
-        """Seed the link's latency with an empty fetch's round trip; whether it answered."""
+        """Seed the link's latency with an empty fetch's round trip (the peer
+        token: a cluster call); whether it answered."""
         try:
-            hdr = pb.BlockFetchHeader(node_id=self.node_id).SerializeToString()
+            hdr = pb.BlockFetchHeader(node_id=self.node_id, credential=self.token).SerializeToString()
             best = None
             for _ in range(3):  # the first one pays for the connection: keep the fastest round trip
                 t0 = time.perf_counter()
                 res = await self.block_client.fetch(m.block_address, hdr, 0, lambda _l: [],
                                                     max(self.cfg.rpc_timeout, 2.0))
-                if res.error is not None:
+                if res.error is not None:  # (refused: this daemon's peer token is not the peer's admin token)
+                    log.info("link probe of %s: %s", m.node_id, res.error)
                     return False
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
@@ -592,7 +595,6 @@ class ClusterNode:
             log.warning("cluster: the link to %s failed (%s): its blocks are recomputed for %gs, then it is "
                         "probed again", peer, why, self.cfg.peer_backoff)
         self.cost.mark_suspect(peer)
-
 
 
 __all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "transport_factory"]

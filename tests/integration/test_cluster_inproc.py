@@ -122,6 +122,7 @@ def test_blocks_served_stay_pinned_past_the_longest_time_a_request_is_served(mak
     a.put(keys)
     node = a.d.daemon.cluster
     assert node.block_server.max_wait_s == node.serve_s
+    assert node.block_server.max_requests == node.cfg.peer_max_requests == 64
     hdr = pb.BlockFetchHeader(ns=ns_pb(NS), keys_packed=b"".join(keys), node_id="x").SerializeToString()
     served = asyncio.run_coroutine_threadsafe(node.provide(hdr), a.d.loop).result(10)
     try:
@@ -449,3 +450,30 @@ def test_a_fetch_header_names_no_metric_series_of_its_own(make_daemon):
     text = a.d.daemon.metrics.render().decode()
     assert "made-up" not in text
     assert f'kvstore_peer_served_bytes_total{{peer="{b.d.daemon.cluster.node_id}"}}' in text
+
+
+def test_a_link_probe_needs_the_peers_token(make_daemon, tmp_path, monkeypatch):
+    """A link probe (a fetch header with no keys) is a cluster call: it is
+    answered only for the cluster's peer (admin) token, as NodeInfo, Locate
+    and Publish are; the daemons' own probes carry it and still measure."""
+    import asyncio
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenant]]\nname = "acme"\ntoken = "t-acme"\n\n'
+                       '[[tenant]]\nname = "cluster"\ntoken = "t-peer"\nadmin = true\n')
+    monkeypatch.setenv("KV_TEST_PEER_TOKEN", "t-peer")
+    a, b = static_pair(make_daemon, md=[("authorization", "Bearer t-peer")], server__tenants_file=str(tenants),
+                       cluster__peer_token_env="KV_TEST_PEER_TOKEN", cluster__peer_latency="10s")
+    a_id, node = a.d.daemon.cluster.node_id, a.d.daemon.cluster
+    wait_until(lambda: b.d.call(lambda: b.d.daemon.cluster.cost.link(a_id).latency_s) < 10, 10,
+               "b's probe of a was answered and measured")
+
+    def probe(cred: str):
+        hdr = pb.BlockFetchHeader(credential=cred, node_id="x").SerializeToString()
+        return asyncio.run_coroutine_threadsafe(node.provide(hdr), a.d.loop).result(10)
+
+    for cred in ("", "bogus", "t-acme"):
+        with pytest.raises(PermissionError):
+            probe(cred)
+    served = probe("t-peer")
+    assert served.lengths.size == 0 and served.regions == []

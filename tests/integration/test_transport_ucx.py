@@ -31,9 +31,10 @@ os.environ.setdefault("UCX_TLS", "tcp,self")
 
 
 class PeerProc:
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, max_requests: int = 0) -> None:
+        more = ["--max-requests", str(max_requests)] if max_requests else []
         self.p = subprocess.Popen([sys.executable, "-m", "transport.ucx_peer", "--port", str(port),
-                                   "--slab-mib", str(SLAB >> 20)], cwd=ROOT, env=ENV, text=True,
+                                   "--slab-mib", str(SLAB >> 20), *more], cwd=ROOT, env=ENV, text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.p.stdout is not None
         line = self.p.stdout.readline()
@@ -427,10 +428,7 @@ async def test_malformed_sized_requests_close_the_endpoint(peer, client):
     for count, posted in ((2, [-1, 64]), (wire.MAX_HEADER // 8 + 1, [64, 64])):
         ep = await ucxx.create_endpoint(host, int(port))
         await poll(lambda: peer.stats()["endpoints"] == 1)
-        req = bytearray(wire.PRE.size + 16)
-        wire.PRE.pack_into(req, 0, wire.MAGIC_SIZED, 0, 1, count, 0, 1.0)
-        req[wire.PRE.size:] = np.asarray(posted, dtype=np.int64).tobytes()
-        await ep.send(req, tag=wire.TAG_REQ)
+        await ep.send(wire.request(wire.MAGIC_SIZED, 1, count, b"", 1.0, np.asarray(posted)), tag=wire.TAG_REQ)
         await poll(lambda: peer.stats()["endpoints"] == 0)
         ep.abort()
     assert peer.stats()["served"] == 0

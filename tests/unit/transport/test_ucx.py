@@ -228,10 +228,7 @@ async def main():
     host, port = addr.rsplit(":", 1)
     ep = await ucx_module(host).create_endpoint(host, int(port))
     hdr = b"no credential"
-    req = bytearray(wire.PRE.size + len(hdr))
-    wire.PRE.pack_into(req, 0, wire.MAGIC, 0, 7, wire.MAX_BLOCKS, len(hdr), 30.0)
-    req[wire.PRE.size:] = hdr
-    await ep.send(req, tag=wire.TAG_REQ)
+    await ep.send(wire.request(wire.MAGIC, 7, wire.MAX_BLOCKS, hdr, 30.0), tag=wire.TAG_REQ)
     head = np.zeros(wire.HEAD.size, np.uint8)  # room for the answer's head only
     out = {}
     try:
@@ -259,3 +256,32 @@ def test_a_refused_request_claiming_the_most_blocks_gets_the_head_alone_over_rea
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {"status": wire.ST_REFUSED, "text": "unknown token"}
+
+
+def test_a_request_is_parsed_only_when_it_ends_where_its_preamble_says():
+    """The server's buffer is reused per connection: a later, shorter
+    message leaves an earlier one's bytes behind it. Whatever is cut off a
+    request (one byte up to all but the preamble) it is refused, not parsed."""
+    inbox = np.zeros(wire.INBOX, np.uint8)
+    long_hdr, hdr = b"L" * 300, b"H" * 100
+
+    def receive(msg: bytes) -> wire.Request:
+        inbox[:len(msg)] = np.frombuffer(bytes(msg), np.uint8)
+        return wire.parse_request(inbox)
+
+    for sized in (False, True):
+        posted = np.array([5, 0], np.int64) if sized else None
+        magic = wire.MAGIC_SIZED if sized else wire.MAGIC
+        r = receive(wire.request(magic, 9, 2, long_hdr, 1.5, posted))
+        assert (r.seq, r.count, r.header.tobytes(), r.timeout) == (9, 2, long_hdr, 1.5)
+        assert (r.posted is None) if not sized else r.posted.tolist() == [5, 0]
+        full = wire.request(magic, 10, 2, hdr, 1.5, posted)
+        for cut in range(1, len(full) - wire.PRE.size + 1):
+            with pytest.raises(ValueError, match="shorter than"):
+                receive(full[:len(full) - cut])
+        assert receive(full).header.tobytes() == hdr
+        with pytest.raises(ValueError, match="shorter than"):  # the same request again, cut: its trailer was cleared
+            receive(full[:-1])
+    bad = wire.request(b"KVB1", 1, 1, b"", 1.0)
+    with pytest.raises(ValueError, match="magic"):
+        receive(bad)
