@@ -129,6 +129,32 @@ def test_every_native_copy_kernel_matches(n: int) -> None:
     assert isinstance(nat.simd_target(), str)
 
 
+@needs_native
+@pytest.mark.parametrize("gap", [0, 8, 16, 48, 64, 100, 2064, 4080])
+def test_every_kernel_copies_at_every_page_offset_between_its_buffers(gap: int) -> None:
+    """The kernels' own chunk copy (each 64 bytes loaded before the 64
+    before them are stored) places every byte, whatever the distance between
+    the two buffers modulo a page (``gap``: how far past src's page offset
+    dst starts) and whatever the tail of the last 1 KiB chunk."""
+    nat = cks._native
+    assert nat is not None
+    rng = np.random.default_rng(gap)
+    for n in (241, 1087, 1151, 3 * 1024 + 129, 4096 + 63, (1 << 16) + 1):
+        raw_src = rng.integers(0, 256, size=n + 8192, dtype=np.uint8)
+        raw_dst = np.zeros(n + 8192, np.uint8)
+        s0 = (-raw_src.ctypes.data) % 4096
+        d0 = (-raw_dst.ctypes.data) % 4096
+        src = raw_src[s0 + 32 : s0 + 32 + n]
+        want = xxhash.xxh3_64_intdigest(src.tobytes())
+        for kernel in nat.kernels():
+            for nontemporal in (False, True):
+                raw_dst[:] = 0
+                dst = raw_dst[d0 + 32 + gap : d0 + 32 + gap + n]
+                assert nat._copy_checksum_with(dst, src, kernel, nontemporal) == want
+                assert np.array_equal(dst, src)
+                assert not raw_dst[: d0 + 32 + gap].any() and not raw_dst[d0 + 32 + gap + n :].any()
+
+
 # --------------------------------------------------------------------------
 # batches: copy_many, checksum_many, verify_many
 # --------------------------------------------------------------------------
