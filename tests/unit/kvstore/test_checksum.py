@@ -155,6 +155,24 @@ def test_every_kernel_copies_at_every_page_offset_between_its_buffers(gap: int) 
                 assert not raw_dst[: d0 + 32 + gap].any() and not raw_dst[d0 + 32 + gap + n :].any()
 
 
+@needs_native
+@pytest.mark.parametrize("batch_bytes", [0, 1, None])
+def test_a_batch_copied_with_non_temporal_stores_is_the_same_copy(batch_bytes: int | None) -> None:
+    """``copy_checksum_many``'s ``batch_bytes`` (the whole batch a thread
+    copies part of) only picks the stores: the bytes and checksums are the
+    same either way (None: the native helper's own threshold)."""
+    nat = cks._native
+    assert nat is not None
+    srcs = _blocks(5, 3 * 1024 + 77, 11)
+    dsts = [np.zeros_like(s) for s in srcs]
+    sums = np.zeros(5, np.uint64)
+    nat.copy_checksum_many(dsts, srcs, sums, nat.NONTEMPORAL_MIN if batch_bytes is None else batch_bytes)
+    assert sums.tolist() == [xxhash.xxh3_64_intdigest(s.tobytes()) for s in srcs]
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    with pytest.raises(ValueError, match="batch_bytes"):
+        nat.copy_checksum_many(dsts, srcs, sums, -1)
+
+
 # --------------------------------------------------------------------------
 # batches: copy_many, checksum_many, verify_many
 # --------------------------------------------------------------------------
