@@ -352,7 +352,9 @@ def copy_many(dsts: Any, srcs: Any, threads: int = 2) -> np.ndarray:
     """``copy_checksum`` over a batch of blocks, spread over up to ``threads``
     threads (the copies release the GIL); returns the checksums (uint64).
     One thread copies as fast as ``np.copyto`` only with a hash on top; two
-    keep up with memory on a 2-core machine."""
+    keep up with memory on a 2-core machine. A batch of the native helper's
+    ``NONTEMPORAL_MIN`` bytes or more is copied with non-temporal stores,
+    whichever thread copies each part."""
     n = len(srcs)
     out = np.empty(n, dtype=np.uint64)
     nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
@@ -360,7 +362,7 @@ def copy_many(dsts: Any, srcs: Any, threads: int = 2) -> np.ndarray:
     def run(a: int, b: int) -> None:
         if _native is not None:  # one call, one GIL release, per part
             _native.copy_checksum_many([_native_arg(d, "dsts[i]") for d in dsts[a:b]],
-                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], out[a:b])
+                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], out[a:b], nbytes)
             return
         for i in range(a, b):
             out[i] = copy_checksum(dsts[i], srcs[i])

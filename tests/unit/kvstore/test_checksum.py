@@ -129,6 +129,50 @@ def test_every_native_copy_kernel_matches(n: int) -> None:
     assert isinstance(nat.simd_target(), str)
 
 
+@needs_native
+@pytest.mark.parametrize("gap", [0, 8, 16, 48, 64, 100, 2064, 4080])
+def test_every_kernel_copies_at_every_page_offset_between_its_buffers(gap: int) -> None:
+    """The kernels' own chunk copy (each 64 bytes loaded before the 64
+    before them are stored) places every byte, whatever the distance between
+    the two buffers modulo a page (``gap``: how far past src's page offset
+    dst starts) and whatever the tail of the last 1 KiB chunk."""
+    nat = cks._native
+    assert nat is not None
+    rng = np.random.default_rng(gap)
+    for n in (241, 1087, 1151, 3 * 1024 + 129, 4096 + 63, (1 << 16) + 1):
+        raw_src = rng.integers(0, 256, size=n + 8192, dtype=np.uint8)
+        raw_dst = np.zeros(n + 8192, np.uint8)
+        s0 = (-raw_src.ctypes.data) % 4096
+        d0 = (-raw_dst.ctypes.data) % 4096
+        src = raw_src[s0 + 32 : s0 + 32 + n]
+        want = xxhash.xxh3_64_intdigest(src.tobytes())
+        for kernel in nat.kernels():
+            for nontemporal in (False, True):
+                raw_dst[:] = 0
+                dst = raw_dst[d0 + 32 + gap : d0 + 32 + gap + n]
+                assert nat._copy_checksum_with(dst, src, kernel, nontemporal) == want
+                assert np.array_equal(dst, src)
+                assert not raw_dst[: d0 + 32 + gap].any() and not raw_dst[d0 + 32 + gap + n :].any()
+
+
+@needs_native
+@pytest.mark.parametrize("batch_bytes", [0, 1, None])
+def test_a_batch_copied_with_non_temporal_stores_is_the_same_copy(batch_bytes: int | None) -> None:
+    """``copy_checksum_many``'s ``batch_bytes`` (the whole batch a thread
+    copies part of) only picks the stores: the bytes and checksums are the
+    same either way (None: the native helper's own threshold)."""
+    nat = cks._native
+    assert nat is not None
+    srcs = _blocks(5, 3 * 1024 + 77, 11)
+    dsts = [np.zeros_like(s) for s in srcs]
+    sums = np.zeros(5, np.uint64)
+    nat.copy_checksum_many(dsts, srcs, sums, nat.NONTEMPORAL_MIN if batch_bytes is None else batch_bytes)
+    assert sums.tolist() == [xxhash.xxh3_64_intdigest(s.tobytes()) for s in srcs]
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    with pytest.raises(ValueError, match="batch_bytes"):
+        nat.copy_checksum_many(dsts, srcs, sums, -1)
+
+
 # --------------------------------------------------------------------------
 # batches: copy_many, checksum_many, verify_many
 # --------------------------------------------------------------------------
