@@ -13,6 +13,7 @@ import pytest
 from kvstore.errors import Unavailable
 from tests.conftest import chain, payload_for
 from tests.unit.tiers.test_ssd import KIB, MIB, NS, get, metas, put, seg_files
+from tests.unit.tiers.test_ssd_faults import NoUnlink
 from tiers.ssd import OsFileLayer, SsdTier
 from tiers.ssd_recover import SNAPSHOT_FILE
 
@@ -105,18 +106,6 @@ def test_a_rebuilt_index_naming_the_last_segment_id_still_writes(tdir: str) -> N
         assert len(t.recover()) == 40
 
 
-class NoUnlink(OsFileLayer):
-    """The real OS, but unlinking a file fails (EIO) while ``fail`` is set."""
-
-    def __init__(self) -> None:
-        self.fail = True
-
-    def unlink(self, path: str) -> None:  # type: ignore[override]
-        if self.fail:
-            raise OSError(errno.EIO, "unlink failed")
-        super().unlink(path)
-
-
 def test_a_failed_unlink_at_open_keeps_the_tier_and_its_blocks(tdir: str) -> None:
     """Open removes segments nothing points into; an unlink that fails
     there (EIO) made the whole open fail, so every stored block was lost
@@ -128,6 +117,7 @@ def test_a_failed_unlink_at_open_keeps_the_tier_and_its_blocks(tdir: str) -> Non
         t.free(locs[15:])  # the second segment holds only garbage
     assert len(seg_files(tdir)) == 2
     fs = NoUnlink()
+    fs.fail = True
     with SsdTier(tdir, 16 * MIB, segment_bytes=MIB, fs=fs) as t:
         got = t.recover()
         assert len(got) == 15
