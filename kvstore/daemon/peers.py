@@ -118,7 +118,7 @@ class ClusterNode:
         self.provide = self.provider.provide
         """Serves a peer's fetch (``kvstore.daemon.block_provider``)."""
         self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s,
-                                       max_requests=c.peer_max_requests)
+                                       max_requests=c.peer_max_requests, max_connections=c.peer_max_connections)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
         self.block_address = ""
         self.membership: Membership

@@ -26,8 +26,9 @@ _ids = itertools.count(1)
 
 class FakeBlockServer:
     def __init__(self, provider: Callable[[bytes], Any], host: str = "127.0.0.1", port: int = 0,
-                 max_wait_s: float = 3600.0, max_requests: int = 64) -> None:
+                 max_wait_s: float = 3600.0, max_requests: int = 64, max_connections: int = 256) -> None:
         self.provider = provider
+        self.max_connections = max_connections
         self.max_wait_s = max_wait_s
         self.max_requests = max_requests
         self.corrupt = 0

@@ -123,6 +123,7 @@ def test_blocks_served_stay_pinned_past_the_longest_time_a_request_is_served(mak
     node = a.d.daemon.cluster
     assert node.block_server.max_wait_s == node.serve_s
     assert node.block_server.max_requests == node.cfg.peer_max_requests == 64
+    assert node.block_server.max_connections == node.cfg.peer_max_connections == 256
     hdr = pb.BlockFetchHeader(ns=ns_pb(NS), keys_packed=b"".join(keys), node_id="x").SerializeToString()
     served = asyncio.run_coroutine_threadsafe(node.provide(hdr), a.d.loop).result(10)
     try:
