@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from transport.ucx import FetchResult  # the real result type (importing it does not start UCX)
+from kvstore.errors import InvalidArgument
+from transport.ucx import MAX_HEADER, FetchResult  # the real result type (importing it does not start UCX)
 
 REGISTRY: dict[str, "FakeBlockServer"] = {}
 _ids = itertools.count(1)
@@ -72,6 +73,10 @@ class FakeBlockClient:
     async def fetch(self, address: str, header: bytes, count: int,
                     alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float, *,
                     sizes: np.ndarray | None = None) -> FetchResult:
+        if len(header) > MAX_HEADER:  # the real client's limits
+            raise InvalidArgument(f"header of {len(header)} bytes exceeds the limit of {MAX_HEADER}")
+        if sizes is not None and len(header) + 8 * count > MAX_HEADER:
+            sizes = None
         t0 = time.perf_counter()
         none = np.zeros(count, bool)
         dests: Sequence[memoryview | None] | None = None
