@@ -60,6 +60,9 @@ class ClusterConfig(Section):
     peer_max_requests: Annotated[int, bounds(1, 1 << 20)] = 64
     """Block requests one peer connection may have served here at once; more are refused
     (the fetcher sees a miss) until one ends."""
+    peer_max_connections: Annotated[int, bounds(1, 1 << 16)] = 256
+    """Block transport connections open here at once, from all peers together (each holds a 1 MiB
+    receive buffer; a fetcher keeps one per peer); one more is closed at once (its fetch is a miss)."""
     probe_links: bool = True
     """Measure each new peer's round trip with an empty fetch."""
     peer_backoff: Duration = 5.0

@@ -47,13 +47,14 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Awaitable, Callable, Final, Iterable
+from typing import Any, Callable, Final, Iterable
 
 import numpy as np
 
 from kvstore.checksum import checksum
 from kvstore.errors import InvalidArgument
 from transport import ucx_wire as wire
+from transport.ucx_waits import bounded, settle, wait_all
 from transport.ucx_wire import MAX_BLOCKS, MAX_HEADER, Alloc, FetchResult, Provider, Served
 
 __all__ = ["Alloc", "BlockClient", "BlockServer", "FetchResult", "Provider", "Served",
@@ -71,6 +72,8 @@ SERVER_SLACK_S: Final = 0.5
 
 MAX_REQUESTS: Final = 64
 """Default of ``BlockServer.max_requests``."""
+MAX_CONNECTIONS: Final = 256
+"""Default of ``BlockServer.max_connections``."""
 
 PUT_RNDV_TLS: Final = frozenset({"tcp", "self"})
 
@@ -185,8 +188,13 @@ class BlockServer:
 
     def __init__(self, provider: Provider, host: str = "127.0.0.1", port: int = 0, *,
                  net_devices: str | None = None, max_wait_s: float = 3600.0,
-                 max_requests: int = MAX_REQUESTS) -> None:
+                 max_requests: int = MAX_REQUESTS, max_connections: int = MAX_CONNECTIONS) -> None:
         self._provider = provider
+        self.max_connections = int(max_connections)
+        """Connections open at once (from all peers: UCX does not say who connected); one more is
+        closed at once, before its receive buffer (``ucx_wire.INBOX``, over 1 MiB) is allocated."""
+        self.refused_connections = 0
+        """Connections closed for being over ``max_connections``; for tests and logs."""
         self.max_requests = int(max_requests)
         """Requests of one connection served at once; the next is refused (head only) until one ends."""
         self.max_wait_s = float(max_wait_s)
@@ -225,11 +233,16 @@ class BlockServer:
             await asyncio.wait(tasks, timeout=CANCEL_GRACE_S + 1)
 
     async def _serve(self, ep: Any) -> None:
-        if self._closing:
+        if self._closing or len(self._eps) >= self.max_connections:
+            if not self._closing:
+                self.refused_connections += 1
+                n = self.refused_connections
+                if n & (n - 1) == 0:  # 1, 2, 4, ...: a flood does not flood the log
+                    log.warning("%d peer connections over the limit of %d closed so far", n, self.max_connections)
             _abort(ep)
             return
         self._eps.add(ep)
-        inbox = np.zeros(wire.INBOX, dtype=np.uint8)
+        inbox = wire.inbox()
         busy: set[asyncio.Task[Any]] = set()  # this connection's requests being answered
         try:
             while not self._closing:
@@ -262,7 +275,7 @@ class BlockServer:
         sends = [] if r.posted is None else wire.sized_sends(ep, r.seq, r.posted, None)
         self.requests += 1
         head = wire.table(r.seq, wire.ST_REFUSED, msg, None, r.count)
-        await _bounded(asyncio.gather(ep.send(head, tag=wire.tag_tab(r.seq)), *sends), end)
+        await bounded(asyncio.gather(ep.send(head, tag=wire.tag_tab(r.seq)), *sends), end)
 
     async def _answer(self, ep: Any, seq: int, count: int, header: bytes, timeout: float,
                       posted: np.ndarray | None = None) -> None:
@@ -288,18 +301,18 @@ class BlockServer:
             table = wire.table(seq, status, msg, answered, count)
             if posted is not None:  # sized: the table and every posted block at once, no GO
                 sends = wire.sized_sends(ep, seq, posted, answered)
-                await _bounded(asyncio.gather(ep.send(table, tag=wire.tag_tab(seq)), *sends), end)
+                await bounded(asyncio.gather(ep.send(table, tag=wire.tag_tab(seq)), *sends), end)
                 return
-            await _bounded(ep.send(table, tag=wire.tag_tab(seq)), end)
+            await bounded(ep.send(table, tag=wire.tag_tab(seq)), end)
             if status != wire.ST_OK or served is None or not served.regions:
                 return
             want = np.zeros(count, dtype=np.uint8)
-            await _bounded(ep.recv(want, tag=wire.tag_go(seq)), end)
+            await bounded(ep.recv(want, tag=wire.tag_go(seq)), end)
             present = np.flatnonzero(served.lengths > 0)
             sends = [ep.send(served.regions[j], tag=wire.tag_blk(seq, int(i)))
                      for j, i in enumerate(present) if want[i]]
             if sends:
-                await _bounded(asyncio.gather(*sends), end)
+                await bounded(asyncio.gather(*sends), end)
         except Exception as e:  # noqa: BLE001 - timeout or transport error: drop the endpoint
             log.debug("request %d aborted: %r", seq, e)
             _abort(ep)  # UCX stops reading the regions before they are released
@@ -332,9 +345,6 @@ def _release_late(task: asyncio.Future[Any]) -> None:
     except Exception:  # noqa: BLE001
         log.exception("release() of a late batch failed")
 
-
-async def _bounded(aw: Awaitable[Any], end: float) -> Any:
-    return await asyncio.wait_for(aw, max(0.0, end - time.monotonic()))
 
 
 # ---------------------------------------------------------------- client
@@ -456,8 +466,8 @@ class BlockClient:
             trecv = asyncio.ensure_future(ep.recv(table, tag=wire.tag_tab(seq)))
             posted.append(trecv)
             req = wire.request(wire.MAGIC, seq, count, header, max(0.0, end - time.monotonic()))
-            await _bounded(ep.send(req, tag=wire.TAG_REQ), end)
-            await _wait_all([trecv], end)
+            await bounded(ep.send(req, tag=wire.TAG_REQ), end)
+            await wait_all([trecv], end)
             _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
             if status != wire.ST_OK:
                 return failed(wire.refused(address, status, etext[:elen]))
@@ -472,7 +482,7 @@ class BlockClient:
                 if len(dests) != count:
                     raise InvalidArgument(f"alloc returned {len(dests)} destinations for {count} blocks")
             except Exception as e:  # noqa: BLE001 - tell the peer to send nothing
-                await _bounded(ep.send(np.zeros(count, np.uint8), tag=wire.tag_go(seq)), end)
+                await bounded(ep.send(np.zeros(count, np.uint8), tag=wire.tag_go(seq)), end)
                 return failed(f"alloc failed: {type(e).__name__}: {e}")
             want = np.zeros(count, dtype=np.uint8)
             verified: dict[int, bool] = {}
@@ -486,8 +496,8 @@ class BlockClient:
                 if d is not None and d.nbytes == lengths[i] and not d.readonly:
                     want[i] = 1
                     posted.append(asyncio.ensure_future(one(i, d)))
-            await _bounded(ep.send(want, tag=wire.tag_go(seq)), end)
-            await _wait_all(posted, end)
+            await bounded(ep.send(want, tag=wire.tag_go(seq)), end)
+            await wait_all(posted, end)
             return wire.verified(verified, lengths, sums, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
             return failed(await self._fault(conn, posted, e, deadline_s))
@@ -497,7 +507,7 @@ class BlockClient:
         """A fetch's deadline or transport fault: drop the endpoint, wait
         until every receive it posted has ended; the error to report."""
         self._drop(conn)
-        unconfirmed = await _settle(posted)
+        unconfirmed = await settle(posted, CANCEL_GRACE_S)
         if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
             msg = f"fetch from {conn.address} missed its deadline of {deadline_s:g}s"
         else:
@@ -551,7 +561,7 @@ class BlockClient:
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # a fault is reported below
             # posted after the request: the peer answers while these are set up
             posted += [asyncio.ensure_future(one(i, dests[i])) for i in np.flatnonzero(want).tolist()]
-            await _wait_all([sent, *posted], end)
+            await wait_all([sent, *posted], end)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
             return failed(await self._fault(conn, posted, e, deadline_s))
         status, etext, sums = answer
@@ -559,35 +569,3 @@ class BlockClient:
             return failed(wire.refused(conn.address, status, etext))
         return wire.verified(verified, lengths, sums, time.monotonic() - t0)
 
-
-async def _wait_all(futs: list[asyncio.Future[Any]], end: float) -> None:
-    """Wait for every future until ``end`` without cancelling them; raise the
-    first failure, or TimeoutError."""
-    pending = [f for f in futs if not f.done()]
-    while pending:
-        remaining = end - time.monotonic()
-        if remaining <= 0:
-            raise asyncio.TimeoutError()
-        done, still = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_EXCEPTION)
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-        pending = list(still)
-    for f in futs:
-        if f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
-
-
-async def _settle(futs: list[asyncio.Future[Any]]) -> int:
-    """After the endpoint was aborted: wait (bounded) until UCX has completed
-    every posted receive; return how many are still outstanding."""
-    pending = [f for f in futs if not f.done()]
-    if pending:
-        _done, still = await asyncio.wait(pending, timeout=CANCEL_GRACE_S)
-        pending = list(still)
-    for f in futs:
-        if f.done() and not f.cancelled():
-            f.exception()  # retrieved: no "never retrieved" warnings
-    if pending:
-        log.error("%d UCX receives still outstanding after abort", len(pending))
-    return len(pending)

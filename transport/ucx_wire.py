@@ -55,7 +55,7 @@ from typing import Any, Awaitable, Callable, Final, Sequence
 import numpy as np
 
 __all__ = ["Alloc", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC", "MAGIC_SIZED",
-           "PRE", "TRAILER", "INBOX", "HEAD", "Request", "request", "parse_request", "ST_OK", "ST_REFUSED",
+           "PRE", "TRAILER", "INBOX", "inbox", "HEAD", "Request", "request", "parse_request", "ST_OK", "ST_REFUSED",
            "ST_INVALID", "ST_FAILED", "STATUS_WORD", "TAG_REQ", "tag_tab", "tag_go", "tag_blk", "table",
            "check_served", "sized_sends", "refused", "verified"]
 
@@ -73,6 +73,13 @@ PRE: Final = struct.Struct("<4sIQIId")  # magic, flags, seq, count, header lengt
 TRAILER: Final = struct.Struct("<QI4s")  # seq, message length (bytes), MAGIC_END (last: a cut shows)
 INBOX: Final = PRE.size + MAX_HEADER + TRAILER.size
 """The server's receive buffer per endpoint: the longest request."""
+
+
+def inbox() -> np.ndarray:
+    """A server connection's receive buffer (``INBOX`` bytes, allocated once
+    per connection the server lets in)."""
+    return np.zeros(INBOX, dtype=np.uint8)
+
 HEAD: Final = struct.Struct("<QII240s")  # seq, status, error length, error text
 ST_OK, ST_REFUSED, ST_INVALID, ST_FAILED = 0, 1, 2, 3
 STATUS_WORD: Final = {ST_REFUSED: "refused", ST_INVALID: "invalid request", ST_FAILED: "failed"}

@@ -36,10 +36,10 @@ from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.daemon import tls
 from kvstore.daemon.block_provider import BlockProvider
-from kvstore.daemon.fetch_slots import FETCH_OWNER, FetchSlots
+from kvstore.daemon.fetch_plan import LINK_FAULTS, RunFetch
+from kvstore.daemon.fetch_slots import FETCH_OWNER
 from kvstore.keys import Namespace
 from kvstore.results import Event, EventKind, LookupResult, DropReason
-from kvstore.wire.convert import ns_pb
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
@@ -58,10 +58,6 @@ def default_transport() -> tuple[Any, Any]:
 transport_factory: Callable[[], tuple[Any, Any]] = default_transport
 """Where the daemon gets its block transport (tests swap in a fake)."""
 
-LINK_FAULTS = ("timed out", "deadline", "connect", "fetch from ")
-"""Words of a fetch error that say the link failed and cost the wait (``transport.ucx``: a connect that
-timed out or failed, a fetch that missed its deadline or broke, a provider that timed out), unlike a
-peer's refusal or a local allocation failure: the peer is then suspect (``cluster.peer_backoff``)."""
 
 
 @dataclass(slots=True)
@@ -118,8 +114,9 @@ class ClusterNode:
         self.provide = self.provider.provide
         """Serves a peer's fetch (``kvstore.daemon.block_provider``)."""
         self.block_server = server_cls(self.provide, host=c.block_host, port=c.block_port, max_wait_s=self.serve_s,
-                                       max_requests=c.peer_max_requests)
+                                       max_requests=c.peer_max_requests, max_connections=c.peer_max_connections)
         self.block_client = client_cls(connect_timeout_s=min(2.0, c.fetch_timeout))
+        self.fetcher = RunFetch(self.node_id, self.store, self.metrics, c, self.block_client, self.cost)
         self.block_address = ""
         self.membership: Membership
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ClusterStub]] = {}
@@ -512,11 +509,8 @@ class ClusterNode:
 
     # ------------------------------------------------------------- fetch
     async def fetch(self, ns: Namespace, keys: Sequence[bytes], view: ClusterView, credential: str) -> int:
-        """Fetch the view's remote run into DRAM; returns blocks committed.
-        The cost model fits the link to this whole call (header, reservation,
-        wire, checksums, commit), the fetch path's cost after the decision,
-        not the wire's alone (the Locate before it is paid either way)."""
-        started = time.perf_counter()
+        """Fetch the view's remote run into DRAM (``fetch_plan.RunFetch``: in
+        pieces that each fit one request); returns blocks committed."""
         if view.peer is None or not view.remote_blocks:
             return 0
         m = self.membership.members.get(view.peer)
@@ -524,77 +518,8 @@ class ClusterNode:
             self.metrics.peer_fetch_failed(view.peer, "gone")
             return 0
         hit = view.local.hit_blocks
-        want = list(keys[hit : hit + view.remote_blocks])
-        parent = keys[hit - 1] if hit else None
-        header = pb.BlockFetchHeader(ns=ns_pb(ns), credential=credential, keys_packed=pack_keys(want),
-                                     node_id=self.node_id).SerializeToString()
-        store = self.store
-        slots = FetchSlots(store, ns, want, parent)
-        # one round trip once this store knows the namespace's block size (fixed by
-        # its first block; never the directory's figure: docs/transport.md)
-        own = store.block_bytes(ns)
-        sizes = np.full(len(want), own, dtype=np.int64) if own else None
-        t0 = time.perf_counter()
-        transfer = asyncio.ensure_future(self.block_client.fetch(
-            m.block_address, header, len(want), slots.alloc, self.cfg.fetch_timeout, sizes=sizes))
-        try:  # never cancelled with the caller: the slots end only once the transport is done with them
-            finished, _ = await asyncio.wait({transfer}, timeout=self.cfg.fetch_timeout + 5.0)
-        except asyncio.CancelledError:
-            transfer.add_done_callback(slots.settle)
-            transfer.add_done_callback(lambda t: self._settled(view.peer, t))  # (a caller that gave up first)
-            raise
-        try:
-            if not finished:
-                transfer.add_done_callback(slots.settle)
-                raise TimeoutError(f"the transport overran its deadline of {self.cfg.fetch_timeout:g}s")
-            res = transfer.result()
-        except Exception as e:  # the transport must not hurt the caller: a miss
-            log.warning("fetch of %d blocks from %s failed: %s", len(want), view.peer, e)
-            if finished:
-                slots.abort()
-            else:
-                self._suspect(view.peer, "the transport overran its deadline")
-            self.metrics.peer_fetch_failed(view.peer, "error")
-            return 0
-        if res.error is not None:
-            self._settled(view.peer, transfer)
-            slots.failed(res.error)
-            reason = "refused" if "ermission" in res.error else "error"
-            log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
-            self.metrics.peer_fetch_failed(view.peer, reason)
-            return 0
-        ok = np.asarray(res.ok, dtype=bool)
-        if res.corrupt:
-            store.count_checksum_failures(int(res.corrupt))  # (a store method: under the store lock)
-            self.metrics.peer_fetch_failed(view.peer, "corrupt", int(res.corrupt))
-        if not slots.handle:
-            if ok.size and not ok[0]:
-                self.metrics.peer_fetch_failed(view.peer, "absent")  # a stale directory entry
-            return 0
-        done = slots.commit(ok, res.checksums)
-        nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
-        seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
-        if done:
-            self.cost.observe_fetch(view.peer, nbytes, time.perf_counter() - started)
-            self.metrics.peer_fetched(view.peer, done, nbytes, seconds)
-        if done < len(want) and not res.corrupt:
-            self.metrics.peer_fetch_failed(view.peer, "absent" if done == 0 else "partial")
-        return done
-
-    def _settled(self, peer: str | None, transfer: asyncio.Future[Any]) -> None:
-        """A transfer from ``peer`` ended: a link fault makes the peer suspect."""
-        if peer is None or transfer.cancelled() or transfer.exception() is not None:
-            return
-        err = transfer.result().error
-        if err is not None and any(w in err for w in LINK_FAULTS):
-            self._suspect(peer, err)
-
-    def _suspect(self, peer: str, why: str) -> None:
-        """The link to ``peer`` failed: its blocks are misses at once for the back-off, then it is probed."""
-        if not self.cost.suspect(peer) and self.cfg.peer_backoff > 0:
-            log.warning("cluster: the link to %s failed (%s): its blocks are recomputed for %gs, then it is "
-                        "probed again", peer, why, self.cfg.peer_backoff)
-        self.cost.mark_suspect(peer)
+        return await self.fetcher.fetch(ns, keys[hit:hit + view.remote_blocks], keys[hit - 1] if hit else None,
+                                        view.peer, m.block_address, credential)
 
 
-__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "transport_factory"]
+__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "LINK_FAULTS", "transport_factory"]

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from transport.ucx import FetchResult  # the real result type (importing it does not start UCX)
+from kvstore.errors import InvalidArgument
+from transport.ucx import MAX_HEADER, FetchResult  # the real result type (importing it does not start UCX)
 
 REGISTRY: dict[str, "FakeBlockServer"] = {}
 _ids = itertools.count(1)
@@ -26,8 +27,9 @@ _ids = itertools.count(1)
 
 class FakeBlockServer:
     def __init__(self, provider: Callable[[bytes], Any], host: str = "127.0.0.1", port: int = 0,
-                 max_wait_s: float = 3600.0, max_requests: int = 64) -> None:
+                 max_wait_s: float = 3600.0, max_requests: int = 64, max_connections: int = 256) -> None:
         self.provider = provider
+        self.max_connections = max_connections
         self.max_wait_s = max_wait_s
         self.max_requests = max_requests
         self.corrupt = 0
@@ -71,6 +73,10 @@ class FakeBlockClient:
     async def fetch(self, address: str, header: bytes, count: int,
                     alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float, *,
                     sizes: np.ndarray | None = None) -> FetchResult:
+        if len(header) > MAX_HEADER:  # the real client's limits
+            raise InvalidArgument(f"header of {len(header)} bytes exceeds the limit of {MAX_HEADER}")
+        if sizes is not None and len(header) + 8 * count > MAX_HEADER:
+            sizes = None
         t0 = time.perf_counter()
         none = np.zeros(count, bool)
         dests: Sequence[memoryview | None] | None = None

@@ -123,6 +123,7 @@ def test_blocks_served_stay_pinned_past_the_longest_time_a_request_is_served(mak
     node = a.d.daemon.cluster
     assert node.block_server.max_wait_s == node.serve_s
     assert node.block_server.max_requests == node.cfg.peer_max_requests == 64
+    assert node.block_server.max_connections == node.cfg.peer_max_connections == 256
     hdr = pb.BlockFetchHeader(ns=ns_pb(NS), keys_packed=b"".join(keys), node_id="x").SerializeToString()
     served = asyncio.run_coroutine_threadsafe(node.provide(hdr), a.d.loop).result(10)
     try:
@@ -477,3 +478,72 @@ def test_a_link_probe_needs_the_peers_token(make_daemon, tmp_path, monkeypatch):
             probe(cred)
     served = probe("t-peer")
     assert served.lengths.size == 0 and served.regions == []
+
+
+def _record_requests(node: Node) -> list[int]:
+    """The bytes each block request of ``node``'s fetches carries (header,
+    and 8 per block when sized: what must fit the server's buffer)."""
+    client = node.d.daemon.cluster.block_client
+    real, sent = client.fetch, []
+
+    async def fetch(address, header, count, alloc, deadline_s, *, sizes=None):
+        sent.append(len(header) + (8 * count if sizes is not None else 0))
+        return await real(address, header, count, alloc, deadline_s, sizes=sizes)
+
+    client.fetch = fetch
+    return sent
+
+
+def test_a_run_longer_than_one_request_carries_is_fetched_in_pieces_in_order(make_daemon, monkeypatch):
+    """A remote run whose request would be over the block server's buffer
+    (MAX_HEADER, 1 MiB: past ~43,000 blocks sized) was always a miss: the
+    transport refused the header. Now the fetch asks in pieces that each fit
+    (the limit lowered here: ``fetch_plan.REQUEST_BYTES``) and commits them
+    in order, byte for byte."""
+    from kvstore.daemon import fetch_plan
+
+    monkeypatch.setattr(fetch_plan, "REQUEST_BYTES", 700)
+    a, b = static_pair(make_daemon)
+    keys = chain(100, seed=21)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 100, 10, "b's lookup sees a's blocks")
+    sent = _record_requests(b)
+    acq = b.acquire(keys)
+    assert acq.fetched_blocks == 100 and acq.hit_blocks == 100, acq
+    assert len(sent) >= 3 and max(sent) <= 700, sent
+    b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+    assert b.get(keys) == payloads(keys)
+    assert b.d.call(lambda: b.d.store.stats().reservations) == 0
+    assert a.d.call(lambda: a.d.store.stats().leases) == 0
+    text = b.d.daemon.metrics.render().decode()
+    assert f'kvstore_peer_fetch_blocks_total{{peer="{a.d.daemon.cluster.node_id}"}} 100.0' in text
+
+
+def test_a_later_piece_that_fails_leaves_the_leading_pieces_a_hit(make_daemon, monkeypatch):
+    """Prefix semantics across pieces: the pieces before the one that failed
+    are committed (a hit), nothing after it is, and no block is wrong."""
+    from kvstore.daemon import fetch_plan
+
+    monkeypatch.setattr(fetch_plan, "REQUEST_BYTES", 700)
+    a, b = static_pair(make_daemon)
+    keys = chain(100, seed=22)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 100, 10, "b's lookup sees a's blocks")
+    srv, calls = a.d.daemon.cluster.block_server, []
+    real = srv.serve
+
+    async def serve(header: bytes):
+        calls.append(header)
+        if len(calls) == 2:
+            raise PermissionError("the second piece is refused")
+        return await real(header)
+
+    srv.serve = serve
+    sent = _record_requests(b)
+    acq = b.acquire(keys)
+    first = len(pb.BlockFetchHeader.FromString(calls[0]).keys_packed) // 16
+    assert len(sent) == 2 and 0 < first < 100
+    assert acq.fetched_blocks == first and acq.hit_blocks == first, acq
+    b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+    assert b.get(keys) == payloads(keys[:first]) + [None] * (100 - first)
+    assert b.d.call(lambda: b.d.store.stats().reservations) == 0

@@ -145,3 +145,58 @@ async def test_a_short_ok_table_is_a_miss_never_lengths_from_uninitialised_memor
         done.set()
         await c.close()
         listener.close()
+
+
+async def test_connections_over_the_bound_are_closed_before_their_buffer_is_allocated(ucx, monkeypatch):
+    """Each connection the block server accepts gets a receive buffer of
+    over 1 MiB, allocated up front; a peer could open any number. Past
+    ``max_connections`` a connection is closed at once, with no buffer, and
+    the connections within the bound keep being served."""
+    from kvstore.checksum import checksum
+    from transport import ucx as ucx_mod
+
+    allocated: list[int] = []
+    real_inbox = wire.inbox
+
+    def inbox() -> np.ndarray:
+        allocated.append(1)
+        return real_inbox()
+
+    monkeypatch.setattr(wire, "inbox", inbox)
+    data = np.arange(KIB, dtype=np.uint8)
+
+    async def provide(header: bytes) -> wire.Served:
+        return wire.Served(np.array([KIB], np.int64), np.array([checksum(data)], np.uint64),
+                           [memoryview(data)], lambda: None)
+
+    srv = ucx_mod.BlockServer(provide, max_connections=2)
+    address = await srv.start()
+    c = ucx_mod.BlockClient()
+    raw = []
+    try:
+        async def fetch_ok() -> None:
+            buf = np.zeros(KIB, np.uint8)
+            r = await c.fetch(address, b"h", 1, lambda ls: [memoryview(buf)], 30.0)
+            assert r.error is None and r.ok.all() and np.array_equal(buf, data), r.error
+
+        await fetch_ok()  # connection 1
+        host, port = address.rsplit(":", 1)
+        for _ in range(4):  # connection 2 is let in, 3 to 5 are over the bound
+            raw.append(await ucx.create_endpoint(host, int(port)))
+        await poll(lambda: srv.refused_connections == 3)
+        assert srv.endpoints == 2 and len(allocated) == 2
+        await fetch_ok()  # the pooled connection within the bound is still served
+        assert c.connects == 1
+        for ep in raw:
+            ep.abort()
+        await poll(lambda: srv.endpoints == 1)
+        c2 = ucx_mod.BlockClient()  # a place freed: a new connection is let in
+        buf = np.zeros(KIB, np.uint8)
+        r = await c2.fetch(address, b"h", 1, lambda ls: [memoryview(buf)], 30.0)
+        await c2.close()
+        assert r.error is None and r.ok.all() and len(allocated) == 3
+    finally:
+        for ep in raw:
+            ep.abort()
+        await c.close()
+        await srv.stop()
