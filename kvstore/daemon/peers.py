@@ -10,7 +10,8 @@ it on the serving side, pins what is served (a lease released when the send
 ends), and on the fetching side reserves DRAM slots, fetches into them,
 commits the blocks that arrived intact and aborts the rest: a failed or
 corrupt block is a clean miss, never wrong data. A fetch whose link timed
-out or failed makes the peer suspect: its blocks are recomputed at once for
+out or failed (the transport's ``FetchFault``: ``link``; never its error's
+wording) makes the peer suspect: its blocks are recomputed at once for
 ``cluster.peer_backoff``, then its link is probed again (``_reprobe``).
 
 Everything runs on the daemon's event loop (each store call under the store
@@ -44,6 +45,7 @@ from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
 from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate, shapes_from_toml
+from transport.ucx_wire import FetchFault  # the wire's types only: importing it does not start UCX
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -57,12 +59,6 @@ def default_transport() -> tuple[Any, Any]:
 
 transport_factory: Callable[[], tuple[Any, Any]] = default_transport
 """Where the daemon gets its block transport (tests swap in a fake)."""
-
-LINK_FAULTS = ("timed out", "deadline", "connect", "fetch from ")
-"""Words of a fetch error that say the link failed and cost the wait (``transport.ucx``: a connect that
-timed out or failed, a fetch that missed its deadline or broke, a provider that timed out), unlike a
-peer's refusal or a local allocation failure: the peer is then suspect (``cluster.peer_backoff``)."""
-
 
 @dataclass(slots=True)
 class ClusterView:
@@ -558,8 +554,8 @@ class ClusterNode:
             return 0
         if res.error is not None:
             self._settled(view.peer, transfer)
-            slots.failed(res.error)
-            reason = "refused" if "ermission" in res.error else "error"
+            slots.failed(res)
+            reason = "refused" if res.fault is FetchFault.REFUSED else "error"
             log.info("fetch of %d blocks from %s: %s", len(want), view.peer, res.error)
             self.metrics.peer_fetch_failed(view.peer, reason)
             return 0
@@ -582,12 +578,12 @@ class ClusterNode:
         return done
 
     def _settled(self, peer: str | None, transfer: asyncio.Future[Any]) -> None:
-        """A transfer from ``peer`` ended: a link fault makes the peer suspect."""
+        """A transfer from ``peer`` ended: a link fault (``FetchFault.link``) makes the peer suspect."""
         if peer is None or transfer.cancelled() or transfer.exception() is not None:
             return
-        err = transfer.result().error
-        if err is not None and any(w in err for w in LINK_FAULTS):
-            self._suspect(peer, err)
+        res = transfer.result()
+        if res.error is not None and res.fault is not None and res.fault.link:
+            self._suspect(peer, res.error)
 
     def _suspect(self, peer: str, why: str) -> None:
         """The link to ``peer`` failed: its blocks are misses at once for the back-off, then it is probed."""

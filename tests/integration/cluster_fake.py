@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
-from transport.ucx import FetchResult  # the real result type (importing it does not start UCX)
+from transport.ucx import FetchFault, FetchResult  # the real result types (importing them does not start UCX)
 
 REGISTRY: dict[str, "FakeBlockServer"] = {}
 _ids = itertools.count(1)
@@ -78,22 +78,24 @@ class FakeBlockClient:
             self.sized += 1
             dests = alloc(np.asarray(sizes, np.int64).copy())
 
-        def fail(msg: str) -> FetchResult:
-            return FetchResult(none, np.zeros(count, np.int64), 0, time.perf_counter() - t0, msg)
+        def fail(msg: str, fault: FetchFault) -> FetchResult:
+            return FetchResult(none, np.zeros(count, np.int64), 0, time.perf_counter() - t0, msg, fault=fault)
 
         if address not in self.pooled:
             self.pooled.append(address)
         srv = REGISTRY.get(address)
         if srv is None or srv.dead:
-            return fail(f"connection to {address} refused")
+            return fail(f"connection to {address} refused", FetchFault.LINK)
         fut = asyncio.run_coroutine_threadsafe(srv.serve(header), srv.loop)
         try:
             served = await asyncio.wait_for(asyncio.wrap_future(fut), deadline_s)
         except asyncio.TimeoutError:
             fut.cancel()
-            return fail(f"deadline of {deadline_s}s passed")
-        except (PermissionError, ValueError) as e:
-            return fail(f"{type(e).__name__}: {e}")
+            return fail(f"deadline of {deadline_s}s passed", FetchFault.LINK)
+        except PermissionError as e:
+            return fail(f"{type(e).__name__}: {e}", FetchFault.REFUSED)
+        except ValueError as e:
+            return fail(f"{type(e).__name__}: {e}", FetchFault.INVALID)
         try:
             lengths = np.asarray(served.lengths, np.int64)
             ok = np.zeros(lengths.size, bool)
