@@ -59,6 +59,7 @@ class PrefixRouter:
                 if run and ev.run_id != run:  # the daemon restarted: its old blocks are gone
                     self.gaps[endpoint] = self.gaps.get(endpoint, 0) + 1
                     self._drop(endpoint, list(mine))
+                    self.seq[endpoint] = 0  # the old run's numbers mean nothing in the new one
                 self.run_ids[endpoint] = ev.run_id
             if ev.seq:
                 self.seq[endpoint] = ev.seq
@@ -76,6 +77,7 @@ class PrefixRouter:
             elif kind is EventKind.GAP:
                 self.gaps[endpoint] = self.gaps.get(endpoint, 0) + 1
                 self._drop(endpoint, list(mine))
+                self.seq[endpoint] = 0  # the replay that follows renumbers it (a cut stream starts over)
 
     def _drop(self, endpoint: str, keys: Iterable[bytes]) -> None:
         mine = self._keys.get(endpoint, {})

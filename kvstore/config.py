@@ -164,6 +164,9 @@ class MetricsConfig(Section):
     """Address the /metrics HTTP endpoint listens on."""
     port: Port = 9400
     """Port of the /metrics endpoint; 0 disables it."""
+    namespace_series: Annotated[int, bounds(0, 100_000)] = 64
+    """Namespace labels with series of their own in kvstore_namespace_lookup_*_total (the busiest when
+    first seen, kept for the daemon's life); every other namespace is summed into namespace="_other"."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,7 +6,10 @@ reopened from the last sequence seen) and keeps ``key -> tier``. A ``Gap``
 (the view fell behind the daemon's ring buffer, or the daemon restarted)
 forgets everything, which then refills from the replay; so does an event
 whose ``run_id`` is not the run the table came from (the daemon restarted
-and its new sequence already passed the one the view resumes from). :meth:`chain_tiers`
+and its new sequence already passed the one the view resumes from). Either
+also forgets the sequence seen: the next stream resumes from the daemon's
+oldest buffered event, never from an old run's number (which, in the new
+run, would skip that run's first events). :meth:`chain_tiers`
 answers, for a prompt's keys, the tier of each leading block held (a chain
 stops at its first miss), with one dict lookup per block.
 
@@ -65,6 +68,7 @@ class CacheView:
             if self.run_id and ev.run_id != self.run_id:  # the daemon restarted: its old blocks are gone
                 self.gaps += 1
                 self._tier, self._ns = {}, {}
+                self.seq = 0  # the old run's numbers mean nothing in the new one
             self.run_id = ev.run_id
         if ev.seq:
             self.seq = ev.seq
@@ -90,6 +94,7 @@ class CacheView:
         elif ev.kind is EventKind.GAP:
             self.gaps += 1
             self._tier, self._ns = {}, {}
+            self.seq = 0  # the replay that follows renumbers it; a stream cut first resumes from the start
 
     def poll(self, client: Client, seconds: float) -> int:
         """Apply the events after the last one seen, waiting up to ``seconds``."""

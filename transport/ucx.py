@@ -19,7 +19,9 @@ are closed and every receive still posted on it is completed as cancelled --
 and ``fetch`` returns only after every receive it posted has completed (data,
 error or cancellation), waiting at most :data:`CANCEL_GRACE_S` more.  When a
 receive is still unconfirmed after that (never seen in testing) the result's
-``error`` says so and the destinations must not be reused.
+``unconfirmed`` counts them and the destinations must not be reused. A
+failed fetch's ``fault`` (``FetchFault``) says what failed; callers decide on
+it, never on ``error``'s wording.
 
 Server side: the request carries the client's remaining time; the server
 bounds the provider call, the GO wait and the sends by it, at most
@@ -55,9 +57,9 @@ from kvstore.checksum import checksum
 from kvstore.errors import InvalidArgument
 from transport import ucx_wire as wire
 from transport.ucx_waits import bounded, settle, wait_all
-from transport.ucx_wire import MAX_BLOCKS, MAX_HEADER, Alloc, FetchResult, Provider, Served
+from transport.ucx_wire import MAX_BLOCKS, MAX_HEADER, Alloc, FetchFault, FetchResult, Provider, Served
 
-__all__ = ["Alloc", "BlockClient", "BlockServer", "FetchResult", "Provider", "Served",
+__all__ = ["Alloc", "BlockClient", "BlockServer", "FetchFault", "FetchResult", "Provider", "Served",
            "MAX_BLOCKS", "MAX_HEADER", "shutdown", "ucx_module"]
 
 log = logging.getLogger("kvstore.transport.ucx")
@@ -292,7 +294,7 @@ class BlockServer:
             except ValueError as e:
                 status, msg = wire.ST_INVALID, str(e) or "invalid request"
             except asyncio.TimeoutError:
-                status, msg = wire.ST_FAILED, "provider timed out"
+                status, msg = wire.ST_TIMEOUT, "provider timed out"
             except Exception as e:  # noqa: BLE001 - reported to the peer, logged here
                 log.exception("block provider failed")
                 status, msg = wire.ST_FAILED, f"provider error: {type(e).__name__}: {e}"
@@ -444,17 +446,18 @@ class BlockClient:
         end = t0 + max(0.0, float(deadline_s))
         lengths = np.zeros(count, dtype=np.int64)
 
-        def failed(msg: str) -> FetchResult:
-            return FetchResult(np.zeros(count, dtype=bool), lengths, 0, time.monotonic() - t0, msg)
+        def failed(msg: str, fault: FetchFault, unconfirmed: int = 0) -> FetchResult:
+            return FetchResult(np.zeros(count, dtype=bool), lengths, 0, time.monotonic() - t0, msg, fault=fault,
+                               unconfirmed=unconfirmed)
 
         try:
             conn = await self._get(address, max(0.0, min(self._connect_timeout + 0.5, end - t0)))
         except ValueError:
             raise
         except (asyncio.TimeoutError, TimeoutError):
-            return failed(f"connect to {address} timed out")
+            return failed(f"connect to {address} timed out", FetchFault.LINK)
         except Exception as e:  # noqa: BLE001 - peer unreachable
-            return failed(f"connect to {address} failed: {type(e).__name__}: {e}")
+            return failed(f"connect to {address} failed: {type(e).__name__}: {e}", FetchFault.LINK)
         conn.fetches += 1
         if sizes is not None:
             return await self._fetch_sized(conn, header, count, alloc, sizes, lengths, failed, t0, end, deadline_s)
@@ -470,7 +473,7 @@ class BlockClient:
             await wait_all([trecv], end)
             _seq, status, elen, etext = wire.HEAD.unpack_from(table.data, 0)
             if status != wire.ST_OK:
-                return failed(wire.refused(address, status, etext[:elen]))
+                return failed(*wire.refused(address, status, etext[:elen]))
             body = table[wire.HEAD.size:]
             lengths[:] = body[: 8 * count].view(np.int64)
             sums = body[8 * count:].view(np.uint64).copy()
@@ -483,7 +486,7 @@ class BlockClient:
                     raise InvalidArgument(f"alloc returned {len(dests)} destinations for {count} blocks")
             except Exception as e:  # noqa: BLE001 - tell the peer to send nothing
                 await bounded(ep.send(np.zeros(count, np.uint8), tag=wire.tag_go(seq)), end)
-                return failed(f"alloc failed: {type(e).__name__}: {e}")
+                return failed(f"alloc failed: {type(e).__name__}: {e}", FetchFault.ALLOC)
             want = np.zeros(count, dtype=np.uint8)
             verified: dict[int, bool] = {}
 
@@ -500,12 +503,13 @@ class BlockClient:
             await wait_all(posted, end)
             return wire.verified(verified, lengths, sums, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
-            return failed(await self._fault(conn, posted, e, deadline_s))
+            return failed(*await self._fault(conn, posted, e, deadline_s))
 
     async def _fault(self, conn: _Conn, posted: list[asyncio.Future[Any]], e: BaseException,
-                     deadline_s: float) -> str:
+                     deadline_s: float) -> tuple[str, FetchFault, int]:
         """A fetch's deadline or transport fault: drop the endpoint, wait
-        until every receive it posted has ended; the error to report."""
+        until every receive it posted has ended; the error, fault and
+        receives not confirmed ended, to report."""
         self._drop(conn)
         unconfirmed = await settle(posted, CANCEL_GRACE_S)
         if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
@@ -514,10 +518,10 @@ class BlockClient:
             msg = f"fetch from {conn.address} failed: {type(e).__name__}: {e}"
         if unconfirmed:
             msg += f"; {unconfirmed} receives not confirmed cancelled: do not reuse the destinations"
-        return msg
+        return msg, FetchFault.LINK, unconfirmed
 
     async def _fetch_sized(self, conn: _Conn, header: bytes, count: int, alloc: Alloc, sizes: np.ndarray,
-                           lengths: np.ndarray, failed: Callable[[str], FetchResult], t0: float, end: float,
+                           lengths: np.ndarray, failed: Callable[..., FetchResult], t0: float, end: float,
                            deadline_s: float) -> FetchResult:
         """``fetch`` with ``sizes``: alloc, then the request, then the
         receives posted while the peer answers (``transport/ucx_wire.py``).
@@ -527,7 +531,7 @@ class BlockClient:
             if len(dests) != count:
                 raise InvalidArgument(f"alloc returned {len(dests)} destinations for {count} blocks")
         except Exception as e:  # noqa: BLE001 - nothing was asked of the peer yet
-            return failed(f"alloc failed: {type(e).__name__}: {e}")
+            return failed(f"alloc failed: {type(e).__name__}: {e}", FetchFault.ALLOC)
         want = np.zeros(count, dtype=np.int64)
         for i, d in enumerate(dests):
             if d is not None and d.nbytes == sizes[i] > 0 and not d.readonly:
@@ -563,9 +567,9 @@ class BlockClient:
             posted += [asyncio.ensure_future(one(i, dests[i])) for i in np.flatnonzero(want).tolist()]
             await wait_all([sent, *posted], end)
         except Exception as e:  # noqa: BLE001 - deadline or transport fault: drop the endpoint
-            return failed(await self._fault(conn, posted, e, deadline_s))
+            return failed(*await self._fault(conn, posted, e, deadline_s))
         status, etext, sums = answer
         if status != wire.ST_OK:
-            return failed(wire.refused(conn.address, status, etext))
+            return failed(*wire.refused(conn.address, status, etext))
         return wire.verified(verified, lengths, sums, time.monotonic() - t0)
 

@@ -90,7 +90,10 @@ class Peer:
 
 async def amain(a: argparse.Namespace) -> int:
     peer = Peer(a.slab_mib << 20)
-    server = BlockServer(peer.provide, a.host, a.port, **({"max_requests": a.max_requests} if a.max_requests else {}))
+    more: dict[str, Any] = {"max_requests": a.max_requests} if a.max_requests else {}
+    if a.max_wait:
+        more["max_wait_s"] = a.max_wait
+    server = BlockServer(peer.provide, a.host, a.port, **more)
     address = await server.start()
     print(json.dumps({"address": address, "pid": os.getpid()}), flush=True)
     loop = asyncio.get_running_loop()
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--slab-mib", type=int, default=16)
     ap.add_argument("--max-requests", type=int, default=0, help="requests per connection at once (0: the default)")
+    ap.add_argument("--max-wait", type=float, default=0.0, help="seconds a request is served at most (0: the default)")
     try:
         return asyncio.run(amain(ap.parse_args(argv)))
     finally:

@@ -48,15 +48,17 @@ on theirs: the fetch fails (a miss).
 
 from __future__ import annotations
 
+import enum
 import struct
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Final, Sequence
 
 import numpy as np
 
-__all__ = ["Alloc", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC", "MAGIC_SIZED",
-           "PRE", "TRAILER", "INBOX", "inbox", "HEAD", "Request", "request", "parse_request", "ST_OK", "ST_REFUSED",
-           "ST_INVALID", "ST_FAILED", "STATUS_WORD", "TAG_REQ", "tag_tab", "tag_go", "tag_blk", "table",
+__all__ = ["Alloc", "FetchFault", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC",
+           "MAGIC_SIZED", "PRE", "TRAILER", "INBOX", "inbox", "HEAD", "Request", "request", "parse_request",
+           "ST_OK", "ST_REFUSED", "ST_INVALID", "ST_FAILED", "ST_TIMEOUT", "STATUS_WORD", "TAG_REQ", "tag_tab",
+           "tag_go", "tag_blk", "table",
            "check_served", "sized_sends", "refused", "verified"]
 
 MAX_HEADER: Final = 1 << 20
@@ -81,8 +83,9 @@ def inbox() -> np.ndarray:
     return np.zeros(INBOX, dtype=np.uint8)
 
 HEAD: Final = struct.Struct("<QII240s")  # seq, status, error length, error text
-ST_OK, ST_REFUSED, ST_INVALID, ST_FAILED = 0, 1, 2, 3
-STATUS_WORD: Final = {ST_REFUSED: "refused", ST_INVALID: "invalid request", ST_FAILED: "failed"}
+ST_OK, ST_REFUSED, ST_INVALID, ST_FAILED, ST_TIMEOUT = 0, 1, 2, 3, 4
+STATUS_WORD: Final = {ST_REFUSED: "refused", ST_INVALID: "invalid request", ST_FAILED: "failed",
+                      ST_TIMEOUT: "timed out"}
 
 SEQ_MASK: Final = (1 << 37) - 1
 
@@ -177,6 +180,33 @@ Provider = Callable[[bytes], Awaitable[Served]]
 which the client sees as ``FetchResult.error`` (all ``ok`` False)."""
 
 
+class FetchFault(enum.Enum):
+    """Why a whole fetch failed (``FetchResult.fault``): what the caller
+    decides on, never the error's wording."""
+
+    LINK = "link"
+    """The connect failed or timed out, the fetch missed its deadline or its transfer broke."""
+    SLOW = "slow"
+    """The peer's provider did not answer within the peer's bound (``ST_TIMEOUT``)."""
+    REFUSED = "refused"
+    """The peer refused the request (``ST_REFUSED``: its credential, its per-connection limit)."""
+    INVALID = "invalid"
+    """The peer found the request malformed (``ST_INVALID``)."""
+    FAILED = "failed"
+    """The peer's provider failed otherwise (``ST_FAILED``, or a status this side does not know)."""
+    ALLOC = "alloc"
+    """This side's ``alloc`` failed: nothing was received."""
+
+    @property
+    def link(self) -> bool:
+        """Whether the link cost the caller the wait (the peer is then suspect)."""
+        return self is FetchFault.LINK or self is FetchFault.SLOW
+
+
+STATUS_FAULT: Final = {ST_REFUSED: FetchFault.REFUSED, ST_INVALID: FetchFault.INVALID, ST_FAILED: FetchFault.FAILED,
+                       ST_TIMEOUT: FetchFault.SLOW}
+
+
 @dataclass(slots=True)
 class FetchResult:
     ok: np.ndarray
@@ -193,6 +223,11 @@ class FetchResult:
     checksums: np.ndarray | None = None
     """uint64 per block as the peer reported (valid where ``ok``): what the
     receiver commits, so it need not hash the bytes again."""
+    fault: FetchFault | None = None
+    """Set with ``error``: its kind (``error`` is for people, ``fault`` for decisions)."""
+    unconfirmed: int = 0
+    """Receives not confirmed ended after a fault: late bytes may still land
+    in the destinations, which must never be reused."""
 
 
 Alloc = Callable[[np.ndarray], Sequence["memoryview | None"]]
@@ -243,10 +278,10 @@ def sized_sends(ep: Any, seq: int, posted: np.ndarray, served: Served | None) ->
                     tag=tag_blk(seq, int(i))) for i in wanted]
 
 
-def refused(address: str, status: int, text: bytes) -> str:
-    """The error of a fetch the peer at ``address`` answered with ``status`` (not OK)."""
+def refused(address: str, status: int, text: bytes) -> tuple[str, FetchFault]:
+    """The error and fault of a fetch the peer at ``address`` answered with ``status`` (not OK)."""
     word = STATUS_WORD.get(status, f"status {status}")
-    return f"peer {address} {word}: {text.decode('utf-8', 'replace')}"
+    return f"peer {address} {word}: {text.decode('utf-8', 'replace')}", STATUS_FAULT.get(status, FetchFault.FAILED)
 
 
 def verified(verdicts: dict[int, bool], lengths: np.ndarray, sums: np.ndarray, seconds: float) -> FetchResult:

@@ -31,7 +31,7 @@ from kvstore.daemon.fetch_slots import FetchSlots
 from kvstore.keys import Namespace
 from kvstore.wire.convert import ns_pb
 from proto import kvstore_pb2 as pb
-from transport.ucx_wire import MAX_BLOCKS, MAX_HEADER  # the wire's limits only: importing it does not start UCX
+from transport.ucx_wire import MAX_BLOCKS, MAX_HEADER, FetchFault  # the wire's limits only: importing it does not start UCX
 
 log = logging.getLogger("kvstore.cluster")
 
@@ -41,12 +41,6 @@ when sized): the peer's receive buffer. The split reads it here (tests lower it)
 
 KEYS_FIELD = 6
 """Most bytes the ``keys_packed`` field adds besides its keys (tag, length varint)."""
-
-LINK_FAULTS = ("timed out", "deadline", "connect", "fetch from ")
-"""Words of a fetch error that say the link failed and cost the wait (``transport.ucx``: a connect that
-timed out or failed, a fetch that missed its deadline or broke, a provider that timed out), unlike a
-peer's refusal or a local allocation failure: the peer is then suspect (``cluster.peer_backoff``)."""
-
 
 def piece_blocks(base_bytes: int, sized: bool) -> int:
     """The most blocks one request may ask for, with a header of
@@ -130,8 +124,8 @@ class RunFetch:
             return None
         if res.error is not None:
             self.settled(peer, transfer)
-            slots.failed(res.error)
-            reason = "refused" if "ermission" in res.error else "error"
+            slots.failed(res)
+            reason = "refused" if res.fault is FetchFault.REFUSED else "error"
             log.info("fetch of %d blocks from %s: %s", len(want), peer, res.error)
             self.metrics.peer_fetch_failed(peer, reason)
             return None
@@ -151,12 +145,13 @@ class RunFetch:
         return done, nbytes, seconds
 
     def settled(self, peer: str | None, transfer: asyncio.Future[Any]) -> None:
-        """A transfer from ``peer`` ended: a link fault makes the peer suspect."""
+        """A transfer from ``peer`` ended: a link fault (``FetchFault.link``, never its error's words)
+        makes the peer suspect."""
         if peer is None or transfer.cancelled() or transfer.exception() is not None:
             return
-        err = transfer.result().error
-        if err is not None and any(w in err for w in LINK_FAULTS):
-            self.suspect(peer, err)
+        res = transfer.result()
+        if res.error is not None and res.fault is not None and res.fault.link:
+            self.suspect(peer, res.error)
 
     def suspect(self, peer: str, why: str) -> None:
         """The link to ``peer`` failed: its blocks are misses at once for the back-off, then it is probed."""
@@ -166,4 +161,4 @@ class RunFetch:
         self.cost.mark_suspect(peer)
 
 
-__all__ = ["KEYS_FIELD", "LINK_FAULTS", "REQUEST_BYTES", "RunFetch", "piece_blocks"]
+__all__ = ["KEYS_FIELD", "REQUEST_BYTES", "RunFetch", "piece_blocks"]

@@ -65,9 +65,10 @@ class FetchSlots:
         sums = None if checksums is None else np.asarray(checksums, dtype=np.uint64)[: len(statuses)]
         return int(self.store.commit_prefix(self.handle, FETCH_OWNER, min(got, reserved), sums))
 
-    def failed(self, error: str) -> None:
-        """End the reservation of a fetch that failed with ``error``."""
-        if "do not reuse" in error:
+    def failed(self, res: Any) -> None:
+        """End the reservation of a fetch that failed (its ``FetchResult``):
+        quarantined when the transport could not confirm every receive ended."""
+        if res.unconfirmed:
             self.quarantine()
         else:
             self.abort()
@@ -81,9 +82,9 @@ class FetchSlots:
             log.warning("a fetch abandoned by its caller failed: %r", transfer.exception())
             self.abort()
         else:
-            err = transfer.result().error
-            if err is not None:
-                self.failed(err)
+            res = transfer.result()
+            if res.error is not None:
+                self.failed(res)
             else:
                 self.abort()
 

@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 from kvstore.core.store import StoreStats
 from tiers.base import TierKind
 
-__all__ = ["MAX_TENANT_LABELS", "OP_BUCKETS", "OTHER_TENANT", "PREFIX", "Metrics", "StoreCollector", "exported_names",
+__all__ = ["MAX_TENANT_LABELS", "NAMESPACE_SERIES", "OP_BUCKETS", "OTHER_TENANT", "PREFIX", "Metrics", "StoreCollector", "exported_names",
            "loop_stats_fn", "tier_label"]
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,11 @@ MAX_TENANT_LABELS = 256
 """Distinct ``tenant`` label values of ``kvstore_admission_decisions_total``
 (without auth a request names any tenant it likes); later ones are ``OTHER_TENANT``."""
 OTHER_TENANT = "_other"
+
+NAMESPACE_SERIES = 64
+"""Namespace labels of ``kvstore_namespace_lookup_*`` with a series of their own (``metrics.namespace_series``):
+the busiest when they are first seen; the rest are summed into ``OTHER_TENANT`` (a namespace label always
+holds a "/", so never collides with it)."""
 
 _SUFFIXES: dict[str, tuple[str, ...]] = {
     # sample-name suffixes each metric type exposes in the text format
@@ -119,10 +124,14 @@ def exported_names(families: Iterable[Metric]) -> set[str]:
 class StoreCollector(Collector):
     """Yields the store's families from one ``stats_fn()`` call per scrape."""
 
-    def __init__(self, stats_fn: Callable[[], StoreStats]) -> None:
+    def __init__(self, stats_fn: Callable[[], StoreStats], namespace_series: int = NAMESPACE_SERIES) -> None:
         self._stats_fn = stats_fn
         self._errors = 0
         self._lock = threading.Lock()
+        self._ns_series = max(0, namespace_series)
+        self._ns_labels: set[str] = set()
+        """Namespace labels given a series of their own: kept for the daemon's life (a counter never
+        moves between series), so ``_other`` only grows too."""
 
     @property
     def errors(self) -> int:
@@ -247,6 +256,20 @@ class StoreCollector(Collector):
             sums = per_label.setdefault(ns.label, [0, 0])
             sums[0] += ns.queried_blocks
             sums[1] += ns.hit_blocks
+        # at most ``namespace_series`` labels of their own (busiest first when first seen), the rest summed
+        other: list[int] | None = None
+        with self._lock:
+            own = self._ns_labels
+            for label, sums in sorted(per_label.items(), key=lambda kv: (-kv[1][0], kv[0])):
+                if label not in own and len(own) < self._ns_series:
+                    own.add(label)
+                if label not in own:
+                    other = other or [0, 0]
+                    other[0] += sums[0]
+                    other[1] += sums[1]
+                    del per_label[label]
+        if other is not None:
+            per_label[OTHER_TENANT] = other
         for label, (queried, hit) in sorted(per_label.items()):
             f["kvstore_namespace_lookup_blocks"].add_metric([label], queried)
             f["kvstore_namespace_lookup_hit_blocks"].add_metric([label], hit)
@@ -291,9 +314,9 @@ class Metrics:
     per scrape (see :func:`loop_stats_fn` for a store on an event loop).
     """
 
-    def __init__(self, stats_fn: Callable[[], StoreStats]) -> None:
+    def __init__(self, stats_fn: Callable[[], StoreStats], namespace_series: int = NAMESPACE_SERIES) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.collector = StoreCollector(stats_fn)
+        self.collector = StoreCollector(stats_fn, namespace_series)
         self.registry.register(self.collector)
         r = self.registry
         self.op_seconds = Histogram(

@@ -10,7 +10,8 @@ it on the serving side, pins what is served (a lease released when the send
 ends), and on the fetching side reserves DRAM slots, fetches into them,
 commits the blocks that arrived intact and aborts the rest: a failed or
 corrupt block is a clean miss, never wrong data. A fetch whose link timed
-out or failed makes the peer suspect: its blocks are recomputed at once for
+out or failed (the transport's ``FetchFault``: ``link``; never its error's
+wording) makes the peer suspect: its blocks are recomputed at once for
 ``cluster.peer_backoff``, then its link is probed again (``_reprobe``).
 
 Everything runs on the daemon's event loop (each store call under the store
@@ -36,7 +37,7 @@ from kvstore.buffers import pack_keys, split_keys
 from kvstore.config import ClusterMode, Config
 from kvstore.daemon import tls
 from kvstore.daemon.block_provider import BlockProvider
-from kvstore.daemon.fetch_plan import LINK_FAULTS, RunFetch
+from kvstore.daemon.fetch_plan import RunFetch
 from kvstore.daemon.fetch_slots import FETCH_OWNER
 from kvstore.keys import Namespace
 from kvstore.results import Event, EventKind, LookupResult, DropReason
@@ -522,4 +523,4 @@ class ClusterNode:
                                         view.peer, m.block_address, credential)
 
 
-__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "LINK_FAULTS", "transport_factory"]
+__all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "transport_factory"]

@@ -70,7 +70,8 @@ class DaemonState:
                                      queue_limits=(q, max(1, q // 2), max(1, q // 4), max(1, q // 8))))
         self.events = EventLog(config.server.event_buffer)
         self.store.subscribe(self.events.append)
-        self.metrics = Metrics(loop_stats_fn(asyncio.get_running_loop(), self.store.stats))
+        self.metrics = Metrics(loop_stats_fn(asyncio.get_running_loop(), self.store.stats),
+                               config.metrics.namespace_series)
         self.sessions: dict[str, str | None] = {}  # session id -> tenant
         self.unbound: dict[str, float] = {}  # session id -> when it ends unless its KeepAlive opens
         self.host_id = host_identity()

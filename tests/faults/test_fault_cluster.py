@@ -179,3 +179,47 @@ def test_a_hung_transfer_its_caller_gave_up_on_still_marks_the_link_suspect(make
         assert again.fetched_blocks == 0 and again.decision == pb.CHAIN_DECISION_RECOMPUTE and count.fetches == 1
     finally:
         a.d.daemon.cluster.block_server.paused = False
+
+
+def test_a_refused_fetch_leaves_the_link_alone_and_a_dead_peer_makes_it_suspect(make_daemon, tmp_path,
+                                                                               monkeypatch) -> None:
+    """Whether a failed fetch makes the peer suspect follows the transport's
+    ``FetchFault``, never the error's words: the holder refuses the caller's
+    credential (a tenant named "connector": the refusal's text says
+    "connect", which the old word match took for a link fault), and the
+    link stays trusted, the failure counted as refused; a holder whose
+    transport is gone (the connect fails) makes the link suspect."""
+    monkeypatch.setenv("KV_TEST_PEER_TOKEN", "t-peer")
+    admin = '[[tenant]]\nname = "cluster"\ntoken = "t-peer"\nadmin = true\n'
+    files = []
+    for i, other in enumerate(('acme', 'connector')):  # b's token for acme is tenant "connector" at a
+        f = tmp_path / f"tenants{i}.toml"
+        f.write_text(f'[[tenant]]\nname = "acme"\ntoken = "t-acme"\n\n[[tenant]]\nname = "{other}"\n'
+                     f'token = "t-b"\n\n{admin}')
+        files.append(str(f))
+    a, b = static_pair(make_daemon, md=[("authorization", "Bearer t-peer")], cluster__peer_token_env="KV_TEST_PEER_TOKEN",
+                       cluster__peer_backoff="30s", n0={"server__tenants_file": files[1]},
+                       n1={"server__tenants_file": files[0]})
+    keys = chain(3, seed=24)
+    a.stub.Put(pb.PutRequest(ns=ns_pb(NS), keys=keys, payloads=payloads(keys)),
+               metadata=[("authorization", "Bearer t-acme")], timeout=10)
+    as_b = [("authorization", "Bearer t-b")]  # acme at b, "connector" at a
+    lookup = lambda: b.stub.Lookup(pb.LookupRequest(ns=ns_pb(NS), keys=keys, cluster=True),  # noqa: E731
+                                   metadata=as_b, timeout=10)
+    wait_until(lambda: lookup().remote_blocks == 3, 10, "b sees a's blocks")
+    node, a_id = b.d.daemon.cluster, a.d.daemon.cluster.node_id
+    node.cost.clock = lambda: 1000.0  # (frozen: no back-off ends during the test)
+    count = CountingFetches(node.block_client)
+    acq = b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True), metadata=as_b,
+                         timeout=10)
+    assert acq.fetched_blocks == 0 and count.fetches == 1
+    assert not b.d.call(lambda: node.cost.suspect(a_id))
+    text = b.d.daemon.metrics.render().decode()
+    assert f'kvstore_peer_fetch_failures_total{{peer="{a_id}",reason="refused"}} 1.0' in text, text
+    assert lookup().decision == pb.CHAIN_DECISION_FETCH  # still trusted
+    a.d.daemon.cluster.block_server.dead = True  # its block transport gone: the connect fails
+    acq = b.stub.Acquire(pb.AcquireRequest(ns=ns_pb(NS), keys=keys, promote=True, cluster=True), metadata=as_b,
+                         timeout=10)
+    assert acq.fetched_blocks == 0 and count.fetches == 2
+    assert b.d.call(lambda: node.cost.suspect(a_id))
+    assert lookup().decision == pb.CHAIN_DECISION_RECOMPUTE

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import InvalidArgument
-from transport.ucx import MAX_HEADER, FetchResult  # the real result type (importing it does not start UCX)
+from transport.ucx import MAX_HEADER, FetchFault, FetchResult  # the real types (importing them does not start UCX)
 
 REGISTRY: dict[str, "FakeBlockServer"] = {}
 _ids = itertools.count(1)
@@ -84,22 +84,24 @@ class FakeBlockClient:
             self.sized += 1
             dests = alloc(np.asarray(sizes, np.int64).copy())
 
-        def fail(msg: str) -> FetchResult:
-            return FetchResult(none, np.zeros(count, np.int64), 0, time.perf_counter() - t0, msg)
+        def fail(msg: str, fault: FetchFault) -> FetchResult:
+            return FetchResult(none, np.zeros(count, np.int64), 0, time.perf_counter() - t0, msg, fault=fault)
 
         if address not in self.pooled:
             self.pooled.append(address)
         srv = REGISTRY.get(address)
         if srv is None or srv.dead:
-            return fail(f"connection to {address} refused")
+            return fail(f"connection to {address} refused", FetchFault.LINK)
         fut = asyncio.run_coroutine_threadsafe(srv.serve(header), srv.loop)
         try:
             served = await asyncio.wait_for(asyncio.wrap_future(fut), deadline_s)
         except asyncio.TimeoutError:
             fut.cancel()
-            return fail(f"deadline of {deadline_s}s passed")
-        except (PermissionError, ValueError) as e:
-            return fail(f"{type(e).__name__}: {e}")
+            return fail(f"deadline of {deadline_s}s passed", FetchFault.LINK)
+        except PermissionError as e:
+            return fail(f"{type(e).__name__}: {e}", FetchFault.REFUSED)
+        except ValueError as e:
+            return fail(f"{type(e).__name__}: {e}", FetchFault.INVALID)
         try:
             lengths = np.asarray(served.lengths, np.int64)
             ok = np.zeros(lengths.size, bool)

@@ -31,8 +31,9 @@ os.environ.setdefault("UCX_TLS", "tcp,self")
 
 
 class PeerProc:
-    def __init__(self, port: int = 0, max_requests: int = 0) -> None:
+    def __init__(self, port: int = 0, max_requests: int = 0, max_wait: float = 0.0) -> None:
         more = ["--max-requests", str(max_requests)] if max_requests else []
+        more += ["--max-wait", str(max_wait)] if max_wait else []
         self.p = subprocess.Popen([sys.executable, "-m", "transport.ucx_peer", "--port", str(port),
                                    "--slab-mib", str(SLAB >> 20), *more], cwd=ROOT, env=ENV, text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)

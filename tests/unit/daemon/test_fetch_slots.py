@@ -41,3 +41,31 @@ def test_quarantine_changes_the_store_under_its_lock() -> None:
     assert handle not in raw.holds.reservations
     assert raw.hold_counts() == (0, 0)
     raw.close()
+
+
+def test_a_failed_fetch_is_quarantined_on_the_transports_count_never_on_its_words() -> None:
+    """Receives the transport could not confirm ended (``unconfirmed``) keep
+    the slots reserved for good, whatever the error says; a failure with
+    none frees them, even one whose words say "do not reuse"."""
+    from tiers.base import TierKind
+    from transport.ucx_wire import FetchFault, FetchResult
+
+    raw = TieredStore(StoreConfig(dram_bytes=64 * BS, dram_page_bytes=64 * BS))
+    store: Any = LockedStore(raw, StoreLock())
+
+    def used() -> int:
+        return next(t.used_bytes for t in raw.stats().tiers if t.tier is TierKind.DRAM)
+
+    def failed(seed: int, msg: str, unconfirmed: int) -> None:
+        keys = block_keys(NS, np.arange(3 * 16, dtype=np.uint32) + seed)
+        slots = FetchSlots(store, NS, keys, None)
+        assert all(d is not None for d in slots.alloc(np.full(3, BS, dtype=np.int64)))
+        slots.failed(FetchResult(np.zeros(3, bool), np.zeros(3, np.int64), 0, 0.0, msg, fault=FetchFault.LINK,
+                                 unconfirmed=unconfirmed))
+        assert raw.hold_counts() == (0, 0)
+
+    failed(1000, "fetch from p broke; 2 receives still posted", 2)
+    assert used() == 3 * BS  # quarantined: never handed to another block
+    failed(2000, "do not reuse (just words)", 0)
+    assert used() == 3 * BS  # aborted: freed
+    raw.close()

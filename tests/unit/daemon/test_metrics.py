@@ -384,3 +384,31 @@ def test_admission_tenant_label_is_bounded(store: TieredStore) -> None:
     assert len(tenants) == MAX_TENANT_LABELS + 1 and OTHER_TENANT in tenants
     assert sample(text, "kvstore_admission_decisions_total", kind="admit", reason="ok", tenant=OTHER_TENANT) == 50
     assert sample(text, "kvstore_admission_decisions_total", kind="admit", reason="ok", tenant="t0") == 2
+
+
+def test_namespace_series_are_bounded_and_the_rest_fold_into_other(store: TieredStore) -> None:
+    """Each namespace label was a series of its own for the daemon's life: a
+    client naming model ids at will grew /metrics (and Prometheus) without
+    bound. Now the busiest ``namespace_series`` labels keep theirs, the rest
+    are summed into ``_other``, and the totals stay right over scrapes."""
+    m = Metrics(store.stats, namespace_series=3)
+    for i in range(10):  # model m{i}: 10 + i blocks queried, i hit
+        ns = Namespace(tenant="acme", model_id=f"m{i}")
+        keys = _keys(i, 10 + i)
+        assert store.put(ns, keys[:i], [np.zeros(BLOCK, np.uint8)] * i).ok if i else True
+        store.lookup(ns, keys)
+
+    def series(text: str, name: str) -> dict[str, float]:
+        return {k: float(v) for k, v in re.findall(rf'^{name}\{{namespace="([^"]*)"\}} (\S+)$', text, re.M)}
+
+    for extra in (0, 5):
+        if extra:  # more traffic on a folded namespace: it stays folded (a counter never moves series)
+            store.lookup(Namespace(tenant="acme", model_id="m0"), _keys(0, extra))
+        text = m.render().decode()
+        queried = series(text, "kvstore_namespace_lookup_blocks_total")
+        hit = series(text, "kvstore_namespace_lookup_hit_blocks_total")
+        busiest = {f"acme/m{i}/bfloat16/bs16" for i in (7, 8, 9)}
+        assert set(queried) == set(hit) == busiest | {OTHER_TENANT}
+        assert sum(queried.values()) == sample(text, "kvstore_lookup_blocks_total") == sum(range(10, 20)) + extra
+        assert sum(hit.values()) == sample(text, "kvstore_lookup_hit_blocks_total") == sum(range(10))
+        assert queried[OTHER_TENANT] == sum(range(10, 17)) + extra and hit[OTHER_TENANT] == sum(range(7))
