@@ -127,3 +127,31 @@ def test_a_failed_unlink_at_open_keeps_the_tier_and_its_blocks(tdir: str) -> Non
         t.reclaim()
     with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
         assert len(t.recover()) == 35
+
+
+@pytest.mark.parametrize("kind", ["directory", "eio"])
+def test_a_leftover_tmp_that_cannot_be_removed_keeps_the_tier(tdir: str, kind: str) -> None:
+    """Open removes leftover ``.tmp`` files (a small file's rewrite that
+    stopped before its rename); one whose unlink fails (EIO, or an entry
+    unlink cannot remove) made the whole open fail, so every stored block
+    was lost to the daemon. It is now left (logged) and the tier opens."""
+    size = 64 * KIB
+    owners = metas(NS, chain(b"tm", 10))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, csums = put(t, owners, size)
+    tmp = os.path.join(tdir, "namespaces.tmp")
+    fs = NoUnlink()
+    if kind == "directory":
+        os.mkdir(tmp)
+    else:
+        with open(tmp, "wb") as f:
+            f.write(b"half a rewrite")
+        fs.fail = True
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB, fs=fs) as t:
+        assert len(t.recover()) == 10
+        assert get(t, locs, owners, size, csums)[0].all()
+    assert os.path.exists(tmp)  # left for a later open
+    if kind == "eio":
+        with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:  # unlink works again: it goes
+            assert len(t.recover()) == 10
+        assert not os.path.exists(tmp)
