@@ -42,6 +42,7 @@ import numpy as np
 from kvstore.buffers import as_u8
 from kvstore.checksum import copy_many, verify_many
 from kvstore.errors import CapacityError
+from kvstore.fs_room import free_bytes
 from tiers.base import BlockMeta, Buffer, TierKind
 from tiers.slots import SLOT_ALIGN, PagedSlots
 
@@ -135,8 +136,7 @@ class DramTier(PagedSlots):
         """(bytes of this slab the host backs now, bytes the shared-memory
         file system could still back): the most a slab can grow to is their
         sum (tmpfs backs a file's pages when they are first written)."""
-        st = os.statvfs(os.path.dirname(self.path))
-        return int(os.fstat(self._fd).st_blocks) * 512, int(st.f_bavail) * int(st.f_frsize)
+        return int(os.fstat(self._fd).st_blocks) * 512, free_bytes(os.path.dirname(self.path))
 
     def resize(self, capacity_bytes: int) -> None:
         """Atomic: the file and the mapping are grown first; when either

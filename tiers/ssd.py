@@ -69,7 +69,7 @@ from tiers.ssd_format import (ALLOC, CLOEXEC, FREE, HEADER, HEADER_BYTES, IDENT_
                               OsFileLayer, ident_bytes, identity_arrays, io_error, loc_keys, record_checksum,
                               read_runs, vec_io, write_all, scan_segment, parse_index, Segment)
 from tiers.ssd_table import DENSE_IDS, ID_LIMIT, U32_LIMIT, LocationTable
-from tiers.ssd_recover import RecoveredBlocks, newest_per_name, recovery_order, take_snapshot, write_snapshot
+from tiers.ssd_recover import RecoveredBlocks, entries_to_keep, recovery_order, take_snapshot, write_snapshot
 
 log = logging.getLogger("kvstore.ssd")
 
@@ -163,24 +163,26 @@ class SsdTier:
 
     def _load(self, locs: np.ndarray, vals: np.ndarray) -> None:
         """Check index entries against the segment files; build the in-memory state."""
-        idn = vals["ident"]
-        sizes, seg_ids = idn["size"].astype(np.int64), vals["seg"].astype(np.int64)
+        sizes, seg_ids = vals["ident"]["size"].astype(np.int64), vals["seg"].astype(np.int64)
         ids = sorted(self._segs)  # the segments' ids as named on disk: looked up sorted, never a dense map
         known = np.array([*ids, np.iinfo(np.int64).max], dtype=np.int64)  # a last one that is no segment
         at = np.searchsorted(known, seg_ids)
         have = np.where(known[at] == seg_ids, np.array([*(self._segs[s].size for s in ids), -1])[at], -1)
-        bound = min(ID_LIMIT, max(4 * locs.size, DENSE_IDS))  # ids are dense: a far one is damaged (DENSE_IDS)
-        good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + sizes <= have)
-                & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
-                & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (locs >= 0) & (locs < bound)
-                & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT)
-                & (idn["size"] > 0) & (idn["size"] < U32_LIMIT - HEADER_BYTES))  # unsigned: not wrapped by the cast
-        self.dropped_count += int((~good).sum())
-        keep = np.zeros(locs.size, dtype=bool)  # one entry per (namespace, key): the newest
-        keep[newest_per_name(idn, np.flatnonzero(good))] = True
-        if not keep.all():
-            self._delete_keys(loc_keys(locs[~keep]), sync=True)
+        bound = min(ID_LIMIT, max(4 * locs.size, DENSE_IDS))  # ids are dense: a far one is renumbered (DENSE_IDS)
+        keep, moved, new, dropped = entries_to_keep(locs, vals, seg_ids, have, bound)
+        if not keep.all() or moved.size:  # one synced batch: dropped entries go, far ones move to their new ids
+            raw, w = vals[moved].tobytes(), VALUE.itemsize
+            try:
+                self._db_write([(k, None) for k in loc_keys(locs[~keep]) + loc_keys(locs[moved])]
+                               + [(k, raw[i * w:(i + 1) * w]) for i, k in enumerate(loc_keys(new))], sync=True)
+                locs = locs.copy()
+                locs[moved] = new
+            except KVStoreError as exc:  # the entries may survive; open drops them if their segment is gone
+                self._db_clean = False
+                log.warning("ssd index rewrite at open failed (%s); %d blocks at far ids dropped", exc, moved.size)
+                keep[moved], dropped = False, dropped + moved.size
             locs, vals, sizes, seg_ids = locs[keep], vals[keep], sizes[keep], seg_ids[keep]
+        self.dropped_count += dropped
         top = int(locs.max()) + 1 if locs.size else 0
         self._alloc_arrays(top)
         self._next_id = top

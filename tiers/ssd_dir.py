@@ -89,13 +89,20 @@ class SsdDirectory:
                 f"{SCHEMA_VERSION}; refusing to reinterpret it (use a matching kvstore or another directory)")
 
     def segments(self) -> dict[int, int]:
-        """The segment files (id as named -> size); leftover ``.tmp`` files are removed."""
+        """The segment files (id as named -> size); leftover ``.tmp`` files
+        are removed (one whose unlink fails is left, logged, for a later open:
+        it never costs the tier)."""
         found = {}
         for name in os.listdir(self.path):
             if m := SEG_RE.match(name):
                 found[int(m.group(1))] = os.stat(os.path.join(self.path, name)).st_size
             elif name.endswith(".tmp"):
-                os.unlink(os.path.join(self.path, name))
+                try:
+                    self.fs.unlink(os.path.join(self.path, name))
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("ssd: leftover %s could not be removed (%s); left for a later open", name, e)
         return found
 
     def write_small(self, path: str, data: bytes) -> None:

@@ -1,6 +1,7 @@
 """Restart of the SSD tier, in arrays (tiers/ssd.py calls these).
 
 - ``newest_per_name``: one index entry per (namespace, key), the newest.
+- ``entries_to_keep``: the index entries open keeps, and new ids for far ones.
 - ``recovery_order``: every live block with its parent's position, parents
   before children (by depth, then write sequence), as ``RecoveredBlocks``.
 - The index snapshot: on a clean close the tier writes its live entries
@@ -27,7 +28,9 @@ from typing import Any
 import numpy as np
 
 from tiers.base import BlockMeta
-from tiers.ssd_format import CLOEXEC, INDEX_DIR, VALUE, as_void, record_checksum
+from tiers.ssd_format import (CLOEXEC, HEADER_BYTES, INDEX_DIR, RECORD_MAGIC, RECORD_VERSION, VALUE, as_void,
+                              record_checksum)
+from tiers.ssd_table import U32_LIMIT
 
 log = logging.getLogger("kvstore.ssd")
 
@@ -67,6 +70,36 @@ def newest_per_name(idn: np.ndarray, cand: np.ndarray) -> np.ndarray:
     keep = np.ones(cand.size, dtype=bool)
     keep[drop] = False
     return cand[keep]
+
+
+def entries_to_keep(locs: np.ndarray, vals: np.ndarray, seg_ids: np.ndarray, have: np.ndarray,
+                    bound: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Which index entries (``locs``, ``VALUE`` records ``vals``) open keeps:
+    those whose record fits its segment (``have``: the size of the segment
+    ``seg_ids`` names, -1 where there is none) and whose header fields are
+    sound, the newest per (namespace, key).
+
+    A kept id that is negative or at or past ``bound`` gets the lowest id
+    below it no other kept entry uses. Ids are reused lowest-freed-last, so
+    a tier that once held far more blocks than it keeps can hold intact ones
+    that far out: they are renumbered, not lost; only where no id is left
+    below ``bound`` (``ID_LIMIT``) are they dropped. Returns (keep mask,
+    positions of the kept entries to move, their new ids, entries dropped:
+    unsound or left without an id; an older entry of a name is not counted)."""
+    idn = vals["ident"]
+    good = ((have >= 0) & (vals["off"].astype(np.int64) + HEADER_BYTES + idn["size"].astype(np.int64) <= have)
+            & (idn["magic"] == RECORD_MAGIC) & (idn["version"] == RECORD_VERSION)
+            & ((idn["plen"] == 0) | (idn["plen"] == 16)) & (seg_ids < U32_LIMIT) & (vals["off"] < U32_LIMIT)
+            & (idn["size"] > 0) & (idn["size"] < U32_LIMIT - HEADER_BYTES))  # unsigned: not wrapped by the cast
+    keep = np.zeros(locs.size, dtype=bool)
+    keep[newest_per_name(idn, np.flatnonzero(good))] = True
+    far = np.flatnonzero(keep & ((locs < 0) | (locs >= bound)))
+    new = far  # (none to move: the usual open, no sort)
+    if far.size:
+        near = locs[keep & (locs >= 0) & (locs < bound)]
+        new = np.setdiff1d(np.arange(min(bound, near.size + far.size), dtype=np.int64), near)[:far.size]
+    keep[far[new.size:]] = False
+    return keep, far[:new.size], new, int((~good).sum()) + far.size - new.size
 
 
 @dataclass(slots=True)

@@ -26,13 +26,16 @@ from tiers.ssd_format import IDENT, RECORD_MAGIC, RECORD_VERSION, VALUE
 ID_LIMIT = 1 << 31
 """Locations (block ids) stay below this: the block index keeps the id of a
 DRAM block's SSD copy in 32 bits. A tier that would need more is full, and
-a recovered entry at or past it is dropped (a miss)."""
+a recovered entry at or past it gets a free id below it (dropped, a miss,
+only where none is left)."""
 DENSE_IDS = 1 << 20
-"""Open keeps an index entry only if its id is below max(4 x entries,
-DENSE_IDS): ids are handed out reusing free ones first, so live ids stay
-below the most blocks the tier ever held; one past the bound is damaged
-(or a survivor of a far larger past) and is dropped, so a damaged id never
-sizes the table or the free list (docs/ssd.md, "Restart")."""
+"""Open keeps an index entry at its id only if that id is below
+max(4 x entries, DENSE_IDS): ids are handed out reusing free ones first, so
+live ids stay below the most blocks the tier ever held; one past the bound
+is damaged or a survivor of a far larger past, and its entry is moved to the
+lowest free id below the bound (tiers/ssd_recover.py ``entries_to_keep``),
+so such an id never sizes the table or the free list and its block is not
+lost (docs/ssd.md, "Restart")."""
 U32_LIMIT = 1 << 32
 """Footprints, sizes, segment ids and offsets are kept in 32 bits: the tier
 refuses larger blocks and segments, and drops a recovered entry past it."""

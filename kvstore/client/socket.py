@@ -69,6 +69,13 @@ class LookupSocketClient:
         """The daemon's shared-index header (kvstore/wire/shared_index.py), or ""."""
 
     def close(self) -> None:
+        """Close the socket; a call another thread has waiting on it (for
+        room to write, or for an answer) wakes and fails as on a broken
+        socket (an OSError) rather than waiting out its timeout."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # (a close alone wakes no select/recv waiting on it)
+        except OSError:
+            pass  # (already closed, or the daemon hung up first)
         self.sock.close()
 
     def _send(self, data: bytes) -> None:
@@ -84,8 +91,11 @@ class LookupSocketClient:
         except BlockingIOError:
             done = 0
         rest = memoryview(data)[done:]
-        while rest:
-            readable, writable, _ = select.select([fd], [fd], [], sock.gettimeout())
+        while rest:  # (the socket object, not ``fd``: closed by another thread, that number may be another file's)
+            try:
+                readable, writable, _ = select.select([sock], [sock], [], sock.gettimeout())
+            except ValueError:  # (closed meanwhile: its fileno is -1)
+                raise ConnectionError("same-host socket closed") from None
             if not readable and not writable:
                 raise TimeoutError("timed out sending to the same-host socket")
             if readable:
@@ -95,7 +105,7 @@ class LookupSocketClient:
                 self.buf += got
             if writable:
                 try:
-                    rest = rest[os.write(fd, rest) :]
+                    rest = rest[sock.send(rest) :]
                 except BlockingIOError:
                     pass
 

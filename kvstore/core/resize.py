@@ -6,8 +6,6 @@ thread."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from kvstore.core.eviction import PolicyName, make_policy, select_victims
@@ -17,6 +15,7 @@ from kvstore.core.index import NO_LOC, S_COMMITTED, S_FREE
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import CapacityError, InvalidArgument, NotFound
+from kvstore.fs_room import free_bytes
 from kvstore.results import DropReason
 from tiers.base import T_DRAM, T_SSD, TierKind
 
@@ -44,8 +43,7 @@ def check_host_room(r: Resizer, tier: TierKind, capacity_bytes: int) -> None:
         where = "free in the dram slab's file system (/dev/shm)"
     elif tier is TierKind.SSD and r.ssd is not None:
         t = r.ssd.tier
-        st = os.statvfs(t.path)
-        held, now, free = t.capacity_bytes, t.disk_bytes, int(st.f_bavail) * int(st.f_frsize)
+        held, now, free = t.capacity_bytes, t.disk_bytes, free_bytes(t.path)
         where = f"free on the ssd file system ({t.path})"
     else:
         return

@@ -32,6 +32,7 @@ from kvstore.daemon.disk_worker import DiskWorker
 from kvstore.daemon.events import EventLog
 from kvstore.daemon.metrics import Metrics, loop_stats_fn
 from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.fs_room import free_bytes
 from kvstore.keys import Namespace
 from kvstore.wire.convert import ns_from_pb, slots_pb
 from kvstore.wire.shm import host_identity
@@ -202,8 +203,7 @@ def check_dram_room(config: Config, shm_dir: str = slab_owner.SHM_DIR) -> None:
     slab is a sparse file, so it would be accepted, and the first write
     that finds tmpfs full would kill the daemon (and clients that map the
     slab) with SIGBUS."""
-    st = os.statvfs(shm_dir)
-    free = int(st.f_bavail) * int(st.f_frsize)
+    free = free_bytes(shm_dir)
     cap = config.dram.capacity
     if cap > free:
         raise ConfigError(f"dram.capacity: {format_size(cap)} ({cap} bytes) is more than {shm_dir} can back "
@@ -224,8 +224,7 @@ def check_ssd_room(config: Config) -> None:
     probe = path
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:  # not made yet: where it will be
         probe = os.path.dirname(probe)
-    st = os.statvfs(probe)
-    free, held = int(st.f_bavail) * int(st.f_frsize), files_bytes(path)
+    free, held = free_bytes(probe), files_bytes(path)
     if cap > free + held:
         raise ConfigError(f"ssd.capacity: {format_size(cap)} ({cap} bytes) is more than {path} can hold "
                           f"({free + held} bytes: {held} its files take + {free} free): lower ssd.capacity "

@@ -38,3 +38,15 @@ def daemon(make_daemon):
 @pytest.fixture
 def repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def peer():
+    """A ``transport.ucx_peer`` process (tests/support/ucx_peer.py), stopped
+    after the test; skipped where ucxx is not installed."""
+    pytest.importorskip("ucxx")
+    from tests.support.ucx_peer import PeerProc
+
+    p = PeerProc()
+    yield p
+    p.close()

@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("ucxx")
 
 from tests.faults.faultlib import free_port  # noqa: E402
-from tests.integration.test_transport_ucx import KIB, Dest, PeerProc, client, hdr, peer, poll  # noqa: E402,F401
+from tests.integration.test_transport_ucx import Dest, client, hdr  # noqa: E402,F401
+from tests.support.ucx_peer import KIB, PeerProc, poll  # noqa: E402
 from transport.ucx import BlockClient, FetchFault  # noqa: E402
 
 

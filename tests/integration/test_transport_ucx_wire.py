@@ -13,17 +13,8 @@ import pytest
 pytest.importorskip("ucxx")
 
 from transport import ucx_wire as wire  # noqa: E402
-from tests.integration.test_transport_ucx import PeerProc, poll  # noqa: E402
+from tests.support.ucx_peer import KIB, PeerProc, poll  # noqa: E402
 from transport.ucx import shutdown, ucx_module  # noqa: E402
-
-KIB = 1 << 10
-
-
-@pytest.fixture
-def peer():
-    p = PeerProc()
-    yield p
-    p.close()
 
 
 @pytest.fixture

@@ -223,3 +223,49 @@ def test_an_answer_is_read_as_it_arrives_not_by_its_stated_length() -> None:
     finally:
         c.close()
         t.join(30)
+
+
+def test_a_close_from_another_thread_fails_a_blocked_write_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call whose write waits for room (the daemon reads nothing) while
+    another thread closes the client fails at once with the broken-socket
+    error (an OSError: the client fails over to gRPC), not a ValueError from
+    ``select`` nor a wait for its whole timeout on a descriptor that may be
+    another file's by then."""
+    import kvstore.client.socket as mod
+
+    hold = threading.Event()
+
+    def script(conn: socket.socket) -> None:
+        _read(conn)
+        conn.sendall(frames.frame(b"\x00"))
+        hold.wait(300)  # then read nothing
+
+    path, t = _peer(script)
+    c = LookupSocketClient(path, "s-1", timeout=300)
+    waiting = threading.Event()
+    real = mod.select.select
+
+    def select(*a: object) -> object:
+        waiting.set()
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mod.select, "select", select)
+    got: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            c.call("Commit", b"x" * (16 << 20))
+        except BaseException as e:  # noqa: BLE001 (what the caller sees)
+            got.append(e)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    try:
+        assert waiting.wait(60)
+        c.close()
+        caller.join(60)  # (only a hang fails this: the call waits 300 s if nothing wakes it)
+        assert not caller.is_alive()
+        assert len(got) == 1 and isinstance(got[0], OSError), got
+    finally:
+        hold.set()
+        t.join(30)

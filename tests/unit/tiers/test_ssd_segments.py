@@ -127,3 +127,63 @@ def test_a_failed_unlink_at_open_keeps_the_tier_and_its_blocks(tdir: str) -> Non
         t.reclaim()
     with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
         assert len(t.recover()) == 35
+
+
+@pytest.mark.parametrize("kind", ["directory", "eio"])
+def test_a_leftover_tmp_that_cannot_be_removed_keeps_the_tier(tdir: str, kind: str) -> None:
+    """Open removes leftover ``.tmp`` files (a small file's rewrite that
+    stopped before its rename); one whose unlink fails (EIO, or an entry
+    unlink cannot remove) made the whole open fail, so every stored block
+    was lost to the daemon. It is now left (logged) and the tier opens."""
+    size = 64 * KIB
+    owners = metas(NS, chain(b"tm", 10))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, csums = put(t, owners, size)
+    tmp = os.path.join(tdir, "namespaces.tmp")
+    fs = NoUnlink()
+    if kind == "directory":
+        os.mkdir(tmp)
+    else:
+        with open(tmp, "wb") as f:
+            f.write(b"half a rewrite")
+        fs.fail = True
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB, fs=fs) as t:
+        assert len(t.recover()) == 10
+        assert get(t, locs, owners, size, csums)[0].all()
+    assert os.path.exists(tmp)  # left for a later open
+    if kind == "eio":
+        with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:  # unlink works again: it goes
+            assert len(t.recover()) == 10
+        assert not os.path.exists(tmp)
+
+
+def test_blocks_at_far_ids_are_renumbered_not_lost_at_a_restart(tdir: str, monkeypatch: Any) -> None:
+    """Ids are reused lowest-freed-last, so a tier that once held many
+    blocks and kept a few (a shrink, a namespace removed) can keep them at
+    ids past max(4 x entries, DENSE_IDS). Open dropped those intact blocks
+    only for their id; it now gives them free ids below the bound, in the
+    index too, so they survive this restart and the next."""
+    import tiers.ssd as ssd_mod
+
+    monkeypatch.setattr(ssd_mod, "DENSE_IDS", 16)  # (2^20 blocks, at tiny size)
+    size = 4 * KIB
+    owners = metas(NS, chain(b"far", 100))
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+        locs, csums = put(t, owners, size)
+        assert sorted(locs.tolist()) == list(range(100))
+        t.free(locs[:90])  # ten left, at ids 90..99: past max(4 x 10, 16)
+    os.remove(os.path.join(tdir, SNAPSHOT_FILE))  # the first open reads RocksDB (as after a crash), the next a snapshot
+    for _ in range(2):
+        with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:
+            rec = t.recover()
+            assert t.dropped_count == 0 and len(rec) == 10
+            got = {r[1].key: (r[0], r[3]) for r in rec}
+            assert all(loc < 40 for loc, _ in got.values())  # (the table sized by the entries, not the old ids)
+            new = np.array([got[o.key][0] for o in owners[90:]])
+            assert get(t, new, owners[90:], size, np.array([got[o.key][1] for o in owners[90:]], np.uint64))[0].all()
+    with SsdTier(tdir, 16 * MIB, segment_bytes=MIB) as t:  # a write after: no id given twice
+        t.recover()
+        more, mcs = put(t, metas(NS, chain(b"far2", 20)), size)
+        assert not set(more.tolist()) & set(new.tolist())
+        assert get(t, new, owners[90:], size, csums[90:])[0].all()
+        assert get(t, more, metas(NS, chain(b"far2", 20)), size, mcs)[0].all()
