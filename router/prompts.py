@@ -204,6 +204,9 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
         if extra is not None and not isinstance(extra, Mapping):
             raise BadRequest("'chat_template_kwargs' must be an object")
         kwargs = dict(extra or {})
+        if "chat_template" in kwargs:  # a client's Jinja would run here, on the router's event loop
+            raise BadRequest("'chat_template_kwargs' may not carry a 'chat_template': the router renders the "
+                             "model's own template (as vLLM does without --trust-request-chat-template)")
         kwargs.setdefault("add_generation_prompt", bool(body.get("add_generation_prompt", True)))
         kwargs.setdefault("continue_final_message", bool(body.get("continue_final_message", False)))
         try:

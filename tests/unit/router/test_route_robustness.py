@@ -46,6 +46,18 @@ def test_bad_fields_are_400_not_500(mrig: Rig, path: str, body: dict[str, Any], 
     assert r.json()["error"]["type"] == "BadRequestError"
 
 
+def test_a_chat_template_sent_by_the_client_is_refused_not_run(mrig: Rig) -> None:
+    """A Jinja template from the request would run on the router's event loop
+    (two nested ``range(100000)`` loops stop every request for hours); vLLM
+    refuses request templates unless started with --trust-request-chat-template."""
+    sent = len(mrig.fakes["a"].requests) + len(mrig.fakes["b"].requests)
+    body = {"model": "tiny", "messages": MSGS, "chat_template_kwargs": {"chat_template": "{{ 'w5 w6' }}"}}
+    r = _post_raw(mrig, json.dumps(body).encode(), CHAT)
+    assert r.status_code == 400, r.text
+    assert "chat_template" in r.json()["error"]["message"]
+    assert len(mrig.fakes["a"].requests) + len(mrig.fakes["b"].requests) == sent
+
+
 def test_deeply_nested_json_is_400(mrig: Rig) -> None:
     r = _post_raw(mrig, b"[" * 20_000 + b"]" * 20_000)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
