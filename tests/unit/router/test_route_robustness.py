@@ -166,3 +166,38 @@ def _router_loop(rig: Rig) -> Any:
 
     rig.http.get("/_loop")
     return got[0]
+
+
+# ---------------------------------------------------------------- a daemon's garbage cluster answer
+@pytest.mark.parametrize("local,remote", [(0, 2 ** 64 - 1), (1, 1000), (500, 0)])
+def test_a_cluster_lookup_claiming_more_blocks_than_asked_is_bounded(monkeypatch: Any, local: int,
+                                                                      remote: int) -> None:
+    """A daemon's cluster Lookup answering more blocks than the request has
+    keys (a uint64 from the wire) made the router allocate that many tier
+    entries (2^64: a crash of the request) or credit blocks past the prompt
+    (the admission controller then refused the request's own token count: a
+    500). The peer's run counts at most up to the prompt's last key."""
+    from kvstore.results import ChainDecisionKind, ClusterLookup
+    from router import cache_view
+    from router.backends import Pool
+    from router.decision import Decider, Plan
+
+    class Garbage:
+        def __init__(self, *a: Any, **k: Any) -> None:
+            pass
+
+        def cluster_lookup(self, ns: Any, keys: Any) -> ClusterLookup:
+            return ClusterLookup(local, remote, ChainDecisionKind.FETCH, 0.001, 0.1, [], "ok")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cache_view, "Client", Garbage)
+    view = cache_view.CacheView("a", "127.0.0.1:1")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    tiers = view.cluster_tiers(None, keys, np.zeros(0, np.int64))  # type: ignore[arg-type]
+    assert len(tiers) <= len(keys)
+    cfg = RouterConfig(backends=(BackendSpec("a", "http://a.invalid"),))
+    b = Pool(cfg, None, follow_events=False).backends[0]  # type: ignore[arg-type]
+    plan = Decider(cfg).decide("t", "default", [b], [tiers], 3 * BS + 1, BS, 1024)
+    assert isinstance(plan, Plan)
