@@ -181,7 +181,8 @@ class TenantQuota:
     """0 = one second's worth (at least 1)."""
     tokens_per_s: float = 0.0
     token_burst: float = 0.0
-    """0 = one second's worth of tokens (at least the longest prompt a model takes)."""
+    """0 = one second's worth of tokens or the longest prompt a model takes, whichever is more; a
+    longer prompt is refused (400)."""
 
     def __post_init__(self) -> None:
         for f in ("requests_per_s", "request_burst", "tokens_per_s", "token_burst"):
