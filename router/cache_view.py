@@ -164,7 +164,9 @@ class CacheView:
         except KVStoreError as e:
             log.debug("backend %s: cluster lookup failed: %s", self.name, e)
             return local
-        extra = max(int(r.local_blocks) + int(r.remote_blocks) - len(local), 0) if r.decision == "fetch" else 0
+        # counts from the wire: at most up to the prompt's last key (never allocate what a daemon claims)
+        claimed = int(r.local_blocks) + int(r.remote_blocks) if r.decision == "fetch" else 0
+        extra = min(max(claimed - len(local), 0), len(keys) - len(local))
         if not extra:
             return local
         return np.concatenate([local, np.full(extra, _REMOTE, dtype=np.int64)])

@@ -36,6 +36,7 @@ what is allowed::
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,15 @@ class RoutingPolicy(StrEnum):
 
 def _bad(key: str, value: object, allowed: str) -> InvalidArgument:
     return InvalidArgument(f"router config: {key} = {value!r} is invalid; {allowed}")
+
+
+def _finite(key: str, value: object, *, positive: bool = False) -> None:
+    """``value`` must be a finite number >= 0 (> 0 with ``positive``): NaN or
+    infinity from TOML would otherwise pass every ``< 0`` check and break the
+    router later (a 500 per request, a wait that never ends)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and (value > 0 if positive else value >= 0)):  # type: ignore[operator]
+        raise _bad(key, value, f"a finite number {'> 0' if positive else '>= 0'}")
 
 
 def _addr(key: str, value: str) -> tuple[str, int]:
@@ -148,8 +158,7 @@ class ServiceClass:
     """TTFT target (seconds): a request whose best predicted TTFT misses it is refused (429)."""
 
     def __post_init__(self) -> None:
-        if not self.ttft_slo > 0:
-            raise _bad(f"class[{self.name}].ttft_slo", self.ttft_slo, "must be > 0 seconds")
+        _finite(f"class[{self.name}].ttft_slo", self.ttft_slo, positive=True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -172,12 +181,12 @@ class TenantQuota:
     """0 = one second's worth (at least 1)."""
     tokens_per_s: float = 0.0
     token_burst: float = 0.0
-    """0 = one second's worth of tokens (at least the longest prompt a model takes)."""
+    """0 = one second's worth of tokens or the longest prompt a model takes, whichever is more; a
+    longer prompt is refused (400)."""
 
     def __post_init__(self) -> None:
         for f in ("requests_per_s", "request_burst", "tokens_per_s", "token_burst"):
-            if getattr(self, f) < 0:
-                raise _bad(f"tenant[{self.name}].{f}", getattr(self, f), "must be >= 0")
+            _finite(f"tenant[{self.name}].{f}", getattr(self, f))
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,10 +211,9 @@ class PredictorSpec:
 
     def __post_init__(self) -> None:
         for f in ("prefill_tokens_per_s", "dram_Bps", "ssd_Bps"):
-            if not getattr(self, f) > 0:
-                raise _bad(f"predictor.{f}", getattr(self, f), "must be > 0")
-        if self.prefill_overhead_s < 0 or self.decode_penalty_s < 0 or self.block_bytes < 0 or self.remote_Bps < 0:
-            raise _bad("predictor", self, "overheads, penalties, sizes and bandwidths must be >= 0")
+            _finite(f"predictor.{f}", getattr(self, f), positive=True)
+        for f in ("prefill_overhead_s", "decode_penalty_s", "block_bytes", "remote_Bps"):
+            _finite(f"predictor.{f}", getattr(self, f))
         if not 0 < self.calibrate_alpha <= 1:
             raise _bad("predictor.calibrate_alpha", self.calibrate_alpha, "allowed: (0, 1]")
 
@@ -235,8 +243,7 @@ class PDSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", _names("pd.prefill", self.prefill))
         object.__setattr__(self, "decode", _names("pd.decode", self.decode))
-        if self.visible_timeout < 0:
-            raise _bad("pd.visible_timeout", self.visible_timeout, "must be >= 0 seconds")
+        _finite("pd.visible_timeout", self.visible_timeout)
 
 
 @dataclass(slots=True, frozen=True)
@@ -298,6 +305,9 @@ class RouterConfig:
                 raise _bad("api_key.class", k.klass, f"allowed: {', '.join(sorted(cls))}")
         if not 0.0 <= self.headroom < 1.0:
             raise _bad("headroom", self.headroom, "allowed: [0, 1)")
+        for f in ("connect_timeout", "first_byte_timeout", "read_timeout", "health_interval"):
+            _finite(f, getattr(self, f), positive=True)
+        _finite("max_prompt_tokens", self.max_prompt_tokens)
         if self.max_body_bytes < 1:
             raise _bad("max_body_bytes", self.max_body_bytes, "must be >= 1")
         if self.retries < 0 or self.health_failures < 1:

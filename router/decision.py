@@ -45,6 +45,8 @@ class RejectReason(Enum):
     FAIRNESS = "fairness"
     RATE_LIMITED = "rate_limited"
     TOKEN_QUOTA = "token_quota"
+    TOKEN_BURST = "token_burst"
+    """The prompt is longer than its tenant's token burst: it can never be admitted (HTTP 400)."""
     NO_BACKEND = "no_backend"
 
 
@@ -92,9 +94,11 @@ Clock = Callable[[], float]
 class Decider:
     """Ranks backends and applies admission, quotas and fairness."""
 
-    def __init__(self, cfg: RouterConfig, clock: Clock = time.monotonic) -> None:
+    def __init__(self, cfg: RouterConfig, clock: Clock = time.monotonic, *, max_prompt_tokens: int = 0) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.max_prompt_tokens = max_prompt_tokens
+        """The longest prompt a model takes: the least default token burst (a prompt spends all its tokens)."""
         per_req: dict[str, RateLimit | None] = {}
         self._token_quota: dict[str, TenantQuota] = {}
         for t in cfg.tenants:
@@ -120,7 +124,8 @@ class Decider:
         q = self._token_quota.get(tenant, self.cfg.default_tenant_quota)
         b = None
         if q.tokens_per_s > 0:
-            b = TokenBucket(q.tokens_per_s, max(q.token_burst or q.tokens_per_s, 1.0), self.clock)
+            burst = q.token_burst or max(q.tokens_per_s, float(self.max_prompt_tokens))
+            b = TokenBucket(q.tokens_per_s, max(burst, 1.0), self.clock)
         self._tokens[tenant] = b
         return b
 
@@ -179,8 +184,10 @@ class Decider:
             return Rejection(RejectReason.RATE_LIMITED, f"tenant {tenant!r} is over its request rate", wait, best)
         tb = self._token_bucket(tenant)
         if tb is not None:
-            n = min(float(n_tokens), tb.burst)
-            tw = tb.acquire(n)
+            if n_tokens > tb.burst:  # never fits: charging only the burst would let long prompts past the rate
+                return Rejection(RejectReason.TOKEN_BURST, f"the prompt's {n_tokens} tokens exceed tenant "
+                                 f"{tenant!r}'s prompt-token burst of {tb.burst:.0f}", 0.0, best)
+            tw = tb.acquire(float(n_tokens))
             if tw > 0:  # refused: no request token is spent either
                 return Rejection(RejectReason.TOKEN_QUOTA, f"tenant {tenant!r} is over its prompt-token rate",
                                  tw, best)

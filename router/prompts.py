@@ -82,7 +82,8 @@ class PromptKeys:
     keys: list[bytes]
     """Keys of the loadable leading blocks."""
     max_tokens: int
-    """Completion tokens asked for (the request's ``max_tokens``; 16 when unset, vLLM's default for completions)."""
+    """Completion tokens asked for (the request's ``max_tokens``; when unset, vLLM's defaults: 16 for a
+    completion, the rest of the model's context for a chat)."""
     namespace: Namespace
     """The namespace :attr:`keys` were hashed in: the model's, salted with the request's ``cache_salt``."""
 
@@ -204,6 +205,9 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
         if extra is not None and not isinstance(extra, Mapping):
             raise BadRequest("'chat_template_kwargs' must be an object")
         kwargs = dict(extra or {})
+        if "chat_template" in kwargs:  # a client's Jinja would run here, on the router's event loop
+            raise BadRequest("'chat_template_kwargs' may not carry a 'chat_template': the router renders the "
+                             "model's own template (as vLLM does without --trust-request-chat-template)")
         kwargs.setdefault("add_generation_prompt", bool(body.get("add_generation_prompt", True)))
         kwargs.setdefault("continue_final_message", bool(body.get("continue_final_message", False)))
         try:
@@ -214,7 +218,7 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
             raise BadRequest(f"chat template: {e}") from None
         if body.get("add_special_tokens"):
             ids = tok.encode(tok.decode(ids), add_special_tokens=True)
-        max_tokens = _as_int(body, "max_completion_tokens", _as_int(body, "max_tokens", 0))
+        max_tokens = _as_int(body, "max_completion_tokens", _as_int(body, "max_tokens", -1))  # -1: unset
     try:
         arr = np.asarray(ids, dtype=np.int64)
     except OverflowError:  # a token id past int64: outside any vocabulary
@@ -225,6 +229,8 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
     if vocab and (arr.min() < 0 or arr.max() >= max(vocab, len(tok))):
         raise BadRequest(f"a prompt token id is outside the vocabulary (0..{max(vocab, len(tok)) - 1})")
     limit = model.max_model_len
+    if max_tokens < 0:  # a chat without a limit generates up to the context, as vLLM does
+        max_tokens = max(limit - int(arr.size), 0)
     if arr.size + max_tokens > limit:
         raise BadRequest(f"this model's maximum context length is {limit} tokens; the request has "
                          f"{arr.size} prompt tokens and asks for {max_tokens} more")

@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvstore.errors import InvalidArgument
 from router.backends import Backend, Pool
 from router.config import ApiKey, RouterConfig
-from router.decision import Candidate, Decider, Plan, Rejection
+from router.decision import Candidate, Decider, Plan, RejectReason, Rejection
 from router.metrics import RouterMetrics
 from router.pd import PDOrchestrator
 from router.prompts import (
@@ -151,7 +151,8 @@ class RouterService:
                                 write=30.0, pool=cfg.connect_timeout)
         self.http = httpx.AsyncClient(limits=limits, timeout=timeout)
         self.pool = Pool(cfg, self.http, follow_events=follow_events)
-        self.decider = Decider(cfg)
+        longest = max((m.max_model_len for m in self.models.values()), default=0)
+        self.decider = Decider(cfg, max_prompt_tokens=min(cfg.max_prompt_tokens or longest, longest))
         self.metrics = RouterMetrics(self.pool)
         self.pd = PDOrchestrator(cfg, self.pool, self.decider, self.http) if cfg.pd is not None else None
         """Prefill/decode disaggregation (``[pd]``), or None."""
@@ -231,7 +232,9 @@ class RouterService:
             self.metrics.rejections.labels(who.klass, who.tenant, plan.reason.value).inc()
             log.info("refused (%s) tenant=%s class=%s: %s", plan.reason.value, who.tenant, who.klass, plan.message)
             retry = max(int(math.ceil(plan.retry_after_s)), 1)
-            status = 503 if plan.reason.value == "no_backend" else 429
+            if plan.reason is RejectReason.TOKEN_BURST:  # retrying cannot help
+                return self._bad(400, plan.message, code=plan.reason.value)
+            status = 503 if plan.reason is RejectReason.NO_BACKEND else 429
             return error_response(status, plan.message, "rate_limit_exceeded" if status == 429 else "service_unavailable",
                                   plan.reason.value, headers={"retry-after": str(retry)})
         spent = time.perf_counter() - t0

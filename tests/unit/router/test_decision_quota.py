@@ -34,3 +34,27 @@ def test_a_request_refused_for_tokens_does_not_spend_a_request_token() -> None:
     assert isinstance(ask(), Plan), "the token-quota refusal spent the tenant's last request token"
     r = ask()
     assert isinstance(r, Rejection) and r.reason is RejectReason.RATE_LIMITED
+
+
+def test_a_long_prompt_spends_all_its_tokens_so_the_token_rate_holds() -> None:
+    """A prompt longer than the bucket's burst was charged only the burst: a
+    tenant at 100 tokens/s sending a 400-token prompt every second got 400
+    tokens/s through. The default burst is the longest prompt a model takes
+    (docs/router.md), each prompt spends all its tokens, and a prompt longer
+    than an explicit burst can never fit: 400 at once, not a 429 to retry."""
+    now = [0.0]
+    cfg = RouterConfig(backends=(BackendSpec("a", "http://a.invalid"),), admission=False,
+                       tenants=(TenantQuota("t", tokens_per_s=100), TenantQuota("s", tokens_per_s=100,
+                                                                                token_burst=300)))
+    pool = Pool(cfg, None, follow_events=False)  # type: ignore[arg-type]
+    d = Decider(cfg, clock=lambda: now[0], max_prompt_tokens=600)
+    b, tiers = pool.backends, [np.zeros(0, np.int64)]
+    admitted = 0
+    for t in range(10):
+        now[0] = float(t)
+        admitted += isinstance(d.decide("t", "default", b, tiers, 400, BS, 1024), Plan)
+    assert admitted * 400 <= 100 * 10 + 600  # the rate over 10 s plus one burst
+    assert admitted >= 1
+    r = d.decide("s", "default", b, tiers, 400, BS, 1024)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TOKEN_BURST
+    assert isinstance(d.decide("s", "default", b, tiers, 300, BS, 1024), Plan)

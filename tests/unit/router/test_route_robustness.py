@@ -46,6 +46,18 @@ def test_bad_fields_are_400_not_500(mrig: Rig, path: str, body: dict[str, Any], 
     assert r.json()["error"]["type"] == "BadRequestError"
 
 
+def test_a_chat_template_sent_by_the_client_is_refused_not_run(mrig: Rig) -> None:
+    """A Jinja template from the request would run on the router's event loop
+    (two nested ``range(100000)`` loops stop every request for hours); vLLM
+    refuses request templates unless started with --trust-request-chat-template."""
+    sent = len(mrig.fakes["a"].requests) + len(mrig.fakes["b"].requests)
+    body = {"model": "tiny", "messages": MSGS, "chat_template_kwargs": {"chat_template": "{{ 'w5 w6' }}"}}
+    r = _post_raw(mrig, json.dumps(body).encode(), CHAT)
+    assert r.status_code == 400, r.text
+    assert "chat_template" in r.json()["error"]["message"]
+    assert len(mrig.fakes["a"].requests) + len(mrig.fakes["b"].requests) == sent
+
+
 def test_deeply_nested_json_is_400(mrig: Rig) -> None:
     r = _post_raw(mrig, b"[" * 20_000 + b"]" * 20_000)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
@@ -154,3 +166,38 @@ def _router_loop(rig: Rig) -> Any:
 
     rig.http.get("/_loop")
     return got[0]
+
+
+# ---------------------------------------------------------------- a daemon's garbage cluster answer
+@pytest.mark.parametrize("local,remote", [(0, 2 ** 64 - 1), (1, 1000), (500, 0)])
+def test_a_cluster_lookup_claiming_more_blocks_than_asked_is_bounded(monkeypatch: Any, local: int,
+                                                                      remote: int) -> None:
+    """A daemon's cluster Lookup answering more blocks than the request has
+    keys (a uint64 from the wire) made the router allocate that many tier
+    entries (2^64: a crash of the request) or credit blocks past the prompt
+    (the admission controller then refused the request's own token count: a
+    500). The peer's run counts at most up to the prompt's last key."""
+    from kvstore.results import ChainDecisionKind, ClusterLookup
+    from router import cache_view
+    from router.backends import Pool
+    from router.decision import Decider, Plan
+
+    class Garbage:
+        def __init__(self, *a: Any, **k: Any) -> None:
+            pass
+
+        def cluster_lookup(self, ns: Any, keys: Any) -> ClusterLookup:
+            return ClusterLookup(local, remote, ChainDecisionKind.FETCH, 0.001, 0.1, [], "ok")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(cache_view, "Client", Garbage)
+    view = cache_view.CacheView("a", "127.0.0.1:1")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    tiers = view.cluster_tiers(None, keys, np.zeros(0, np.int64))  # type: ignore[arg-type]
+    assert len(tiers) <= len(keys)
+    cfg = RouterConfig(backends=(BackendSpec("a", "http://a.invalid"),))
+    b = Pool(cfg, None, follow_events=False).backends[0]  # type: ignore[arg-type]
+    plan = Decider(cfg).decide("t", "default", [b], [tiers], 3 * BS + 1, BS, 1024)
+    assert isinstance(plan, Plan)

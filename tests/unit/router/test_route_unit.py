@@ -246,6 +246,23 @@ def test_streaming_relays_every_event_and_learns_ttft(rig: Rig) -> None:
     assert "kvstore_route_ttft_seconds_count" in text and "kvstore_route_ttft_error_seconds_bucket" in text
 
 
+@pytest.mark.parametrize("limit,learns", [({}, False), ({"max_tokens": 200}, False),
+                                          ({"max_completion_tokens": 1}, True), ({"max_tokens": 1}, True)])
+def test_a_non_streamed_answer_calibrates_only_when_it_is_one_token(rig: Rig, limit: dict[str, int],
+                                                                     learns: bool) -> None:
+    """A non-streamed answer's time is its TTFT only for a one-token answer. A
+    chat without max_tokens generates up to the context (vLLM's default), so
+    its whole generation time must not be taught to the predictor as a TTFT."""
+    def reports() -> int:
+        return sum(rig.backend(n).predictor.error_stats().reports for n in ("a", "b"))
+
+    before = reports()
+    r = rig.post({"model": "tiny", "messages": [{"role": "user", "content": prompt(100)}], **limit},
+                 path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    assert reports() == before + int(learns)
+
+
 # ---------------------------------------------------------------- bad input
 def test_bad_input_gets_clear_4xx_and_the_router_keeps_serving(rig: Rig) -> None:
     h = {"authorization": "Bearer ka", "content-type": "application/json"}

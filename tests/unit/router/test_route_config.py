@@ -1,0 +1,57 @@
+"""The router's config refuses numbers it cannot work with (NaN, infinity,
+zero or negative where a positive is needed) when it is loaded, naming the
+key, instead of answering every request with a 500 or spinning later."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from kvstore.errors import InvalidArgument
+from router.config import load_router_config
+
+BACKEND = '[[backend]]\nname = "a"\nurl = "http://127.0.0.1:9001"\n'
+PD = BACKEND + '[[backend]]\nname = "d"\nurl = "http://127.0.0.1:9002"\n'
+
+
+@pytest.mark.parametrize("toml,key", [
+    # a tenant's infinite token rate: every request of that tenant was a 500 (TokenBucket refuses inf)
+    ('[[tenant]]\nname = "t"\ntokens_per_s = inf\n', "tenant[t].tokens_per_s"),
+    ('[[tenant]]\nname = "t"\ntokens_per_s = 10.0\ntoken_burst = inf\n', "tenant[t].token_burst"),
+    ('[[tenant]]\nname = "t"\nrequests_per_s = nan\n', "tenant[t].requests_per_s"),
+    ('[default_tenant_quota]\ntokens_per_s = inf\n', "tenant[*].tokens_per_s"),
+    # a NaN or infinite per-decode penalty made every prediction NaN/inf: every request a 500
+    ('[predictor]\ndecode_penalty_s = nan\n', "predictor.decode_penalty_s"),
+    ('[predictor]\ndecode_penalty_s = inf\n', "predictor.decode_penalty_s"),
+    ('[predictor]\nprefill_overhead_s = nan\n', "predictor.prefill_overhead_s"),
+    ('[predictor]\nremote_Bps = nan\n', "predictor.remote_Bps"),
+    ('[predictor]\nssd_Bps = inf\n', "predictor.ssd_Bps"),
+    # an infinite class target: the admission controller refuses it on every request (a 500)
+    ('[[class]]\nname = "default"\nttft_slo = inf\n', "class[default].ttft_slo"),
+    # a NaN visibility wait never ended (the deadline comparison is always false)
+    (PD + '[pd]\nprefill = ["a"]\ndecode = ["d"]\nvisible_timeout = nan\n', "pd.visible_timeout"),
+    # a zero health interval spun the health loop and timed every check out at once
+    ('health_interval = 0.0\n', "health_interval"),
+    ('health_interval = nan\n', "health_interval"),
+    ('connect_timeout = -1.0\n', "connect_timeout"),
+    ('first_byte_timeout = nan\n', "first_byte_timeout"),
+    ('read_timeout = inf\n', "read_timeout"),
+    ('max_prompt_tokens = -1\n', "max_prompt_tokens"),
+])
+def test_non_finite_or_out_of_range_numbers_are_refused_naming_the_key(tmp_path: Any, toml: str, key: str) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(toml if toml.startswith(PD) else toml + BACKEND)  # top-level keys before the tables
+    with pytest.raises(InvalidArgument, match=re.escape(f"router config: {key} =")):
+        load_router_config(str(path))
+
+
+def test_finite_numbers_still_load(tmp_path: Any) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('health_interval = 0.5\nread_timeout = 30.0\nmax_prompt_tokens = 0\n' + PD +
+                    '[[tenant]]\nname = "t"\ntokens_per_s = 100.0\ntoken_burst = 0.0\n'
+                    '[predictor]\ndecode_penalty_s = 0.0\nremote_Bps = 0.0\n'
+                    '[pd]\nprefill = ["a"]\ndecode = ["d"]\nvisible_timeout = 0.0\n')
+    cfg = load_router_config(str(path))
+    assert cfg.health_interval == 0.5 and cfg.tenants[0].tokens_per_s == 100.0 and cfg.pd is not None
