@@ -124,6 +124,9 @@ def _toml_source(settings: type[SettingsBase], path: str | os.PathLike[str],
         source = TomlConfigSettingsSource(settings, toml_file=Path(name))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {name!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigError(f"config file {name!r} is not valid TOML: not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"config file {name!r} cannot be read: {exc}") from None
     for section, table in source.toml_data.items():

@@ -423,7 +423,7 @@ def load_router_config(path: str | None = None, *, listen: str | None = None,
         try:
             with open(path, "rb") as f:
                 doc = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
+        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # TOML is UTF-8
             raise InvalidArgument(f"router config {path}: {e}") from None
     kw = _from_mapping(doc)
     if listen:

@@ -380,7 +380,7 @@ class Metrics:
             self.observe(op, time.perf_counter() - t0)
 
     def _tier_child(self, code: int) -> Any:
-        """The ``kvstore_tier_hit_blocks_total`` child of a TierKind value (cached:
+        """The ``kvstore_tier_lookup_hit_blocks_total`` child of a TierKind value (cached:
         ``labels()`` costs more than the increment)."""
         child = self._tier_children.get(code)
         if child is None:

@@ -71,7 +71,7 @@ class Running:
             except Exception:
                 log.exception("stopping the cluster node failed")
         await self.server.stop(grace)
-        self.daemon.stop_background()
+        await self.daemon.stop_background()
         slab_owner.forget(self.daemon.identity, self.daemon.store.dram.name)  # a clean stop leaves no slab
 
 
@@ -90,7 +90,7 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
         return await _start(config, server, daemon)
     except BaseException:
         await server.stop(0)
-        daemon.stop_background()
+        await daemon.stop_background()
         if store is None:
             slab_owner.forget(daemon.identity, daemon.store.dram.name)
             daemon.store.close()

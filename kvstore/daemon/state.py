@@ -191,9 +191,15 @@ class DaemonState:
         if self.store.ssd is not None:
             self._tasks.append(loop.create_task(self._tier_worker()))
 
-    def stop_background(self) -> None:
-        for t in self._tasks:
+    async def stop_background(self) -> None:
+        """End the background tasks (cancelled, then awaited: a loop closed
+        right after would otherwise destroy them pending) and the disk
+        worker (after its step in flight)."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
             t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)  # bounded: a stop never hangs on a stuck step
         self.disk.close()
 
 

@@ -155,11 +155,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"kvstore: no benchmarks here: {root / 'bench'} is missing (benchmarks ship "
               "with the source checkout, not the installed package)", file=sys.stderr)
         return 2
+    if args.json_dir:
+        try:
+            os.makedirs(args.json_dir, exist_ok=True)
+        except OSError as e:
+            fail(f"--json-dir {args.json_dir!r} cannot be made: {e.strerror or e}")
     rc = 0
     for script in found:
         cmd = [sys.executable, str(script)] + ([] if args.full else ["--quick"])
         if args.json_dir:
-            os.makedirs(args.json_dir, exist_ok=True)
             cmd += ["--json", os.path.join(args.json_dir, script.stem + ".json")]
         print(f"$ {' '.join(cmd)}", flush=True)
         rc = subprocess.call(cmd, cwd=root) or rc

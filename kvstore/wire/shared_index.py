@@ -38,7 +38,7 @@ to a same-host socket's hello; a client then asks the daemon, over that
 socket, for the id of each namespace it looks up (``nsid`` frames: the
 session's tenant is checked there as for any Lookup), and sends what it
 counted (``tally`` frames) so the daemon's lookup counters, per-namespace
-hit ratios and ``kvstore_tier_hit_blocks_total`` still see every lookup.
+hit ratios and ``kvstore_tier_lookup_hit_blocks_total`` still see every lookup.
 """
 
 from __future__ import annotations

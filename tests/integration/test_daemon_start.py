@@ -196,3 +196,24 @@ def test_ssd_capacity_counts_the_tiers_own_files_as_room(tmp_path, monkeypatch: 
     assert main(["serve", "--port", "0", "--metrics-port", "0", "--dram", "16MiB", "--ssd", "6MiB",
                  "--ssd-path", str(path)]) == 2
 
+
+
+def test_stop_leaves_no_task_of_the_daemon_pending(tmp_path) -> None:
+    """A daemon's stop ends its own tasks (the reaper, the tier worker): it
+    used to cancel them without waiting, so a loop closed right after (an
+    in-process daemon's) destroyed them pending ("Task was destroyed but it
+    is pending! ... DaemonState._tier_worker()")."""
+    config = load_config(None, {}, {"server.port": 0, "metrics.port": 0, "dram.capacity": "16MiB",
+                                    "ssd.capacity": "8MiB", "ssd.path": str(tmp_path / "ssd")})
+
+    async def run() -> list[str]:
+        before = asyncio.all_tasks()
+        running = await server.start(config)
+        try:
+            assert {t for t in asyncio.all_tasks() - before if not t.done()} - {asyncio.current_task()}
+        finally:
+            await running.stop(0)
+            running.daemon.store.close()
+        return [repr(t) for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+
+    assert asyncio.run(run()) == []

@@ -200,6 +200,10 @@ def test_file_problems_name_the_file(tmp_path: Path) -> None:
     bad = write(tmp_path, "[server\nport = 1\n", name="broken.toml")
     with pytest.raises(InvalidArgument, match="broken.toml.*not valid TOML"):
         load_config(bad, env={})
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[server]\n")  # not UTF-8: was a UnicodeDecodeError traceback
+    with pytest.raises(InvalidArgument, match="binary.toml.*not valid TOML.*UTF-8"):
+        load_config(binary, env={})
 
 
 # --- sizes and durations ----------------------------------------------------

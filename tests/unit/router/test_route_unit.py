@@ -346,6 +346,9 @@ prefill_tokens_per_s = 1234.0
         path.write_text(bad + "\n")
         with pytest.raises(InvalidArgument):
             load_router_config(str(path))
+    path.write_bytes(b"\xff\xfe\n")  # not UTF-8: was a UnicodeDecodeError traceback out of `kvstore route`
+    with pytest.raises(InvalidArgument, match="router.toml"):
+        load_router_config(str(path))
 
 
 def test_vllm_metrics_count_only_foreign_load_and_the_penalty_learns() -> None:

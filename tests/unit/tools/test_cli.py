@@ -468,6 +468,10 @@ def test_bench_runs_the_scripts_quick(capsys: pytest.CaptureFixture[str],
     assert code == 0 and calls
     assert calls[0][1].endswith("bench/core.py") and "--quick" in calls[0]
     assert calls[0][-2:] == ["--json", str(tmp_path / "core.json")]
+    calls.clear()
+    (tmp_path / "file").write_text("")
+    code, _, err = run(capsys, "bench", "--json-dir", str(tmp_path / "file" / "x"))  # was a traceback
+    assert code == 2 and not calls and "--json-dir" in err and "Traceback" not in err
 
 
 @pytest.mark.subprocess

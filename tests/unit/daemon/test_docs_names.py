@@ -1,0 +1,88 @@
+"""The docs name only settings, variables and metrics that exist: every
+``KVSTORE_*`` variable, dotted config key and daemon or router metric that
+README.md and docs/*.md mention is checked against the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvstore.config import Config
+from kvstore.config_sources import ENV_ALLOWLIST
+from kvstore.daemon.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[3]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DAEMON_DOCS = ("operations.md", "daemon.md", "cluster.md", "admission.md", "security.md", "reliability.md",
+               "ssd.md", "hbm.md", "architecture.md", "README.md")
+"""Pages whose ``kvstore_*`` names are the daemon's metrics (the others name
+the router's, the engine connector's or benchmark figures)."""
+_SUFFIXES = ("_bucket", "_count", "_sum", "_created", "_total", "_info")
+
+
+def _text(page: Path) -> str:
+    return page.read_text(encoding="utf-8")
+
+
+def _py_sources() -> str:
+    dirs = ("kvstore", "tiers", "transport", "admission", "router", "engine_adapter", "bench", "tests")
+    return "\n".join(p.read_text(encoding="utf-8") for d in dirs for p in (ROOT / d).rglob("*.py"))
+
+
+def _families(names: set[str]) -> set[str]:
+    """Sample names and the family names they come from."""
+    out = set(names)
+    for n in names:
+        for s in _SUFFIXES:
+            if n.endswith(s):
+                out.add(n[: -len(s)])
+    return out
+
+
+def test_every_kvstore_variable_in_the_docs_exists() -> None:
+    config_vars = {"KVSTORE_" + k.replace(".", "_").upper() for k in Config.keys()} | ENV_ALLOWLIST
+    sources = _py_sources()
+    missing = []
+    for page in DOCS:
+        for var in sorted(set(re.findall(r"\bKVSTORE_[A-Z0-9_]*[A-Z0-9]\b", _text(page)))):
+            if var in config_vars or f'"{var}"' in sources or f"'{var}'" in sources:
+                continue
+            knob = var.removeprefix("KVSTORE_FAULT_").lower()  # tests/faults/faultlib.py setting("knob", ...)
+            if var.startswith("KVSTORE_FAULT_") and f'setting("{knob}"' in sources:
+                continue
+            missing.append(f"{page.name}: {var}")
+    assert missing == []
+
+
+def test_every_config_key_in_the_docs_exists() -> None:
+    keys = set(Config.keys())
+    sections = "|".join(sorted({k.split(".")[0] for k in keys}))
+    missing = [f"{page.name}: {key}" for page in DOCS
+               for key in sorted(set(re.findall(rf"`((?:{sections})\.[a-z_]*[a-z])`", _text(page))))
+               if key not in keys]
+    assert missing == []
+
+
+def test_every_daemon_metric_in_the_docs_is_exported() -> None:
+    exported = _families(Metrics(lambda: None).names())  # type: ignore[arg-type, return-value]
+    missing = [f"{page.name}: {name}" for page in DOCS if page.name in DAEMON_DOCS
+               for name in sorted(set(re.findall(r"\bkvstore_[a-z0-9_]*[a-z0-9]\b", _text(page))))
+               if not name.startswith("kvstore_route_") and name not in exported]
+    assert missing == []
+
+
+def test_every_daemon_metric_is_documented() -> None:
+    text = "".join(_text(page) for page in DOCS)
+    names = {n for n in Metrics(lambda: None).names()  # type: ignore[arg-type, return-value]
+             if not n.endswith(("_created", "_bucket", "_count", "_sum"))}
+    assert sorted(n for n in names if n.removesuffix("_total") not in text) == []
+
+
+def test_every_router_metric_in_the_docs_is_exported() -> None:
+    source = (ROOT / "router" / "metrics.py").read_text(encoding="utf-8")
+    defined = _families(set(re.findall(r'"(kvstore_route_[a-z0-9_]+)"', source)))
+    defined |= {n + "_total" for n in defined}  # a Counter named without _total exposes it
+    missing = [f"{page.name}: {name}" for page in DOCS
+               for name in sorted(set(re.findall(r"\bkvstore_route_[a-z0-9_]*[a-z0-9]\b", _text(page))))
+               if name not in defined]
+    assert missing == []
