@@ -162,6 +162,8 @@ class ClusterNode:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self._tasks:  # ended here, not by whatever the steps below happen to await (bounded: never hang)
+            await asyncio.wait(self._tasks, timeout=5.0)
         await self.membership.stop()
         for ch, _ in self._channels.values():
             await ch.close()

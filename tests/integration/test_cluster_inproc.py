@@ -547,3 +547,32 @@ def test_a_later_piece_that_fails_leaves_the_leading_pieces_a_hit(make_daemon, m
     b.stub.Release(pb.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
     assert b.get(keys) == payloads(keys[:first]) + [None] * (100 - first)
     assert b.d.call(lambda: b.d.store.stats().reservations) == 0
+
+
+def test_a_cluster_daemons_stop_leaves_no_task_pending() -> None:
+    """A stop ends the cluster node's own tasks (the publisher, the health
+    watch) as it ends the daemon's: it used to cancel them without waiting,
+    so a loop closed right after destroyed them pending."""
+    import asyncio
+
+    from kvstore.config import load_config
+    from kvstore.daemon import server
+
+    port = free_port()
+    config = load_config(None, {}, {
+        "server.port": port, "metrics.port": 0, "dram.capacity": "16MiB", "cluster.mode": "static",
+        "cluster.peers": f"127.0.0.1:{port},127.0.0.1:{free_port()}", "cluster.allow_insecure_unauthenticated": True,
+        "cluster.probe_interval": "100ms", "cluster.publish_interval": "10ms"})
+
+    async def run() -> list[str]:
+        before = asyncio.all_tasks()
+        running = await server.start(config)
+        try:
+            names = {getattr(t.get_coro(), "__qualname__", "") for t in asyncio.all_tasks() - before}
+            assert {"ClusterNode._publisher", "ClusterNode._health_watch"} <= names, names
+        finally:
+            await running.stop(0)
+            running.daemon.store.close()
+        return [repr(t) for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+
+    assert asyncio.run(run()) == []

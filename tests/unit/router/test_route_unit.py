@@ -54,7 +54,7 @@ class Rig:
             classes=(ServiceClass("gold", ttft_slo=30.0), ServiceClass("tight", ttft_slo=1e-4)),
             tenants=(TenantQuota("tq", requests_per_s=0.001, request_burst=1),),
             predictor=PredictorSpec(prefill_tokens_per_s=1e4, prefill_overhead_s=0.001, decode_penalty_s=0.05),
-            health_interval=0.05, health_failures=1)
+            health_interval=0.05, health_failures=3)  # (one slow check on a loaded machine is no outage)
         base.update(cfg_changes)
         self.cfg = RouterConfig(**base)
         self.app = build_app(self.cfg, namespace_fn=ns_fn, follow_events=False)
