@@ -32,7 +32,6 @@ from engine_adapter.vllm_common import (
     KVStoreConnectorMetadata,
     KVStoreWorkerMetadata,
     request_ns,
-    split_keys,
 )
 from kvstore import identity
 from kvstore.keys import KEY_LEN, Namespace, block_keys, block_keys_array
@@ -183,7 +182,7 @@ class SchedulerSide:
         base = self.ident.ns
         if c is None or base is None:
             return 0, False
-        ns, keys = request_ns(base, st.adapter, st.salt), split_keys(st.keys[:loadable * KEY_LEN])
+        ns, keys = request_ns(base, st.adapter, st.salt), st.keys[:loadable * KEY_LEN]  # (packed, as sent)
         st.fetch_from, st.looked = -1, None
         cluster: dict[str, Any] = {}
         try:
@@ -202,7 +201,7 @@ class SchedulerSide:
                          ms=round((time.perf_counter() - t0) * 1000, 3), **cluster)
         return ext, False
 
-    def cluster_lookup(self, c: Any, st: ReqState, ns: Namespace, keys: list[bytes]) -> tuple[int, dict[str, Any]]:
+    def cluster_lookup(self, c: Any, st: ReqState, ns: Namespace, keys: bytes) -> tuple[int, dict[str, Any]]:
         """A cluster-mode lookup (docs/cluster.md): the blocks to report as
         external (the local prefix, plus the run a peer holds when the
         daemon's decision is fetch) and the decision's record fields. Sets

@@ -51,14 +51,14 @@ from engine_adapter.vllm_common import (
     KVStoreConnectorMetadata,
     layout_descriptor,
     request_ns,
-    split_keys,
 )
 from engine_adapter.vllm_saves import SaveSide
+from kvstore.buffers import keys_at
 from kvstore.client import Client, PendingReservation
 from kvstore.client.shards import seal_bytes
 from kvstore.client.sinks import BlockSink, BufferSink, LayerScatter, ShardScatter, ShardSink
 from kvstore.errors import KeyStatus
-from kvstore.keys import KVDtype, Namespace
+from kvstore.keys import KEY_LEN, KVDtype, Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -213,14 +213,14 @@ class WorkerSide(SaveSide):
         self.phases["setup"] = time.perf_counter() - t0
         for m in meta.loads:
             n = len(m.block_ids)
-            keys = split_keys(m.keys)
-            if place is not None:
-                sink: BlockSink = place.sink(m.block_ids, keys)
+            if place is not None:  # (the keys stay packed: a sealed read checks them against its seals)
+                sink: BlockSink = place.sink(m.block_ids, m.keys)
             elif sealed:
-                sink = ShardSink(BufferSink([rows[row + i] for i in range(n)]), rank, self.tp, self.shard_bytes, keys)
+                sink = ShardSink(BufferSink([rows[row + i] for i in range(n)]), rank, self.tp, self.shard_bytes,
+                                 m.keys)
             else:
                 sink = BufferSink([rows[row + i] for i in range(n)])
-            ok = self.load_one(c, base, m, keys, sink) if c is not None else 0
+            ok = self.load_one(c, base, m, sink) if c is not None else 0
             good_ids += m.block_ids[:ok]
             good_rows += range(row, row + ok)
             self.load_errors.update(m.block_ids[ok:])
@@ -251,11 +251,11 @@ class WorkerSide(SaveSide):
                              **{f"{k}_ms": round(v * 1000, 3) for k, v in self.phases.items()}))
             self.link.record_all(recs)
 
-    def load_one(self, c: Client, base: Namespace, m: BlockMove, keys: list[bytes], sink: BlockSink) -> int:
-        """Copy the leading verified blocks of ``m`` (``keys``: its keys,
-        split) into ``sink`` (staging rows, or the KV tensors themselves);
-        how many."""
-        ns = request_ns(base, m.adapter, m.salt)
+    def load_one(self, c: Client, base: Namespace, m: BlockMove, sink: BlockSink) -> int:
+        """Copy the leading verified blocks of ``m`` (its keys passed on
+        packed, as the scheduler sent them) into ``sink`` (staging rows, or
+        the KV tensors themselves); how many."""
+        ns, keys = request_ns(base, m.adapter, m.salt), m.keys
         if c.slab is None or (c.reads_without_lease and not m.cluster):
             # another host: inline bytes (checked by the daemon, and against its checksums here);
             # same host with the daemon's shared index: get_into reads DRAM blocks without a lease
@@ -282,7 +282,7 @@ class WorkerSide(SaveSide):
         t1 = time.perf_counter()
         self.phases["acquire"] += t1 - t0
         if m.cluster:
-            self.note_fetch(m, lease.fetched_blocks, lease.decision, lease.hit_blocks, len(keys))
+            self.note_fetch(m, lease.fetched_blocks, lease.decision, lease.hit_blocks, len(keys) // KEY_LEN)
         try:
             hit = lease.hit_blocks
             sizes_ok = [int(x) == self.block_bytes for x in lease.lengths[:hit]]
@@ -306,7 +306,7 @@ class WorkerSide(SaveSide):
             log.warning("kvstore: %d block(s) of request %s failed their checksum; vLLM recomputes them",
                         bad.size, m.req_id)
             try:
-                self.link.current.report_corrupt(ns, [keys[i] for i in bad.tolist()])
+                self.link.current.report_corrupt(ns, keys_at(keys, bad.tolist()))
             except FAULT_TYPES as e:
                 self.link.fault("remove", e)
         return ok

@@ -38,8 +38,11 @@ def as_u8_writable(buf: Buffer) -> np.ndarray:
 
 def pack_keys(keys: Sequence[bytes] | bytes, *, check: bool = False) -> bytes:
     """Keys back to back; already packed bytes pass through. ``check``: raise
-    ``InvalidArgument`` naming the first key that is not 16 bytes."""
+    ``InvalidArgument`` naming the first key that is not 16 bytes (for
+    packed bytes: a length that is not a multiple of 16)."""
     if isinstance(keys, bytes):
+        if check and len(keys) % KEY_BYTES:
+            raise InvalidArgument(f"packed keys must be {KEY_BYTES} bytes each: {len(keys)} bytes")
         return keys
     if check and keys and set(map(len, keys)) != {KEY_BYTES}:
         bad = next(i for i, k in enumerate(keys) if len(k) != KEY_BYTES)
@@ -50,3 +53,8 @@ def pack_keys(keys: Sequence[bytes] | bytes, *, check: bool = False) -> bytes:
 def split_keys(packed: bytes) -> list[bytes]:
     """``pack_keys`` undone: one 16-byte key per entry."""
     return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+
+
+def keys_at(packed: bytes, idx: Sequence[int]) -> list[bytes]:
+    """The keys at positions ``idx`` of packed keys (e.g. the few a report names)."""
+    return [packed[KEY_BYTES * i : KEY_BYTES * (i + 1)] for i in idx]

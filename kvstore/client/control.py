@@ -4,22 +4,26 @@ extends ``ControlCalls``; the shared-memory path's calls stay there)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator, Sequence, cast
 
 import grpc
 
 from kvstore.buffers import pack_keys
 from kvstore.client.base import ClientBase
-from kvstore.errors import KeyStatus
+from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
 from kvstore.results import ClusterLookup, DaemonStats, Event, PolicyChange, ResizeResult
 from kvstore.wire.answers import cluster_lookup_from_pb, event_from_pb, policy_from_pb, resize_from_pb, stats_from_pb
 from kvstore.wire.convert import ns_pb
+from kvstore.wire.frames import UNKNOWN_METHOD
 from kvstore.wire.status import error_from_rpc
 from proto import kvstore_pb2 as pb
 from tiers.base import TierKind
 
 __all__ = ["ControlCalls"]
+
+log = logging.getLogger("kvstore.client")
 
 
 class ControlCalls(ClientBase):
@@ -29,15 +33,31 @@ class ControlCalls(ClientBase):
     stub: Any
     admin: Any
 
+    lookup_over_socket = True
+    """Whether ``cluster_lookup`` goes over the same-host socket when there is
+    one (off once a daemon from before the socket carried it said no)."""
+
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         raise NotImplementedError  # (Client: the gRPC call, after this client's pipelined ones)
 
-    def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes], to_hbm: bool = False) -> "ClusterLookup":
+    def _unary(self, name: str, request: Any) -> Any:
+        raise NotImplementedError  # (Client: over the same-host socket when there is one, else gRPC)
+
+    def cluster_lookup(self, ns: Namespace, keys: Sequence[bytes] | bytes, to_hbm: bool = False) -> "ClusterLookup":
         """Lookup in cluster mode (docs/cluster.md): where each block is and
-        whether to fetch or recompute what peers hold."""
-        r = self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), cluster=True,
-                                                          to_hbm=to_hbm))
-        return cluster_lookup_from_pb(r)
+        whether to fetch or recompute what peers hold. Over the same-host
+        socket when there is one (the daemon answers it as the gRPC call),
+        else, or when the daemon does not know it there, over gRPC."""
+        req = pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True), cluster=True, to_hbm=to_hbm)
+        if self.lookup_over_socket:
+            try:
+                return cluster_lookup_from_pb(self._unary("Lookup", req))
+            except InvalidArgument as e:
+                if UNKNOWN_METHOD not in str(e):
+                    raise
+                self.lookup_over_socket = False  # an older daemon: gRPC from now on
+                log.info("the daemon's same-host socket does not carry Lookup: cluster lookups go over gRPC")
+        return cluster_lookup_from_pb(self._call(self.stub.Lookup, req))
 
     def stats(self, include_namespaces: bool = True) -> DaemonStats:
         r = self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from kvstore.buffers import KEY_BYTES, as_u8_writable
+from kvstore.buffers import KEY_BYTES, as_u8_writable, keys_at, pack_keys
 from kvstore.checksum import (HAVE_NATIVE, PIECE_FIELDS, gather_many, run_split, scatter_slots, splits, verify_many,
                               verify_scatter_many)
 from kvstore.client.shards import own_sums, seal_bytes, u8_views, write_seals
@@ -133,7 +133,7 @@ class LayerScatter:
         self._scratch: list[np.ndarray] = []
         """Free scratch buffers (one per thread that copies at once): reused, so they stay mapped and cached."""
 
-    def sink(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> "ScatterSink":
+    def sink(self, slots: Sequence[int], keys: Sequence[bytes] | bytes | None = None) -> "ScatterSink":
         """A sink for a read of ``len(slots)`` blocks: block ``i`` goes to
         engine block ``slots[i]``. (``keys``: unused; a whole block is
         checked against the daemon's checksum. ``ShardScatter.sink`` needs
@@ -305,9 +305,9 @@ class ShardScatter:
         a = self.rank * self.shard_bytes
         return [as_u8_writable(b)[a:a + self.shard_bytes] for b in blocks]
 
-    def sink(self, slots: Sequence[int], keys: Sequence[bytes] | None = None) -> "ShardSink":
+    def sink(self, slots: Sequence[int], keys: Sequence[bytes] | bytes | None = None) -> "ShardSink":
         """A sink for a read of ``len(slots)`` sealed blocks, block ``i``
-        (key ``keys[i]``) to engine block ``slots[i]``."""
+        (key ``keys[i]``; or packed, 16 bytes each) to engine block ``slots[i]``."""
         if keys is None:
             raise InvalidArgument("a sealed read needs one key per block")
         return ShardSink(ScatterSink(self.shard, slots), self.rank, self.tp, self.shard_bytes, keys)
@@ -333,17 +333,17 @@ class ShardSink:
     not at all."""
 
     def __init__(self, inner: BufferSink | ScatterSink, rank: int, tp: int, shard_bytes: int,
-                 keys: Sequence[bytes]) -> None:
+                 keys: Sequence[bytes] | bytes) -> None:
         if not 0 <= rank < tp:
             raise InvalidArgument(f"rank {rank} outside a group of {tp}")
-        if len(keys) != len(inner):
-            raise InvalidArgument(f"a sealed read needs one key per block: {len(keys)} keys, {len(inner)} blocks")
+        self.packed = pack_keys(keys, check=True)
+        """The keys in one string (``keys``: 16-byte keys, or packed back to back)."""
+        if len(self.packed) != KEY_BYTES * len(inner):
+            raise InvalidArgument(f"a sealed read needs one key per block: {len(self.packed) // KEY_BYTES} keys, "
+                                  f"{len(inner)} blocks")
         self.inner = inner
         self.rank, self.tp, self.shard_bytes = int(rank), int(tp), int(shard_bytes)
         self.block_bytes = self.tp * self.shard_bytes + seal_bytes(self.tp)
-        self.keys = list(keys)
-        self.packed: bytes | None = None
-        """The keys in one string (made at the first ``read_slots``)."""
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -358,7 +358,7 @@ class ShardSink:
               threads: int | None = None) -> np.ndarray:
         idx = list(idx)
         views = u8_views(srcs)
-        sealed, sums = own_sums(views, self.tp, self.rank, self.shard_bytes, [self.keys[i] for i in idx])
+        sealed, sums = own_sums(views, self.tp, self.rank, self.shard_bytes, keys_at(self.packed, idx))
         a, b = self.rank * self.shard_bytes, (self.rank + 1) * self.shard_bytes
         ok = np.zeros(len(idx), dtype=bool)
         go = np.flatnonzero(sealed).tolist()
@@ -372,10 +372,6 @@ class ShardSink:
         inner = self.inner
         if not isinstance(inner, ScatterSink) or inner.layout.staged or not HAVE_NATIVE:
             return None
-        if self.packed is None:
-            self.packed = b"".join(self.keys)
-            if len(self.packed) != KEY_BYTES * len(self.keys):
-                raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
         return inner.scatter_rows(slab, rows, self.block_bytes, self.shard_bytes,
                                   (self.packed, self.tp, self.rank, self.shard_bytes))
 

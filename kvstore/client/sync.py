@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import grpc
 import numpy as np
 
-from kvstore.buffers import as_u8, pack_keys
+from kvstore.buffers import KEY_BYTES, as_u8, keys_at, pack_keys, split_keys
 from kvstore.checksum import verify_many
 from kvstore.client.base import DEFAULT_TARGET, tier_field
 from kvstore.client.control import ControlCalls
@@ -219,7 +219,7 @@ class Client(ControlCalls):
         self.close()
 
     # ----------------------------------------------------------- queries
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+    def lookup(self, ns: Namespace, keys: Sequence[bytes] | bytes) -> LookupResult:
         packed = pack_keys(keys, check=True)
         wire = self._wire_of(ns) if self._fast is not None else b""
         got = self._shared_lookup(self._fast, wire, packed) if self._shared is not None and self._fast else None
@@ -369,15 +369,17 @@ class Client(ControlCalls):
         return out
 
     # --------------------------------------------------------------- get
-    def get_into(self, ns: Namespace, keys: Sequence[bytes],
+    def get_into(self, ns: Namespace, keys: Sequence[bytes] | bytes,
                  outs: Sequence[Buffer] | BlockSink) -> list[KeyStatus]:
         """Copy the leading present blocks into ``outs`` (one buffer per key,
-        or a ``kvstore.client.sinks`` sink); one status per key."""
-        keys = list(keys)
-        if len(outs) != len(keys):
-            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
+        or a ``kvstore.client.sinks`` sink); one status per key. ``keys``:
+        16-byte keys, or packed back to back (used as they are, same host)."""
+        packed = pack_keys(keys, check=True)
+        if len(outs) != len(packed) // KEY_BYTES:
+            raise InvalidArgument(f"{len(packed) // KEY_BYTES} keys but {len(outs)} output buffers")
         if self.slab is not None:
-            return self._get_shm(ns, keys, as_sink(outs, self.copy_threads))
+            return self._get_shm(ns, packed, as_sink(outs, self.copy_threads))
+        keys = split_keys(packed)
         if is_sink(outs):
             parts, sums = self._inline_parts(outs)
             return self._inline_done(outs, parts, sums, self._get_inline(ns, keys, parts, sums))
@@ -405,19 +407,18 @@ class Client(ControlCalls):
             b[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
         return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
 
-    def _get_shm(self, ns: Namespace, keys: list[bytes], sink: BlockSink) -> list[KeyStatus]:
+    def _get_shm(self, ns: Namespace, packed: bytes, sink: BlockSink) -> list[KeyStatus]:
         if self._shared is not None and self._fast is not None:
-            read = self._shared_read(ns, keys, sink)
+            read = self._shared_read(ns, packed, sink)
             if read is not None:
                 return read
-        r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True),
-                                                     promote=True))
+        r = self._unary("Acquire", pb.AcquireRequest(ns=self._ns_msg(ns), keys_packed=packed, promote=True))
         try:
             statuses = self._read_slots(r, sink)
         finally:
             if r.lease_id:
                 self._send("Release", pb.ReleaseRequest(lease_id=r.lease_id))
-        self._report_bad(ns, [k for k, s in zip(keys, statuses) if s is KeyStatus.CORRUPT])
+        self._report_bad(ns, keys_at(packed, [i for i, s in enumerate(statuses) if s is KeyStatus.CORRUPT]))
         return statuses
 
     @property
@@ -425,12 +426,11 @@ class Client(ControlCalls):
         """Whether ``get_into`` may read DRAM blocks from the daemon's shared index without a lease."""
         return self._shared is not None
 
-    def _shared_read(self, ns: Namespace, keys: list[bytes], sink: BlockSink) -> list[KeyStatus] | None:
+    def _shared_read(self, ns: Namespace, packed: bytes, sink: BlockSink) -> list[KeyStatus] | None:
         """``get_into`` without a lease from the shared index (``SharedPath.read``), or None (take a lease)."""
         shared, fast = self._shared, self._fast
         if shared is None or fast is None or self.slab is None:
             return None
-        packed = pack_keys(keys, check=True)
         if not fits_frame(len(packed) + 64):
             return None
         wire = self._wire_of(ns)
@@ -569,7 +569,7 @@ class Client(ControlCalls):
     def abort(self, reservation: "Reservation") -> int:
         return int(self._unary("Abort", pb.AbortRequest(reservation_id=reservation.reservation_id)).aborted)
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], tier: str | None = None,
+    def acquire(self, ns: Namespace, keys: Sequence[bytes] | bytes, tier: str | None = None,
                 cluster: bool = False, peer: tuple[str, int, int] = ("", 0, 0)) -> "Lease":
         """Pin the hit prefix and return zero-copy views into the slab
         (shared-memory clients only). Release with ``Lease.release()`` or a

@@ -374,7 +374,7 @@ class _Connection(asyncio.Protocol):
         elif frames.is_call(body):
             op = frames.call_method_id(body) - 1
             if not 0 <= op < len(CALLS):
-                return _error(grpc.StatusCode.INVALID_ARGUMENT, f"unknown method id {op + 1}")
+                return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{frames.UNKNOWN_METHOD} {op + 1}")
             name = CALLS[op]
             try:
                 req = _REQUESTS[op].FromString(body[3:])

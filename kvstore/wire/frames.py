@@ -120,8 +120,14 @@ NO_NSID = 0xFFFFFFFF
 """An nsid answer for a namespace the daemon has no id for yet."""
 NSID = struct.Struct("<BI")
 """Status byte and namespace id of an nsid answer."""
-CALLS = ("Reserve", "Commit", "Abort", "Acquire", "Release")
-"""The unary calls the socket carries besides Lookup (method id = index + 1)."""
+CALLS = ("Reserve", "Commit", "Abort", "Acquire", "Release", "Lookup")
+"""The unary calls the socket carries as protobuf messages (method id =
+index + 1; new ones are appended, so an id keeps its meaning). ``Lookup``
+here is the whole gRPC Lookup (a cluster lookup, issue r18); the plain
+lookup has its own compact frame above."""
+UNKNOWN_METHOD = "unknown method id"
+"""The start of the error a daemon answers for a method id it does not
+know (a client newer than its daemon falls back to gRPC on it)."""
 OK = 0
 """Status byte of a good answer."""
 

@@ -11,7 +11,7 @@ import pytest
 from kvstore.checksum import PIECE_FIELDS
 from kvstore.client import Client
 from kvstore.client.sinks import LayerScatter, ShardScatter
-from kvstore.errors import KeyStatus
+from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace, block_keys
 
 BS = 8192
@@ -38,8 +38,10 @@ def test_overlapping_pieces_force_a_staged_layout():
     assert not _layout()[0].staged and _layout(staged=True)[0].staged
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("how", ["shared", "lease", "inline"])
-def test_get_into_a_sink_places_blocks_through_every_path(uds_daemon, how):
+def test_get_into_a_sink_places_blocks_through_every_path(uds_daemon, how, packed):
+    """``packed``: the keys in one string, as the vLLM worker passes them on."""
     kw = {"shared": {}, "lease": {"shared_index": False}, "inline": {"use_shm": False}}[how]
     with Client(uds_daemon.target, **kw) as c:
         ns = Namespace(tenant="t", model_id="m", block_size=16)
@@ -48,7 +50,8 @@ def test_get_into_a_sink_places_blocks_through_every_path(uds_daemon, how):
         assert c.put(ns, keys[:3], data) == [KeyStatus.OK] * 3
         place, layers = _layout()
         slots = [5, 0, 6, 2]
-        assert c.get_into(ns, keys, place.sink(slots)) == [KeyStatus.OK] * 3 + [KeyStatus.MISS]
+        asked = b"".join(keys) if packed else keys
+        assert c.get_into(ns, asked, place.sink(slots)) == [KeyStatus.OK] * 3 + [KeyStatus.MISS]
         assert c.shared_reads == (1 if how == "shared" else 0)
         for d, s in zip(data, slots):
             assert np.array_equal(layers[0][s], d[:HALF]) and np.array_equal(layers[1][s], d[HALF:])
@@ -74,6 +77,27 @@ def test_a_corrupt_block_is_never_reported_loaded(uds_daemon, staged):
         if staged:
             assert not layers[0][3].any() and not layers[1][3].any()
         assert c.lookup(ns, keys).hit_blocks == 1  # reported: the daemon dropped it
+
+
+@pytest.mark.parametrize("how", ["shared", "lease"])
+def test_packed_keys_report_the_corrupt_block_by_its_own_key(uds_daemon, how):
+    """Keys packed in one string: the middle block fails its checksum; the
+    daemon is told that block's key (it is dropped), not its neighbours'."""
+    with Client(uds_daemon.target, **({} if how == "shared" else {"shared_index": False})) as c:
+        ns = Namespace(tenant="t", model_id="m", block_size=16)
+        keys = block_keys(ns, np.arange(16 * 3, dtype=np.uint32))
+        c.put(ns, keys, [np.full(BS, v, np.uint8) for v in (7, 8, 9)])
+        c.flush()
+        raw = uds_daemon.store.raw
+        row = int(raw.index.find_committed(raw.namespace_id(ns, False), np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
+        uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        assert c.get_into(ns, b"".join(keys), outs)[:2] == [KeyStatus.OK, KeyStatus.CORRUPT]
+        assert (outs[0] == 7).all()
+        # keys[1] was reported (dropped, with the chain after it), not keys[0] (kept) or keys[2] alone
+        assert [c.lookup(ns, [k]).hit_blocks for k in keys[:2]] == [1, 0]
+        with pytest.raises(InvalidArgument):
+            c.get_into(ns, b"".join(keys)[:-1], outs[:2])
 
 
 def test_a_sink_of_another_block_size_reads_nothing(uds_daemon):

@@ -157,7 +157,7 @@ def test_a_read_from_slab_slots_places_what_write_does_and_stops_at_damage():
         placed = []
         for how in ("write", "read_slots"):
             lay, layers = _ranks(np.random.default_rng(70 + r))[r]
-            sink = lay.sink([6, 0, 4], KEYS)
+            sink = lay.sink([6, 0, 4], KEYS if how == "write" else b"".join(KEYS))
             got = sink.write(range(3), blocks, [0, 0, 0]).all() if how == "write" else \
                 sink.read_slots(slab, rows.tobytes())
             placed.append((got, [a.copy() for a in layers]))
@@ -206,14 +206,15 @@ def test_a_sealed_read_into_buffers_keeps_this_ranks_shard_only():
     for lay, _ in ranks:
         lay.gather(blocks, [1, 2, 3], KEYS)
     blocks[2][100] ^= 1  # rank 0's shard of block 2
-    for r in range(TP):
+    for r, keys in zip(range(TP), (KEYS, b"".join(KEYS))):  # keys one by one, or packed as the scheduler sends them
         outs = [np.zeros(SHARD, np.uint8) for _ in KEYS]
-        sink = ShardSink(BufferSink(outs), r, TP, SHARD, KEYS)
+        sink = ShardSink(BufferSink(outs), r, TP, SHARD, keys)
         assert len(sink) == 3 and sink.sizes(3) == [BLOCK] * 3 and sink.size_of(0) == BLOCK
         assert sink.write(range(3), blocks, [0, 0, 0]).tolist() == [True, True, r == 1]
         assert all(np.array_equal(o, b[r * SHARD:(r + 1) * SHARD]) for o, b in zip(outs[:2], blocks))
-    with pytest.raises(InvalidArgument):
-        ShardSink(BufferSink([np.zeros(SHARD, np.uint8)] * 2), 0, TP, SHARD, KEYS)
+    for keys in (KEYS, b"".join(KEYS), b"".join(KEYS)[:-1]):  # 3 keys (or 2.9) for 2 blocks
+        with pytest.raises(InvalidArgument):
+            ShardSink(BufferSink([np.zeros(SHARD, np.uint8)] * 2), 0, TP, SHARD, keys)
 
 
 @pytest.mark.skipif(not HAVE_NATIVE, reason="kvstore._native is not built")
