@@ -274,7 +274,8 @@ class RouterConfig:
     first_byte_timeout: float = 120.0
     """Seconds until the backend's response headers (the prefill)."""
     read_timeout: float = 120.0
-    """Seconds between two chunks of a response."""
+    """Seconds between two chunks of a response; the wait is at least ``first_byte_timeout`` (one
+    read timeout of the upstream client covers the first byte and the chunks after it)."""
     retries: int = 1
     """Retries on the next-best backend for a request that fails before its first byte."""
     health_interval: float = 1.0
