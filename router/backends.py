@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -37,7 +38,7 @@ from router.config import BackendSpec, RouterConfig
 
 log = logging.getLogger("kvstore.router")
 
-__all__ = ["Backend", "EngineMetrics", "InFlight", "Pool", "read_engine_metrics", "tier_loads"]
+__all__ = ["Backend", "EngineMetrics", "InFlight", "Pool", "read_capped", "read_engine_metrics", "tier_loads"]
 
 _VLLM_WAITING = "vllm:num_requests_waiting"
 _VLLM_RUNNING = "vllm:num_requests_running"
@@ -54,6 +55,21 @@ def tier_loads(cfg: RouterConfig) -> tuple[TierLoad, TierLoad, TierLoad, TierLoa
     remote = p.remote_Bps or CostConfig().bandwidth_Bps
     return (TierLoad(2.0e12, 0.0), TierLoad(p.dram_Bps, 2e-6), TierLoad(p.ssd_Bps, 50e-6),
             TierLoad(remote, CostConfig().latency_s))
+
+
+async def read_capped(chunks: AsyncIterator[bytes], limit: float, first: bytes = b"") -> bytes | None:
+    """``first`` and the rest of a response body, joined; None as soon as it
+    passes ``limit`` bytes (nothing more is read: the caller closes the response)."""
+    parts = [first]
+    size = len(first)
+    if size > limit:
+        return None
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 @dataclass(slots=True)

@@ -286,6 +286,10 @@ class RouterConfig:
     """Refuse longer prompts (400); 0 = the model's ``max_model_len``."""
     max_body_bytes: int = 16 << 20
     """Refuse longer request bodies (413) before reading them whole."""
+    max_response_bytes: int = 64 << 20
+    """Longest non-streamed backend answer the router buffers: a longer one is cut (the upstream
+    response closed) and the client gets a 502 ``response_too_large``. Streamed answers are relayed
+    chunk by chunk and not limited. A P/D prefill answer is read up to ``min(this, 1 MiB)``."""
     log_decisions: bool = True
     """One debug log line per decision."""
     pd: PDSpec | None = None
@@ -309,6 +313,7 @@ class RouterConfig:
         for f in ("connect_timeout", "first_byte_timeout", "read_timeout", "health_interval"):
             _finite(f, getattr(self, f), positive=True)
         _finite("max_prompt_tokens", self.max_prompt_tokens)
+        _finite("max_response_bytes", self.max_response_bytes, positive=True)
         if self.max_body_bytes < 1:
             raise _bad("max_body_bytes", self.max_body_bytes, "must be >= 1")
         if self.retries < 0 or self.health_failures < 1:

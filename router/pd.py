@@ -43,22 +43,27 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client import Counter
 
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.results import ClusterLookup
-from router.backends import Backend, Pool
+from router.backends import Backend, Pool, read_capped
 from router.config import RouterConfig
 from router.decision import Decider, Plan, RejectReason, Rejection
 from router.prompts import Endpoint, ModelEntry, PromptKeys
 from tiers.base import TierKind
 
-__all__ = ["PDOrchestrator", "PrefillOutcome", "prefill_body"]
+__all__ = ["PREFILL_MAX_BYTES", "PDOrchestrator", "PrefillOutcome", "prefill_body"]
 
 log = logging.getLogger("kvstore.router.pd")
 
 POLL_S = 0.005
 """How often the decode daemon is asked whether the prefill's blocks are visible."""
+
+PREFILL_MAX_BYTES = 1 << 20
+"""The most of a prefill answer (a one-token completion, unused) the router reads; the bound is
+``min(this, max_response_bytes)``. Past it the answer is closed unread and counted."""
 
 
 def prefill_body(body: Mapping[str, Any], endpoint: Endpoint) -> dict[str, Any]:
@@ -93,13 +98,17 @@ class PrefillOutcome:
 class PDOrchestrator:
     """The two steps of a disaggregated request (see the module docstring)."""
 
-    def __init__(self, cfg: RouterConfig, pool: Pool, decider: Decider, http: httpx.AsyncClient) -> None:
+    def __init__(self, cfg: RouterConfig, pool: Pool, decider: Decider, http: httpx.AsyncClient,
+                 oversized: Counter | None = None) -> None:
         assert cfg.pd is not None
         self.spec = cfg.pd
         self.cfg = cfg
         self.pool = pool
         self.decider = decider
         self.http = http
+        self.oversized = oversized
+        """Counts prefill answers cut at their bound, by backend (the router's metric), or None."""
+        self.max_answer = min(cfg.max_response_bytes, PREFILL_MAX_BYTES)
         self.clients: dict[str, Client] = {}
         self.outcomes: list[PrefillOutcome] = []
         """Recent outcomes (bounded; the benchmark and tests read them)."""
@@ -161,9 +170,10 @@ class PDOrchestrator:
             did = self.decider.admitted(c, tenant, prompt.n_tokens, model.spec.block_size, model.block_bytes)
             b.begin(rid, prompt.n_tokens, c.predicted_s - c.decision.predicted.queue_s, time.monotonic())
             t0 = time.perf_counter()
-            try:
-                r = await self.http.post(f"{b.spec.url}{endpoint.value}", json=raw,
-                                         timeout=self.cfg.first_byte_timeout)
+            try:  # read up to a bound: the answer is not used, a backend that keeps sending is cut
+                async with self.http.stream("POST", f"{b.spec.url}{endpoint.value}", json=raw,
+                                            timeout=self.cfg.first_byte_timeout) as r:
+                    answer = await read_capped(r.aiter_raw(), self.max_answer)
             except httpx.PoolTimeout:  # the router's own connection limit: no backend's fault
                 out.error = "no free upstream connection"
                 break
@@ -174,6 +184,10 @@ class PDOrchestrator:
             finally:
                 b.end(rid)
             took = time.perf_counter() - t0
+            if answer is None:  # its status came after the prompt was computed: the prefill still counts
+                log.warning("pd: %s's prefill answer is over %d bytes: cut", b.name, self.max_answer)
+                if self.oversized is not None:
+                    self.oversized.labels(b.name).inc()
             if r.status_code >= 500:
                 out.error = f"{b.name}: HTTP {r.status_code}"
                 self.pool.mark_failed(b, out.error)

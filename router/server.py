@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvstore.errors import InvalidArgument
-from router.backends import Backend, Pool
+from router.backends import Backend, Pool, read_capped
 from router.config import ApiKey, RouterConfig
 from router.decision import Candidate, Decider, Plan, RejectReason, Rejection
 from router.metrics import RouterMetrics
@@ -154,7 +154,8 @@ class RouterService:
         longest = max((m.max_model_len for m in self.models.values()), default=0)
         self.decider = Decider(cfg, max_prompt_tokens=min(cfg.max_prompt_tokens or longest, longest))
         self.metrics = RouterMetrics(self.pool)
-        self.pd = PDOrchestrator(cfg, self.pool, self.decider, self.http) if cfg.pd is not None else None
+        self.pd = (PDOrchestrator(cfg, self.pool, self.decider, self.http, self.metrics.oversized)
+                   if cfg.pd is not None else None)
         """Prefill/decode disaggregation (``[pd]``), or None."""
         self.overheads: collections.deque[float] = collections.deque(maxlen=100_000)
         """Recent router work before the upstream call, seconds (the benchmark reads it)."""
@@ -362,10 +363,9 @@ class RouterService:
 
                 return _RelayResponse(self._relay(b, rid, resp, it, first), release, status_code=status,
                                       headers=headers, media_type=ctype)
-            try:
-                rest = [first]
-                async for chunk in it:
-                    rest.append(chunk)
+            limit = self.cfg.max_response_bytes
+            try:  # buffered up to the limit; past it the upstream response is closed unread
+                whole = await read_capped(it, limit, first)
             except httpx.HTTPError as e:
                 self.pool.mark_failed(b, str(e))
                 self.metrics.stream_errors.labels(b.name).inc()
@@ -373,9 +373,15 @@ class RouterService:
             finally:
                 await resp.aclose()
                 b.end(rid)
+            if whole is None:
+                self.metrics.oversized.labels(b.name).inc()
+                log.warning("backend %s answered more than max_response_bytes = %d bytes: cut", b.name, limit)
+                return error_response(502, f"backend {b.name}'s answer is larger than max_response_bytes = {limit} "
+                                      "bytes (the router's limit on a non-streamed answer; stream it instead)",
+                                      "backend_error", "response_too_large", headers=headers)
             if status == 200 and prompt.max_tokens <= 1:
                 self._observe_ttft(c, did, ttft)
-            return Response(b"".join(rest), status_code=status, headers=headers, media_type=ctype)
+            return Response(whole, status_code=status, headers=headers, media_type=ctype)
         return error_response(502, f"no backend could serve the request ({last})", "backend_error")
 
     async def _relay(self, b: Backend, rid: int, resp: httpx.Response, it: AsyncIterator[bytes],

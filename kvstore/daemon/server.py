@@ -72,6 +72,10 @@ class Running:
                 log.exception("stopping the cluster node failed")
         await self.server.stop(grace)
         await self.daemon.stop_background()
+        # /metrics goes once the drained calls have counted (their last scrape sees them) and before
+        # serve's final SSD flush blocks this loop (a scrape then timed out as a stats error) and
+        # the store closes; off the loop, so a scrape in progress still gets its snapshot
+        await asyncio.to_thread(self.daemon.metrics.stop_http)
         slab_owner.forget(self.daemon.identity, self.daemon.store.dram.name)  # a clean stop leaves no slab
 
 

@@ -217,3 +217,35 @@ def test_stop_leaves_no_task_of_the_daemon_pending(tmp_path) -> None:
         return [repr(t) for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
 
     assert asyncio.run(run()) == []
+
+
+def test_stop_stops_the_metrics_endpoint() -> None:
+    """The daemon's ``/metrics`` HTTP endpoint was never stopped: it lived
+    until the process exited (a scrape during the final SSD flush counted a
+    stats error; an in-process daemon leaked its listening port and thread).
+    The daemon's stop closes it: the port refuses connections and its
+    serving thread has ended."""
+    import threading
+    import urllib.request
+
+    config = load_config(None, {}, {"server.port": 0, "metrics.port": 0, "dram.capacity": "16MiB"})
+
+    async def main() -> tuple[int, threading.Thread | None]:
+        running = await server.start(config)
+        try:
+            _, port = running.daemon.metrics.start_http("127.0.0.1", 0)
+            thread = running.daemon.metrics.http_thread
+            url = f"http://127.0.0.1:{port}/metrics"
+            # the scrape snapshots the store on this loop: fetch it from another thread
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+            assert b"kvstore_tier_capacity_bytes" in body
+        finally:
+            await running.stop(0)
+            running.daemon.store.close()
+        assert running.daemon.metrics.http_port is None
+        return port, thread
+
+    port, thread = asyncio.run(main())
+    assert thread is not None and not thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()

@@ -95,6 +95,11 @@ class FakeVLLM:
     """When set, requests wait for it before their first byte (a slow prefill)."""
     gate_after_first: asyncio.Event | None = None
     """When set, a stream waits for it after its first event (a slow decode)."""
+    body_bytes: int = 0
+    """When set, every answer (streamed or not) carries this many bytes of padding, sent in 64 KiB
+    chunks: a backend that keeps sending."""
+    body_sent: list[int] = field(default_factory=list)
+    """Per padded answer, the padding bytes sent when its body ended (finished, or cut by the client)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     cancelled: int = 0
     loop: asyncio.AbstractEventLoop | None = None
@@ -126,6 +131,10 @@ class FakeVLLM:
             if me.fail_status:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=me.fail_status)
             text = f"{me.name}-answer"
+            if me.body_bytes:
+                return StreamingResponse(me.padded(kind, text, bool(body.get("stream"))),
+                                         media_type="text/event-stream" if body.get("stream") else
+                                         "application/json")
             if body.get("stream"):
                 async def gen() -> AsyncIterator[bytes]:
                     try:
@@ -164,3 +173,26 @@ class FakeVLLM:
             return await answer(request, "chat.completion")
 
         return app
+
+    async def padded(self, kind: str, text: str, stream: bool) -> AsyncIterator[bytes]:
+        """An answer with ``body_bytes`` of padding: SSE events, or one JSON
+        object whose ``pad`` field is sent in chunks."""
+        chunk = 64 << 10
+        sent = 0
+        try:
+            if stream:
+                yield f'data: {json.dumps({"object": kind, "choices": [{"text": text}]})}\n\n'.encode()
+                while sent < self.body_bytes:
+                    yield b'data: {"pad": "' + b"x" * (chunk - 16) + b'"}\n\n'
+                    sent += chunk
+                    await asyncio.sleep(0)
+                yield b"data: [DONE]\n\n"
+            else:
+                yield f'{{"object": "{kind}", "choices": [{{"text": "{text}"}}], "pad": "'.encode()
+                while sent < self.body_bytes:
+                    yield b"x" * chunk
+                    sent += chunk
+                    await asyncio.sleep(0)  # uvicorn drops sends to a gone client: let its cancel land
+                yield b'"}'
+        finally:
+            self.body_sent.append(sent)

@@ -39,6 +39,10 @@ PD = BACKEND + '[[backend]]\nname = "d"\nurl = "http://127.0.0.1:9002"\n'
     ('first_byte_timeout = nan\n', "first_byte_timeout"),
     ('read_timeout = inf\n', "read_timeout"),
     ('max_prompt_tokens = -1\n', "max_prompt_tokens"),
+    # a zero or NaN answer limit cut every answer (or none)
+    ('max_response_bytes = 0\n', "max_response_bytes"),
+    ('max_response_bytes = nan\n', "max_response_bytes"),
+    ('max_response_bytes = inf\n', "max_response_bytes"),
 ])
 def test_non_finite_or_out_of_range_numbers_are_refused_naming_the_key(tmp_path: Any, toml: str, key: str) -> None:
     path = tmp_path / "router.toml"

@@ -201,3 +201,83 @@ def test_a_cluster_lookup_claiming_more_blocks_than_asked_is_bounded(monkeypatch
     b = Pool(cfg, None, follow_events=False).backends[0]  # type: ignore[arg-type]
     plan = Decider(cfg).decide("t", "default", [b], [tiers], 3 * BS + 1, BS, 1024)
     assert isinstance(plan, Plan)
+
+
+# ---------------------------------------------------------------- a backend that keeps sending
+PAD = 32 << 20
+"""Padding a misbehaving backend sends: more than loopback's socket buffers hold, so a cut shows at the sender."""
+
+
+def _oversized_count(rig: Rig, backend: str) -> float:
+    text = rig.http.get("/metrics").text
+    line = f'kvstore_route_oversized_responses_total{{backend="{backend}"}} '
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(line))
+
+
+def test_a_non_streamed_answer_over_max_response_bytes_is_cut_with_502(model_dir: str) -> None:  # noqa: F811
+    """A non-streamed answer was buffered whole: a backend that keeps sending
+    held router memory until ``read_timeout``. Past ``max_response_bytes``
+    the router stops reading, closes the upstream response, releases the
+    backend's in-flight entry, counts it and answers 502 naming the limit."""
+    rig = Rig(model_dir, max_response_bytes=256 << 10)
+    try:
+        for f in rig.fakes.values():
+            f.body_bytes = PAD
+        r = rig.post({"model": "tiny", "prompt": prompt(20), "max_tokens": 3})
+        assert r.status_code == 502, r.status_code
+        err = r.json()["error"]
+        assert err["code"] == "response_too_large" and "max_response_bytes" in err["message"]
+        assert str(256 << 10) in err["message"]
+        name = r.headers.get("x-kvstore-backend") or next(n for n, f in rig.fakes.items() if f.requests)
+        fake = rig.fakes[name]
+        assert len(fake.requests) == 1  # not retried on the other backend
+        rig.wait(lambda: len(fake.body_sent) == 1, "the backend's answer to end")
+        assert fake.body_sent[0] < PAD  # the router closed the upstream response
+        assert not rig.backend("a").inflight and not rig.backend("b").inflight
+        assert _oversized_count(rig, name) == 1
+        assert rig.backend(name).healthy  # a long answer is no outage
+        for f in rig.fakes.values():
+            f.body_bytes = 0
+        ok = rig.post({"model": "tiny", "prompt": prompt(20), "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+    finally:
+        rig.close()
+
+
+def test_a_streamed_answer_is_relayed_past_max_response_bytes(model_dir: str) -> None:  # noqa: F811
+    """Streams are relayed chunk by chunk (nothing buffered): the limit does not apply."""
+    rig = Rig(model_dir, max_response_bytes=64 << 10)
+    try:
+        for f in rig.fakes.values():
+            f.body_bytes = 1 << 20
+        body = {"model": "tiny", "prompt": prompt(20), "max_tokens": 3, "stream": True}
+        with rig.http.stream("POST", "/v1/completions", json=body, headers={"authorization": "Bearer ka"}) as s:
+            assert s.status_code == 200
+            text = b"".join(s.iter_raw())
+        assert len(text) > 1 << 20 and text.endswith(b"data: [DONE]\n\n")
+        assert not rig.backend("a").inflight and not rig.backend("b").inflight
+    finally:
+        rig.close()
+
+
+def test_an_oversized_prefill_answer_is_cut_and_the_decode_still_answers(model_dir: str) -> None:  # noqa: F811
+    """P/D's prefill answer (a one-token completion the router does not use)
+    was read whole with ``http.post``: a prefill backend that keeps sending
+    held router memory. It is read up to ``min(max_response_bytes, 1 MiB)``,
+    then closed and counted; its 200 came after the prompt was computed, so
+    the decode goes on as after any prefill."""
+    from router.config import PDSpec
+
+    rig = Rig(model_dir, max_response_bytes=256 << 10, pd=PDSpec(prefill=("a",), decode=("b",),
+                                                                 visible_timeout=0.0))
+    try:
+        rig.fakes["a"].body_bytes = PAD
+        r = rig.post({"model": "tiny", "prompt": prompt(20), "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "b-answer" and r.headers["x-kvstore-prefill"] == "a"
+        rig.wait(lambda: len(rig.fakes["a"].body_sent) == 1, "the prefill answer to end")
+        assert rig.fakes["a"].body_sent[0] < PAD
+        assert not rig.backend("a").inflight and not rig.backend("b").inflight
+        assert _oversized_count(rig, "a") == 1 and rig.backend("a").healthy
+    finally:
+        rig.close()
