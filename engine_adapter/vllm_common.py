@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore import identity
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
-from kvstore.keys import KEY_LEN, KVDtype, KVLayout, Namespace
+from kvstore.keys import KVDtype, KVLayout, Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,7 +59,6 @@ __all__ = [
     "layout_descriptor",
     "cluster_mode",
     "request_ns",
-    "split_keys",
 ]
 
 log = logging.getLogger("kvstore.vllm")
@@ -304,11 +303,6 @@ def cluster_mode(extra: dict[str, Any]) -> ClusterMode:
     if text == "auto":
         return ClusterMode.AUTO
     raise ValueError(f"kvstore connector: cluster must be true, false or \"auto\", got {v!r}")
-
-
-def split_keys(keys: bytes) -> list[bytes]:
-    """Packed 16-byte keys as a list."""
-    return [keys[i:i + KEY_LEN] for i in range(0, len(keys), KEY_LEN)]
 
 
 # --------------------------------------------------------------------------

@@ -43,14 +43,13 @@ from engine_adapter.vllm_common import (
     KVStoreConnectorMetadata,
     KVStoreWorkerMetadata,
     request_ns,
-    split_keys,
 )
 from kvstore.checksum import copy_many
 from kvstore.client import Client, PendingReservation, Reservation
 from kvstore.client.shards import write_seals
 from kvstore.client.sinks import LayerScatter, ShardScatter
 from kvstore.errors import KeyStatus
-from kvstore.keys import Namespace
+from kvstore.keys import KEY_LEN, Namespace
 
 __all__ = ["SaveSide"]
 
@@ -112,7 +111,7 @@ class SaveSide:
                 pending.append(None)
                 continue
             try:
-                pending.append(c.reserve_later(request_ns(base, m.adapter, m.salt), split_keys(m.keys),
+                pending.append(c.reserve_later(request_ns(base, m.adapter, m.salt), m.keys,
                                                self.block_bytes, parent=m.parent or None))
             except FAULT_TYPES as e:
                 self.link.fault("save", e)  # closes the client: the daemon reclaims what it reserved
@@ -183,7 +182,7 @@ class SaveSide:
                         continue
                     resv = p.result()
                 else:
-                    resv = c.reserve(request_ns(base, m.adapter, m.salt), split_keys(m.keys), self.block_bytes,
+                    resv = c.reserve(request_ns(base, m.adapter, m.salt), m.keys, self.block_bytes,
                                      parent=m.parent or None)
             except FAULT_TYPES as e:
                 self.link.fault("save", e)
@@ -303,7 +302,7 @@ class SaveSide:
             try:
                 p = pending[i] if pending is not None else None
                 resv = p.result() if p is not None else \
-                    c.reserve(request_ns(base, m.adapter, m.salt), split_keys(m.keys), self.block_bytes,
+                    c.reserve(request_ns(base, m.adapter, m.salt), m.keys, self.block_bytes,
                               parent=m.parent or None)
             except FAULT_TYPES as e:
                 self.link.fault("save", e)  # closes the client: the daemon reclaims earlier reservations
@@ -325,8 +324,7 @@ class SaveSide:
                 codes[i] = 0
         sel = np.flatnonzero(plan.write == 1)
         all_ids = np.asarray([b for m in saves for b in m.block_ids], np.int64)
-        all_keys = [k for m in saves for k in split_keys(m.keys)]
-        keys = [all_keys[i] for i in sel.tolist()]
+        keys = np.frombuffer(b"".join(m.keys for m in saves), np.uint8).reshape(-1, KEY_LEN)[sel].tobytes()
         lay = self.scatter
         if isinstance(lay, ShardScatter) and not lay.staged:  # this rank's pieces straight into each slot
             try:
@@ -373,7 +371,7 @@ class SaveSide:
         for m in saves:
             k = len(m.block_ids)
             try:
-                st = c.put(request_ns(base, m.adapter, m.salt), split_keys(m.keys),
+                st = c.put(request_ns(base, m.adapter, m.salt), m.keys,
                            [rows[i] for i in range(j, j + k)], parent=m.parent or None)
             except FAULT_TYPES as e:
                 self.link.fault("save", e)

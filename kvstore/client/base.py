@@ -149,7 +149,7 @@ class ClientBase:
             msg = self._ns_msgs[ns] = ns_pb(ns)
         return msg
 
-    def _reserve_request(self, ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
+    def _reserve_request(self, ns: Namespace, keys: Sequence[bytes] | bytes, srcs: list[np.ndarray],
                          parent: bytes | None) -> pb.ReserveRequest:
         req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"")
         sizes = {s.size for s in srcs}

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvstore.buffers import KEY_BYTES, as_u8, as_u8_writable
+from kvstore.buffers import KEY_BYTES, as_u8, as_u8_writable, pack_keys
 from kvstore.checksum import load_native
 from kvstore.errors import InvalidArgument
 
@@ -56,29 +56,28 @@ def seal_bytes(tp: int) -> int:
     return -(-(SEAL_HEADER + 8 * tp) // 64) * 64
 
 
-def _headers(shard_bytes: int, keys: Sequence[bytes]) -> np.ndarray:
-    n = len(keys)
+def _headers(shard_bytes: int, keys: Sequence[bytes] | bytes) -> np.ndarray:
+    packed = pack_keys(keys, check=True)
+    n = len(packed) // KEY_BYTES
     out = np.empty((n, SEAL_HEADER), np.uint8)
     out[:, :16].view("<u8")[:] = (_MAGIC_U64, shard_bytes)
-    packed = b"".join(keys)
-    if len(packed) != n * KEY_BYTES:
-        raise InvalidArgument(f"keys must be {KEY_BYTES} bytes each")
     out[:, 16:] = np.frombuffer(packed, np.uint8).reshape(n, KEY_BYTES)
     return out
 
 
-def write_seals(blocks: Sequence[Any], rank: int, tp: int, shard_bytes: int, keys: Sequence[bytes],
+def write_seals(blocks: Sequence[Any], rank: int, tp: int, shard_bytes: int, keys: Sequence[bytes] | bytes,
                 sums: Any) -> None:
-    """Rank ``rank``'s part of each block's seal: the header and its entry
-    ``sums[i]`` (the XXH3-64 of its shard of ``blocks[i]``); rank 0 also the
-    padding. ``blocks``: whole slots of ``tp * shard_bytes + seal_bytes(tp)``."""
+    """Rank ``rank``'s part of each block's seal: the header (key
+    ``keys[i]``; or packed, 16 bytes each) and its entry ``sums[i]`` (the
+    XXH3-64 of its shard of ``blocks[i]``); rank 0 also the padding.
+    ``blocks``: whole slots of ``tp * shard_bytes + seal_bytes(tp)``."""
     if not 0 <= rank < tp:
         raise InvalidArgument(f"rank {rank} outside a group of {tp}")
-    if len(blocks) != len(keys):
-        raise InvalidArgument(f"{len(blocks)} blocks but {len(keys)} keys")
-    at, sb = tp * shard_bytes, seal_bytes(tp)
     head = _headers(shard_bytes, keys)
-    own = np.ascontiguousarray(np.asarray(sums, dtype=np.uint64).reshape(len(keys))).view(np.uint8).reshape(-1, 8)
+    if len(blocks) != len(head):
+        raise InvalidArgument(f"{len(blocks)} blocks but {len(head)} keys")
+    at, sb = tp * shard_bytes, seal_bytes(tp)
+    own = np.ascontiguousarray(np.asarray(sums, dtype=np.uint64).reshape(len(head))).view(np.uint8).reshape(-1, 8)
     e = at + SEAL_HEADER + 8 * rank
     for i, b in enumerate(blocks):
         v = as_u8_writable(b)

@@ -312,11 +312,12 @@ class ShardScatter:
             raise InvalidArgument("a sealed read needs one key per block")
         return ShardSink(ScatterSink(self.shard, slots), self.rank, self.tp, self.shard_bytes, keys)
 
-    def gather(self, dsts: Sequence[Any], slots: Sequence[int] | np.ndarray, keys: Sequence[bytes],
+    def gather(self, dsts: Sequence[Any], slots: Sequence[int] | np.ndarray, keys: Sequence[bytes] | bytes,
                threads: int | None = None) -> np.ndarray:
         """Engine block ``slots[i]``'s shard into ``dsts[i]`` (a reserved
-        slot: the whole sealed block), hashed on the way, and this rank's
-        part of its seal; returns the shard checksums."""
+        slot: the whole sealed block, key ``keys[i]``; or packed, 16 bytes
+        each), hashed on the way, and this rank's part of its seal; returns
+        the shard checksums."""
         sums = self.shard.gather(self.own(dsts), slots, True, threads)
         assert sums is not None
         write_seals(dsts, self.rank, self.tp, self.shard_bytes, keys, sums)

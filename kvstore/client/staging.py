@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore.buffers import pack_keys
 from kvstore.checksum import copy_many
 from kvstore.client.grants import GrantPool
 from kvstore.client.shared import OwnWrites, SharedPath
@@ -83,11 +82,11 @@ class WriteBehind:
         self.lock = threading.Lock()
         """One put at a time places, fills and sends (threads sharing a client)."""
 
-    def put(self, fast: LookupSocketClient, shared: SharedPath, wire: bytes, keys: list[bytes],
+    def put(self, fast: LookupSocketClient, shared: SharedPath, wire: bytes, packed: bytes,
             srcs: list[np.ndarray], parent: bytes | None, threads: int,
             settle: Callable[[], None], slab: np.ndarray | None = None) -> list[KeyStatus] | None:
-        """Copy the blocks into granted slots of ``slab`` (else into the
-        ring) and send one ``gput`` (``put``) frame without waiting; None
+        """Copy the blocks (keys ``packed``, 16 bytes each) into granted
+        slots of ``slab`` (else into the ring) and send one ``gput`` (``put``) frame without waiting; None
         when this put should go through ``Reserve`` instead. The shared
         index says which leading blocks are stored already (EXISTS, as
         Reserve would answer: all of them, and nothing is sent) and whether
@@ -105,7 +104,6 @@ class WriteBehind:
         granted = slab is not None and not ring.fits(n * size) and self.grants.fits(size, n)
         if not (granted or ring.fits(n * size)):
             return None
-        packed = pack_keys(keys, check=True)
         nid = shared.nid(fast, wire)
         if nid is None or not fits_frame(len(wire) + len(packed) + 16 * n + 64):
             return None  # (a namespace the daemon has no id for yet: Reserve makes it)
@@ -116,7 +114,7 @@ class WriteBehind:
         if hit == n:
             return [KeyStatus.EXISTS] * n
         if hit:
-            parent, packed, srcs = keys[hit - 1], packed[16 * hit :], srcs[hit:]
+            parent, packed, srcs = packed[16 * (hit - 1) : 16 * hit], packed[16 * hit :], srcs[hit:]
         elif parent and not self._stored(fast, shared, nid, wire, parent):
             return None
         m = n - hit

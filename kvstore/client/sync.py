@@ -311,23 +311,23 @@ class Client(ControlCalls):
                 self._socket_failed("Tally/Reads", e)
 
     # --------------------------------------------------------------- put
-    def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
+    def put(self, ns: Namespace, keys: Sequence[bytes] | bytes, payloads: Sequence[Buffer],
             parent: bytes | None = None) -> list[KeyStatus]:
-        """Store a chain segment; one status per key."""
-        keys = list(keys)
-        if len(keys) != len(payloads):
-            raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
+        """Store a chain segment; one status per key (16-byte keys, or packed back to back)."""
+        packed = pack_keys(keys, check=True)
+        if len(packed) != KEY_BYTES * len(payloads):
+            raise InvalidArgument(f"{len(packed) // KEY_BYTES} keys but {len(payloads)} payloads")
         if self.slab is not None:
-            return self._put_shm(ns, keys, payloads, parent)
-        return self._put_inline(ns, keys, payloads, parent)
+            return self._put_shm(ns, packed, payloads, parent)
+        return self._put_inline(ns, split_keys(packed), payloads, parent)
 
-    def _put_shm(self, ns: Namespace, keys: list[bytes], payloads: Sequence[Buffer],
+    def _put_shm(self, ns: Namespace, packed: bytes, payloads: Sequence[Buffer],
                  parent: bytes | None) -> list[KeyStatus]:
         srcs = [as_u8(p) for p in payloads]
-        staged = self._put_staged(ns, keys, srcs, parent)
+        staged = self._put_staged(ns, packed, srcs, parent)
         if staged is not None:
             return staged
-        req = self._reserve_request(ns, keys, srcs, parent)
+        req = self._reserve_request(ns, packed, srcs, parent)
         r = self._unary("Reserve", req)
         if (shared := self._shared) is not None:
             shared.known(self._wire_of(ns))  # the namespace exists now: ask for its id again
@@ -349,14 +349,14 @@ class Client(ControlCalls):
             return statuses
         return self._merge_commit(statuses, self._unary("Commit", commit))
 
-    def _put_staged(self, ns: Namespace, keys: list[bytes], srcs: list[np.ndarray],
+    def _put_staged(self, ns: Namespace, packed: bytes, srcs: list[np.ndarray],
                     parent: bytes | None) -> list[KeyStatus] | None:
         """A write-behind put (``WriteBehind.put``), or None: put through ``Reserve``."""
         wb, fast, shared = self._wb, self._fast, self._shared
         if not self.pipeline or fast is None or shared is None:
             return None
         try:
-            return wb.put(fast, shared, self._wire_of(ns), keys, srcs, parent, self.copy_threads, self.flush,
+            return wb.put(fast, shared, self._wire_of(ns), packed, srcs, parent, self.copy_threads, self.flush,
                           self.slab.buf if self.slab is not None else None)
         except OSError as e:
             raise self._socket_failed("Put", e) from None
@@ -491,18 +491,18 @@ class Client(ControlCalls):
         """Device tensor view of an HBM slot (after map_hbm)."""
         return self.map_hbm().view(offset, length)
 
-    def reserve(self, ns: Namespace, keys: Sequence[bytes], block_bytes: int,
+    def reserve(self, ns: Namespace, keys: Sequence[bytes] | bytes, block_bytes: int,
                 parent: bytes | None = None, tier: str | None = None) -> "Reservation":
-        """Reserve slots for a chain segment of equal-size blocks; write them
-        through ``view(offset, length)`` (from any process that maps the
-        slab, e.g. every TP rank writing its shard), then ``commit``.
+        """Reserve slots for a chain segment of equal-size blocks (``keys``:
+        16-byte keys, or packed back to back); write them through ``view``
+        (from any process that maps the slab: every TP rank), then ``commit``.
         ``tier="hbm"`` asks for device slots: those whose ``tiers`` entry is
         HBM are written through ``hbm_view`` (the daemon may answer DRAM)."""
         req = pb.ReserveRequest(ns=self._ns_msg(ns), keys_packed=pack_keys(keys, check=True), parent=parent or b"",
                                 block_bytes=block_bytes, tier=tier_field(tier))
         return self._reservation(self._unary("Reserve", req))
 
-    def reserve_later(self, ns: Namespace, keys: Sequence[bytes], block_bytes: int,
+    def reserve_later(self, ns: Namespace, keys: Sequence[bytes] | bytes, block_bytes: int,
                       parent: bytes | None = None) -> PendingReservation:
         """``reserve``, answered later: over the same-host socket (with
         ``pipeline``) the request goes out now without waiting, the daemon

@@ -121,6 +121,25 @@ def test_ranks_gather_a_sealed_block_and_each_reads_back_only_its_shard():
             assert np.array_equal(fresh[1][1][j + 1], ranks[r][1][1][i])
 
 
+def test_a_save_with_packed_keys_seals_what_a_save_with_a_key_list_does():
+    """The vLLM worker's TP save passes the planned blocks' keys packed in one
+    string (``write_seals`` and ``ShardScatter.gather``): the same slot bytes
+    as one key per block; a packed length that is not 16 per block is refused."""
+    ranks = _ranks(np.random.default_rng(5))
+    made = []
+    for keys in (KEYS, b"".join(KEYS)):
+        blocks = [np.zeros(BLOCK, np.uint8) for _ in KEYS]
+        for (lay, _), r in zip(ranks, range(TP)):
+            sums = lay.gather(blocks, [4, 1, 6], keys)
+            write_seals(blocks, r, TP, SHARD, keys, sums)  # (again, by hand: the staged save's call)
+        made.append(blocks)
+    assert all(np.array_equal(a, b) for a, b in zip(*made))
+    assert read_seals(made[1], TP, SHARD, KEYS)[0].all()
+    for bad in (b"".join(KEYS)[:-1], b"".join(KEYS[:2])):  # 2.9 keys, or 2 keys for 3 blocks
+        with pytest.raises(InvalidArgument):
+            write_seals(made[1], 0, TP, SHARD, bad, [1, 2, 3])
+
+
 def test_damage_fails_only_the_rank_whose_shard_it_is_and_a_bad_seal_places_nothing():
     ranks = _ranks(np.random.default_rng(4))
     blocks = [np.zeros(BLOCK, np.uint8) for _ in KEYS]
