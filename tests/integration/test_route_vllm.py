@@ -152,9 +152,20 @@ def test_router_keys_are_the_connectors_keys(fleet: Fleet) -> None:
     wait_until(lambda: len(view.chain_tiers(keys)) == 5, 30, "the router's event view of the holder")
 
 
+def _settled(f: Fleet) -> None:
+    """Wait until the router sees no request running at either backend: vLLM's
+    ``/metrics`` (polled every ``health_interval``) can still count a request
+    the router saw end, and with this fleet's 1 s decode penalty one such
+    stale count outweighs a 5-block hit (seen under a loaded CI machine)."""
+    pool = f.svc.pool
+    wait_until(lambda: all(pool.by_name(n).running_now() == 0 for n in ("a", "b")), 30,
+               "no request running at either backend, as the router sees them")
+
+
 def test_repeated_prefix_goes_to_the_holder(fleet: Fleet) -> None:
     first = _completion(fleet, P).headers["x-kvstore-backend"]
     for _ in range(2):
+        _settled(fleet)
         r = _completion(fleet, P + " w5 w6")
         assert r.headers["x-kvstore-backend"] == first
         assert int(r.headers["x-kvstore-hit-tokens"]) == 5 * BLOCK
