@@ -136,7 +136,8 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
     async def Commit(self, request: pb.CommitRequest, context: Any, who: Principal) -> pb.CommitResponse:
         owner, _ = self.owner(context, who)
         if request.keys:
-            raise InvalidArgument("partial commit is not supported: commit the whole reservation or abort it")
+            raise InvalidArgument("keys: partial commit is not supported (leave keys empty): commit the whole "
+                                  "reservation or abort it")
         res = self.store.commit(request.reservation_id, owner, list(request.checksums) or None)
         return pb.CommitResponse(results=results_pb(None, res))
 

@@ -181,6 +181,8 @@ ROWS: list[Row] = [
      INV, "block_size"),
     ("commit-unknown", "KVStore", "Commit", lambda: pb.CommitRequest(reservation_id="r-nope"), NF, "reservation"),
     ("commit-empty-id", "KVStore", "Commit", lambda: pb.CommitRequest(), NF, "reservation"),
+    ("commit-partial", "KVStore", "Commit", lambda: pb.CommitRequest(reservation_id="r-nope", keys=[K[0]]), INV,
+     "keys"),
     ("abort-unknown", "KVStore", "Abort", lambda: pb.AbortRequest(reservation_id="r-nope"), NF, "reservation"),
     ("acquire-packed-17", "KVStore", "Acquire", lambda: pb.AcquireRequest(ns=A, keys_packed=b"k" * 17), INV,
      "keys_packed"),
