@@ -379,3 +379,44 @@ def test_a_report_with_a_bad_value_is_refused_before_it_counts(wire) -> None:
     code, msg, raw = acme.grpc("KVStore", "Report", pb.ReportRequest(decision_id=did, actual_ttft_s=0.5))
     assert code == OK_ and pb.ReportResponse.FromString(raw).matched, msg
 
+
+def test_a_tenant_holding_its_share_cannot_evict_another_tenants_blocks(tmp_path) -> None:
+    """Shares acme 0.5, beta 0.5 of an 8 MiB DRAM tier. beta holds 4 MiB
+    (its share); acme holds its 4 MiB where eviction cannot take them (an
+    open reservation, then a lease), and asks for 4 MiB more: that request
+    is over acme's share, so it gets the free slots (none) and evicts
+    nothing of beta's (the old daemon, finding acme's own blocks held, went
+    on to evict beta's in policy order: beta lost every block)."""
+    (tmp_path / "tenants.toml").write_text(TENANTS.replace('name = "acme"', 'name = "acme"\nshare = 0.5')
+                                           .replace('name = "beta"', 'name = "beta"\nshare = 0.5'))
+    d = DaemonThread({"server.tenants_file": str(tmp_path / "tenants.toml"), "dram.capacity": "8MiB",
+                      "dram.page_size": "1MiB", "admission.default_tenant_share": 0.0})
+    big = 64 * 1024
+    try:
+        wait_healthy(d.target)
+        with Client(d.target, token="tok-beta") as b, Client(d.target, token="tok-acme") as a:
+            bk = chain_keys(11, 64, BETA)
+            assert b.put(BETA, bk, [P(b"b", k, big) for k in bk]) == [KeyStatus.OK] * 64
+            for hold in ("reservation", "lease"):
+                mine = chain_keys(20 if hold == "reservation" else 21, 64, ACME)
+                if hold == "reservation":
+                    held = a.reserve(ACME, mine, big)
+                    assert held.statuses == [KeyStatus.OK] * 64
+                else:
+                    assert a.put(ACME, mine, [P(b"a", k, big) for k in mine]) == [KeyStatus.OK] * 64
+                    lease = a.acquire(ACME, mine)
+                    assert lease.hit_blocks == 64
+                more = a.reserve(ACME, chain_keys(30, 64, ACME), big)
+                granted = sum(s == KeyStatus.OK for s in more.statuses)
+                if more.reservation_id:
+                    a.abort(more)
+                assert b.lookup(BETA, bk).hit_blocks == 64, hold
+                assert granted == 0, hold
+                if hold == "reservation":
+                    a.abort(held)
+                else:
+                    lease.release()
+                    a.remove(ACME, mine)
+            assert [g.tobytes() for g in b.get(BETA, bk)] == [P(b"b", k, big) for k in bk]
+    finally:
+        d.stop()
