@@ -11,6 +11,7 @@ UNKNOWN/INTERNAL passes there); this file asks for the right status."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,7 +27,6 @@ from kvstore.wire.shm import host_identity
 from kvstore.wire.status import ERROR_FOR_CODE
 from proto import kvstore_pb2 as pb
 from tests.conftest import payload_for
-from tests.faults.faultlib import record
 from tests.support.daemon import DaemonThread
 from tests.support.keys import chain_keys
 from tests.support.waits import wait_healthy
@@ -141,8 +141,8 @@ def intact(w: dict[str, Any]) -> None:
 A = ns_pb(ACME)
 K = chain_keys(1, 8, ACME)
 NEW = chain_keys(77, 4, ACME)
-OK_, INV, NF, PD, RE = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                        grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+OK_, INV, NF, PD = (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.PERMISSION_DENIED)
 B_NS = pb.Namespace(tenant="beta", model_id="llama", block_size=16)
 NOBODY = pb.Namespace(tenant="nobody", model_id="llama", block_size=16)
 BAD_NS = pb.Namespace(model_id="llama", block_size=0)
@@ -339,7 +339,6 @@ def test_protocol_steps_out_of_order(wire, over: str) -> None:
     # Commit after the reservation expired (the reaper runs with a clock far ahead)
     late = chain_keys(500 if over == "grpc" else 600, 2, ACME)
     r = _reserve(acme, late, over)
-    import time
     assert d.call(d.store.reap, time.monotonic() + 1e6) >= 1
     _check(call(acme, "Commit", pb.CommitRequest(reservation_id=r.reservation_id)), NF, "reservation",
            "commit after expiry")
