@@ -265,7 +265,7 @@ class Placement:
             while got < count:
                 victims = self.victims(tier, cls, count - got, for_ns, (count - got) * nbytes)
                 if victims.size == 0:
-                    victims = self._victims_other_class(tier, cls)
+                    victims = self._victims_other_class(tier, cls, for_ns, (count - got) * nbytes)
                     if victims.size == 0:
                         break
                 if self.lower is not None:
@@ -394,17 +394,34 @@ class Placement:
             first = first[keep][:k]
         if first.size >= k:
             return first
-        # then the rest (the trimmed ones included) in policy order
+        # then the rest (the trimmed ones included) in policy order; a requester over its share
+        # (with what it asks for) only from its own blocks: never another tenant's below its share
         rest = ~np.isin(rows, first)
+        if for_ns is not None:
+            me = ns_tenant[for_ns]
+            if usage[me] > shares[me] * self.tiers[tier].capacity_bytes:
+                rest &= tid == me
         second = select_subtrees(idx, self.policy, rows[rest], blocked[rest], k - first.size)
         return np.concatenate([first, second]) if first.size else second
 
-    def _victims_other_class(self, tier: TierKind, cls: int) -> np.ndarray:
+    def _victims_other_class(self, tier: TierKind, cls: int, for_ns: int | None = None,
+                             incoming: int = 0) -> np.ndarray:
         """To give a page to class ``cls``: the lowest-ranked candidate of
-        another class, so pages drain in policy order."""
+        another class, so pages drain in policy order (of the requester's
+        own blocks only when it is over its share, as ``select``)."""
         cand = self.evictable(tier)
         if cand.size:
             cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) != cls]
+        if cand.size and self.shares is not None and for_ns is not None:
+            idx = self.index
+            ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
+            me = ns_tenant[for_ns]
+            rows = idx.used_rows()
+            rows = rows[idx.tier[rows] == tier]
+            used = float(idx.size[rows[ns_tenant[idx.ns[rows]] == me]].sum()) + incoming
+            share = self.shares.array(self.namespaces.tenant_names(), tier)[me]
+            if used > share * self.tiers[tier].capacity_bytes:
+                cand = cand[ns_tenant[idx.ns[cand]] == me]
         return select_victims(self.index, self.policy, cand, 1)
 
     # ----------------------------------------------------------- dropping

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, cast
 import grpc
 import numpy as np
 
+from admission.predictor import check_positive
 from admission.slo import DecisionKind
 from kvstore import errors
 from kvstore.checksum import checksum
@@ -135,7 +136,8 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
     async def Commit(self, request: pb.CommitRequest, context: Any, who: Principal) -> pb.CommitResponse:
         owner, _ = self.owner(context, who)
         if request.keys:
-            raise InvalidArgument("partial commit is not supported: commit the whole reservation or abort it")
+            raise InvalidArgument("keys: partial commit is not supported (leave keys empty): commit the whole "
+                                  "reservation or abort it")
         res = self.store.commit(request.reservation_id, owner, list(request.checksums) or None)
         return pb.CommitResponse(results=results_pb(None, res))
 
@@ -244,8 +246,10 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
 
     @rpc("Report")
     async def Report(self, request: pb.ReportRequest, context: Any, who: Principal) -> pb.ReportResponse:
-        if not request.actual_ttft_s > 0:
-            raise InvalidArgument(f"actual_ttft_s must be > 0, got {request.actual_ttft_s}")
+        # refused whole before anything counts: a bad value would consume the decision and move the error
+        # figures before the predictor refused it (and a report on an unknown id is refused the same)
+        check_positive("actual_ttft_s", request.actual_ttft_s)
+        check_positive("queue_s", request.queue_s, allow_zero=True)
         # only the tenant and session that received the decision may report on it; anyone else's
         # report is ignored like an unknown id (the id is random, so it cannot be guessed either)
         err = self.admission.report(int(request.decision_id), float(request.actual_ttft_s),
