@@ -1,0 +1,83 @@
+"""The relay between client and backend: bounds on how long a backend may
+hold an answer, how a stream that breaks ends for the client, and what the
+backend sees of the client's request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.unit.router.test_route_unit import Rig, model_dir, prompt  # noqa: F401  (fixture)
+
+
+def _count(rig: Rig, metric: str, backend: str) -> float:
+    text = rig.http.get("/metrics").text
+    line = f'{metric}{{backend="{backend}"}} '
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(line))
+
+
+def _events(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body (JSON decoded; ``[DONE]`` as the string)."""
+    out: list[Any] = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ---------------------------------------------------------------- 1. a backend that trickles its answer
+def test_a_trickling_backend_is_cut_at_request_timeout(model_dir: str) -> None:  # noqa: F811
+    """Every read of a trickling answer (an event every 50 ms) came under
+    ``read_timeout``: the router held the request as long as the backend
+    liked. ``request_timeout`` bounds a backend's whole answer: a
+    non-streamed one gets 504 ``backend_timeout``, a stream ends with an
+    error event (no ``[DONE]``); both are counted, the upstream request is
+    closed and the backend stays in the pool (a long answer is no outage).
+    The client's own timeout (30 s) only fails the test on a hang."""
+    rig = Rig(model_dir, request_timeout=1.0, read_timeout=10.0, first_byte_timeout=10.0)
+    try:
+        for f in rig.fakes.values():
+            f.trickle_s = 0.05
+        r = rig.post({"model": "tiny", "prompt": prompt(20), "max_tokens": 3})
+        assert r.status_code == 504, r.text
+        err = r.json()["error"]
+        assert err["code"] == "backend_timeout" and "request_timeout" in err["message"]
+        name = r.headers["x-kvstore-backend"]
+        assert len(rig.fakes[name].requests) == 1  # not retried
+        body = {"model": "tiny", "prompt": prompt(20), "max_tokens": 3, "stream": True}
+        with rig.http.stream("POST", "/v1/completions", json=body, headers={"authorization": "Bearer ka"}) as s:
+            assert s.status_code == 200
+            events = _events(b"".join(s.iter_raw()))
+        assert "[DONE]" not in events
+        last = events[-1]
+        assert last["error"]["code"] == 504 and last["error"]["type"] == "timeout_error", last
+        assert len(events) > 1  # what came before the deadline was relayed
+        rig.wait(lambda: sum(f.cancelled for f in rig.fakes.values()) == 2, "both upstream answers to be closed")
+        total = sum(_count(rig, "kvstore_route_backend_timeouts_total", n) for n in ("a", "b"))
+        assert total == 2
+        assert not rig.backend("a").inflight and not rig.backend("b").inflight
+        assert rig.backend("a").healthy and rig.backend("b").healthy
+    finally:
+        rig.close()
+
+
+def test_a_trickling_prefill_is_cut_at_request_timeout_and_the_decode_answers(model_dir: str) -> None:  # noqa: F811
+    """P/D's prefill answer was read with only the per-read timeout: a prefill
+    backend that trickles held the request before its decode ever started.
+    It is cut at ``request_timeout`` and counted; the decode backend computes
+    the prompt and answers."""
+    from router.config import PDSpec
+
+    rig = Rig(model_dir, request_timeout=1.0, read_timeout=10.0, first_byte_timeout=10.0,
+              pd=PDSpec(prefill=("a",), decode=("b",), visible_timeout=0.0))
+    try:
+        rig.fakes["a"].trickle_s = 0.05
+        r = rig.post({"model": "tiny", "prompt": prompt(20), "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "b-answer" and r.headers["x-kvstore-prefill"] == "-"
+        assert _count(rig, "kvstore_route_backend_timeouts_total", "a") == 1
+        rig.wait(lambda: rig.fakes["a"].cancelled == 1, "the prefill's upstream answer to be closed")
+        assert not rig.backend("a").inflight and not rig.backend("b").inflight and rig.backend("a").healthy
+    finally:
+        rig.close()
