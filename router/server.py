@@ -371,7 +371,8 @@ class RouterService:
                     b.end(rid)
                     await resp.aclose()
 
-                return _RelayResponse(self._relay(b, rid, resp, it, first, deadline), release, status_code=status,
+                sse = ctype.startswith("text/event-stream")
+                return _RelayResponse(self._relay(b, rid, resp, it, first, deadline, sse), release, status_code=status,
                                       headers=headers, media_type=ctype)
             limit = self.cfg.max_response_bytes
             try:  # buffered up to the limit; past it (or the deadline) the upstream response is closed unread
@@ -403,18 +404,29 @@ class RouterService:
         return error_response(502, f"no backend could serve the request ({last})", "backend_error")
 
     async def _relay(self, b: Backend, rid: int, resp: httpx.Response, it: AsyncIterator[bytes],
-                     first: bytes, deadline: float) -> AsyncIterator[bytes]:
+                     first: bytes, deadline: float, sse: bool) -> AsyncIterator[bytes]:
         """The stream, chunk by chunk, until it ends or ``deadline`` (a timeout
-        per read: never one around a ``yield``, which would cancel the client's send)."""
+        per read: never one around a ``yield``, which would cancel the client's send).
+        An SSE stream that ends without ``data: [DONE]`` gets an error event:
+        a truncated stream must not look complete."""
         try:
             yield first
+            prev, last = b"", first
             while True:
                 try:
                     async with asyncio.timeout_at(deadline):
                         chunk = await anext(it)
                 except StopAsyncIteration:
                     break
+                if chunk:
+                    prev, last = last, chunk
                 yield chunk
+            if sse and not (prev[-32:] + last).rstrip().endswith(b"data: [DONE]"):
+                log.warning("backend %s ended a stream without data: [DONE]", b.name)
+                self.metrics.stream_errors.labels(b.name).inc()
+                err = {"error": {"message": f"backend {b.name} ended the stream without data: [DONE] (truncated)",
+                                 "type": "backend_error", "param": None, "code": 502}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
         except TimeoutError:
             log.warning("backend %s's stream passed request_timeout = %s s: ended", b.name, self.cfg.request_timeout)
             self.metrics.timeouts.labels(b.name).inc()

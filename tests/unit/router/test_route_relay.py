@@ -35,7 +35,7 @@ def test_a_trickling_backend_is_cut_at_request_timeout(model_dir: str) -> None: 
     error event (no ``[DONE]``); both are counted, the upstream request is
     closed and the backend stays in the pool (a long answer is no outage).
     The client's own timeout (30 s) only fails the test on a hang."""
-    rig = Rig(model_dir, request_timeout=1.0, read_timeout=10.0, first_byte_timeout=10.0)
+    rig = Rig(model_dir, request_timeout=3.0, read_timeout=10.0, first_byte_timeout=10.0)
     try:
         for f in rig.fakes.values():
             f.trickle_s = 0.05
@@ -52,7 +52,7 @@ def test_a_trickling_backend_is_cut_at_request_timeout(model_dir: str) -> None: 
         assert "[DONE]" not in events
         last = events[-1]
         assert last["error"]["code"] == 504 and last["error"]["type"] == "timeout_error", last
-        assert len(events) > 1  # what came before the deadline was relayed
+        assert events[0]["choices"][0]["text"] == "t"  # what came before the deadline was relayed
         rig.wait(lambda: sum(f.cancelled for f in rig.fakes.values()) == 2, "both upstream answers to be closed")
         total = sum(_count(rig, "kvstore_route_backend_timeouts_total", n) for n in ("a", "b"))
         assert total == 2
@@ -79,5 +79,33 @@ def test_a_trickling_prefill_is_cut_at_request_timeout_and_the_decode_answers(mo
         assert _count(rig, "kvstore_route_backend_timeouts_total", "a") == 1
         rig.wait(lambda: rig.fakes["a"].cancelled == 1, "the prefill's upstream answer to be closed")
         assert not rig.backend("a").inflight and not rig.backend("b").inflight and rig.backend("a").healthy
+    finally:
+        rig.close()
+
+
+# ---------------------------------------------------------------- 3. how a broken stream ends
+def test_a_stream_that_ends_without_done_ends_with_an_error_event(model_dir: str) -> None:  # noqa: F811
+    """A backend that closed its stream cleanly but early (no ``data: [DONE]``)
+    was relayed as it came: a 200 whose truncated body an OpenAI client
+    takes as complete. The router now ends such a stream with an error
+    event in the OpenAI shape and counts it; a whole stream is untouched."""
+    rig = Rig(model_dir)
+    try:
+        for f in rig.fakes.values():
+            f.no_done = True
+        body = {"model": "tiny", "prompt": prompt(20), "max_tokens": 3, "stream": True}
+        with rig.http.stream("POST", "/v1/completions", json=body, headers={"authorization": "Bearer ka"}) as s:
+            assert s.status_code == 200
+            name = s.headers["x-kvstore-backend"]
+            events = _events(b"".join(s.iter_raw()))
+        assert events[0]["choices"][0]["text"] == f"{name}-answer"
+        assert events[-1]["error"]["type"] == "backend_error" and "[DONE]" in events[-1]["error"]["message"]
+        assert _count(rig, "kvstore_route_stream_errors_total", name) == 1
+        for f in rig.fakes.values():
+            f.no_done = False
+        with rig.http.stream("POST", "/v1/completions", json=body, headers={"authorization": "Bearer ka"}) as s:
+            events = _events(b"".join(s.iter_raw()))
+        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+        assert not rig.backend("a").inflight and not rig.backend("b").inflight
     finally:
         rig.close()
