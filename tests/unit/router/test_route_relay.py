@@ -109,3 +109,62 @@ def test_a_stream_that_ends_without_done_ends_with_an_error_event(model_dir: str
         assert not rig.backend("a").inflight and not rig.backend("b").inflight
     finally:
         rig.close()
+
+
+# ---------------------------------------------------------------- 2. a poll that straddles the end of a burst
+def test_a_poll_answered_after_a_burst_ended_does_not_count_the_burst_as_foreign_load() -> None:
+    """vLLM measured its running requests before the router's burst on ``a``
+    ended, and its answer arrived after: the router subtracted only what it
+    had in flight when the answer came (none), so the whole burst counted
+    as load from elsewhere until the next poll, and a request whose prefix
+    ``a`` holds went to idle ``b``. The router's own count now covers every
+    request it had there while the poll was out."""
+    import asyncio
+
+    import httpx
+    import numpy as np
+
+    from router.backends import Pool
+    from router.config import BackendSpec, PredictorSpec, RouterConfig
+    from router.decision import Decider, Plan
+    from tests.unit.router.test_route_unit import BS
+
+    cfg = RouterConfig(backends=(BackendSpec("a", "http://a.invalid"), BackendSpec("b", "http://b.invalid")),
+                       predictor=PredictorSpec(prefill_tokens_per_s=1e4, prefill_overhead_s=0.001,
+                                               decode_penalty_s=0.05), admission=False)
+    burst: list[int] = []
+
+    async def main() -> None:
+        during: dict[str, Any] = {}
+
+        async def answer(req: httpx.Request) -> httpx.Response:
+            if req.url.path == "/metrics":
+                running = 5 if req.url.host == "a.invalid" and during.get("burst") else 0
+                if req.url.host == "a.invalid" and during.get("end"):  # measured, then the burst ends, then the answer
+                    during.pop("end")()
+                return httpx.Response(200, text=f"vllm:num_requests_running {running}\n")
+            return httpx.Response(200, text="ok")
+
+        http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        pool = Pool(cfg, http, follow_events=False)
+        a, b = pool.backends
+        now = 0.0
+        for _ in range(5):  # a's burst: five streams decoding
+            rid = pool.next_id()
+            a.begin(rid, 40, 0.004, now)
+            a.inflight[rid].first_byte = 1.0
+            burst.append(rid)
+        during["burst"] = True
+        await pool.check(a)  # vLLM counts the burst, the router has it in flight: nothing foreign
+        assert a.engine.foreign() == (0.0, 0.0)
+        during["end"] = lambda: [a.end(r) for r in burst]
+        await pool.check(a)
+        assert not a.inflight
+        assert a.engine.foreign() == (0.0, 0.0)
+        assert a.running_now() == 0.0
+        tiers = [np.full(5, 1, np.int64), np.zeros(0, np.int64)]  # a holds the prompt's 5 blocks in DRAM
+        plan = Decider(cfg).decide("t", "default", [a, b], tiers, 5 * BS + 4, BS, 1024)
+        assert isinstance(plan, Plan) and plan.candidates[0].backend is a
+        await http.aclose()
+
+    asyncio.run(main())
