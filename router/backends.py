@@ -247,7 +247,7 @@ class Pool:
     async def check(self, b: Backend) -> None:
         t = min(self.cfg.health_interval * 2, 5.0)
         try:
-            r = await self.http.get(f"{b.spec.url}/health", timeout=t)
+            r = await self.http.get(f"{b.spec.url}/health", timeout=t, headers=b.spec.auth_headers())
             ok = r.status_code == 200
         except httpx.HTTPError:
             ok = False
@@ -268,7 +268,7 @@ class Pool:
         # which counted a burst that ended meanwhile as load from elsewhere until the next poll)
         pending, total, routed = len(b.pending()), len(b.inflight), b.routed
         try:
-            r = await self.http.get(f"{b.spec.url}/metrics", timeout=timeout)
+            r = await self.http.get(f"{b.spec.url}/metrics", timeout=timeout, headers=b.spec.auth_headers())
             if r.status_code != 200:
                 return
             text = r.text

@@ -95,6 +95,13 @@ class BackendSpec:
     """Bearer token for a daemon with auth."""
     cluster: bool = False
     """Ask the daemon a cluster-mode Lookup for blocks its peers could supply."""
+    api_key: str = dataclasses.field(default="", repr=False)
+    """The router's credential at this vLLM server (its ``--api-key``), sent as ``Authorization: Bearer``
+    on every request the router makes there; "" = none. A client's own key never reaches a backend."""
+
+    def auth_headers(self) -> dict[str, str]:
+        """The headers that carry :attr:`api_key` (none without one)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def __post_init__(self) -> None:
         if not self.name:

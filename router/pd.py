@@ -175,7 +175,7 @@ class PDOrchestrator:
             try:  # read up to a bound and a deadline: the answer is not used, a backend that keeps sending is cut
                 async with asyncio.timeout(self.cfg.request_timeout), \
                         self.http.stream("POST", f"{b.spec.url}{endpoint.value}", json=raw,
-                                         timeout=self.cfg.first_byte_timeout) as r:
+                                         headers=b.spec.auth_headers(), timeout=self.cfg.first_byte_timeout) as r:
                     answer = await read_capped(r.aiter_raw(), self.max_answer)
             except TimeoutError:  # slow, not failed: the decode backend computes what the prefill did not
                 out.error = f"{b.name}: no answer within request_timeout = {self.cfg.request_timeout} s"

@@ -300,7 +300,7 @@ class RouterService:
         """Send the request; wait for the status and the first body chunk
         (by ``deadline``, the event loop's clock, at the latest)."""
         req = self.http.build_request("POST", f"{b.spec.url}{endpoint.value}", content=raw,
-                                      headers={"content-type": "application/json"})
+                                      headers={"content-type": "application/json", **b.spec.auth_headers()})
         t_sent = time.perf_counter()
         try:
             async with asyncio.timeout_at(deadline):

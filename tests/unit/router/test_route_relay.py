@@ -168,3 +168,28 @@ def test_a_poll_answered_after_a_burst_ended_does_not_count_the_burst_as_foreign
         await http.aclose()
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------- 3. what a backend sees of the client
+def test_backends_see_the_routers_credential_never_the_clients(model_dir: str) -> None:  # noqa: F811
+    """A vLLM started with ``--api-key`` could not be put behind the router:
+    it had no credential of its own to send. ``[[backend]] api_key`` is sent
+    as ``Authorization: Bearer`` on everything the router asks that backend;
+    the client's key never reaches a backend, nor do hop-by-hop headers."""
+    from router.config import BackendSpec
+
+    rig = Rig(model_dir)
+    try:
+        rig.svc.pool.by_name("a").spec = BackendSpec("a", rig.servers["a"].url, api_key="sk-backend-a")
+        for name in ("a", "b"):
+            rig.fakes[name].healthy = name == "a"  # every request goes to a
+        rig.wait(lambda: not rig.backend("b").healthy, "b to leave the pool")
+        r = rig.http.post("/v1/completions", json={"model": "tiny", "prompt": prompt(20), "max_tokens": 3},
+                          headers={"authorization": "Bearer ka", "connection": "keep-alive", "keep-alive": "timeout=5"})
+        assert r.status_code == 200 and r.headers["x-kvstore-backend"] == "a"
+        seen = rig.fakes["a"].headers[-1]
+        assert seen["authorization"] == "Bearer sk-backend-a"
+        assert "Bearer ka" not in seen.values() and "keep-alive" not in seen
+        assert "sk-backend-a" not in repr(rig.cfg) + repr(rig.backend("a").spec)
+    finally:
+        rig.close()
