@@ -81,14 +81,16 @@ class EngineMetrics:
     kv_usage: float = 0.0
     polled_at: float = 0.0
     own_pending: int = 0
-    """The router's requests there before their first byte, when the poll was answered."""
+    """The router's requests there before their first byte at some moment while the poll was out
+    (those when it was sent, plus those sent before its answer)."""
     own_total: int = 0
-    """The router's requests there in all, when the poll was answered."""
+    """The router's requests there at some moment while the poll was out (in flight when it was
+    sent, plus those sent before its answer)."""
 
     def foreign(self) -> tuple[float, float]:
         """(waiting, running) requests the router did not send (or that vLLM
         still counted after the router saw them end): the poll's counts less
-        the router's own at that moment."""
+        every one of the router's own there while the poll was out."""
         total = max(self.waiting + self.running - self.own_total, 0.0)
         waiting = min(max(self.waiting - self.own_pending, 0.0), total)
         return waiting, total - waiting
@@ -245,7 +247,7 @@ class Pool:
     async def check(self, b: Backend) -> None:
         t = min(self.cfg.health_interval * 2, 5.0)
         try:
-            r = await self.http.get(f"{b.spec.url}/health", timeout=t)
+            r = await self.http.get(f"{b.spec.url}/health", timeout=t, headers=b.spec.auth_headers())
             ok = r.status_code == 200
         except httpx.HTTPError:
             ok = False
@@ -261,14 +263,19 @@ class Pool:
                 b.healthy = False
 
     async def _poll_metrics(self, b: Backend, timeout: float) -> None:
+        # vLLM measures its counts at some moment while the poll is out: the router's own there are
+        # those in flight when it was sent plus those sent since (not only those left at the answer,
+        # which counted a burst that ended meanwhile as load from elsewhere until the next poll)
+        pending, total, routed = len(b.pending()), len(b.inflight), b.routed
         try:
-            r = await self.http.get(f"{b.spec.url}/metrics", timeout=timeout)
+            r = await self.http.get(f"{b.spec.url}/metrics", timeout=timeout, headers=b.spec.auth_headers())
             if r.status_code != 200:
                 return
             text = r.text
         except httpx.HTTPError:
             return
-        m = EngineMetrics(polled_at=time.monotonic(), own_pending=len(b.pending()), own_total=len(b.inflight))
+        sent = b.routed - routed
+        m = EngineMetrics(polled_at=time.monotonic(), own_pending=pending + sent, own_total=total + sent)
         try:
             read_engine_metrics(text, m)
         except ValueError as e:

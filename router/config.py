@@ -95,6 +95,13 @@ class BackendSpec:
     """Bearer token for a daemon with auth."""
     cluster: bool = False
     """Ask the daemon a cluster-mode Lookup for blocks its peers could supply."""
+    api_key: str = dataclasses.field(default="", repr=False)
+    """The router's credential at this vLLM server (its ``--api-key``), sent as ``Authorization: Bearer``
+    on every request the router makes there; "" = none. A client's own key never reaches a backend."""
+
+    def auth_headers(self) -> dict[str, str]:
+        """The headers that carry :attr:`api_key` (none without one)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -276,6 +283,11 @@ class RouterConfig:
     read_timeout: float = 120.0
     """Seconds between two chunks of a response; the wait is at least ``first_byte_timeout`` (one
     read timeout of the upstream client covers the first byte and the chunks after it)."""
+    request_timeout: float = 1800.0
+    """Seconds a backend may take for its whole answer, first byte to last (vllm-router's
+    ``--request-timeout-secs``, 30 minutes by default): a backend that trickles its answer, each chunk
+    within ``read_timeout``, is cut there. A non-streamed answer then gets 504 ``backend_timeout``; a
+    stream ends with an error event. The backend stays in the pool and the request is not retried."""
     retries: int = 1
     """Retries on the next-best backend for a request that fails before its first byte."""
     health_interval: float = 1.0
@@ -310,7 +322,7 @@ class RouterConfig:
                 raise _bad("api_key.class", k.klass, f"allowed: {', '.join(sorted(cls))}")
         if not 0.0 <= self.headroom < 1.0:
             raise _bad("headroom", self.headroom, "allowed: [0, 1)")
-        for f in ("connect_timeout", "first_byte_timeout", "read_timeout", "health_interval"):
+        for f in ("connect_timeout", "first_byte_timeout", "read_timeout", "request_timeout", "health_interval"):
             _finite(f, getattr(self, f), positive=True)
         _finite("max_prompt_tokens", self.max_prompt_tokens)
         _finite("max_response_bytes", self.max_response_bytes, positive=True)

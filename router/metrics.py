@@ -75,6 +75,9 @@ class RouterMetrics:
                                ["backend"], registry=r)
         self.stream_errors = Counter("kvstore_route_stream_errors", "Streams ended by a backend failure",
                                      ["backend"], registry=r)
+        self.timeouts = Counter("kvstore_route_backend_timeouts",
+                                "Backend answers cut at request_timeout (non-streamed: 504; streams: an error event)",
+                                ["backend"], registry=r)
         self.oversized = Counter("kvstore_route_oversized_responses",
                                  "Backend answers cut at their size limit (max_response_bytes; a P/D prefill's at "
                                  "min(that, 1 MiB))", ["backend"], registry=r)

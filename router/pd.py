@@ -99,7 +99,7 @@ class PDOrchestrator:
     """The two steps of a disaggregated request (see the module docstring)."""
 
     def __init__(self, cfg: RouterConfig, pool: Pool, decider: Decider, http: httpx.AsyncClient,
-                 oversized: Counter | None = None) -> None:
+                 oversized: Counter | None = None, timeouts: Counter | None = None) -> None:
         assert cfg.pd is not None
         self.spec = cfg.pd
         self.cfg = cfg
@@ -108,6 +108,8 @@ class PDOrchestrator:
         self.http = http
         self.oversized = oversized
         """Counts prefill answers cut at their bound, by backend (the router's metric), or None."""
+        self.timeouts = timeouts
+        """Counts prefill answers cut at ``request_timeout``, by backend, or None."""
         self.max_answer = min(cfg.max_response_bytes, PREFILL_MAX_BYTES)
         self.clients: dict[str, Client] = {}
         self.outcomes: list[PrefillOutcome] = []
@@ -170,10 +172,16 @@ class PDOrchestrator:
             did = self.decider.admitted(c, tenant, prompt.n_tokens, model.spec.block_size, model.block_bytes)
             b.begin(rid, prompt.n_tokens, c.predicted_s - c.decision.predicted.queue_s, time.monotonic())
             t0 = time.perf_counter()
-            try:  # read up to a bound: the answer is not used, a backend that keeps sending is cut
-                async with self.http.stream("POST", f"{b.spec.url}{endpoint.value}", json=raw,
-                                            timeout=self.cfg.first_byte_timeout) as r:
+            try:  # read up to a bound and a deadline: the answer is not used, a backend that keeps sending is cut
+                async with asyncio.timeout(self.cfg.request_timeout), \
+                        self.http.stream("POST", f"{b.spec.url}{endpoint.value}", json=raw,
+                                         headers=b.spec.auth_headers(), timeout=self.cfg.first_byte_timeout) as r:
                     answer = await read_capped(r.aiter_raw(), self.max_answer)
+            except TimeoutError:  # slow, not failed: the decode backend computes what the prefill did not
+                out.error = f"{b.name}: no answer within request_timeout = {self.cfg.request_timeout} s"
+                if self.timeouts is not None:
+                    self.timeouts.labels(b.name).inc()
+                break
             except httpx.PoolTimeout:  # the router's own connection limit: no backend's fault
                 out.error = "no free upstream connection"
                 break

@@ -154,7 +154,8 @@ class RouterService:
         longest = max((m.max_model_len for m in self.models.values()), default=0)
         self.decider = Decider(cfg, max_prompt_tokens=min(cfg.max_prompt_tokens or longest, longest))
         self.metrics = RouterMetrics(self.pool)
-        self.pd = (PDOrchestrator(cfg, self.pool, self.decider, self.http, self.metrics.oversized)
+        self.pd = (PDOrchestrator(cfg, self.pool, self.decider, self.http, self.metrics.oversized,
+                                  self.metrics.timeouts)
                    if cfg.pd is not None else None)
         """Prefill/decode disaggregation (``[pd]``), or None."""
         self.overheads: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -294,29 +295,37 @@ class RouterService:
         if decision_id:
             b.controller.report(decision_id, actual_s)
 
-    async def _open(self, b: Backend, endpoint: Endpoint, raw: bytes) -> tuple[httpx.Response, AsyncIterator[bytes],
-                                                                                bytes, float]:
-        """Send the request; wait for the status and the first body chunk."""
+    async def _open(self, b: Backend, endpoint: Endpoint, raw: bytes,
+                    deadline: float) -> tuple[httpx.Response, AsyncIterator[bytes], bytes, float]:
+        """Send the request; wait for the status and the first body chunk
+        (by ``deadline``, the event loop's clock, at the latest)."""
         req = self.http.build_request("POST", f"{b.spec.url}{endpoint.value}", content=raw,
-                                      headers={"content-type": "application/json"})
+                                      headers={"content-type": "application/json", **b.spec.auth_headers()})
         t_sent = time.perf_counter()
         try:
-            resp = await self.http.send(req, stream=True)
+            async with asyncio.timeout_at(deadline):
+                resp = await self.http.send(req, stream=True)
         except httpx.PoolTimeout:
             raise _RouterBusy() from None
         except httpx.HTTPError as e:
             raise _BeforeFirstByte(f"{type(e).__name__}: {e}") from None
+        except TimeoutError:
+            raise _BeforeFirstByte(f"no answer within request_timeout = {self.cfg.request_timeout} s") from None
         try:
             it = resp.aiter_raw()
             first = b""
-            async for chunk in it:
-                if chunk:
-                    first = chunk
-                    break
+            async with asyncio.timeout_at(deadline):
+                async for chunk in it:
+                    if chunk:
+                        first = chunk
+                        break
             ttft = time.perf_counter() - t_sent
         except httpx.HTTPError as e:
             await resp.aclose()
             raise _BeforeFirstByte(f"{type(e).__name__}: {e}") from None
+        except TimeoutError:
+            await resp.aclose()
+            raise _BeforeFirstByte(f"no first byte within request_timeout = {self.cfg.request_timeout} s") from None
         if resp.status_code >= 500:
             await resp.aclose()
             raise _BeforeFirstByte(f"HTTP {resp.status_code}: {first[:200]!r}")
@@ -333,8 +342,9 @@ class RouterService:
             rid = self.pool.next_id()
             did = self._note_routed(plan, c, who, model, prompt)
             b.begin(rid, prompt.n_tokens, c.predicted_s - c.decision.predicted.queue_s, time.monotonic())
+            deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout
             try:
-                resp, it, first, ttft = await _unless_gone(request, self._open(b, endpoint, raw))
+                resp, it, first, ttft = await _unless_gone(request, self._open(b, endpoint, raw, deadline))
             except _ClientGone:  # the client went away before the first byte: upstream is cancelled
                 b.end(rid)
                 self.metrics.requests.labels(b.name, endpoint.value, "499").inc()
@@ -361,11 +371,20 @@ class RouterService:
                     b.end(rid)
                     await resp.aclose()
 
-                return _RelayResponse(self._relay(b, rid, resp, it, first), release, status_code=status,
+                sse = ctype.startswith("text/event-stream")
+                return _RelayResponse(self._relay(b, rid, resp, it, first, deadline, sse), release, status_code=status,
                                       headers=headers, media_type=ctype)
             limit = self.cfg.max_response_bytes
-            try:  # buffered up to the limit; past it the upstream response is closed unread
-                whole = await read_capped(it, limit, first)
+            try:  # buffered up to the limit; past it (or the deadline) the upstream response is closed unread
+                async with asyncio.timeout_at(deadline):
+                    whole = await read_capped(it, limit, first)
+            except TimeoutError:
+                self.metrics.timeouts.labels(b.name).inc()
+                log.warning("backend %s did not finish its answer within request_timeout = %s s: cut", b.name,
+                            self.cfg.request_timeout)
+                return error_response(504, f"backend {b.name} did not finish its answer within request_timeout = "
+                                      f"{self.cfg.request_timeout} s", "timeout_error", "backend_timeout",
+                                      headers=headers)
             except httpx.HTTPError as e:
                 self.pool.mark_failed(b, str(e))
                 self.metrics.stream_errors.labels(b.name).inc()
@@ -385,11 +404,35 @@ class RouterService:
         return error_response(502, f"no backend could serve the request ({last})", "backend_error")
 
     async def _relay(self, b: Backend, rid: int, resp: httpx.Response, it: AsyncIterator[bytes],
-                     first: bytes) -> AsyncIterator[bytes]:
+                     first: bytes, deadline: float, sse: bool) -> AsyncIterator[bytes]:
+        """The stream, chunk by chunk, until it ends or ``deadline`` (a timeout
+        per read: never one around a ``yield``, which would cancel the client's send).
+        An SSE stream that ends without ``data: [DONE]`` gets an error event:
+        a truncated stream must not look complete."""
         try:
             yield first
-            async for chunk in it:
+            prev, last = b"", first
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(it)
+                except StopAsyncIteration:
+                    break
+                if chunk:
+                    prev, last = last, chunk
                 yield chunk
+            if sse and not (prev[-32:] + last).rstrip().endswith(b"data: [DONE]"):
+                log.warning("backend %s ended a stream without data: [DONE]", b.name)
+                self.metrics.stream_errors.labels(b.name).inc()
+                err = {"error": {"message": f"backend {b.name} ended the stream without data: [DONE] (truncated)",
+                                 "type": "backend_error", "param": None, "code": 502}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+        except TimeoutError:
+            log.warning("backend %s's stream passed request_timeout = %s s: ended", b.name, self.cfg.request_timeout)
+            self.metrics.timeouts.labels(b.name).inc()
+            err = {"error": {"message": f"backend {b.name} did not finish its answer within request_timeout = "
+                             f"{self.cfg.request_timeout} s", "type": "timeout_error", "param": None, "code": 504}}
+            yield f"data: {json.dumps(err)}\n\n".encode()
         except httpx.HTTPError as e:
             log.warning("backend %s failed mid-stream: %s", b.name, e)
             self.pool.mark_failed(b, f"mid-stream: {e}")

@@ -100,7 +100,14 @@ class FakeVLLM:
     chunks: a backend that keeps sending."""
     body_sent: list[int] = field(default_factory=list)
     """Per padded answer, the padding bytes sent when its body ended (finished, or cut by the client)."""
+    trickle_s: float = 0.0
+    """When set, every answer (streamed or not) sends one event or byte every ``trickle_s`` seconds and
+    never ends on its own (until the client leaves, or 6,000 of them): a backend that holds a request."""
+    no_done: bool = False
+    """A stream ends cleanly after its first event, without ``data: [DONE]``."""
     requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """Per request, the headers it came with."""
     cancelled: int = 0
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -128,9 +135,14 @@ class FakeVLLM:
             me.loop = asyncio.get_running_loop()
             body = await request.json()
             me.requests.append(body)
+            me.headers.append(dict(request.headers))
             if me.fail_status:
                 return JSONResponse({"error": {"message": "boom"}}, status_code=me.fail_status)
             text = f"{me.name}-answer"
+            if me.trickle_s:
+                return StreamingResponse(me.trickle(kind, bool(body.get("stream"))),
+                                         media_type="text/event-stream" if body.get("stream") else
+                                         "application/json")
             if me.body_bytes:
                 return StreamingResponse(me.padded(kind, text, bool(body.get("stream"))),
                                          media_type="text/event-stream" if body.get("stream") else
@@ -145,6 +157,8 @@ class FakeVLLM:
                             await me.gate_after_first.wait()
                         if me.die_mid_stream:
                             raise RuntimeError("backend died")
+                        if me.no_done:
+                            return
                         yield b'data: {"choices": [{"text": "!"}]}\n\n'
                         yield b"data: [DONE]\n\n"
                     except asyncio.CancelledError:
@@ -173,6 +187,18 @@ class FakeVLLM:
             return await answer(request, "chat.completion")
 
         return app
+
+    async def trickle(self, kind: str, stream: bool) -> AsyncIterator[bytes]:
+        """One SSE event (or one byte of a JSON answer) every ``trickle_s`` seconds."""
+        try:
+            yield f'data: {json.dumps({"object": kind, "choices": [{"text": "t"}]})}\n\n'.encode() if stream \
+                else f'{{"object": "{kind}", "choices": [{{"text": "'.encode()
+            for _ in range(6000):
+                await asyncio.sleep(self.trickle_s)
+                yield b'data: {"choices": [{"text": "t"}]}\n\n' if stream else b"t"
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
 
     async def padded(self, kind: str, text: str, stream: bool) -> AsyncIterator[bytes]:
         """An answer with ``body_bytes`` of padding: SSE events, or one JSON
