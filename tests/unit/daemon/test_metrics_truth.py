@@ -1,0 +1,61 @@
+"""The operator's numbers against what happened: scripted scenarios on a real
+store or a real daemon whose ground truth is known exactly, then /metrics,
+the Stats RPC and the docs checked against it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvstore.client import Client
+from tests.support.daemon import DaemonThread
+from tests.support.keys import ACME, chain_keys, payload_for
+from tiers.base import TierKind
+
+ROOT = Path(__file__).resolve().parents[3]
+BLOCK = 4096
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """One sample's value in exposition text (0 when absent: a counter not yet counted)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$", line)
+        if m and m.group(1) == name and ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or ""))) == want:
+            return float(m.group(3))
+    return 0.0
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonThread]:
+    d = DaemonThread({"dram.capacity": "64KiB", "dram.page_size": "64KiB"})
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_stats_tier_evictions_count_only_blocks_that_left_for_room(daemon: DaemonThread) -> None:
+    """``TierStats.evictions`` (the Stats RPC, ``kvstore stats``' EVICTIONS
+    column, what an operator sizes tiers by) is "blocks evicted from this
+    tier": an aborted reservation, a Remove and a Clear are not evictions."""
+    with Client(daemon.target, fast_lookup=False) as c:
+        keys = chain_keys(1, 4)
+        assert all(s.name == "OK" for s in c.put(ACME, keys, [payload_for(b"a", k, BLOCK) for k in keys]))
+        c.abort(c.reserve(ACME, chain_keys(2, 2), BLOCK))  # 2 blocks aborted
+        c.remove(ACME, keys[3:])  # 1 removed
+        c.clear(ACME)  # 3 cleared
+        dram = c.stats().tier(TierKind.DRAM)
+        assert dram is not None and dram.blocks == 0
+        assert dram.evictions == 0
+        # 16 slots of 4 KiB: 20 one-block prompts (a chain never evicts its own parents) evict 4
+        for i in range(20):
+            k = chain_keys(100 + i, 1)
+            c.put(ACME, k, [payload_for(b"a", k[0], BLOCK)])
+        text = daemon.daemon.metrics.render().decode()
+        evicted = sample(text, "kvstore_evictions_total", tier="dram", reason="evicted")
+        assert evicted == 4
+        assert c.stats().tier(TierKind.DRAM).evictions == evicted  # type: ignore[union-attr]
