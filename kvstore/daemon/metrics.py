@@ -157,8 +157,9 @@ class StoreCollector(Collector):
             c("kvstore_tier_promotions", "Blocks moved into the tier from a colder one.", labels=tier),
             c("kvstore_tier_demotions", "Blocks moved out of the tier to a colder one.", labels=tier),
             c("kvstore_evictions_total",
-              "Blocks that left a tier, by reason: evicted (for room), resized (tier shrunk), "
-              "corrupt (checksum mismatch), removed, cleared, aborted (reservation).",
+              "Blocks that left a tier, by reason: evicted (for room), demoted (for room, to the "
+              "tier below), resized (tier shrunk), corrupt (checksum mismatch), removed, cleared, "
+              "aborted (reservation).",
               labels=["tier", "reason"]),
             c("kvstore_lookups_total", "Lookup calls."),
             c("kvstore_lookup_blocks_total",

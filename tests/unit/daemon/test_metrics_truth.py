@@ -11,6 +11,9 @@ from typing import Iterator
 import pytest
 
 from kvstore.client import Client
+from kvstore.core.store import StoreConfig, TieredStore
+from kvstore.daemon.metrics import Metrics
+from kvstore.results import DropReason
 from tests.support.daemon import DaemonThread
 from tests.support.keys import ACME, chain_keys, payload_for
 from tiers.base import TierKind
@@ -59,3 +62,20 @@ def test_stats_tier_evictions_count_only_blocks_that_left_for_room(daemon: Daemo
         evicted = sample(text, "kvstore_evictions_total", tier="dram", reason="evicted")
         assert evicted == 4
         assert c.stats().tier(TierKind.DRAM).evictions == evicted  # type: ignore[union-attr]
+
+
+def test_every_eviction_reason_the_code_counts_is_documented() -> None:
+    """``kvstore_evictions_total{reason}``: every reason the store counts
+    (``DropReason`` but the event-only NONE and MOVED) is named in the docs'
+    metric table and in the metric's help."""
+    counted = {r.value for r in DropReason} - {"", DropReason.MOVED.value}
+    row = next(line for line in (ROOT / "docs" / "operations.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith("| `kvstore_evictions_total`"))
+    assert {r for r in counted if f"`{r}`" not in row} == set()
+    store = TieredStore(StoreConfig(dram_bytes=1 << 20, dram_page_bytes=1 << 20))
+    try:
+        text = Metrics(store.stats).render().decode()
+    finally:
+        store.close()
+    help_line = next(line for line in text.splitlines() if line.startswith("# HELP kvstore_evictions_total"))
+    assert {r for r in counted if r not in help_line} == set()
