@@ -8,12 +8,15 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+import grpc
 import pytest
 
 from kvstore.client import Client
 from kvstore.core.store import StoreConfig, TieredStore
 from kvstore.daemon.metrics import Metrics
 from kvstore.results import DropReason
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
 from tests.support.daemon import DaemonThread
 from tests.support.keys import ACME, chain_keys, payload_for
 from tiers.base import TierKind
@@ -79,3 +82,20 @@ def test_every_eviction_reason_the_code_counts_is_documented() -> None:
         store.close()
     help_line = next(line for line in text.splitlines() if line.startswith("# HELP kvstore_evictions_total"))
     assert {r for r in counted if r not in help_line} == set()
+
+
+def test_a_failed_get_is_timed_like_every_other_call(daemon: DaemonThread) -> None:
+    """``kvstore_op_seconds`` times every call, failures included (the docs):
+    the streaming Get was observed only when it succeeded, so its count was
+    not the number of calls."""
+    m = daemon.daemon.metrics
+    ns = pb.Namespace(tenant="acme", model_id="llama", block_size=16)
+    with grpc.insecure_channel(daemon.target) as ch:
+        stub = pb_grpc.KVStoreStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Get(pb.GetRequest(ns=ns, keys=[b"short"]), timeout=30))
+        assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        list(stub.Get(pb.GetRequest(ns=ns, keys=[bytes(16)]), timeout=30))  # a miss: OK
+    text = m.render().decode()
+    assert sample(text, "kvstore_rpc_rejected_total", method="Get", code="INVALID_ARGUMENT") == 1
+    assert sample(text, "kvstore_op_seconds_count", op="Get") == 2
