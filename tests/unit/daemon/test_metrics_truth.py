@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
+import numpy as np
 import pytest
 
 from kvstore.client import Client
+from kvstore.core.namespaces import QUERY_NAMESPACES
 from kvstore.core.store import StoreConfig, TieredStore
-from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.metrics import OTHER_TENANT, Metrics
+from kvstore.keys import Namespace
 from kvstore.results import DropReason
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
@@ -99,3 +102,26 @@ def test_a_failed_get_is_timed_like_every_other_call(daemon: DaemonThread) -> No
     text = m.render().decode()
     assert sample(text, "kvstore_rpc_rejected_total", method="Get", code="INVALID_ARGUMENT") == 1
     assert sample(text, "kvstore_op_seconds_count", op="Get") == 2
+
+
+def test_namespace_series_sum_to_the_totals_past_the_registered_namespaces() -> None:
+    """The docs: the per-namespace series sum to ``kvstore_lookup_blocks_total``.
+    Lookups in a namespace the store does not register (past
+    ``QUERY_NAMESPACES`` known ones) counted in the total and in no series."""
+    store = TieredStore(StoreConfig(dram_bytes=1 << 20, dram_page_bytes=1 << 20))
+    try:
+        m = Metrics(store.stats, namespace_series=4)
+        keys = [bytes([1, i]) * 8 for i in range(3)]
+        store.put(Namespace(tenant="acme", model_id="m0"), keys[:1], [np.zeros(BLOCK, np.uint8)])
+        for i in range(QUERY_NAMESPACES + 5):  # the last lookups find no namespace id to count in
+            store.lookup(Namespace(tenant="acme", model_id=f"m{i}"), keys)
+        text = m.render().decode()
+        series = {k: float(v) for k, v in re.findall(
+            r'^kvstore_namespace_lookup_blocks_total\{namespace="([^"]*)"\} (\S+)$', text, re.M)}
+        hits = {k: float(v) for k, v in re.findall(
+            r'^kvstore_namespace_lookup_hit_blocks_total\{namespace="([^"]*)"\} (\S+)$', text, re.M)}
+        assert OTHER_TENANT in series
+        assert sum(series.values()) == sample(text, "kvstore_lookup_blocks_total") == 3 * (QUERY_NAMESPACES + 5)
+        assert sum(hits.values()) == sample(text, "kvstore_lookup_hit_blocks_total") == 1
+    finally:
+        store.close()
