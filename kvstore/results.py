@@ -72,6 +72,11 @@ class DropReason(str, Enum):
         return format(self.value, spec)
 
 
+ROOM_REASONS = frozenset({DropReason.EVICTED, DropReason.RESIZED})
+"""The reasons ``TierStats.evictions`` sums: blocks that left a tier for lack of room (a
+demotion is counted in ``TierStats.demotions``; a remove, clear, abort or corrupt block is none)."""
+
+
 @dataclass(slots=True)
 class BatchResult:
     """One status per key, plus a message for keys that failed for a reason
@@ -182,6 +187,7 @@ class TierStats:
     blocks: int
     pinned_bytes: int
     evictions: int
+    """Blocks that left the tier for room (``ROOM_REASONS``: evicted, resized)."""
     promotions: int = 0
     demotions: int = 0
     disk_bytes: int = 0

@@ -60,6 +60,7 @@ from kvstore.core.ssd_mover import Recovery, SsdMover, SsdSpec
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import (
+    ROOM_REASONS,
     BatchResult,
     Counters,
     DropReason,
@@ -467,7 +468,9 @@ class TieredStore:
         for kind, t in self.tiers.items():
             sel = rows[idx.tier[rows] == kind]
             pinned = sel[idx.pins[sel] > 0]
-            ev = sum(v for (tk, _), v in self.counters.evictions.items() if tk == kind)
+            # evictions: blocks that left the tier for room (demotions are counted on their own;
+            # removes, clears, aborts and corrupt blocks in kvstore_evictions_total by reason)
+            ev = sum(v for (tk, r), v in self.counters.evictions.items() if tk == kind and r in ROOM_REASONS)
             ts = TierStats(kind, t.capacity_bytes, t.used_bytes, int(sel.size),
                            int(idx.size[pinned].sum()) if pinned.size else 0, ev, disk_bytes=t.used_bytes)
             if self.ssd is not None:

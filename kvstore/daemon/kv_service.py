@@ -197,33 +197,35 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
 
     async def Get(self, request: pb.GetRequest, context: Any) -> AsyncIterator[pb.GetChunk]:
         t0 = time.perf_counter()
-        try:
-            who = self.auth.principal(context.invocation_metadata())
-            ns = self.namespace(request.ns, who)
-            keys = keys_of(request.keys)
-            limit = self.config.server.max_message_bytes - 4096
-            chunk = min(int(request.max_chunk_bytes or limit), limit)
-            if chunk <= 0:
-                raise InvalidArgument("max_chunk_bytes must be positive")
-            res = await self.disk.run(lambda: self.store.needs_disk_read(ns, keys), self.store.get, ns, keys)
-        except KVStoreError as e:
-            self.metrics.rejected("Get", status_for(e).name)
-            await context.abort(status_for(e), str(e))
-            return
         sent = 0
-        for i, (k, s, p) in enumerate(zip(keys, res.statuses, res.payloads)):
-            if p is None:
-                yield pb.GetChunk(index=i, key=k, status=status_pb(s))
-                continue
-            c = checksum(p)
-            total = p.size
-            for off in range(0, max(total, 1), chunk):
-                piece = p[off : off + chunk].tobytes()
-                yield pb.GetChunk(index=i, key=k, status=status_pb(s), data=piece, checksum=c, offset=off,
-                                  total=total, tier=tier_pb(TierKind.DRAM))
-            sent += total
-        self.metrics.inline_bytes("out", sent)
-        self.metrics.observe("Get", time.perf_counter() - t0)
+        try:  # timed and its bytes counted however it ends (refused, cancelled mid-stream), as rpc() times calls
+            try:
+                who = self.auth.principal(context.invocation_metadata())
+                ns = self.namespace(request.ns, who)
+                keys = keys_of(request.keys)
+                limit = self.config.server.max_message_bytes - 4096
+                chunk = min(int(request.max_chunk_bytes or limit), limit)
+                if chunk <= 0:
+                    raise InvalidArgument("max_chunk_bytes must be positive")
+                res = await self.disk.run(lambda: self.store.needs_disk_read(ns, keys), self.store.get, ns, keys)
+            except KVStoreError as e:
+                self.metrics.rejected("Get", status_for(e).name)
+                await context.abort(status_for(e), str(e))
+                return
+            for i, (k, s, p) in enumerate(zip(keys, res.statuses, res.payloads)):
+                if p is None:
+                    yield pb.GetChunk(index=i, key=k, status=status_pb(s))
+                    continue
+                c = checksum(p)
+                total = p.size
+                for off in range(0, max(total, 1), chunk):
+                    piece = p[off : off + chunk].tobytes()
+                    yield pb.GetChunk(index=i, key=k, status=status_pb(s), data=piece, checksum=c, offset=off,
+                                      total=total, tier=tier_pb(TierKind.DRAM))
+                    sent += len(piece)
+        finally:
+            self.metrics.inline_bytes("out", sent)
+            self.metrics.observe("Get", time.perf_counter() - t0)
 
     @rpc("Admit")
     async def Admit(self, request: pb.AdmitRequest, context: Any, who: Principal) -> pb.AdmitResponse:

@@ -157,8 +157,9 @@ class StoreCollector(Collector):
             c("kvstore_tier_promotions", "Blocks moved into the tier from a colder one.", labels=tier),
             c("kvstore_tier_demotions", "Blocks moved out of the tier to a colder one.", labels=tier),
             c("kvstore_evictions_total",
-              "Blocks that left a tier, by reason: evicted (for room), resized (tier shrunk), "
-              "corrupt (checksum mismatch), removed, cleared, aborted (reservation).",
+              "Blocks that left a tier, by reason: evicted (for room), demoted (for room, to the "
+              "tier below), resized (tier shrunk), corrupt (checksum mismatch), removed, cleared, "
+              "aborted (reservation).",
               labels=["tier", "reason"]),
             c("kvstore_lookups_total", "Lookup calls."),
             c("kvstore_lookup_blocks_total",
@@ -268,6 +269,14 @@ class StoreCollector(Collector):
                     other[0] += sums[0]
                     other[1] += sums[1]
                     del per_label[label]
+        # lookups in namespaces the store did not register (past QUERY_NAMESPACES known ones) are in
+        # the totals and in no namespace: into ``_other``, so the series still sum to the totals
+        rest_q = c.lookup_blocks - sum(q for q, _ in per_label.values()) - (other[0] if other else 0)
+        rest_h = c.lookup_hit_blocks - sum(h for _, h in per_label.values()) - (other[1] if other else 0)
+        if rest_q > 0 or rest_h > 0:
+            other = other or [0, 0]
+            other[0] += max(0, rest_q)
+            other[1] += max(0, rest_h)
         if other is not None:
             per_label[OTHER_TENANT] = other
         for label, (queried, hit) in sorted(per_label.items()):

@@ -116,7 +116,7 @@ def test_an_oversized_reserve_leaves_another_tenants_hits_intact(make_daemon) ->
         granted = sum(s == KeyStatus.OK for s in r.statuses)
         assert granted < len(big) and all(s == KeyStatus.CAPACITY for s in r.statuses[granted:])
         after = [c.lookup(BETA, keys).hit_blocks for keys in prompts]
-        evictions = sum(t.evictions for t in c.stats().tiers)  # before the abort (it counts too)
+        evictions = sum(t.evictions for t in c.stats().tiers)
         if r.reservation_id:
             c.abort(r)
         assert after == before == [8] * 4
