@@ -247,7 +247,7 @@ _U64_FIELDS = ("lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_token
                "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures",
                "active_reservations", "active_leases", "sessions", "admitted", "admitted_degraded", "rejected")
 _TIER_U64 = ("capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions",
-             "hits")
+             "hits", "disk_bytes")
 
 
 @dataclass(slots=True)
@@ -307,8 +307,8 @@ class DaemonStats:
     def from_dict(cls, d: Mapping[str, Any]) -> "DaemonStats":
         """``to_dict`` undone (absent fields are 0)."""
         names = {n: TierKind[n[5:]] for n in _TIER_WIRE.values() if n != "TIER_UNSPECIFIED"}
-        tiers = [TierStats(tier=names[str(t.get("tier"))], **{k: int(t.get(k, 0) or 0) for k in _TIER_U64 if k != "hits"},
-                           hits=int(t.get("hits", 0) or 0)) for t in d.get("tiers", []) or []]
+        tiers = [TierStats(tier=names[str(t.get("tier"))], **{k: int(t.get(k, 0) or 0) for k in _TIER_U64})
+                 for t in d.get("tiers", []) or []]
         nss = [NamespaceStats(label=str(n.get("namespace_label", "")), tenant="",
                               digest=base64.b64decode(n.get("ns_digest", "") or ""),
                               lookups=int(n.get("lookups", 0) or 0), queried_blocks=int(n.get("queried_blocks", 0) or 0),

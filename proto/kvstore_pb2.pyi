@@ -612,7 +612,7 @@ class StatsRequest(_message.Message):
     def __init__(self, include_namespaces: _Optional[bool] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions", "hits")
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions", "hits", "disk_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -622,6 +622,7 @@ class TierStats(_message.Message):
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_bytes: int
     used_bytes: int
@@ -631,7 +632,8 @@ class TierStats(_message.Message):
     promotions: int
     demotions: int
     hits: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., hits: _Optional[int] = ...) -> None: ...
+    disk_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., hits: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace_label", "ns_digest", "lookups", "hit_blocks", "queried_blocks", "blocks")

@@ -314,7 +314,8 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
             out.tiers.append(pb.TierStats(tier=tier_pb(t.tier), capacity_bytes=t.capacity_bytes,
                                           used_bytes=t.used_bytes, blocks=t.blocks,
                                           pinned_bytes=t.pinned_bytes, evictions=t.evictions,
-                                          promotions=t.promotions, demotions=t.demotions, hits=t.hits))
+                                          promotions=t.promotions, demotions=t.demotions, hits=t.hits,
+                                          disk_bytes=t.disk_bytes))
         ast = self.admission.stats()
         for (_, kind), count in ast.decisions.items():
             if kind == "admit":

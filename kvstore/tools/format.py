@@ -94,10 +94,10 @@ def format_stats(d: Mapping[str, Any]) -> str:
         rows.append([tier_name(t.get("tier", "?")), human_bytes(used), human_bytes(cap),
                      percent(used, cap), f"{int_field(t, 'blocks'):,}", human_bytes(int_field(t, "pinned_bytes")),
                      f"{int_field(t, 'evictions'):,}", f"{int_field(t, 'promotions'):,}",
-                     f"{int_field(t, 'demotions'):,}"])
+                     f"{int_field(t, 'demotions'):,}", human_bytes(int_field(t, "disk_bytes"))])
     if rows:
         lines += table(["TIER", "USED", "CAPACITY", "USED%", "BLOCKS", "PINNED", "EVICTIONS",
-                        "PROMOTED", "DEMOTED"], rows)
+                        "PROMOTED", "DEMOTED", "ON DISK"], rows)
     else:
         lines.append("(no tiers reported)")
     hit, miss = int_field(d, "hit_blocks"), int_field(d, "miss_blocks")

@@ -37,7 +37,8 @@ def _tier_stats(t: pb.TierStats) -> TierStats:
     kind = tier_from_pb(t.tier)
     return TierStats(tier=kind if kind is not None else TierKind.DRAM, capacity_bytes=t.capacity_bytes,
                      used_bytes=t.used_bytes, blocks=t.blocks, pinned_bytes=t.pinned_bytes, evictions=t.evictions,
-                     promotions=t.promotions, demotions=t.demotions, hits=t.hits)
+                     promotions=t.promotions, demotions=t.demotions, hits=t.hits,
+                     disk_bytes=t.disk_bytes)
 
 
 def stats_from_pb(r: pb.StatsResponse) -> DaemonStats:

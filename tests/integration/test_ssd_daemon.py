@@ -54,6 +54,11 @@ def test_restart_recovers_blocks_on_ssd_and_prefetch_stages_them(make_daemon, tm
         st = c.stats()
         tiers = {t.tier: t.blocks for t in st.tiers}
         assert tiers == {TierKind.DRAM: 12, TierKind.SSD: 0}  # promoted (their SSD copies kept)
+        # what the SSD tier takes on disk reaches the client (it was always 0 there: no field on the wire)
+        ssd = st.tier(TierKind.SSD)
+        assert ssd is not None and ssd.used_bytes >= 12 * BS
+        assert ssd.disk_bytes == d2.call(lambda: d2.store.ssd.tier.disk_bytes) >= ssd.used_bytes
+        assert st.tier(TierKind.DRAM).disk_bytes == st.tier(TierKind.DRAM).used_bytes  # type: ignore[union-attr]
 
 
 def _serve(repo_root: str, sock: str, ssd_dir: str) -> subprocess.Popen[str]:
