@@ -193,7 +193,8 @@ class TierStats:
     disk_bytes: int = 0
     """Bytes on disk (SSD: segments incl. garbage not yet reclaimed, index)."""
     hits: int = 0
-    """Blocks served from this tier (Acquire, Get)."""
+    """Blocks served (Acquire, Get) that were in this tier when asked: an
+    Acquire that promotes an SSD block first counts its hit as SSD's."""
 
 
 @dataclass(slots=True)

@@ -190,6 +190,7 @@ class Holds:
         look = self.index.lookup(nid, karr)
         res = SlotResult.empty(n, KeyStatus.MISS)
         rows = look.rows
+        found = look.tiers  # where each block was when asked: its hit is that tier's (it may move below)
         if rows.size and self.ssd is not None:
             rows = self._mappable_prefix(rows, promote)
         if rows.size and self.hbm is not None:
@@ -209,14 +210,14 @@ class Holds:
         res.offsets[:hit] = idx.loc[rows]
         res.lengths[:hit] = idx.size[rows]
         res.checksums[:hit] = idx.csum[rows]
-        self._count_get(n, rows)
+        self._count_get(n, rows, found[:hit])
         return res
 
-    def _count_get(self, asked: int, rows: np.ndarray) -> None:
+    def _count_get(self, asked: int, rows: np.ndarray, found: np.ndarray | None = None) -> None:
         """Count one get of ``asked`` keys that served ``rows`` (touched:
-        eviction sees the access)."""
+        eviction sees the access; ``found``: their tiers when asked)."""
         if rows.size:
-            self.placement.served(rows)
+            self.placement.served(rows, found)
         c = self.counters
         c.gets += 1
         c.get_blocks += max(int(asked), int(rows.size))

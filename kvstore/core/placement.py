@@ -522,8 +522,11 @@ class Placement:
             ok = np.ones(rows.size, dtype=bool)
         return ok
 
-    def served(self, rows: np.ndarray) -> None:
-        """Count ``rows`` as served to a reader (touch, per-tier hits)."""
+    def served(self, rows: np.ndarray, found: np.ndarray | None = None) -> None:
+        """Count ``rows`` as served to a reader (touch, per-tier hits).
+        ``found``: the tier each row was in when the reader asked (a lease
+        promotes SSD blocks and demotes HBM ones first): the hit is the
+        tier's that held it; default, where they are now."""
         self.touch(rows)
-        self.tier_hits += np.bincount(self.index.tier[rows], minlength=len(TierKind))
+        self.tier_hits += np.bincount(self.index.tier[rows] if found is None else found, minlength=len(TierKind))
 

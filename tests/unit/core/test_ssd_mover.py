@@ -81,6 +81,10 @@ def test_acquire_promotes_and_keeps_the_ssd_copy(tmp_path, ns):
         for off, n, k in zip(res.offsets, res.lengths, keys):
             assert st.dram.buf[off : off + n].tobytes() == P(k)
         assert st.lookup(ns, keys).tiers == [TierKind.DRAM] * 4
+        # the hits are the SSD tier's, which held the blocks when asked (they were counted as DRAM's,
+        # the tier the promotion had just put them in: SSD's part in serving was invisible)
+        hits = {t.tier: t.hits for t in st.stats().tiers}
+        assert (hits[TierKind.SSD], hits[TierKind.DRAM]) == (4, 0)
         assert np.all(st.index.ssd_loc[st.index.lookup(0, keys_to_array(keys)).rows] >= 0)
         st.release(res.handle, "o")
         written = st.ssd.bytes_demoted
