@@ -197,7 +197,7 @@ def test_capacity_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim",
                        "128", "--tp", "2", "--ranks-per-node", "4")
     assert code == 2 and "--ranks-per-node" in err
-    with pytest.raises(SystemExit) as e:  # argparse: exit 2 with usage
+    with pytest.raises(SystemExit) as e:  # argparse: exit 2, one line
         main(["capacity", "--layers", "0", "--kv-heads", "8", "--head-dim", "128"])
     assert e.value.code == 2
 
@@ -483,3 +483,20 @@ def test_python_dash_m(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvstore", "nope"], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--bogus"],                                                   # unknown flag
+    ["capacity", "--layers", "0", "--kv-heads", "8", "--head-dim", "128"],  # a value out of range
+    ["admin", "policy", "fifo"],                                            # not one of the choices
+    ["route", "--policy", "fastest"],
+    ["frobnicate"],                                                         # unknown command
+])
+def test_bad_flags_are_one_kvstore_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """docs/operations.md: bad input (an unknown flag too) is exit 2 with a one-line
+    ``kvstore: ...`` message on stderr (argparse printed its usage block first)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("kvstore: ") and "--help" in err, err
