@@ -92,6 +92,8 @@ class AsyncClient(ClientBase):
         keys = split_keys(pack_keys(keys, check=True))
         if len(keys) != len(payloads):
             raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
+        if not keys:  # nothing to reserve
+            return []
         if self.slab is None:
             out: list[KeyStatus] = []
             for req in self._put_requests(ns, keys, payloads, parent):
