@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = asub.add_parser("config", help="print the running config (TOML)")
     add_daemon_flags(a)
     a = asub.add_parser("resize", help="resize a tier at run time")
-    a.add_argument("tier", help="hbm, dram or ssd")
+    a.add_argument("tier", choices=["hbm", "dram", "ssd"], type=str.lower, help="hbm, dram or ssd")
     a.add_argument("size", help="new capacity, e.g. 2GiB")
     add_daemon_flags(a)
     a = asub.add_parser("policy", help="switch the eviction policy")

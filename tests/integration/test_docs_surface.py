@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import AsyncClient, Client
-from kvstore.errors import KeyStatus
+from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +47,11 @@ def test_put_of_no_blocks_is_an_empty_answer(daemon, use_shm: bool) -> None:
             return await a.put(ns, [], [])
 
     assert asyncio.run(run()) == []
+
+
+def test_resize_of_a_tier_that_cannot_be_resized_is_invalid_argument(daemon) -> None:
+    """docs/daemon.md: ResizeTier resizes DRAM or SSD (HBM where configured); ``remote``
+    is not a tier of this daemon to resize: INVALID_ARGUMENT, not NOT_FOUND."""
+    with Client(daemon.target) as c:
+        with pytest.raises(InvalidArgument, match="dram, ssd, hbm"):
+            c.admin_resize("remote", 1 << 30)
