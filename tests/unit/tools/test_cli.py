@@ -502,3 +502,15 @@ def test_bad_flags_are_one_kvstore_line_and_exit_2(capsys: pytest.CaptureFixture
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("kvstore: ") and "--help" in err, err
+
+
+@pytest.mark.parametrize("text", ["tok1\ntok2\n", "tok\x01\n", "tök\n"])
+def test_a_token_that_cannot_be_sent_is_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                   text: str) -> None:
+    """A --token-file holding several tokens (the daemon's own file) or a
+    control character was sent as it was: gRPC logged 'Illegal header value'
+    and the call failed INTERNAL (exit 1). It is bad input: one line, exit 2,
+    before any connection."""
+    path = write(tmp_path, "tokens", text)
+    code, out, err = run(capsys, "stats", "--target", "127.0.0.1:1", "--token-file", path)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "token" in err and "INTERNAL" not in err
