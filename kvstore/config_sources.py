@@ -130,6 +130,9 @@ def _toml_source(settings: type[SettingsBase], path: str | os.PathLike[str],
     except OSError as exc:
         raise ConfigError(f"config file {name!r} cannot be read: {exc}") from None
     for section, table in source.toml_data.items():
+        if section in settings.model_fields and not isinstance(table, dict):  # else a flag or variable
+            # setting a key of the section would replace it in the merge, without a word
+            raise ConfigError(f"config key {section!r} in {name}: expected a table [{section}], got {table!r}")
         origin[section] = (f"config file {name}", f" in {name}")
         for key in table if isinstance(table, dict) else ():
             origin[f"{section}.{key}"] = origin[section]

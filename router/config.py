@@ -74,6 +74,24 @@ def _finite(key: str, value: object, *, positive: bool = False) -> None:
         raise _bad(key, value, f"a finite number {'> 0' if positive else '>= 0'}")
 
 
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "str": ((str,), "a string"), "bool": ((bool,), "true or false"),
+    "int": ((int,), "an integer"), "float": ((int, float), "a number"),
+}
+"""A scalar field's annotation -> the TOML value types it takes, and how to say so."""
+
+
+def _typed(cls: type, key: str, name: str, value: Any) -> Any:
+    """``value`` for field ``name`` of ``cls`` as TOML gave it: the type its
+    annotation names (a bool is not a number, and "false" is not a bool) or
+    an error naming ``key``; fields of other types are checked by their class."""
+    ftype = next(str(f.type) for f in dataclasses.fields(cls) if f.name == name)
+    want = _TYPES.get(ftype)
+    if want is not None and (not isinstance(value, want[0]) or (ftype != "bool" and isinstance(value, bool))):
+        raise _bad(key, value, want[1])
+    return value
+
+
 def _addr(key: str, value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -368,7 +386,7 @@ def _build(cls: type, key: str, data: Any) -> Any:
         name = "klass" if k == "class" else k
         if name not in names:
             raise _bad(f"{key}.{k}", v, f"unknown key; allowed: {', '.join(sorted(names))}")
-        kw[name] = v
+        kw[name] = _typed(cls, f"{key}.{k}", name, v)
     try:
         return cls(**kw)
     except TypeError as e:
@@ -389,7 +407,7 @@ def _from_mapping(doc: Mapping[str, Any]) -> dict[str, Any]:
                 v = {"name": "*", **v} if isinstance(v, Mapping) else v
             kw[k] = _build(_TABLES[k], k, v)
         elif k in top and k not in {"backends", "models", "api_keys", "classes", "tenants"}:
-            kw[k] = v
+            kw[k] = _typed(RouterConfig, k, k, v)
         else:
             allowed = sorted((top - {"backends", "models", "api_keys", "classes", "tenants"}) | set(_LISTS))
             raise _bad(k, v, f"unknown key; allowed: {', '.join(allowed)}")

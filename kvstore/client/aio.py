@@ -1,6 +1,9 @@
-"""The asyncio client for the kvstore daemon: ``AsyncClient``, with the same
-calls as ``kvstore.client.sync.Client`` (awaitable) and the same typed
-answers."""
+"""The asyncio client for the kvstore daemon: ``AsyncClient``, with the data
+calls of ``kvstore.client.sync.Client`` (awaitable: ``lookup``, ``put``,
+``get``, ``get_into``, ``remove``, ``clear``, ``stats``; keys as a list of
+16-byte keys or packed in one ``bytes`` where ``Client`` takes them so) and the
+same typed answers. The zero-copy and two-phase calls (``acquire``,
+``reserve``, ``commit``, ``view``) and the admin calls are ``Client``'s only."""
 
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ from typing import Any, Sequence
 
 import grpc
 
-from kvstore.buffers import as_u8, pack_keys
+import numpy as np
+
+from kvstore.buffers import KEY_BYTES, as_u8, pack_keys, split_keys
+from kvstore.checksum import checksum_many
 from kvstore.client.base import ClientBase
 from kvstore.client.sinks import BlockSink, as_sink, is_sink
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
@@ -28,7 +34,7 @@ __all__ = ["AsyncClient"]
 
 
 class AsyncClient(ClientBase):
-    """asyncio client with the same calls as ``Client`` (awaitable)."""
+    """asyncio client with the data calls of ``Client`` (awaitable; see the module docstring)."""
 
     def __init__(self, target: str | None = None, *, token: str | None = None, token_file: str | None = None,
                  tls_ca_file: str | None = None, name: str = "kvstore-aio-client", use_shm: bool = True,
@@ -77,15 +83,17 @@ class AsyncClient(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+    async def lookup(self, ns: Namespace, keys: Sequence[bytes] | bytes) -> LookupResult:
         r = await self._call(self.stub.Lookup, pb.LookupRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True)))
         return lookup_from_pb(r)
 
-    async def put(self, ns: Namespace, keys: Sequence[bytes], payloads: Sequence[Buffer],
+    async def put(self, ns: Namespace, keys: Sequence[bytes] | bytes, payloads: Sequence[Buffer],
                   parent: bytes | None = None) -> list[KeyStatus]:
-        keys = list(keys)
+        keys = split_keys(pack_keys(keys, check=True))
         if len(keys) != len(payloads):
             raise InvalidArgument(f"{len(keys)} keys but {len(payloads)} payloads")
+        if not keys:  # nothing to reserve
+            return []
         if self.slab is None:
             out: list[KeyStatus] = []
             for req in self._put_requests(ns, keys, payloads, parent):
@@ -103,9 +111,34 @@ class AsyncClient(ClientBase):
         c = await self._call(self.stub.Commit, pb.CommitRequest(reservation_id=r.reservation_id, checksums=csums))
         return self._merge_commit(statuses, c)
 
-    async def get_into(self, ns: Namespace, keys: Sequence[bytes],
+    async def get(self, ns: Namespace, keys: Sequence[bytes] | bytes) -> list[np.ndarray | None]:
+        """The present blocks' bytes (None where missing or failing their checksum)."""
+        packed = pack_keys(keys, check=True)
+        if self.slab is None:
+            bufs: dict[int, np.ndarray] = {}
+            sums: dict[int, int] = {}
+            statuses = [KeyStatus.MISS] * (len(packed) // KEY_BYTES)
+            try:
+                async for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=split_keys(packed)),
+                                                 metadata=self._md(), timeout=self.timeout):
+                    if chunk.status == pb.STATUS_OK and chunk.index not in bufs:
+                        bufs[chunk.index] = np.empty(chunk.total, np.uint8)
+                    self._apply_chunk(chunk, bufs, statuses, sums)  # type: ignore[arg-type]
+            except grpc.RpcError as e:
+                raise error_from_rpc(e) from None
+            got = [i for i, s in enumerate(statuses) if s is KeyStatus.OK and i in sums]
+            good = checksum_many([bufs[i] for i in got], self.copy_threads) == np.array([sums[i] for i in got],
+                                                                                          np.uint64)
+            keep = {i for i, ok in zip(got, good.tolist()) if ok}  # bytes failing their checksum are a miss
+            return [bufs[i] if i in keep else None for i in range(len(statuses))]
+        r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=packed, promote=True))
+        outs = [np.empty(int(n), np.uint8) for n in r.slots.length]
+        return [o if s is KeyStatus.OK else None
+                for o, s in zip(outs, await self._read_acquired(ns, split_keys(packed), r, outs))]
+
+    async def get_into(self, ns: Namespace, keys: Sequence[bytes] | bytes,
                        outs: Sequence[Buffer] | BlockSink) -> list[KeyStatus]:
-        keys = list(keys)
+        keys = split_keys(pack_keys(keys, check=True))
         if len(outs) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         if self.slab is None:
@@ -115,6 +148,11 @@ class AsyncClient(ClientBase):
             return await self._get_inline(ns, keys, outs)
         r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True),
                                                                    promote=True))
+        return await self._read_acquired(ns, keys, r, outs)
+
+    async def _read_acquired(self, ns: Namespace, keys: list[bytes], r: pb.AcquireResponse,
+                             outs: Sequence[Buffer] | BlockSink) -> list[KeyStatus]:
+        """Copy an ``Acquire``'s blocks out (verified), release, report the corrupt ones."""
         try:
             statuses = self._read_slots(r, as_sink(outs, self.copy_threads))
         finally:
@@ -142,6 +180,11 @@ class AsyncClient(ClientBase):
     async def remove(self, ns: Namespace, keys: Sequence[bytes]) -> list[KeyStatus]:
         r = await self._call(self.stub.Remove, pb.RemoveRequest(ns=ns_pb(ns), keys=list(keys)))
         return self._statuses(r.results)
+
+    async def clear(self, ns: Namespace | None = None) -> int:
+        """Remove a namespace's blocks (None: every namespace the caller may see); the count removed."""
+        req = pb.ClearRequest(ns=ns_pb(ns)) if ns is not None else pb.ClearRequest(all_namespaces=True)
+        return int((await self._call(self.stub.Clear, req)).removed)
 
     async def stats(self, include_namespaces: bool = True) -> DaemonStats:
         r = await self._call(self.stub.Stats, pb.StatsRequest(include_namespaces=include_namespaces))

@@ -39,12 +39,17 @@ def tier_field(tier: str | None) -> Any:
 
 
 def _read_token(token: str | None, token_file: str | None) -> str | None:
-    if token:
-        return token
-    if token_file:
+    """The bearer token: given, from ``token_file``, else ``$KVSTORE_TOKEN``.
+    It goes in a header, so it must be one line of printable ASCII (a file of
+    several tokens, as the daemon reads, is refused here, not by gRPC)."""
+    if not token and token_file:
         with open(token_file) as f:
-            return f.read().strip()
-    return os.environ.get("KVSTORE_TOKEN") or None
+            token = f.read().strip() or None
+    elif not token:
+        token = os.environ.get("KVSTORE_TOKEN") or None
+    if token is not None and not (token.isascii() and token.isprintable()):
+        raise InvalidArgument("the bearer token must be one line of printable ASCII (one token, not a file of several)")
+    return token
 
 
 class ClientBase:

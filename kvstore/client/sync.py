@@ -12,8 +12,7 @@ A session (``Handshake`` + a ``KeepAlive`` stream held open in the
 background) ties the client's leases and reservations to its life: if the
 process dies, the daemon reclaims them. Answers are typed
 (``kvstore.results``); failures raise the exception tree
-(``kvstore.wire.status``).
-"""
+(``kvstore.wire.status``)."""
 
 from __future__ import annotations
 
@@ -317,6 +316,8 @@ class Client(ControlCalls):
         packed = pack_keys(keys, check=True)
         if len(packed) != KEY_BYTES * len(payloads):
             raise InvalidArgument(f"{len(packed) // KEY_BYTES} keys but {len(payloads)} payloads")
+        if not packed:  # every block already hit (the README's keys[hit:]): nothing to reserve
+            return []
         if self.slab is not None:
             return self._put_shm(ns, packed, payloads, parent)
         return self._put_inline(ns, split_keys(packed), payloads, parent)

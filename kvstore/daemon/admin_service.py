@@ -40,8 +40,8 @@ class AdminService(DaemonState, pb_grpc.AdminServicer):
     async def ResizeTier(self, request: pb.ResizeTierRequest, context: Any, who: Principal) -> pb.ResizeTierResponse:
         if request.tier == 0:
             raise InvalidArgument("tier is required (dram, ssd, hbm)")
-        if request.tier - 1 not in set(TierKind):
-            raise InvalidArgument(f"unknown tier {request.tier}; allowed: dram, ssd, hbm")
+        if request.tier - 1 not in {TierKind.DRAM, TierKind.SSD, TierKind.HBM}:  # remote: peers' tiers, not ours
+            raise InvalidArgument(f"tier {request.tier} cannot be resized; allowed: dram, ssd, hbm")
         tier = TierKind(request.tier - 1)
         t = self.store.tiers.get(tier)
         if t is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.tools import demo, replay
@@ -28,9 +28,19 @@ from kvstore.tools.inputs import DEFAULT_TARGET, CLIError, add_daemon_flags, add
 __all__ = ["build_parser", "main", "parse_args"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's bad-input contract: one ``kvstore: ...`` line
+    on stderr and exit 2 (argparse would print its usage block first).
+    Subcommands' parsers are of this class too (``add_subparsers``)."""
+
+    def error(self, message: str) -> NoReturn:
+        sub = self.prog.removeprefix("kvstore").strip()
+        self.exit(2, f"kvstore: {sub + ': ' if sub else ''}{message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of every subcommand."""
-    ap = argparse.ArgumentParser(prog="kvstore", description="kvstore: a tiered KV-cache store for LLM inference.",
+    ap = _Parser(prog="kvstore", description="kvstore: a tiered KV-cache store for LLM inference.",
                                  epilog="exit codes: 0 ok, 1 failure (diff: differ), 2 bad input")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -96,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = asub.add_parser("config", help="print the running config (TOML)")
     add_daemon_flags(a)
     a = asub.add_parser("resize", help="resize a tier at run time")
-    a.add_argument("tier", help="hbm, dram or ssd")
+    a.add_argument("tier", choices=["hbm", "dram", "ssd"], type=str.lower, help="hbm, dram or ssd")
     a.add_argument("size", help="new capacity, e.g. 2GiB")
     add_daemon_flags(a)
     a = asub.add_parser("policy", help="switch the eviction policy")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import threading
 import time
@@ -42,6 +41,7 @@ from kvstore.config import load_config
 from kvstore.errors import InvalidArgument
 from kvstore.keys import as_token_array
 from kvstore.tools.format import format_diff
+from kvstore.tools.inputs import check_output, write_json
 
 __all__ = ["InProcessDaemon", "RunReport", "add_arguments", "run", "run_demo", "system_prompt", "QUESTIONS"]
 
@@ -295,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
     identical tokens), 1 otherwise."""
     if args.requests < 2:
         raise InvalidArgument("--requests must be at least 2 (the first request is the cold one)")
+    if args.json:
+        check_output(args.json)
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -321,7 +323,5 @@ def run(args: argparse.Namespace) -> int:
           f"run 2 {100 * changed.hit_ratio:.1f}%, run 3 first request {second.first_request_hit_blocks} blocks "
           f"({time.perf_counter() - t0:.0f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"runs": [dict(asdict(r), hit_ratio=r.hit_ratio) for r in runs], "diff": diff, "ok": ok},
-                      f, indent=2)
+        write_json(args.json, {"runs": [dict(asdict(r), hit_ratio=r.hit_ratio) for r in runs], "diff": diff, "ok": ok})
     return 0 if ok else 1

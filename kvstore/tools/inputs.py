@@ -1,10 +1,12 @@
 """What the ``kvstore`` commands read: token files, namespace flags, daemon
-flags, and the bad-input error (:class:`CLIError`, exit code 2)."""
+flags, the JSON files they write, and the bad-input error (:class:`CLIError`,
+exit code 2)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +16,8 @@ import numpy as np
 
 from kvstore.keys import Namespace
 
-__all__ = ["DEFAULT_TARGET", "CLIError", "Request", "add_daemon_flags", "add_namespace_flags", "fail",
+__all__ = ["DEFAULT_TARGET", "CLIError", "Request", "add_daemon_flags", "add_namespace_flags", "check_output",
+           "fail", "write_json",
            "load_request", "load_tokens", "make_namespace", "positive_int"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -151,6 +154,27 @@ def add_daemon_flags(p: argparse.ArgumentParser) -> None:
                    help=f"daemon address HOST:PORT or unix:PATH (default $KVSTORE_ADDRESS or "
                         f"{DEFAULT_TARGET})")
     p.add_argument("--token-file", help="file holding the bearer token (default $KVSTORE_TOKEN)")
+
+
+def check_output(path: str, flag: str = "--json") -> None:
+    """Refuse, before a long run, an output file the command could not write
+    at its end: a directory, or one whose directory is missing or read-only."""
+    where = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        fail(f"{flag} {path!r} is a directory")
+    if not os.path.isdir(where):
+        fail(f"{flag} {path!r}: no directory {where!r}")
+    if not os.access(where, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        fail(f"{flag} {path!r} is not writable")
+
+
+def write_json(path: str, data: Any, flag: str = "--json") -> None:
+    """Write ``data`` as indented JSON; a failure is a one-line ``CLIError``."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+    except OSError as e:
+        fail(f"{flag} {path!r} cannot be written: {e.strerror or e}")
 
 
 def positive_int(text: str) -> int:

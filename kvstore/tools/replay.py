@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -65,6 +64,7 @@ from kvstore.core.store import StoreConfig, TieredStore
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.tools import workloads as w
 from kvstore.tools.belady import belady
+from kvstore.tools.inputs import check_output, write_json
 from kvstore.tools.replay_report import ReplayResult, base_result, format_table
 from kvstore.tools.trace import PreparedTrace, TraceRequest, capacity_levels, prepare, read_trace
 from tiers.base import TierKind
@@ -352,6 +352,8 @@ def run(args: argparse.Namespace) -> int:
     trace: Sequence[w.Request | TraceRequest]
     if args.payload_bytes < 1:
         raise InvalidArgument(f"--payload-bytes must be >= 1, got {args.payload_bytes}")
+    if args.json:
+        check_output(args.json)
     if args.workload:
         try:
             trace = w.make_trace(args.workload, args.seed, w.parse_params(args.workload, args.param), args.quick)
@@ -393,12 +395,11 @@ def run(args: argparse.Namespace) -> int:
                 bounds.append(belady(pt, total, bypass=True))
     print(format_table(results + bounds, optimum))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"trace": name, "requests": pt.requests, "blocks": pt.blocks,
-                       "distinct_blocks": pt.distinct_blocks, "live_peak": pt.live_peak(),
-                       "results": [r.to_dict() for r in results],
-                       "belady": {str(k): v.to_dict() for k, v in optimum.items()},
-                       "belady_min": {str(b.capacity_blocks): b.to_dict() for b in bounds}}, f, indent=2)
+        write_json(args.json, {"trace": name, "requests": pt.requests, "blocks": pt.blocks,
+                               "distinct_blocks": pt.distinct_blocks, "live_peak": pt.live_peak(),
+                               "results": [r.to_dict() for r in results],
+                               "belady": {str(k): v.to_dict() for k, v in optimum.items()},
+                               "belady_min": {str(b.capacity_blocks): b.to_dict() for b in bounds}})
     return 0
 
 

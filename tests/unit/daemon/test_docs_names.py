@@ -1,6 +1,8 @@
-"""The docs name only settings, variables and metrics that exist: every
+"""The docs name only settings, variables, metrics and flags that exist: every
 ``KVSTORE_*`` variable, dotted config key and daemon or router metric that
-README.md and docs/*.md mention is checked against the code."""
+README.md and docs/*.md mention is checked against the code, so are the
+config table's flags, variables and defaults in docs/operations.md, and
+every ``kvstore`` command line and flag the pages show."""
 
 from __future__ import annotations
 
@@ -86,3 +88,77 @@ def test_every_router_metric_in_the_docs_is_exported() -> None:
                for name in sorted(set(re.findall(r"\bkvstore_route_[a-z0-9_]*[a-z0-9]\b", _text(page))))
                if name not in defined]
     assert missing == []
+
+
+def test_operations_config_table_matches_the_settings() -> None:
+    """Each row of docs/operations.md's key table: the flag sets that key, the
+    variable is the key's, and the default is the settings model's."""
+    from kvstore.config import load_config, parse_duration, parse_size
+    from kvstore.tools.commands import SERVE_FLAGS
+
+    flags = {"--" + dest.replace("_", "-"): key for dest, key in SERVE_FLAGS.items()}
+    defaults = load_config(None, {}, {}).to_dict()
+    rows = re.findall(r"^\|\s*`([a-z_]+\.[a-z_]+)`(?:, `[^`]+`)?\s*\|([^|]*)\|([^|]*)\|([^|]*)\|",
+                      _text(ROOT / "docs" / "operations.md"), re.M)
+    assert len(rows) >= 20
+    wrong = []
+    for key, flag, env, doc in rows:
+        flag, env, doc = flag.strip().strip("`"), env.strip().strip("`"), doc.strip()
+        section, name = key.split(".")
+        value = defaults[section][name]
+        if flag and flags.get(flag) != key or not flag and key in SERVE_FLAGS.values():
+            wrong.append(f"{key}: flag {flag!r}")
+        if env and "*" not in env and env != "KVSTORE_" + key.replace(".", "_").upper():
+            wrong.append(f"{key}: env {env!r}")
+        shown = doc.split("`")[1] if doc.startswith("`") else doc
+        if value == "":
+            ok = doc == "(none)" or shown.startswith(("$", "<"))  # none, or derived at start
+        elif isinstance(value, bool):
+            ok = shown == str(value).lower()
+        elif isinstance(value, int):
+            ok = parse_size(shown) == value
+        elif isinstance(value, float):
+            ok = parse_duration(shown) == value
+        else:
+            ok = shown == str(value)
+        if not ok:
+            wrong.append(f"{key}: documented default {doc!r}, settings {value!r}")
+    assert wrong == []
+
+
+def test_every_kvstore_command_and_flag_in_the_docs_is_accepted() -> None:
+    """Command lines in code blocks parse as written; every ``--flag`` named
+    after ``kvstore SUBCOMMAND`` (synopses included) is one that subcommand takes."""
+    import argparse
+    import shlex
+
+    from kvstore.tools.cli import build_parser
+
+    def options(p: argparse.ArgumentParser) -> set[str]:
+        out: set[str] = set()
+        for a in p._actions:
+            out |= set(a.option_strings)
+            if isinstance(a, argparse._SubParsersAction):
+                for q in a.choices.values():
+                    out |= options(q)
+        return out
+
+    ap = build_parser()
+    subs = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bad = []
+    for page in DOCS:
+        text = _text(page)
+        for m in re.finditer(rf"(?<![\w/-])kvstore ({'|'.join(subs)})\b([^\n`]*)", text):
+            bad += [f"{page.name}: kvstore {m[1]} {f}" for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", m[2])
+                    if f not in options(subs[m[1]])]
+        for block in re.findall(r"^ *```(?:sh)?\n(.*?)^ *```", text, re.S | re.M):
+            for line in block.replace("\\\n", " ").splitlines():
+                cmd = re.match(r"^(?:\$ )?(?:\S*/)?kvstore ((?:serve|stats|lookup|diff|capacity|admin|route)\b.*)", line)
+                if cmd is None or "[" in cmd[1] or "..." in cmd[1] or "(up " in cmd[1]:
+                    continue  # synopses and the stats header are not command lines
+                argv = shlex.split(re.split(r" #| \| | > | &", cmd[1])[0])
+                try:
+                    ap.parse_args(argv)
+                except SystemExit:
+                    bad.append(f"{page.name}: {line.strip()}")
+    assert bad == []

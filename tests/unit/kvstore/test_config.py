@@ -140,6 +140,11 @@ ERROR_CASES: list[tuple[str, str, dict[str, str], dict[str, Any], list[str]]] = 
     ("unknown file key", "[dram]\ncapacityy = 1\n", {}, {},
      ["'dram.capacityy'", "kvstore.toml", "allowed keys in [dram]: capacity, shm_name, slot_sizes, page_size"]),
     ("section not a table", "dram = 5\n", {}, {}, ["'dram'", "expected a table"]),
+    # a higher layer setting a key of the section used to replace the bad section without a word
+    ("section not a table, a flag in it", "dram = 5\n", {}, {"dram.capacity": "16MiB"},
+     ["'dram'", "expected a table"]),
+    ("array of tables, env in it", "[[server]]\nport = 1\n", {"KVSTORE_SERVER_PORT": "7"}, {},
+     ["'server'", "expected a table"]),
     ("unknown env key", "", {"KVSTORE_DRAM_CAPCITY": "1GiB"}, {},
      ["KVSTORE_DRAM_CAPCITY", "dram.capcity", "KVSTORE_DRAM_CAPACITY"]),
     ("unknown env section", "", {"KVSTORE_BOGUS": "1"}, {},

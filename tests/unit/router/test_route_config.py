@@ -59,3 +59,25 @@ def test_finite_numbers_still_load(tmp_path: Any) -> None:
                     '[pd]\nprefill = ["a"]\ndecode = ["d"]\nvisible_timeout = 0.0\n')
     cfg = load_router_config(str(path))
     assert cfg.health_interval == 0.5 and cfg.tenants[0].tokens_per_s == 100.0 and cfg.pd is not None
+
+
+@pytest.mark.parametrize("toml,key", [
+    # each was a TypeError/AttributeError traceback out of `kvstore route --config`
+    ('listen = 5\n', "listen"),
+    ('retries = "x"\n', "retries"),
+    ('headroom = "x"\n', "headroom"),
+    ('max_body_bytes = "16MiB"\n', "max_body_bytes"),
+    ('[[model]]\nname = "m"\npath = 5\n', "model[0].path"),
+    ('[[backend]]\nname = "b"\nurl = "http://127.0.0.1:9003"\ndaemon = 5\n', "backend[0].daemon"),
+    # each was taken as it came: the string "false" is true, so admission stayed on
+    ('admission = "false"\n', "admission"),
+    ('log_decisions = 0\n', "log_decisions"),
+    ('[[backend]]\nname = "b"\nurl = "http://127.0.0.1:9003"\ncluster = "no"\n', "backend[0].cluster"),
+    ('[[class]]\nname = 5\n', "class[0].name"),
+    ('[[model]]\nname = "m"\npath = "/m"\nblock_size = true\n', "model[0].block_size"),
+])
+def test_values_of_the_wrong_type_are_refused_naming_the_key(tmp_path: Any, toml: str, key: str) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(toml + BACKEND)
+    with pytest.raises(InvalidArgument, match=re.escape(f"router config: {key} =")):
+        load_router_config(str(path))

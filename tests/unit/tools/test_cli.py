@@ -197,7 +197,7 @@ def test_capacity_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim",
                        "128", "--tp", "2", "--ranks-per-node", "4")
     assert code == 2 and "--ranks-per-node" in err
-    with pytest.raises(SystemExit) as e:  # argparse: exit 2 with usage
+    with pytest.raises(SystemExit) as e:  # argparse: exit 2, one line
         main(["capacity", "--layers", "0", "--kv-heads", "8", "--head-dim", "128"])
     assert e.value.code == 2
 
@@ -419,8 +419,10 @@ def test_serve_bad_config_is_exit_2(capsys: pytest.CaptureFixture[str],
 def test_admin_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "admin", "resize", "dram", "huge")
     assert code == 2 and "invalid size 'huge'" in err
-    code, _, err = run(capsys, "admin", "resize", "floppy", "1GiB")
-    assert code == 2 and "unknown tier 'floppy'" in err
+    for tier in ("floppy", "remote"):  # remote is a tier, but not one to resize
+        with pytest.raises(SystemExit) as e:
+            main(["admin", "resize", tier, "1GiB"])
+        assert e.value.code == 2 and f"invalid choice: '{tier}'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["admin", "policy", "fifo"])
     assert e.value.code == 2
@@ -483,3 +485,32 @@ def test_python_dash_m(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "kvstore", "nope"], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--bogus"],                                                   # unknown flag
+    ["capacity", "--layers", "0", "--kv-heads", "8", "--head-dim", "128"],  # a value out of range
+    ["admin", "policy", "fifo"],                                            # not one of the choices
+    ["route", "--policy", "fastest"],
+    ["frobnicate"],                                                         # unknown command
+])
+def test_bad_flags_are_one_kvstore_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """docs/operations.md: bad input (an unknown flag too) is exit 2 with a one-line
+    ``kvstore: ...`` message on stderr (argparse printed its usage block first)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("kvstore: ") and "--help" in err, err
+
+
+@pytest.mark.parametrize("text", ["tok1\ntok2\n", "tok\x01\n", "tök\n"])
+def test_a_token_that_cannot_be_sent_is_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                   text: str) -> None:
+    """A --token-file holding several tokens (the daemon's own file) or a
+    control character was sent as it was: gRPC logged 'Illegal header value'
+    and the call failed INTERNAL (exit 1). It is bad input: one line, exit 2,
+    before any connection."""
+    path = write(tmp_path, "tokens", text)
+    code, out, err = run(capsys, "stats", "--target", "127.0.0.1:1", "--token-file", path)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and "token" in err and "INTERNAL" not in err

@@ -226,6 +226,20 @@ def test_cli_replay_runs(tmp_path, capsys) -> None:
     assert main(["replay", "--trace", str(path), "--policy", "fifo"]) == 2
 
 
+@pytest.mark.parametrize("where", ["missing/dir/r.json", "."])
+def test_cli_replay_unwritable_json_is_refused_before_the_run(tmp_path, capsys, monkeypatch, where: str) -> None:
+    """A --json path that cannot be written is exit 2 with one line, before any replay runs (was a
+    FileNotFoundError traceback after the whole run)."""
+    from kvstore.tools.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"tenant": "a", "tokens": list(range(40))}) + "\n")
+    monkeypatch.setattr(R, "replay", lambda *a, **k: pytest.fail("replayed before checking --json"))
+    assert main(["replay", "--trace", str(path), "--capacity", "6", "--json", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("kvstore: --json") and len(err.strip().splitlines()) <= 2
+
+
 # ------------------------------------------------------- Bélády >= policies
 prompts = st.lists(st.text(alphabet="abc", min_size=1, max_size=7), min_size=1, max_size=14)
 
