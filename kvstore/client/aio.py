@@ -16,7 +16,6 @@ import grpc
 import numpy as np
 
 from kvstore.buffers import KEY_BYTES, as_u8, pack_keys, split_keys
-from kvstore.checksum import checksum_many
 from kvstore.client.base import ClientBase
 from kvstore.client.sinks import BlockSink, as_sink, is_sink
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
@@ -126,11 +125,8 @@ class AsyncClient(ClientBase):
                     self._apply_chunk(chunk, bufs, statuses, sums)  # type: ignore[arg-type]
             except grpc.RpcError as e:
                 raise error_from_rpc(e) from None
-            got = [i for i, s in enumerate(statuses) if s is KeyStatus.OK and i in sums]
-            good = checksum_many([bufs[i] for i in got], self.copy_threads) == np.array([sums[i] for i in got],
-                                                                                          np.uint64)
-            keep = {i for i, ok in zip(got, good.tolist()) if ok}  # bytes failing their checksum are a miss
-            return [bufs[i] if i in keep else None for i in range(len(statuses))]
+            self._inline_checked(bufs, sums, statuses, self.copy_threads)  # type: ignore[arg-type]
+            return [bufs[i] if s is KeyStatus.OK else None for i, s in enumerate(statuses)]  # failed: a miss
         r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=packed, promote=True))
         outs = [np.empty(int(n), np.uint8) for n in r.slots.length]
         return [o if s is KeyStatus.OK else None
@@ -145,7 +141,10 @@ class AsyncClient(ClientBase):
             if is_sink(outs):
                 parts, sums = self._inline_parts(outs)
                 return self._inline_done(outs, parts, sums, await self._get_inline(ns, keys, parts, sums))
-            return await self._get_inline(ns, keys, outs)
+            sums = {}
+            statuses = await self._get_inline(ns, keys, outs, sums)
+            self._inline_checked(outs, sums, statuses, self.copy_threads)
+            return statuses
         r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=pack_keys(keys, check=True),
                                                                    promote=True))
         return await self._read_acquired(ns, keys, r, outs)

@@ -8,13 +8,13 @@ handling of put and get. ``Client`` (``kvstore.client.sync``) and
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
 from kvstore.buffers import as_u8, as_u8_writable, pack_keys
-from kvstore.checksum import copy_many
+from kvstore.checksum import checksum_many, copy_many
 from kvstore.client.sinks import BlockSink
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
@@ -209,6 +209,38 @@ class ClientBase:
         dst[chunk.offset : chunk.offset + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
         if sums is not None:
             sums[i] = int(chunk.checksum)
+
+    @staticmethod
+    def _inline_checked(outs: Sequence[Buffer], sums: dict[int, int], statuses: list[KeyStatus],
+                        threads: int) -> list[int]:
+        """Check the blocks an inline get wrote into ``outs`` against the
+        checksums the daemon sent: one that fails (or came without one) is
+        ``CORRUPT`` in ``statuses``, never handed over as good. Returns those
+        indices (to report)."""
+        todo = [i for i, s in enumerate(statuses) if s is KeyStatus.OK]
+        if not todo:
+            return []
+        want = np.array([sums.get(i, -1) & 0xFFFFFFFFFFFFFFFF for i in todo], np.uint64)
+        ok = (checksum_many([as_u8(outs[i]) for i in todo], threads) == want) & np.array([i in sums for i in todo])
+        bad = [i for i, good in zip(todo, ok.tolist()) if not good]
+        for i in bad:
+            statuses[i] = KeyStatus.CORRUPT
+        return bad
+
+    @classmethod
+    def _inline_blocks(cls, chunks: Iterable[pb.GetChunk], n: int,
+                       threads: int) -> tuple[list[np.ndarray | None], list[int]]:
+        """An inline get's answer as blocks (None where missing or failing
+        their checksum: a miss, never the bytes), and the failed indices."""
+        bufs: dict[int, np.ndarray] = {}
+        sums: dict[int, int] = {}
+        statuses = [KeyStatus.MISS] * n
+        for chunk in chunks:
+            if chunk.status == pb.STATUS_OK and chunk.index not in bufs:
+                bufs[chunk.index] = np.empty(chunk.total, np.uint8)
+            cls._apply_chunk(chunk, bufs, statuses, sums)  # type: ignore[arg-type]
+        bad = cls._inline_checked(bufs, sums, statuses, threads)  # type: ignore[arg-type]
+        return [bufs[i] if s is KeyStatus.OK else None for i, s in enumerate(statuses)], bad
 
     @staticmethod
     def _inline_parts(sink: BlockSink) -> tuple[list[np.ndarray], dict[int, int]]:

@@ -384,7 +384,9 @@ class Client(ControlCalls):
         if is_sink(outs):
             parts, sums = self._inline_parts(outs)
             return self._inline_done(outs, parts, sums, self._get_inline(ns, keys, parts, sums))
-        return self._get_inline(ns, keys, outs)
+        statuses = self._get_inline(ns, keys, outs, sums := {})
+        self._report_bad(ns, [keys[i] for i in self._inline_checked(outs, sums, statuses, self.copy_threads)])
+        return statuses
 
     def get(self, ns: Namespace, keys: Sequence[bytes]) -> list[np.ndarray | None]:
         """The present blocks' bytes (None where missing)."""
@@ -400,13 +402,9 @@ class Client(ControlCalls):
                 out[i] = buf if good else None  # bytes failing their checksum are a miss, never returned
             self._report_bad(ns, [keys[i] for i, good in zip(hit, ok.tolist()) if not good])
             return out
-        bufs: dict[int, bytearray] = {}
-        for idx, chunk in self._stream_get(ns, keys):
-            if chunk.status != pb.STATUS_OK:
-                continue
-            b = bufs.setdefault(idx, bytearray(chunk.total))
-            b[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
-        return [np.frombuffer(bufs[i], np.uint8) if i in bufs else None for i in range(len(keys))]
+        blocks, bad = self._inline_blocks((c for _, c in self._stream_get(ns, keys)), len(keys), self.copy_threads)
+        self._report_bad(ns, [keys[i] for i in bad])
+        return blocks
 
     def _get_shm(self, ns: Namespace, packed: bytes, sink: BlockSink) -> list[KeyStatus]:
         if self._shared is not None and self._fast is not None:
