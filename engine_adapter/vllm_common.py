@@ -91,10 +91,24 @@ TORCH_KV = {torch.float16: KVDtype.FLOAT16, torch.bfloat16: KVDtype.BFLOAT16, to
 # --------------------------------------------------------------------------
 
 
+EXTRA_KEYS = frozenset({"target", "tenant", "token", "token_file", "weights_digest", "model_id", "digest_cache",
+                        "timeout", "retry_interval", "load", "save", "use_shm", "prefault", "layout_tag", "cluster",
+                        "stats_path"})
+"""The ``kv_connector_extra_config`` keys the connector reads (``KVStoreConnector``'s docstring)."""
+
+
 def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
-    """The connector's ``kv_connector_extra_config`` (a copy; {} when unset)."""
+    """The connector's ``kv_connector_extra_config`` (a copy; {} when unset).
+    A key it does not read is refused (ValueError at vLLM's start, naming
+    it): a misspelt ``tenant`` or ``target`` would otherwise share blocks
+    under the default tenant, or talk to the default daemon, without a word."""
     ktc = vllm_config.kv_transfer_config
-    return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    unknown = sorted(str(k) for k in extra if k not in EXTRA_KEYS)
+    if unknown:
+        raise ValueError(f"kvstore connector: unknown kv_connector_extra_config key(s) {', '.join(unknown)}; "
+                         f"allowed: {', '.join(sorted(EXTRA_KEYS))}")
+    return extra
 
 
 def kv_dtype(vllm_config: VllmConfig) -> KVDtype:
