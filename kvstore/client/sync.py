@@ -60,7 +60,7 @@ class Client(ControlCalls):
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
                  pipeline: bool = True, shared_index: bool = True, write_behind: bool | str = True,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, hold_counts: bool = False) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` and the
         shared-memory path's control calls over its same-host socket
         (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
@@ -79,7 +79,8 @@ class Client(ControlCalls):
         are counted in ``late_rejected``. ``prefault``: once the slab is
         mapped, map its resident pages on a background thread
         (``SlabMapping.prefault``), so the first read of an old block takes
-        no page faults; for a long-lived engine process."""
+        no page faults; for a long-lived engine process. ``hold_counts``: counts
+        of shared-index reads and lookups wait for ``send_counts`` (or a call)."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         self.prefault = prefault
         creds = self._creds()
@@ -111,7 +112,7 @@ class Client(ControlCalls):
                     weakref.finalize(self, settle_quietly, self._fast)
                     if shared_index and self._fast.shared_path:
                         try:
-                            self._shared = SharedPath(SharedIndexReader(self._fast.shared_path))
+                            self._shared = SharedPath(SharedIndexReader(self._fast.shared_path), hold_counts)
                         except OSError as e:
                             log.info("shared index %s unusable (%s): lookups go to the daemon",
                                      self._fast.shared_path, e)
@@ -185,7 +186,7 @@ class Client(ControlCalls):
         """Wait until the daemon has run every call this client sent without
         waiting (the ``Commit`` of its puts, the ``Release`` of its gets)."""
         if self.tally_pending:
-            self._send_counts()
+            self.send_counts()
         fast = self._fast
         if fast is not None:
             try:
@@ -285,7 +286,7 @@ class Client(ControlCalls):
             return None
         got = shared.lookup(nid, packed, self._own_commits)
         if shared.tally_due():
-            self._send_counts()
+            self.send_counts()
         return got
 
     def _wire_of(self, ns: Namespace) -> bytes:
@@ -295,10 +296,10 @@ class Client(ControlCalls):
             wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
         return wire
 
-    def _send_counts(self) -> None:
+    def send_counts(self) -> None:
         """Tell the daemon, in one write without waiting, the lookups and the
         reads served from the shared index since last time (dropped when the
-        socket is gone: they only count)."""
+        socket is gone: they only count); nothing when there are none."""
         shared, fast = self._shared, self._fast
         if shared is None or fast is None:
             return
@@ -439,7 +440,7 @@ class Client(ControlCalls):
         got = shared.read(nid, packed, sink, self.slab, self._own_commits,
                           lambda tail: own.find(wire, tail, fast.in_flight)) if nid is not None else None
         if got is not None and shared.tally_due():
-            self._send_counts()
+            self.send_counts()
         return got
 
     def _report_bad(self, ns: Namespace, keys: list[bytes]) -> None:
