@@ -142,13 +142,6 @@ class SaveSide:
                 return
 
     def wait_for_save(self, meta: Any) -> None:
-        try:
-            self.save_step(meta)
-        finally:  # this step's reads told the daemon now, after the forward (never in the middle of a load)
-            if (c := self.link.current) is not None:
-                c.send_counts()
-
-    def save_step(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
             self.load_failed.clear()
             return

@@ -149,6 +149,11 @@ class SharedPath:
             ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
         return None if ent[0] == NO_NSID else ent[0]
 
+    def prepare(self, fast: LookupSocketClient, wire: bytes) -> bool:
+        """The namespace's id asked (``nid``) and the index mapped now, not
+        at the first read; whether reads of it can be served here."""
+        return self.nid(fast, wire) is not None and self.reader.map()
+
     def known(self, wire: bytes) -> None:
         """The namespace exists in the daemon now (this client's Reserve made
         it): forget that it had no id, so the next use asks again."""

@@ -76,11 +76,10 @@ class Client(ControlCalls):
         64 MiB; kvstore/client/grants.py) or a small one into a staging ring
         ("staged": the ring only), and sent without waiting
         (kvstore/client/staging.py); blocks the daemon then cannot store
-        are counted in ``late_rejected``. ``prefault``: once the slab is
-        mapped, map its resident pages on a background thread
-        (``SlabMapping.prefault``), so the first read of an old block takes
-        no page faults; for a long-lived engine process. ``hold_counts``: counts
-        of shared-index reads and lookups wait for ``send_counts`` (or a call)."""
+        are counted in ``late_rejected``. ``prefault``: once the slab is mapped, map its resident
+        pages on a background thread (``SlabMapping.prefault``), so the first read of an old block
+        takes no page faults; for a long-lived engine process. ``hold_counts``: counts of
+        shared-index reads and lookups wait for ``send_counts`` (or a call)."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         self.prefault = prefault
         creds = self._creds()
@@ -249,8 +248,7 @@ class Client(ControlCalls):
 
     @property
     def tally_pending(self) -> int:
-        """Lookups and reads served from the shared index not yet told the
-        daemon (sent every 256, 0.1 s, before any other call, or at flush)."""
+        """Shared-index lookups and reads not yet told the daemon (every 256, 0.1 s, before any call, at flush)."""
         return s.pending + s.reads_pending if (s := self._shared) is not None else 0  # (read once, as in close)
 
     @property
@@ -269,9 +267,8 @@ class Client(ControlCalls):
         return s.lookups if (s := self._shared) is not None else 0
 
     def _own_commits(self) -> bool:
-        """Read-your-writes for a shared-index probe that came back short:
-        wait for this client's pipelined Commits and write-behind puts;
-        whether there were any."""
+        """Read-your-writes for a shared-index probe that came back short: wait for this
+        client's pipelined Commits and write-behind puts; whether there were any."""
         fast = self._fast
         if fast is None or ("Commit" not in fast.owed and "Put" not in fast.owed):
             return False
@@ -289,6 +286,10 @@ class Client(ControlCalls):
             self.send_counts()
         return got
 
+    def prepare_reads(self, ns: Namespace) -> bool:
+        """Ask for ``ns``'s id and map the shared index now, not at the first ``get_into``; whether reads go there."""
+        return (s := self._shared) is not None and (f := self._fast) is not None and s.prepare(f, self._wire_of(ns))
+
     def _wire_of(self, ns: Namespace) -> bytes:
         """The namespace's serialized message (made once per namespace)."""
         wire = self._ns_wire.get(ns)
@@ -297,9 +298,8 @@ class Client(ControlCalls):
         return wire
 
     def send_counts(self) -> None:
-        """Tell the daemon, in one write without waiting, the lookups and the
-        reads served from the shared index since last time (dropped when the
-        socket is gone: they only count); nothing when there are none."""
+        """Tell the daemon in one write, not waiting, the shared index's lookups and reads since last time
+        (none: nothing sent; dropped when the socket is gone: they only count)."""
         shared, fast = self._shared, self._fast
         if shared is None or fast is None:
             return

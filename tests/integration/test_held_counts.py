@@ -44,3 +44,26 @@ def test_held_counts_are_sent_only_by_send_counts(uds_daemon, monkeypatch, hold)
         assert counters.gets == gets0 + 3
         c.send_counts()  # nothing owed: sends nothing
         assert c.tally_pending == 0
+
+
+def test_prepare_reads_asks_for_the_namespace_id_before_the_first_read(uds_daemon, monkeypatch):
+    """``prepare_reads``: the namespace's id asked (and the shared index
+    mapped) ahead, so the first ``get_into`` makes no round trip."""
+    from kvstore.client.socket import LookupSocketClient
+
+    ns = Namespace(tenant="t", model_id="m", block_size=16)
+    keys = block_keys(ns, np.arange(16 * 2, dtype=np.uint32))
+    with Client(uds_daemon.target) as w:
+        assert w.put(ns, keys, [np.full(BS, 3, np.uint8)] * 2) == [KeyStatus.OK] * 2
+        w.flush()
+    with Client(uds_daemon.target) as c:
+        assert c.prepare_reads(ns) is True
+        assert c.prepare_reads(Namespace(tenant="t", model_id="other", block_size=16)) is False  # no id yet
+        asked: list[bytes] = []
+        real = LookupSocketClient.nsid
+        monkeypatch.setattr(LookupSocketClient, "nsid", lambda self, wire: asked.append(wire) or real(self, wire))
+        outs = [np.zeros(BS, np.uint8) for _ in range(2)]
+        assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 2
+        assert c.shared_reads == 1 and asked == [] and all((o == 3).all() for o in outs)
+    with Client(uds_daemon.target, shared_index=False) as c:
+        assert c.prepare_reads(ns) is False  # no shared index: nothing to prepare
