@@ -419,7 +419,7 @@ class DaemonLink:
             try:
                 self.current = Client(self.target, token=self.token, token_file=self.token_file,
                                       timeout=self.timeout, use_shm=self.use_shm, name=f"vllm-{self.role_name}",
-                                      prefault=self.prefault)
+                                      prefault=self.prefault, hold_counts=self.role_name == "worker")
             except FAULT_TYPES as e:
                 self.retry_at = time.monotonic() + self.retry_interval
                 self.fault("connect", e)

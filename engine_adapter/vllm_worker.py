@@ -126,6 +126,8 @@ class WorkerSide(SaveSide):
         self.sent: set[str] = set()
         self.ahead: tuple[list[BlockMove], Client, list[PendingReservation | None]] | None = None
         """This step's save reservations, sent before the forward: (its saves, client, one per save)."""
+        self.reads_prepared = False
+        """Whether ``after_forward`` made the shared-index reads of the namespace ready (tried once)."""
 
     def tp_group(self) -> TPGroup:
         if self.group is None:
@@ -329,6 +331,31 @@ class WorkerSide(SaveSide):
                          fetched_bytes=nbytes, hit_blocks=hit, decision=kind)
 
     # ------------------------------------------------------------ saves
+    def wait_for_save(self, meta: Any) -> None:
+        try:
+            super().wait_for_save(meta)
+        finally:
+            self.after_forward()
+
+    def after_forward(self) -> None:
+        """After a step's forward and saves: the counts of its reads told the
+        daemon (the client holds them: a load never sends them, nor wakes the
+        daemon while other TP ranks still load); and once, as soon as the
+        namespace is known without waiting, its shared-index reads made ready
+        (``Client.prepare_reads``), so the process's first load makes no round
+        trip for the namespace's id and does not map the index."""
+        c = self.link.current
+        if c is None:
+            return
+        try:
+            c.send_counts()
+            if not self.reads_prepared and self.ident.future.done():
+                self.reads_prepared = True
+                if (ns := self.ident.ns) is not None:
+                    c.prepare_reads(ns)
+        except FAULT_TYPES as e:
+            self.link.fault("prepare", e)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
         return out

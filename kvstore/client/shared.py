@@ -110,8 +110,10 @@ class OwnWrites:
 class SharedPath:
     """Lookups and lease-free reads from the daemon's shared index."""
 
-    def __init__(self, reader: SharedIndexReader) -> None:
+    def __init__(self, reader: SharedIndexReader, held: bool = False) -> None:
         self.reader = reader
+        self.held = held
+        """Never due (``tally_due``): the owner sends the counts when it chooses."""
         self._nids: dict[bytes, tuple[int, float]] = {}
         """Namespace wire bytes -> (the daemon's id or NO_NSID, when to ask again)."""
         self._tally: dict[int, list[int]] = {}
@@ -146,6 +148,11 @@ class SharedPath:
                 return None
             ent = self._nids[wire] = (nid, time.monotonic() + NSID_RETRY_S)
         return None if ent[0] == NO_NSID else ent[0]
+
+    def prepare(self, fast: LookupSocketClient, wire: bytes) -> bool:
+        """The namespace's id asked (``nid``) and the index mapped now, not
+        at the first read; whether reads of it can be served here."""
+        return self.nid(fast, wire) is not None and self.reader.map()
 
     def known(self, wire: bytes) -> None:
         """The namespace exists in the daemon now (this client's Reserve made
@@ -188,7 +195,9 @@ class SharedPath:
     def tally_due(self) -> bool:
         """Whether the lookups answered and the reads made here should be
         told now (``TALLY_EVERY`` of them together, or ``TALLY_SECONDS``
-        since the first)."""
+        since the first; never when ``held``)."""
+        if self.held:
+            return False
         n = self.pending + len(self._reads)
         return n >= TALLY_EVERY or (n > 0 and time.monotonic() - self._since >= TALLY_SECONDS)
 

@@ -59,7 +59,7 @@ class Client(ControlCalls):
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
                  pipeline: bool = True, shared_index: bool = True, write_behind: bool | str = True,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, hold_counts: bool = False) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` and the
         shared-memory path's control calls over its same-host socket
         (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
@@ -75,10 +75,10 @@ class Client(ControlCalls):
         64 MiB; kvstore/client/grants.py) or a small one into a staging ring
         ("staged": the ring only), and sent without waiting
         (kvstore/client/staging.py); blocks the daemon then cannot store
-        are counted in ``late_rejected``. ``prefault``: once the slab is
-        mapped, map its resident pages on a background thread
-        (``SlabMapping.prefault``), so the first read of an old block takes
-        no page faults; for a long-lived engine process."""
+        are counted in ``late_rejected``. ``prefault``: once the slab is mapped, map its resident
+        pages on a background thread (``SlabMapping.prefault``), so the first read of an old block
+        takes no page faults; for a long-lived engine process. ``hold_counts``: counts of
+        shared-index reads and lookups wait for ``send_counts`` (or a call)."""
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         self.prefault = prefault
         creds = self._creds()
@@ -110,7 +110,7 @@ class Client(ControlCalls):
                     weakref.finalize(self, settle_quietly, self._fast)
                     if shared_index and self._fast.shared_path:
                         try:
-                            self._shared = SharedPath(SharedIndexReader(self._fast.shared_path))
+                            self._shared = SharedPath(SharedIndexReader(self._fast.shared_path), hold_counts)
                         except OSError as e:
                             log.info("shared index %s unusable (%s): lookups go to the daemon",
                                      self._fast.shared_path, e)
@@ -184,7 +184,7 @@ class Client(ControlCalls):
         """Wait until the daemon has run every call this client sent without
         waiting (the ``Commit`` of its puts, the ``Release`` of its gets)."""
         if self.tally_pending:
-            self._send_counts()
+            self.send_counts()
         fast = self._fast
         if fast is not None:
             try:
@@ -247,8 +247,7 @@ class Client(ControlCalls):
 
     @property
     def tally_pending(self) -> int:
-        """Lookups and reads served from the shared index not yet told the
-        daemon (sent every 256, 0.1 s, before any other call, or at flush)."""
+        """Shared-index lookups and reads not yet told the daemon (every 256, 0.1 s, before any call, at flush)."""
         return s.pending + s.reads_pending if (s := self._shared) is not None else 0  # (read once, as in close)
 
     @property
@@ -267,9 +266,8 @@ class Client(ControlCalls):
         return s.lookups if (s := self._shared) is not None else 0
 
     def _own_commits(self) -> bool:
-        """Read-your-writes for a shared-index probe that came back short:
-        wait for this client's pipelined Commits and write-behind puts;
-        whether there were any."""
+        """Read-your-writes for a shared-index probe that came back short: wait for this
+        client's pipelined Commits and write-behind puts; whether there were any."""
         fast = self._fast
         if fast is None or ("Commit" not in fast.owed and "Put" not in fast.owed):
             return False
@@ -284,8 +282,12 @@ class Client(ControlCalls):
             return None
         got = shared.lookup(nid, packed, self._own_commits)
         if shared.tally_due():
-            self._send_counts()
+            self.send_counts()
         return got
+
+    def prepare_reads(self, ns: Namespace) -> bool:
+        """Ask for ``ns``'s id and map the shared index now, not at the first ``get_into``; whether reads go there."""
+        return (s := self._shared) is not None and (f := self._fast) is not None and s.prepare(f, self._wire_of(ns))
 
     def _wire_of(self, ns: Namespace) -> bytes:
         """The namespace's serialized message (made once per namespace)."""
@@ -294,10 +296,9 @@ class Client(ControlCalls):
             wire = self._ns_wire[ns] = self._ns_msg(ns).SerializeToString(deterministic=True)
         return wire
 
-    def _send_counts(self) -> None:
-        """Tell the daemon, in one write without waiting, the lookups and the
-        reads served from the shared index since last time (dropped when the
-        socket is gone: they only count)."""
+    def send_counts(self) -> None:
+        """Tell the daemon in one write, not waiting, the shared index's lookups and reads since last time
+        (none: nothing sent; dropped when the socket is gone: they only count)."""
         shared, fast = self._shared, self._fast
         if shared is None or fast is None:
             return
@@ -438,7 +439,7 @@ class Client(ControlCalls):
         got = shared.read(nid, packed, sink, self.slab, self._own_commits,
                           lambda tail: own.find(wire, tail, fast.in_flight)) if nid is not None else None
         if got is not None and shared.tally_due():
-            self._send_counts()
+            self.send_counts()
         return got
 
     def _report_bad(self, ns: Namespace, keys: list[bytes]) -> None:

@@ -144,6 +144,11 @@ class SharedIndexReader:
             lambda hdr, gen, a: self._slots(hdr, gen, *a, packed_keys, nid, COMMITTED_STATE, DRAM_TIER))
         return got
 
+    def map(self) -> bool:
+        """Map the current generation's arrays now, as a first probe would;
+        whether they are (False: the daemon stopped)."""
+        return self._attempt(lambda hdr, gen, a: True) is not None
+
     def _attempt(self, probe: Any) -> Any:
         """``probe(header, gen, arrays)`` on the current generation's arrays
         (mapped anew when it changed), again while it answers None (at least
