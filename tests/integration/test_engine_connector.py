@@ -5,7 +5,6 @@ layouts, partial failures (no half-written pages), mirrored TP shards
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -148,16 +147,19 @@ def test_a_daemon_that_stops_answering_is_a_miss(make_daemon):
     kv = make_kv(lay, 5)
     with KVConnector(ns, lay, target=d.target, timeout=0.5, retry_interval=0) as c:
         assert c.save(toks, torch.arange(4), kv).stored_blocks == 3
-        blocked = threading.Event()
+        blocked, resume = threading.Event(), threading.Event()
 
-        def block_loop() -> None:  # the daemon's event loop hangs for a while
+        def block_loop() -> None:  # the daemon's event loop hangs until the load has given up
             blocked.set()
-            time.sleep(3.0)
+            resume.wait(30)
 
         d.loop.call_soon_threadsafe(block_loop)
         assert blocked.wait(10)
         dst = make_kv(lay, None)
-        res = c.load(toks, torch.arange(4), dst)
+        try:
+            res = c.load(toks, torch.arange(4), dst)
+        finally:
+            resume.set()
         assert res.loaded_blocks == 0 and res.fault and "Deadline" in res.fault
         assert (dst == SENTINEL).all() and c.stats.faults >= 1
 

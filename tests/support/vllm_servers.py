@@ -7,9 +7,12 @@ exits, and the connector's JSON-lines stats records."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from typing import Any
 
@@ -34,10 +37,24 @@ def vllm_env(**extra: str) -> dict[str, str]:
     return env
 
 
+_BUILT: list[str] = []
+"""This process's one build of the tiny Llama (a private directory nobody
+edits), which every later ``make_tiny_model`` copies."""
+
+
 def make_tiny_model(dest: str) -> str:
-    """Write the tiny Llama (tests/vllm/tiny_model.py) to ``dest``."""
-    subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm", "tiny_model.py"), dest], check=True,
-                   env=vllm_env(), capture_output=True, timeout=600)
+    """Write the tiny Llama (tests/vllm/tiny_model.py) to ``dest``: built once
+    per process (a torch and transformers import in the vLLM environment, the
+    cost of the build), then copied, so that each caller owns and may edit its
+    own copy (the same bytes: the weights come from a fixed seed)."""
+    if not _BUILT:
+        cache = tempfile.mkdtemp(prefix="kvstore-tiny-llama-")
+        atexit.register(shutil.rmtree, cache, True)
+        built = os.path.join(cache, "tiny")
+        subprocess.run([VLLM_PY, os.path.join(ROOT, "tests", "vllm", "tiny_model.py"), built], check=True,
+                       env=vllm_env(), capture_output=True, timeout=600)
+        _BUILT.append(built)
+    shutil.copytree(_BUILT[0], dest, dirs_exist_ok=True)
     return dest
 
 
