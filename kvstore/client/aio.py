@@ -120,13 +120,10 @@ class AsyncClient(ClientBase):
             try:
                 async for chunk in self.stub.Get(pb.GetRequest(ns=ns_pb(ns), keys=split_keys(packed)),
                                                  metadata=self._md(), timeout=self.timeout):
-                    if chunk.status == pb.STATUS_OK and chunk.index not in bufs:
-                        bufs[chunk.index] = np.empty(chunk.total, np.uint8)
-                    self._apply_chunk(chunk, bufs, statuses, sums)  # type: ignore[arg-type]
+                    self._inline_take(chunk, bufs, statuses, sums)
             except grpc.RpcError as e:
                 raise error_from_rpc(e) from None
-            self._inline_checked(bufs, sums, statuses, self.copy_threads)  # type: ignore[arg-type]
-            return [bufs[i] if s is KeyStatus.OK else None for i, s in enumerate(statuses)]  # failed: a miss
+            return self._inline_result(bufs, sums, statuses, self.copy_threads)[0]  # failed: a miss
         r = await self._call(self.stub.Acquire, pb.AcquireRequest(ns=ns_pb(ns), keys_packed=packed, promote=True))
         outs = [np.empty(int(n), np.uint8) for n in r.slots.length]
         return [o if s is KeyStatus.OK else None

@@ -228,19 +228,31 @@ class ClientBase:
         return bad
 
     @classmethod
+    def _inline_take(cls, chunk: pb.GetChunk, bufs: dict[int, np.ndarray], statuses: list[KeyStatus],
+                     sums: dict[int, int]) -> None:
+        """One chunk of an inline get's answer into ``bufs`` (a block's buffer made at its first chunk)."""
+        if chunk.status == pb.STATUS_OK and chunk.index not in bufs:
+            bufs[chunk.index] = np.empty(chunk.total, np.uint8)
+        cls._apply_chunk(chunk, bufs, statuses, sums)  # type: ignore[arg-type]
+
+    @classmethod
+    def _inline_result(cls, bufs: dict[int, np.ndarray], sums: dict[int, int], statuses: list[KeyStatus],
+                       threads: int) -> tuple[list[np.ndarray | None], list[int]]:
+        """The blocks ``_inline_take`` assembled (None where missing or failing
+        their checksum: a miss, never the bytes), and the failed indices."""
+        bad = cls._inline_checked(bufs, sums, statuses, threads)  # type: ignore[arg-type]
+        return [bufs[i] if s is KeyStatus.OK else None for i, s in enumerate(statuses)], bad
+
+    @classmethod
     def _inline_blocks(cls, chunks: Iterable[pb.GetChunk], n: int,
                        threads: int) -> tuple[list[np.ndarray | None], list[int]]:
-        """An inline get's answer as blocks (None where missing or failing
-        their checksum: a miss, never the bytes), and the failed indices."""
+        """An inline get's answer (``chunks``) as ``_inline_result``."""
         bufs: dict[int, np.ndarray] = {}
         sums: dict[int, int] = {}
         statuses = [KeyStatus.MISS] * n
         for chunk in chunks:
-            if chunk.status == pb.STATUS_OK and chunk.index not in bufs:
-                bufs[chunk.index] = np.empty(chunk.total, np.uint8)
-            cls._apply_chunk(chunk, bufs, statuses, sums)  # type: ignore[arg-type]
-        bad = cls._inline_checked(bufs, sums, statuses, threads)  # type: ignore[arg-type]
-        return [bufs[i] if s is KeyStatus.OK else None for i, s in enumerate(statuses)], bad
+            cls._inline_take(chunk, bufs, statuses, sums)
+        return cls._inline_result(bufs, sums, statuses, threads)
 
     @staticmethod
     def _inline_parts(sink: BlockSink) -> tuple[list[np.ndarray], dict[int, int]]:

@@ -370,13 +370,7 @@ class Placement:
         idx = self.index
         if self.shares is None or not rows.size:
             return select_subtrees(idx, self.policy, rows, blocked, k)
-        ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
-        names = self.namespaces.tenant_names()
-        tid = ns_tenant[idx.ns[rows]]
-        usage = np.bincount(tid, weights=idx.size[rows].astype(np.float64), minlength=len(names))
-        if for_ns is not None:
-            usage[ns_tenant[for_ns]] += incoming
-        shares = self.shares.array(names, tier)
+        ns_tenant, tid, usage, shares = self._usage(tier, rows, for_ns, incoming)
         over = victim_mask(tid, usage, self.tiers[tier].capacity_bytes, shares)
         # every block of over-share tenants, in eviction order (a subtree is one tenant's) ...
         first = select_subtrees(idx, self.policy, rows, blocked | ~over, rows.size)
@@ -404,6 +398,21 @@ class Placement:
         second = select_subtrees(idx, self.policy, rows[rest], blocked[rest], k - first.size)
         return np.concatenate([first, second]) if first.size else second
 
+    def _usage(self, tier: TierKind, rows: np.ndarray, for_ns: int | None,
+               incoming: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tenant shares in use (``self.shares`` set): each namespace's tenant
+        id, each of ``rows``' (``tier``'s blocks) tenant id, the bytes each
+        tenant holds there (the requester's with the ``incoming`` bytes it
+        asks for) and each tenant's share of ``tier``."""
+        assert self.shares is not None
+        ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
+        names = self.namespaces.tenant_names()
+        tid = ns_tenant[self.index.ns[rows]]
+        usage = np.bincount(tid, weights=self.index.size[rows].astype(np.float64), minlength=len(names))
+        if for_ns is not None:
+            usage[ns_tenant[for_ns]] += incoming
+        return ns_tenant, tid, usage, self.shares.array(names, tier)
+
     def _victims_other_class(self, tier: TierKind, cls: int, for_ns: int | None = None,
                              incoming: int = 0) -> np.ndarray:
         """To give a page to class ``cls``: the lowest-ranked candidate of
@@ -414,13 +423,10 @@ class Placement:
             cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) != cls]
         if cand.size and self.shares is not None and for_ns is not None:
             idx = self.index
-            ns_tenant = np.asarray(self.namespaces.tenant_ids(), dtype=np.int64)
-            me = ns_tenant[for_ns]
             rows = idx.used_rows()
-            rows = rows[idx.tier[rows] == tier]
-            used = float(idx.size[rows[ns_tenant[idx.ns[rows]] == me]].sum()) + incoming
-            share = self.shares.array(self.namespaces.tenant_names(), tier)[me]
-            if used > share * self.tiers[tier].capacity_bytes:
+            ns_tenant, _, usage, shares = self._usage(tier, rows[idx.tier[rows] == tier], for_ns, incoming)
+            me = ns_tenant[for_ns]
+            if usage[me] > shares[me] * self.tiers[tier].capacity_bytes:
                 cand = cand[ns_tenant[idx.ns[cand]] == me]
         return select_victims(self.index, self.policy, cand, 1)
 
