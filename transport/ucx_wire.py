@@ -58,7 +58,7 @@ from typing import Any, Awaitable, Callable, Final, Sequence
 import numpy as np
 
 __all__ = ["Alloc", "FetchFault", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC",
-           "MAGIC_SIZED", "PRE", "TRAILER", "INBOX", "inbox", "HEAD", "Request", "request", "parse_request",
+           "MAGIC_SIZED", "WIRE_VERSION", "PRE", "TRAILER", "INBOX", "inbox", "HEAD", "Request", "request", "parse_request",
            "ST_OK", "ST_REFUSED", "ST_INVALID", "ST_FAILED", "ST_TIMEOUT", "STATUS_WORD", "TAG_REQ", "tag_tab",
            "tag_go", "tag_blk", "table",
            "check_served", "sized_sends", "refused", "verified"]
@@ -68,6 +68,10 @@ MAX_HEADER: Final = 1 << 20
 MAX_BLOCKS: Final = 1 << 20
 """Most blocks in one fetch."""
 
+WIRE_VERSION: Final = 3
+"""The block fetch's wire version (the digit of ``MAGIC``), which a daemon
+names in its cluster ``Member`` record and ``NodeInfo``: a peer that names
+another is not fetched from (kvstore/daemon/peers.py)."""
 MAGIC: Final = b"KVB3"
 MAGIC_SIZED: Final = b"KVB4"
 MAGIC_END: Final = b"KVBE"
