@@ -466,9 +466,13 @@ class ClusterNode:
             return out
         rest = list(keys[hit:])
         holders, bb = await self._locate(ns.digest, rest)
-        live = set(self.membership.members) - {self.node_id}
+        members = self.membership.members
+        live = set(members) - {self.node_id}
         best, run = None, 0
         holding = holders[0] & live
+        for peer in [p for p in holding if foreign_wire(members[p])]:  # another block wire: a miss here
+            self.metrics.peer_fetch_failed(peer, "wire_version")
+            holding.discard(peer)
         for peer in {p for p in holding if not self.cost.suspect(p)} or holding:  # a suspect link last
             k = 0
             while k < len(rest) and peer in holders[k]:

@@ -595,3 +595,5 @@ def test_a_peer_of_another_block_wire_version_is_refused_and_its_blocks_are_a_co
     assert acq.hit_blocks == 0 and acq.fetched_blocks == 0
     text = b.d.daemon.metrics.render().decode()
     assert f'kvstore_peer_fetch_failures_total{{peer="{a_id}",reason="wire_version"}} 1.0' in text
+    r = b.lookup(keys)  # nor is a lookup told to fetch from it
+    assert r.remote_blocks == 0 and r.decision != pb.CHAIN_DECISION_FETCH
