@@ -820,7 +820,7 @@ class NodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfoResponse(_message.Message):
-    __slots__ = ("node_id", "grpc_address", "block_address", "capacity_bytes")
+    __slots__ = ("node_id", "grpc_address", "block_address", "capacity_bytes", "block_wire")
     class CapacityBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -832,11 +832,13 @@ class NodeInfoResponse(_message.Message):
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_WIRE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     grpc_address: str
     block_address: str
     capacity_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., block_address: _Optional[str] = ..., capacity_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    block_wire: int
+    def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., block_address: _Optional[str] = ..., capacity_bytes: _Optional[_Mapping[str, int]] = ..., block_wire: _Optional[int] = ...) -> None: ...
 
 class DirectoryUpdate(_message.Message):
     __slots__ = ("ns_digest", "keys_packed", "removed", "cleared", "block_bytes")

@@ -124,10 +124,10 @@ class SsdTier:
 
     # ------------------------------------------------------------ open path
     def _open(self) -> None:
+        self._nsfile.load()  # first: one of another version is refused before anything is changed
         self._segs = {sid: Segment(sid, size) for sid, size in self._dir.segments().items()}
         if last := max((sid for sid in self._segs if sid < U32_LIMIT), default=0):  # past 2^32: a damaged name
             self._dir.trim(self._seg_path(last))  # the segment being written when the last run stopped: its room back
-        self._nsfile.load()
         try:
             self._db = self._dir.open_db()
             locs, vals = take_snapshot(self.path, self._db) or self._read_index()

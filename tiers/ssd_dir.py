@@ -237,9 +237,13 @@ class NamespaceFile:
                 data = f.read()
         except FileNotFoundError:
             return
+        if len(data) >= 8 and data[:4] == NS_MAGIC and struct.unpack_from("<I", data, 4)[0] != 1:
+            raise InvalidArgument(
+                f"{NAMESPACES_FILE} file in {self.dir.path} has version {struct.unpack_from('<I', data, 4)[0]}, this "
+                f"kvstore reads only version 1; refusing to open it (use a matching kvstore or another directory)")
         try:
-            if len(data) < 20 or data[:4] != NS_MAGIC or struct.unpack_from("<I", data, 4)[0] != 1:
-                raise ValueError("bad magic or version")
+            if len(data) < 20 or data[:4] != NS_MAGIC:
+                raise ValueError("bad magic")
             if struct.unpack_from("<Q", data, len(data) - 8)[0] != record_checksum(data[:-8]):
                 raise ValueError("checksum mismatch")
             pos, out = 12, {}

@@ -47,6 +47,9 @@ class Member:
     block_address: str = ""
     capacities: tuple[tuple[str, int], ...] = ()
     """(tier label, bytes) pairs."""
+    wire: int = 0
+    """Its block transport's wire version (``transport.ucx_wire.WIRE_VERSION``);
+    0: a daemon that predates the field (its requests' magic still tells)."""
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -62,9 +65,10 @@ class Member:
         try:  # any malformed record is a ValueError: a member source skips it
             return cls(node_id=d["node_id"], grpc_address=str(d.get("grpc_address", "")),
                        block_address=str(d.get("block_address", "")),
-                       capacities=tuple(sorted((str(k), int(v)) for k, v in dict(caps).items())))
+                       capacities=tuple(sorted((str(k), int(v)) for k, v in dict(caps).items())),
+                       wire=int(d.get("wire", 0)))
         except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidArgument(f"member record {d['node_id']!r}: bad capacities: {e}") from None
+            raise InvalidArgument(f"member record {d['node_id']!r}: bad capacities or wire: {e}") from None
 
 
 # ------------------------------------------------------------ rendezvous

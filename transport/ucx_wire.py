@@ -43,7 +43,9 @@ the answer, and nothing is sent that nobody receives.  A block whose length
 differs from the posted one is not sent (``ok`` False, ``lengths`` gives
 its real length).  A server of another protocol version (magics ``KVB1``/
 ``KVB2``: no trailer) closes the endpoint on these magics, and this server
-on theirs: the fetch fails (a miss).
+on theirs: the fetch fails (a miss). A request's ``flags`` are 0 in this
+version: a server refuses (closes the endpoint on) a request that sets one,
+so a newer peer's flag is never ignored.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from typing import Any, Awaitable, Callable, Final, Sequence
 import numpy as np
 
 __all__ = ["Alloc", "FetchFault", "FetchResult", "Provider", "Served", "MAX_BLOCKS", "MAX_HEADER", "MAGIC",
-           "MAGIC_SIZED", "PRE", "TRAILER", "INBOX", "inbox", "HEAD", "Request", "request", "parse_request",
+           "MAGIC_SIZED", "WIRE_VERSION", "PRE", "TRAILER", "INBOX", "inbox", "HEAD", "Request", "request", "parse_request",
            "ST_OK", "ST_REFUSED", "ST_INVALID", "ST_FAILED", "ST_TIMEOUT", "STATUS_WORD", "TAG_REQ", "tag_tab",
            "tag_go", "tag_blk", "table",
            "check_served", "sized_sends", "refused", "verified"]
@@ -66,6 +68,10 @@ MAX_HEADER: Final = 1 << 20
 MAX_BLOCKS: Final = 1 << 20
 """Most blocks in one fetch."""
 
+WIRE_VERSION: Final = 3
+"""The block fetch's wire version (the digit of ``MAGIC``), which a daemon
+names in its cluster ``Member`` record and ``NodeInfo``: a peer that names
+another is not fetched from (kvstore/daemon/peers.py)."""
 MAGIC: Final = b"KVB3"
 MAGIC_SIZED: Final = b"KVB4"
 MAGIC_END: Final = b"KVBE"
@@ -140,10 +146,12 @@ def parse_request(inbox: np.ndarray) -> Request:
     bytes), checked before anything is sized by it; ValueError names what is
     wrong. Clears the trailer: an earlier request's can never end a later,
     shorter one."""
-    magic, _flags, seq, count, hlen, timeout = PRE.unpack_from(inbox.data, 0)
+    magic, flags, seq, count, hlen, timeout = PRE.unpack_from(inbox.data, 0)
     sized = magic == MAGIC_SIZED
     if magic != MAGIC and not sized:
-        raise ValueError(f"unknown request magic {bytes(magic)!r}")
+        raise ValueError(f"unknown request magic {bytes(magic)!r} (a peer of another wire version)")
+    if flags:
+        raise ValueError(f"request flags 0x{flags:x} unknown to this server (a peer of a newer wire version)")
     extra = 8 * count if sized else 0
     if hlen > MAX_HEADER or count > MAX_BLOCKS or hlen + extra > MAX_HEADER:
         raise ValueError(f"request of {count} blocks and a {hlen}-byte header is over the limits")

@@ -32,7 +32,8 @@ class ClusterService(DaemonState, pb_grpc.ClusterServicer):
         c = self.need_cluster()
         me = c.membership.me
         return pb.NodeInfoResponse(node_id=me.node_id, grpc_address=me.grpc_address,
-                                   block_address=me.block_address, capacity_bytes=dict(me.capacities))
+                                   block_address=me.block_address, capacity_bytes=dict(me.capacities),
+                                   block_wire=me.wire)
 
     @rpc("Publish", admin=True)
     async def Publish(self, request: pb.PublishRequest, context: Any, who: Principal) -> pb.PublishResponse:

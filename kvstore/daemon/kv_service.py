@@ -44,6 +44,11 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
     # ------------------------------------------------------------ session
     @rpc("Handshake")
     async def Handshake(self, request: pb.HandshakeRequest, context: Any, who: Principal) -> pb.HandshakeResponse:
+        if request.protocol_version > PROTOCOL_VERSION:  # (0: a client that predates the field)
+            log.warning("refused a client of protocol %d (%s, pid %d): this daemon speaks %d",
+                        request.protocol_version, request.client_name, request.pid, PROTOCOL_VERSION)
+            raise InvalidArgument(f"client protocol {request.protocol_version} is newer than this daemon's "
+                                  f"({PROTOCOL_VERSION}, kvstore {version()}): upgrade the daemon before its clients")
         sid = "s-" + secrets.token_hex(12)
         self.sessions[sid] = who.tenant
         self.unbound[sid] = time.monotonic() + self.config.server.reservation_timeout

@@ -457,7 +457,7 @@ class Metrics:
         self.peer_failures = Counter(
             "kvstore_peer_fetch_failures_total",
             "Blocks or fetches from peers that ended as misses, by peer and reason "
-            "(error, refused, corrupt, absent, partial, gone).", ["peer", "reason"], registry=r)
+            "(error, refused, corrupt, absent, partial, gone, wire_version).", ["peer", "reason"], registry=r)
         self.peer_served_bytes = Counter("kvstore_peer_served_bytes_total",
                                          "Payload bytes served to peers, by fetching peer.", ["peer"], registry=r)
         self.cluster_decisions = Counter("kvstore_cluster_decisions_total",

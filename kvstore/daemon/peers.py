@@ -44,6 +44,7 @@ from kvstore.results import Event, EventKind, LookupResult, DropReason
 from proto import kvstore_pb2 as pb
 from proto import kvstore_pb2_grpc as pb_grpc
 from transport.cluster import DirectoryTable, EtcdMembership, Member, Membership, StaticMembership, owners
+from transport.ucx_wire import WIRE_VERSION
 from transport.cost import GBIT, ChainDecision, CostConfig, CostModel, Estimate, shapes_from_toml
 
 log = logging.getLogger("kvstore.cluster")
@@ -131,6 +132,8 @@ class ClusterNode:
         self._digest_ns: dict[bytes, Namespace] = {}
         self._probing: set[str] = set()
         """Suspect peers whose link is being probed again."""
+        self._foreign: dict[str, int] = {}
+        """Peers logged as speaking another block wire version, and that version."""
         self._block_addresses: dict[str, str] = {}
         """Each member's block address as membership last said (a change: its link is forgotten)."""
         self._loop = asyncio.get_running_loop()
@@ -140,7 +143,7 @@ class ClusterNode:
     # ------------------------------------------------------------ lifecycle
     def _me(self) -> Member:
         caps = tuple(sorted((t.label, int(tier.capacity_bytes)) for t, tier in self.store.tiers.items()))
-        return Member(self.node_id, self.grpc_address, self.block_address, caps)
+        return Member(self.node_id, self.grpc_address, self.block_address, caps, WIRE_VERSION)
 
     async def start(self) -> None:
         self.block_address = await self.block_server.start()
@@ -199,7 +202,7 @@ class ClusterNode:
         r = await self._stub(address).NodeInfo(pb.NodeInfoRequest(), timeout=self.cfg.rpc_timeout,
                                                 metadata=self._md())
         return Member(r.node_id, r.grpc_address or address, r.block_address,
-                      tuple(sorted(r.capacity_bytes.items())))
+                      tuple(sorted(r.capacity_bytes.items())), r.block_wire)
 
     def _on_members(self, members: dict[str, Member]) -> None:
         for node in self.table.nodes() - set(members):
@@ -213,6 +216,13 @@ class ClusterNode:
                          m.block_address or "-")
                 self.cost.forget(node)
         self._block_addresses = {node: m.block_address for node, m in members.items()}
+        for node, m in members.items():
+            if not foreign_wire(m) or self._foreign.get(node) == m.wire:
+                continue
+            self._foreign[node] = m.wire
+            log.warning("cluster: %s speaks block wire version %d, this daemon %d: its blocks are misses here "
+                        "(kvstore_peer_fetch_failures_total{reason=\"wire_version\"}) until both run one version",
+                        node, m.wire, WIRE_VERSION)
         self._tasks = [t for t in self._tasks if not t.done()]
         # channels and pooled endpoints to peers that left (a static peer's address is probed still);
         # a call in flight on a channel closed under it would raise CancelledError: let it end first
@@ -223,7 +233,7 @@ class ClusterNode:
         self.block_client.retain({m.block_address for m in members.values() if m.block_address})
         if self.cfg.probe_links:
             for node, m in members.items():
-                if node != self.node_id and node not in self.cost.links and m.block_address:
+                if node != self.node_id and node not in self.cost.links and m.block_address and not foreign_wire(m):
                     self.cost.link(node)  # seeded from config until the probe answers
                     self._tasks.append(self._loop.create_task(self._probe_link(m)))
         self.metrics.cluster_members(len(members), self.membership.healthy)
@@ -456,9 +466,13 @@ class ClusterNode:
             return out
         rest = list(keys[hit:])
         holders, bb = await self._locate(ns.digest, rest)
-        live = set(self.membership.members) - {self.node_id}
+        members = self.membership.members
+        live = set(members) - {self.node_id}
         best, run = None, 0
         holding = holders[0] & live
+        for peer in [p for p in holding if foreign_wire(members[p])]:  # another block wire: a miss here
+            self.metrics.peer_fetch_failed(peer, "wire_version")
+            holding.discard(peer)
         for peer in {p for p in holding if not self.cost.suspect(p)} or holding:  # a suspect link last
             k = 0
             while k < len(rest) and peer in holders[k]:
@@ -520,9 +534,17 @@ class ClusterNode:
         if m is None or not m.block_address:
             self.metrics.peer_fetch_failed(view.peer, "gone")
             return 0
+        if foreign_wire(m):
+            self.metrics.peer_fetch_failed(view.peer, "wire_version")
+            return 0
         hit = view.local.hit_blocks
         return await self.fetcher.fetch(ns, keys[hit:hit + view.remote_blocks], keys[hit - 1] if hit else None,
                                         view.peer, m.block_address, credential)
+
+
+def foreign_wire(m: Member) -> bool:
+    """Whether ``m`` names a block wire version other than this daemon's (0: it names none)."""
+    return m.wire not in (0, WIRE_VERSION)
 
 
 __all__ = ["ClusterNode", "ClusterView", "FETCH_OWNER", "transport_factory"]

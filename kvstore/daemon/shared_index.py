@@ -33,8 +33,8 @@ import numpy as np
 from kvstore.core.ssd_io import StoreLock
 from kvstore.core.store import TieredStore
 from kvstore.daemon.slab_owner import pid_alive
-from kvstore.wire.shared_index import (ARRAYS, FILE_NAME, HEADER_BYTES, MAGIC, NAME_BYTES, NAMES_AT, SHM_DIR,
-                                       load_native)
+from kvstore.wire.shared_index import (ARRAYS, FILE_NAME, HEADER_BYTES, LAYOUT, MAGIC, NAME_BYTES, NAMES_AT,
+                                       SHM_DIR, load_native)
 
 log = logging.getLogger("kvstore.daemon.shared_index")
 
@@ -60,6 +60,9 @@ def sweep_stale(shm_dir: str = SHM_DIR, pattern: re.Pattern[str] = FILE_NAME) ->
         except OSError:
             pass
     return removed
+
+
+_DTYPES = {name: np.dtype(dt) for name, dt in ARRAYS}
 
 
 class SharedIndex:
@@ -90,13 +93,19 @@ class SharedIndex:
             os.close(fd)
         self.hdr = np.frombuffer(self._map, dtype="<u8")
         self.hdr[2] = MAGIC
+        self.hdr[4] = LAYOUT
 
     # ------------------------------------------------------------- arrays
     def alloc(self, name: str, length: int, dtype: str) -> np.ndarray:
         """A new array in a file of its own (``BlockIndex.share``'s alloc);
-        after ``close`` a plain numpy array (nobody reads it any more)."""
+        after ``close`` a plain numpy array (nobody reads it any more).
+        OSError for a column whose dtype is not the one the readers assume
+        (``ARRAYS``): the index is then not shared."""
         if self.closed:
             return np.empty(int(length), dtype=dtype)
+        want = _DTYPES.get(name)
+        if want is not None and np.dtype(dtype) != want:
+            raise OSError(f"index column {name!r} is {np.dtype(dtype)}, the shared layout says {want}: not shared")
         fname = f"{self.prefix}.{next(self._seq)}"
         nbytes = max(1, int(length)) * np.dtype(dtype).itemsize
         fd = os.open(os.path.join(self.dir, fname), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -118,7 +127,11 @@ class SharedIndex:
         """Move the arrays into shared memory, publish, hook the lock."""
         sweep_stale(self.dir)
         with self.lock:
-            self.store.index.share(self.alloc)
+            try:
+                self.store.index.share(self.alloc)
+            except OSError:
+                self.close()  # (columns already moved stay valid: their files are only unlinked)
+                raise
             self._begin(self.hdr)
             self._publish()
             self._end(self.hdr)

@@ -330,6 +330,15 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def hello(self, body: bytes) -> bytes:
+        version = frames.hello_version(body)
+        if version != frames.SOCKET_VERSION:
+            self.closing = True
+            self.daemon.metrics.rejected("SocketHello", grpc.StatusCode.FAILED_PRECONDITION)
+            log.warning("same-host socket: refused a client of socket protocol version %d (this daemon speaks %d)",
+                        version, frames.SOCKET_VERSION)
+            return _error(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"socket protocol version {version} is not spoken here (this daemon speaks "
+                          f"{frames.SOCKET_VERSION}): use gRPC")
         sid, token = frames.parse_hello(body)
         d = self.daemon
         if sid not in d.sessions:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import numpy as np
+from google.protobuf import unknown_fields
 
 from admission.slo import TTFTBreakdown
 from kvstore.errors import InvalidArgument, KeyStatus, PermissionDenied
@@ -64,7 +65,14 @@ def ns_from_pb(msg: pb.Namespace, tenant: str | None) -> Namespace:
     The wire's defaults (docs/keys.md, "The namespace over gRPC"): an empty
     tenant is the caller's ("default" with auth off), ``tp_size`` 0 is 1, an
     unset ``schema_version`` is 1 (a set 0 stays 0), empty enum names take
-    their defaults; integers above the spec's i64 range are refused."""
+    their defaults; integers above the spec's i64 range are refused. A
+    field this side does not know (a newer client's) is refused, never
+    ignored: every field of a namespace keeps apart blocks that are not
+    interchangeable (docs/operations.md, Upgrades)."""
+    unknown = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(msg)})
+    if unknown:
+        raise InvalidArgument(f"namespace field {', '.join(map(str, unknown))} is unknown to this kvstore "
+                              f"(a newer client's): upgrade the daemon before its clients")
     if tenant is not None and msg.tenant and msg.tenant != tenant:
         raise PermissionDenied(f"namespace tenant {msg.tenant!r} is not the caller's tenant")
     kw: dict[str, Any] = {

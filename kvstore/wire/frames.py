@@ -4,7 +4,8 @@ both agree on. Pure packing, no I/O.
 
 Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
 
-    hello     u32 len | session id (ASCII) [| "\\n" | bearer token]
+    hello     u32 len | ["kvs/" version " "] session id (ASCII) [| "\\n" | bearer token]
+                                          (no prefix: version 1; SOCKET_VERSION)
     hello ok  u32 len | u8 0 [| shared-index header path (UTF-8)]
                                           (else an error frame, then close)
     lookup    u32 len | u16 ns_len | Namespace message (protobuf) | keys (n x 16 bytes)
@@ -30,6 +31,15 @@ Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
     gput      u32 len | u16 0xFFF8 | (a put frame's fields, staging offset 0) | slab offsets (n x u64)
     gput ok   (as put ok)
     error     u32 len | u8 status | UTF-8 message   (status: the gRPC status code)
+
+Versions: a client names the socket version it speaks in its hello (none
+named: 1); a daemon that does not speak it answers FAILED_PRECONDITION and
+closes, and the client goes over gRPC (an older daemon, which knows no
+prefix, answers NOT_FOUND for the session: the same fallback). Frames of a
+version never change meaning: a new frame gets a new mark (an older daemon
+answers INVALID_ARGUMENT "unknown frame type"), a new call a new id
+(``UNKNOWN_METHOD``), and a put frame's unused flag bits must be 0 (an
+older daemon refuses a flag it does not know rather than ignore it).
 
 ``stage`` and ``put`` are the write-behind put (issue 18): the daemon gives
 the connection a private staging file, the client copies a small batch
@@ -78,6 +88,10 @@ at most 2^31 - 1). Not ``MAX_FRAME``: an answer may be larger than its
 request (an Acquire of 60,000 keys, a 960 KB request, answers 1.25 MB; a
 Commit of a whole reservation answers for every key). The client reads an
 answer as its bytes arrive, never allocating the length it was told."""
+SOCKET_VERSION = 1
+"""The frame protocol this side speaks (a hello of another is refused)."""
+HELLO_PREFIX = b"kvs/"
+"""A hello that names its version starts with this, the version and a space."""
 MAX_HELLO = 8192
 """Largest hello frame."""
 MAX_ERROR_TEXT = 4096
@@ -98,8 +112,8 @@ STAGE_MARK = b"\xff\xfb"
 """A stage frame's first two bytes."""
 PUT_MARK = b"\xff\xfa"
 """A put frame's first two bytes."""
-PUT = struct.Struct("<HBxIIQ")
-"""A put frame's fixed fields after the mark: ns_len, has_parent, n, block bytes, staging offset."""
+PUT = struct.Struct("<HBBIIQ")
+"""A put frame's fixed fields after the mark: ns_len, has_parent, reserved (0), n, block bytes, staging offset."""
 GRANT_MARK = b"\xff\xf9"
 """A grant frame's first two bytes."""
 GPUT_MARK = b"\xff\xf8"
@@ -142,12 +156,23 @@ def error_frame(code: int, message: str) -> bytes:
     return frame(bytes([code]) + message.encode()[:MAX_ERROR_TEXT])
 
 
-def hello_frame(session: str, token: str | None = None) -> bytes:
-    return frame((session + ("\n" + token if token else "")).encode("ascii"))
+def hello_frame(session: str, token: str | None = None, version: int = SOCKET_VERSION) -> bytes:
+    prefix = b"" if version == 1 else HELLO_PREFIX + b"%d " % version  # (1: what every daemon reads)
+    return frame(prefix + (session + ("\n" + token if token else "")).encode("ascii"))
+
+
+def hello_version(body: bytes) -> int:
+    """The socket version a hello names (1 when it names none; -1 when the prefix is malformed)."""
+    if not body.startswith(HELLO_PREFIX):
+        return 1
+    word = body[len(HELLO_PREFIX) : body.find(b" ")] if b" " in body else b""
+    return int(word) if word.isdigit() and len(word) <= 9 else -1
 
 
 def parse_hello(body: bytes) -> tuple[str, str]:
-    """(session id, bearer token or "")."""
+    """(session id, bearer token or ""), after any version prefix."""
+    if body.startswith(HELLO_PREFIX):
+        body = body.partition(b" ")[2]
     sid, _, token = body.decode("ascii", "replace").partition("\n")
     return sid, token
 
@@ -205,7 +230,7 @@ def put_frame(ns_wire: bytes, parent: bytes | None, packed_keys: bytes, block_by
     ``checksums``: their xxh3_64 values as little-endian u64."""
     if len(ns_wire) >= MAX_NS_WIRE:
         raise InvalidArgument("namespace message too long")
-    head = PUT.pack(len(ns_wire), 1 if parent else 0, len(packed_keys) // 16, block_bytes, offset)
+    head = PUT.pack(len(ns_wire), 1 if parent else 0, 0, len(packed_keys) // 16, block_bytes, offset)
     body_len = 2 + PUT.size + len(ns_wire) + (16 if parent else 0) + len(packed_keys) + len(checksums)
     return b"".join((HEADER.pack(body_len), PUT_MARK, head, ns_wire, parent or b"", packed_keys, checksums))
 
@@ -243,7 +268,7 @@ def parse_granted_put(body: bytes) -> tuple[PutFrame, list[int]]:
     """A granted put frame's fields and slab offsets."""
     if len(body) < 2 + PUT.size:
         raise InvalidArgument("short granted put frame")
-    n = PUT.unpack_from(body, 2)[2]
+    n = PUT.unpack_from(body, 2)[3]
     if len(body) < 8 * n:
         raise InvalidArgument(f"granted put frame of {len(body)} bytes does not hold {n} offsets")
     cut = len(body) - 8 * n
@@ -266,7 +291,9 @@ def parse_put(body: bytes) -> PutFrame:
     """A put frame's fields; InvalidArgument when its lengths do not add up."""
     if len(body) < 2 + PUT.size:
         raise InvalidArgument("short put frame")
-    nslen, has_parent, n, size, offset = PUT.unpack_from(body, 2)
+    nslen, has_parent, reserved, n, size, offset = PUT.unpack_from(body, 2)
+    if has_parent > 1 or reserved:
+        raise InvalidArgument(f"put frame with flags 0x{has_parent:02x} 0x{reserved:02x} this daemon does not know")
     at = 2 + PUT.size
     plen = 16 if has_parent else 0
     if len(body) != at + nslen + plen + 24 * n:

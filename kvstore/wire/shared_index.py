@@ -21,10 +21,15 @@ Layout. A header file of ``HEADER_BYTES``::
     u64 gen      bumped when an array moved to a new file (growth, rehash)
     u64 magic    MAGIC
     u64 closed   1 once the daemon stopped
+    u64 layout   LAYOUT: a digest of everything the reader depends on
     ...          at NAMES_AT, one NAME_BYTES slot per array of ARRAYS:
                  the file's name in SHM_DIR (ASCII, NUL-padded)
 
 and one file per array, exactly the array's bytes (dtypes in ``ARRAYS``).
+A reader maps a header only when both ``magic`` and ``layout`` are this
+version's: a daemon of another version (other columns, dtypes or order,
+another header size or state/tier values) is refused at the first contact
+and the client's lookups go to the daemon (docs/operations.md, Upgrades).
 A reader takes ``seq``, checks ``gen`` against the files it mapped, probes,
 and takes ``seq`` again; a lookup that raced a change is retried, and after
 ``RETRIES`` the client asks the daemon. A file the daemon replaced is
@@ -67,6 +72,10 @@ COMMITTED_STATE = 2
 """``BlockState.COMMITTED`` (kvstore/core/index.py; a test keeps them equal)."""
 DRAM_TIER = 1
 """``TierKind.DRAM`` (tiers/base.py; a test keeps them equal)."""
+LAYOUT = checksum.checksum(repr((HEADER_BYTES, NAMES_AT, NAME_BYTES, ARRAYS, COMMITTED_STATE, DRAM_TIER,
+                                 "tier byte = TierKind + 1")).encode())
+"""Header word 4: the digest of the layout above, so a reader of another
+layout refuses the header even where the magic was not bumped."""
 RETRIES = 4
 """Probes tried at least before a lookup goes to the daemon ..."""
 SPIN_S = 100e-6
@@ -105,6 +114,9 @@ class SharedIndexReader:
         self.hdr = np.frombuffer(self._map, dtype="<u8", count=HEADER_BYTES // 8)
         if int(self.hdr[2]) != MAGIC:
             raise OSError(f"{path!r} is not a shared-index header (magic)")
+        if int(self.hdr[4]) != LAYOUT:
+            raise OSError(f"{path!r} is a shared index of another layout (0x{int(self.hdr[4]):016x}, this client "
+                          f"reads 0x{LAYOUT:016x}): a daemon of another version")
         self.path = path
         self._mapped: tuple[int, tuple[np.ndarray, ...]] | None = None
         self.probes = 0

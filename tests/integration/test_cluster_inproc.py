@@ -576,3 +576,24 @@ def test_a_cluster_daemons_stop_leaves_no_task_pending() -> None:
         return [repr(t) for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
 
     assert asyncio.run(run()) == []
+
+
+def test_a_peer_of_another_block_wire_version_is_refused_and_its_blocks_are_a_counted_miss(make_daemon):
+    """A daemon whose NodeInfo names another block-transport wire version (a
+    newer one, mid-upgrade) is not fetched from: the fetch is a miss, counted."""
+    import dataclasses
+
+    a, b = static_pair(make_daemon)
+    keys = chain(3, seed=9)
+    a.put(keys)
+    wait_until(lambda: b.lookup(keys).remote_blocks == 3, 10, "remote blocks visible")
+    a_id = a.d.daemon.cluster.node_id
+    ms = a.d.daemon.cluster.membership
+    ms.me = dataclasses.replace(ms.me, wire=99)  # what a daemon of the next wire version reports
+    wait_until(lambda: b.d.daemon.cluster.membership.members[a_id].wire == 99, 10, "b probed a again")
+    acq = b.acquire(keys)
+    assert acq.hit_blocks == 0 and acq.fetched_blocks == 0
+    text = b.d.daemon.metrics.render().decode()
+    assert f'kvstore_peer_fetch_failures_total{{peer="{a_id}",reason="wire_version"}} 1.0' in text
+    r = b.lookup(keys)  # nor is a lookup told to fetch from it
+    assert r.remote_blocks == 0 and r.decision != pb.CHAIN_DECISION_FETCH

@@ -655,3 +655,22 @@ def test_an_unknown_frame_type_is_refused_not_answered_as_a_lookup(uds_daemon):
             assert b"unknown frame type" in got
         finally:
             s.close()
+
+
+def test_a_client_of_another_socket_version_is_refused_and_goes_over_grpc(uds_daemon, monkeypatch):
+    """Mid-upgrade: a client whose hello names a socket version the daemon does
+    not speak is refused (counted), and its calls go over gRPC with the same answers."""
+    from kvstore.client import socket as client_socket
+    from kvstore.wire import frames
+
+    with Client(uds_daemon.target) as plain:
+        ns = _ns()
+        keys = _fill(plain, ns, 4)
+    monkeypatch.setattr(client_socket.frames, "hello_frame",
+                        lambda session, token=None: frames.frame(b"kvs/2 " + session.encode()))
+    with Client(uds_daemon.target) as c:
+        assert c._fast is None
+        r = c.lookup(ns, keys)
+        assert r.hit_blocks == 4
+    text = uds_daemon.daemon.metrics.render().decode()
+    assert 'kvstore_rpc_rejected_total{code="FAILED_PRECONDITION",method="SocketHello"} 1.0' in text

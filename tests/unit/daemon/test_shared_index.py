@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.core.index import SHARED_COLUMNS, BlockState
+from kvstore.core.index import SHARED_COLUMNS, BlockIndex, BlockState
 from kvstore.core.ssd_io import StoreLock
 from kvstore.core.store import StoreConfig, TieredStore
 from kvstore.daemon.shared_index import SharedIndex, sweep_stale
@@ -58,6 +58,8 @@ def test_layout_matches_the_index():
     assert wire.COMMITTED_STATE == int(BlockState.COMMITTED)
     assert wire.DRAM_TIER == int(TierKind.DRAM)
     assert tuple(n for n, _ in wire.ARRAYS[1:]) == SHARED_COLUMNS
+    cols = {name: np.dtype(dt) for name, dt, *_ in BlockIndex.COLUMNS}
+    assert [np.dtype(dt) for _, dt in wire.ARRAYS[1:]] == [cols[n] for n in SHARED_COLUMNS]
 
 
 def test_reader_answers_like_the_store_through_growth_rehash_and_removal(shared):
@@ -220,3 +222,27 @@ def test_grown_column_files_back_only_the_rows_used(shared):
             sizes.append(st.st_blocks * 512)
     assert len(sizes) == 4 and max(sizes) <= used, (sizes, used, whole)
     assert _both(store, lock, reader, chain)[1][0] == n
+
+
+def test_a_header_of_another_layout_is_refused_and_lookups_go_to_the_daemon(shared):
+    """A daemon of another version publishes its header with the same magic but
+    another layout (other columns, widths or header size): the reader must not map it."""
+    store, lock, si, reader = shared
+    assert reader.map()  # this version's own header is read
+    si.hdr[4] = si.hdr[4] ^ np.uint64(0x5A5A)  # what a daemon of another layout writes there
+    with pytest.raises(OSError, match="layout"):
+        SharedIndexReader(si.path)
+
+
+def test_an_index_column_of_another_dtype_is_not_shared():
+    """The daemon publishes only columns whose dtypes are the ones the readers assume."""
+    store = TieredStore(StoreConfig(dram_bytes=8 << 20))
+    lock = StoreLock()
+    si = SharedIndex(store, lock)
+    try:
+        with pytest.raises(OSError, match="loc"):
+            si.alloc("loc", 16, "i4")  # a build whose index keeps loc as int32
+    finally:
+        si.close()
+        store.close()
+    assert not [n for n in os.listdir(wire.SHM_DIR) if n.startswith(si.prefix)]

@@ -555,3 +555,19 @@ def test_the_location_table_without_a_range_is_copied(tdir: str, monkeypatch: An
         assert get(t, locs, owners, size, cs)[0].all()
     with SsdTier(tdir, 64 * MIB) as t:
         assert len(t.recover()) == 1500
+
+
+def test_a_namespaces_file_of_another_version_is_refused_not_overwritten(tdir: str) -> None:
+    """A namespaces file a newer kvstore wrote (version 2) is never read as
+    empty and then rewritten: that would lose every namespace it holds."""
+    with SsdTier(tdir, MIB) as t:
+        t.put_namespace(NS, b"{}")
+    path = os.path.join(tdir, "namespaces")
+    with open(path, "r+b") as f:
+        f.seek(4)
+        f.write((2).to_bytes(4, "little"))
+    before = open(path, "rb").read()
+    with pytest.raises(InvalidArgument, match="version 2"):
+        with SsdTier(tdir, MIB) as t:
+            t.put_namespace(b"other-namespace-", b"{}")
+    assert open(path, "rb").read() == before

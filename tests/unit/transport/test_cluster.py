@@ -77,6 +77,17 @@ def test_member_record_round_trip_and_bad_records():
             Member.from_json(bad)
 
 
+def test_member_records_across_versions():
+    """A record names its block wire version; one of a daemon that predates
+    the field reads as 0 (unnamed), and a newer daemon's extra fields are ignored."""
+    m = Member("n1", "a:1", "a:2", (), wire=3)
+    assert Member.from_json(m.to_json()).wire == 3
+    assert Member.from_json(b'{"node_id": "n1", "grpc_address": "a:1"}').wire == 0
+    assert Member.from_json(b'{"node_id": "n1", "wire": 4, "zone": "b"}').wire == 4
+    with pytest.raises(ValueError):
+        Member.from_json(b'{"node_id": "n1", "wire": "x"}')
+
+
 def test_static_membership_follows_probes():
     me = Member("me", "127.0.0.1:1")
     alive = {"127.0.0.1:2": True, "127.0.0.1:3": True}

@@ -4,6 +4,7 @@ argument checks, and one in-process round trip over real ucxx."""
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 
@@ -285,3 +286,13 @@ def test_a_request_is_parsed_only_when_it_ends_where_its_preamble_says():
     bad = wire.request(b"KVB1", 1, 1, b"", 1.0)
     with pytest.raises(ValueError, match="magic"):
         receive(bad)
+
+
+def test_a_request_with_flags_this_server_does_not_know_is_refused():
+    """A newer peer's flag is refused (the endpoint closes: a miss for it), never ignored."""
+    inbox = wire.inbox()
+    msg = wire.request(wire.MAGIC, 3, 1, b"h", 1.0)
+    struct.pack_into("<I", msg, 4, 1)  # the preamble's flags word
+    inbox[:len(msg)] = np.frombuffer(bytes(msg), np.uint8)
+    with pytest.raises(ValueError, match="flags"):
+        wire.parse_request(inbox)

@@ -127,3 +127,26 @@ def test_a_lookup_frame_never_starts_like_another_frames_mark(mark: bytes) -> No
     nslen = int.from_bytes(mark, "little")
     with pytest.raises(InvalidArgument, match="too long"):
         frames.lookup_frame(b"x" * nslen, b"k" * 16)
+
+
+def test_a_put_frame_with_flags_this_side_does_not_know_is_refused() -> None:
+    """A newer client's flag (in has_parent's high bits or the reserved byte) is
+    refused, never ignored: ignoring it could store its blocks under another meaning."""
+    keys = b"k" * 32
+    good = bytearray(frames.put_frame(b"ns", None, keys, 4096, 0, b"\0" * 16)[4:])
+    assert frames.parse_put(bytes(good)).parent == b""
+    for at, value in ((4, 2), (5, 1)):  # has_parent = 2; the reserved byte set
+        bad = bytearray(good)
+        bad[at] = value
+        with pytest.raises(InvalidArgument, match="flag"):
+            frames.parse_put(bytes(bad))
+        with pytest.raises(InvalidArgument, match="flag"):
+            frames.parse_granted_put(frames.GPUT_MARK + bytes(bad[2:]) + b"\0" * 16)
+
+
+def test_hello_carries_the_socket_version() -> None:
+    assert frames.hello_version(_body(frames.hello_frame("s-1", "tok"))) == frames.SOCKET_VERSION == 1
+    newer = b"kvs/2 s-1\ntok"  # what a client of the next socket version sends
+    assert frames.hello_version(newer) == 2
+    assert frames.parse_hello(newer) == ("s-1", "tok")
+    assert frames.hello_version(b"kvs/x s-1") == -1  # malformed: refused as another version
