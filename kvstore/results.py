@@ -282,6 +282,10 @@ class DaemonStats:
     ttft_error_ewma_s: float = 0.0
     cluster_members: int = 0
     cluster_status: str = ""
+    tenant: str = ""
+    """The scope of the figures: "" for the whole daemon (auth off, or an
+    admin credential); else the caller's tenant, whose own activity and
+    blocks they are (tier capacities stay the daemon's)."""
 
     def tier(self, kind: TierKind) -> TierStats | None:
         """The stats of one tier (None when it is not configured)."""
@@ -296,6 +300,7 @@ class DaemonStats:
         out["ttft_error_ewma_s"] = float(self.ttft_error_ewma_s)
         out["cluster_members"] = int(self.cluster_members)
         out["cluster_status"] = self.cluster_status
+        out["tenant"] = self.tenant
         out["tiers"] = [{"tier": _TIER_WIRE[t.tier], **{k: str(getattr(t, k)) for k in _TIER_U64}}
                         for t in self.tiers]
         out["namespaces"] = [{"namespace_label": n.label, "ns_digest": base64.b64encode(n.digest).decode(),
@@ -320,7 +325,8 @@ class DaemonStats:
                    prefill_tokens_per_s=float(d.get("prefill_tokens_per_s", 0) or 0),
                    ttft_error_ewma_s=float(d.get("ttft_error_ewma_s", 0) or 0),
                    cluster_members=int(d.get("cluster_members", 0) or 0),
-                   cluster_status=str(d.get("cluster_status", "") or ""))
+                   cluster_status=str(d.get("cluster_status", "") or ""),
+                   tenant=str(d.get("tenant", "") or ""))
 
 
 @dataclass(slots=True, frozen=True)

@@ -122,10 +122,7 @@ class Grants:
             idx = place.index
             idx.csum[rows] = np.asarray(checksums, dtype=np.uint64)[np.asarray(todo, dtype=np.int64)]
             place.committed(nid, rows)
-            c = place.counters
-            c.puts += 1
-            c.put_blocks += int(rows.size)
-            c.put_bytes += int(rows.size) * nbytes
+            place.count_put(nid, int(rows.size), int(rows.size) * nbytes)
         return res
 
     def give_back(self, owner: str, locs: Sequence[int]) -> int:

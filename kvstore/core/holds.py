@@ -152,9 +152,7 @@ class Holds:
                 if rows.size == 0:
                     return res
         self.placement.committed(h.ns, rows)
-        self.counters.puts += 1
-        self.counters.put_blocks += int(rows.size)
-        self.counters.put_bytes += int(idx.size[rows].sum())
+        self.placement.count_put(h.ns, int(rows.size), int(idx.size[rows].sum()))
         return res
 
     def abort(self, handle: str, owner: str) -> int:
@@ -216,13 +214,10 @@ class Holds:
     def _count_get(self, asked: int, rows: np.ndarray, found: np.ndarray | None = None) -> None:
         """Count one get of ``asked`` keys that served ``rows`` (touched:
         eviction sees the access; ``found``: their tiers when asked)."""
-        if rows.size:
-            self.placement.served(rows, found)
+        self.placement.served(rows, found)  # (with the blocks and bytes served)
         c = self.counters
         c.gets += 1
         c.get_blocks += max(int(asked), int(rows.size))
-        c.get_hit_blocks += int(rows.size)
-        c.get_bytes += int(self.index.size[rows].sum()) if rows.size else 0
 
     def count_reads(self, nid: int, keys: KeysLike, asked: int) -> int:
         """Count a read a client made from the slab without a lease (the

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
 
 NO_NS = 0xFFFFFFFF
 """Namespace id of calls that only read, for a namespace never stored into (no block has it)."""
+# Columns of ``Namespaces.counts`` (one row per namespace id): what a
+# tenant's ``Stats`` answer sums over its namespaces (kvstore/core/store.py).
+PUT_BLOCKS, PUT_BYTES, GET_BLOCKS, GET_BYTES = 0, 1, 2, 3
+HITS = 4
+"""Columns HITS + TierKind value: blocks served from each tier."""
+EVICTIONS = 8
+"""Columns EVICTIONS + TierKind value: blocks that left each tier for room (ROOM_REASONS)."""
+COUNT_COLUMNS = 12
 QUERY_NAMESPACES = 1024
 """Lookups register an unknown namespace (for its stats) only while fewer
 namespaces than this are known; stores always do."""
@@ -43,6 +53,9 @@ class Namespaces:
         self._tenant_ids: dict[str, int] = {}
         self._ns_tenant: list[int] = []
         self._hits: dict[int, list[int]] = {}
+        self.counts: list[list[int]] = []
+        """Per-namespace activity counters (``COUNT_COLUMNS`` ints), by namespace id:
+        plain ints, so a call's count is a few integer adds."""
 
     def __len__(self) -> int:
         return len(self._ns)
@@ -62,6 +75,7 @@ class Namespaces:
         nid = len(self._ns)
         self._ids[frame] = nid
         self._ns.append(ns)
+        self.counts.append([0] * COUNT_COLUMNS)
         self._ns_tenant.append(self._tenant_ids.setdefault(ns.tenant, len(self._tenant_ids)))
         if self._digest_tenant.setdefault(d, ns.tenant) != ns.tenant:
             self._digest_tenant[d] = None  # two tenants' digests collide: their events go to neither
@@ -118,6 +132,26 @@ class Namespaces:
         """(lookups, queried blocks, hit blocks) of a namespace."""
         n, q, h = self._hits.get(nid, (0, 0, 0))
         return n, q, h
+
+    def tenant_counts(self, tenant: str) -> np.ndarray:
+        """The ``counts`` columns summed over ``tenant``'s namespaces, and its
+        (lookups, queried blocks, hit blocks, queried tokens, hit tokens)."""
+        out = np.zeros(COUNT_COLUMNS + 5, dtype=np.int64)
+        tid = self._tenant_ids.get(tenant)
+        if tid is None:
+            return out
+        mine = [nid for nid, t in enumerate(self._ns_tenant) if t == tid]
+        for nid in mine:
+            out[:COUNT_COLUMNS] += self.counts[nid]
+            n, q, h = self.lookups(nid)
+            bs = self._ns[nid].block_size
+            out[COUNT_COLUMNS:] += (n, q, h, q * bs, h * bs)
+        return out
+
+    def tenant_mask(self, tenant: str) -> np.ndarray:
+        """Per namespace id: whether it is ``tenant``'s."""
+        tid = self._tenant_ids.get(tenant, -1)
+        return np.asarray(self._ns_tenant, dtype=np.int64) == tid
 
     def items(self) -> Iterable[tuple[int, Namespace]]:
         return enumerate(self._ns)

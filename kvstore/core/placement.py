@@ -30,11 +30,11 @@ from kvstore.core.eviction import (
     select_victims,
 )
 from kvstore.core.index import HITS_MAX, S_COMMITTED, S_DOOMED, S_RESERVED, TICK_MAX, BlockIndex, BlockState
-from kvstore.core.namespaces import Namespaces
+from kvstore.core.namespaces import EVICTIONS, GET_BLOCKS, GET_BYTES, HITS, PUT_BLOCKS, PUT_BYTES, Namespaces
 from kvstore.core.plan import fix_tail_statuses, parent_row, plan
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
-from kvstore.results import BatchResult, Counters, DropReason, Event, EventKind
+from kvstore.results import ROOM_REASONS, BatchResult, Counters, DropReason, Event, EventKind
 from tiers.base import T_HBM, T_SSD, Buffer, Tier, TierKind
 from tiers.dram import DramTier
 
@@ -239,6 +239,17 @@ class Placement:
         par = idx.parent[rows[0]]
         self.emit(Event(EventKind.STORED, self.namespaces.digest(nid), idx.keys_of(rows),
                         TierKind(int(idx.tier[rows[0]])), parent=idx.key_of(int(par)) if par >= 0 else None))
+
+    def count_put(self, nid: int, blocks: int, nbytes: int) -> None:
+        """Count one put call of ``nid`` that stored ``blocks`` blocks of
+        ``nbytes`` payload bytes in all (the store's counters and the namespace's)."""
+        c = self.counters
+        c.puts += 1
+        c.put_blocks += blocks
+        c.put_bytes += nbytes
+        counts = self.namespaces.counts[nid]
+        counts[PUT_BLOCKS] += blocks
+        counts[PUT_BYTES] += nbytes
 
     # ---------------------------------------------------------- eviction
     def make_room(self, tier: TierKind, nbytes: int, count: int, protect: np.ndarray,
@@ -453,9 +464,14 @@ class Placement:
                 events.append(Event(EventKind.REMOVED, self.namespaces.digest(nid), idx.keys_of(committed),
                                     TierKind(int(idx.tier[committed[0]])), reason))
         tiers = idx.tier[rows]
+        room = reason in ROOM_REASONS
         for tk in np.unique(tiers).tolist():
             sel = rows[tiers == tk]
             self.count_eviction(TierKind(tk), reason, int(sel.size))
+            if room:  # per namespace too (a tenant's Stats)
+                per_ns = np.bincount(idx.ns[sel])
+                for nid in np.flatnonzero(per_ns).tolist():
+                    self.namespaces.counts[nid][EVICTIONS + tk] += int(per_ns[nid])
             self.tiers[TierKind(tk)].free(idx.loc[sel])
         if self.lower is not None:
             self.lower.free_copies(rows)
@@ -529,10 +545,23 @@ class Placement:
         return ok
 
     def served(self, rows: np.ndarray, found: np.ndarray | None = None) -> None:
-        """Count ``rows`` as served to a reader (touch, per-tier hits).
-        ``found``: the tier each row was in when the reader asked (a lease
-        promotes SSD blocks and demotes HBM ones first): the hit is the
-        tier's that held it; default, where they are now."""
+        """Count ``rows`` (of one namespace) as served to a reader: touch,
+        per-tier hits, the blocks and bytes served (the store's counters and
+        the namespace's). ``found``: the tier each row was in when the reader
+        asked (a lease promotes SSD blocks and demotes HBM ones first): the
+        hit is the tier's that held it; default, where they are now."""
+        if rows.size == 0:
+            return
         self.touch(rows)
-        self.tier_hits += np.bincount(self.index.tier[rows] if found is None else found, minlength=len(TierKind))
-
+        idx = self.index
+        hits = np.bincount(idx.tier[rows] if found is None else found, minlength=len(TierKind))
+        self.tier_hits += hits
+        nbytes = int(idx.size[rows].sum())
+        c = self.counters
+        c.get_hit_blocks += int(rows.size)
+        c.get_bytes += nbytes
+        counts = self.namespaces.counts[int(idx.ns[rows[0]])]
+        counts[GET_BLOCKS] += int(rows.size)
+        counts[GET_BYTES] += nbytes
+        for k, n in enumerate(hits.tolist()):
+            counts[HITS + k] += n

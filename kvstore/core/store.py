@@ -57,6 +57,7 @@ from kvstore.core.namespaces import NO_NS, QUERY_NAMESPACES, Namespaces, namespa
 from kvstore.core.placement import Placement
 from kvstore.core.resize import Resizer
 from kvstore.core.ssd_mover import Recovery, SsdMover, SsdSpec
+from kvstore.core.tenant_view import tenant_view
 from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.results import (
@@ -346,9 +347,7 @@ class TieredStore:
             self.index.csum[rows] = csums
         if todo:
             self.place.committed(nid, rows)
-            self.counters.put_bytes += int(sum(sizes[i] for i in todo))
-        self.counters.puts += 1
-        self.counters.put_blocks += len(todo)
+        self.place.count_put(nid, len(todo), int(sum(sizes[i] for i in todo)))
         return res
 
     # ----------------------------------------------------------------- get
@@ -391,11 +390,9 @@ class TieredStore:
         good_rows = sel[ok]
         for i in which[ok].tolist():
             res.statuses[i] = KeyStatus.OK
-        self.place.served(good_rows)
+        self.place.served(good_rows)  # (with the blocks and bytes served)
         if self.ssd is not None and good_rows.size:
             self.ssd.on_read(good_rows)
-        c.get_hit_blocks += int(good_rows.size)
-        c.get_bytes += int(self.index.size[good_rows].sum()) if good_rows.size else 0
         return which[ok]
 
     def get(self, ns: Namespace, keys: KeysLike) -> GetResult:
@@ -461,7 +458,13 @@ class TieredStore:
         return int(rows.size)
 
     # ------------------------------------------------------------- stats
-    def stats(self) -> StoreStats:
+    def stats(self, tenant: str | None = None) -> StoreStats:
+        """The whole store's stats; with ``tenant``, that tenant's alone
+        (its namespaces, its blocks, its activity: kvstore/core/tenant_view.py)."""
+        if tenant is not None:
+            tiers, counters = tenant_view(self.index, self.tiers, self.ns_registry, tenant)
+            nss = [n for n in self.stats().namespaces if n.tenant == tenant]
+            return StoreStats(tiers, counters, nss, self.policy.name.value, 0, 0)
         idx = self.index
         rows = idx.used_rows()
         out = []

@@ -69,10 +69,12 @@ def peer_host(peer: str) -> str:
 
 
 class DecodeGuard:
-    """The wrapping, the rate-limited log, and an ``on_reject(method)``
-    callback (metrics)."""
+    """The wrapping, the rate-limited log, and an ``on_reject(method, code,
+    seconds)`` callback (metrics: each refused call, undecodable or
+    unauthenticated, is counted and timed once, as the RPC wrapper counts
+    and times the calls that decode)."""
 
-    def __init__(self, on_reject: Callable[[str], None] | None = None,
+    def __init__(self, on_reject: Callable[[str, str, float], None] | None = None,
                  authenticate: Callable[[Any], object] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.on_reject = on_reject
@@ -91,8 +93,6 @@ class DecodeGuard:
     def note(self, method: str, peer: str, bad: Undecodable) -> None:
         """Count one undecodable request; log it if the limits allow."""
         self.rejected += 1
-        if self.on_reject is not None:
-            self.on_reject(method)
         now = self.clock()
         host = peer_host(peer)
         last, skipped = self.peers.get(host, (-PER_PEER_S - 1.0, 0))
@@ -126,13 +126,18 @@ class DecodeGuard:
 
     async def refuse(self, method: str, request: Undecodable, context: Any) -> None:
         """Answer an undecodable request (UNAUTHENTICATED first, without valid credentials)."""
+        t0 = time.perf_counter()
+        code, details = grpc.StatusCode.INVALID_ARGUMENT, request.message
         if self.authenticate is not None:
             try:
                 self.authenticate(context)
             except KVStoreError as e:
-                await context.abort(status_for(e), str(e))
-        self.note(method, context.peer(), request)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                code, details = status_for(e), str(e)
+        if code is grpc.StatusCode.INVALID_ARGUMENT:
+            self.note(method, context.peer(), request)
+        if self.on_reject is not None:
+            self.on_reject(method, code.name, time.perf_counter() - t0)
+        await context.abort(code, details)
 
     def unary(self, method: str, fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
         async def behaviour(request: Any, context: Any) -> Any:

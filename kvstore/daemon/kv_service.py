@@ -307,14 +307,19 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         return self.stats_pb(include_namespaces=request.include_namespaces, tenant=who.tenant if not who.admin else None)
 
     def stats_pb(self, include_namespaces: bool = True, tenant: str | None = None) -> pb.StatsResponse:
-        st = self.store.stats()
+        """The whole daemon's stats; with ``tenant`` (a non-admin caller with
+        auth on), that tenant's own figures (``TieredStore.stats``), never
+        another tenant's activity."""
+        st = self.store.stats(tenant)
         c = st.counters
+        sessions = len(self.sessions) if tenant is None else sum(1 for t in self.sessions.values() if t == tenant)
         out = pb.StatsResponse(
             lookups=c.lookups, hit_blocks=c.lookup_hit_blocks, miss_blocks=c.lookup_blocks - c.lookup_hit_blocks,
             hit_tokens=c.lookup_hit_tokens, miss_tokens=c.lookup_tokens - c.lookup_hit_tokens,
             puts=c.put_blocks, gets=c.get_hit_blocks, bytes_written=c.put_bytes, bytes_read=c.get_bytes,
             checksum_failures=c.checksum_failures, active_reservations=st.reservations,
-            active_leases=st.leases, sessions=len(self.sessions), uptime_seconds=time.time() - self.started)
+            active_leases=st.leases, sessions=sessions, uptime_seconds=time.time() - self.started,
+            tenant=tenant or "")
         for t in st.tiers:
             out.tiers.append(pb.TierStats(tier=tier_pb(t.tier), capacity_bytes=t.capacity_bytes,
                                           used_bytes=t.used_bytes, blocks=t.blocks,
@@ -322,7 +327,9 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
                                           promotions=t.promotions, demotions=t.demotions, hits=t.hits,
                                           disk_bytes=t.disk_bytes))
         ast = self.admission.stats()
-        for (_, kind), count in ast.decisions.items():
+        for (who_, kind), count in ast.decisions.items():
+            if tenant is not None and who_ != tenant:
+                continue
             if kind == "admit":
                 out.admitted += count
             elif kind == "admit_degraded":
@@ -334,7 +341,7 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         if self.cluster is not None:
             out.cluster_members = len(self.cluster.membership.members)
             out.cluster_status = self.cluster.status
-        if self.store.ssd is not None:
+        if self.store.ssd is not None and tenant is None:
             out.bytes_promoted = self.store.ssd.bytes_promoted
             out.bytes_demoted = self.store.ssd.bytes_demoted
         if include_namespaces:

@@ -401,6 +401,14 @@ class Metrics:
         like "NOT_FOUND", or a ``grpc.StatusCode``)."""
         self.rpc_rejected.labels(method=method, code=_status_name(code)).inc()
 
+    def refused(self, method: str, code: object, seconds: float) -> None:
+        """A ``method`` call refused before its handler ran (its request did
+        not decode, or its caller did not authenticate): counted in
+        ``kvstore_rpc_rejected_total`` and timed in ``kvstore_op_seconds``
+        once, as the RPC wrapper does for the calls that reach their handler."""
+        self.rejected(method, code)
+        self.observe(method, seconds)
+
     def inline_bytes(self, direction: str, nbytes: int) -> None:
         """``nbytes`` of payload crossed gRPC inline; direction "in" (Put)
         or "out" (Get)."""

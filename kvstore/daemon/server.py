@@ -103,9 +103,10 @@ async def start(config: Config, store: TieredStore | None = None) -> Running:
 
 async def _start(config: Config, server: grpc.aio.Server, daemon: Daemon) -> Running:
     s = config.server
-    # undecodable request bytes: INVALID_ARGUMENT and one rate-limited log line per peer (decode.py)
+    # undecodable request bytes: INVALID_ARGUMENT and one rate-limited log line per peer (decode.py);
+    # counted and timed once per call, like the calls that decode (kvstore/daemon/rpc.py)
     guard = daemon.decode_guard = DecodeGuard(
-        lambda method: daemon.metrics.rejected(method, "INVALID_ARGUMENT"),
+        daemon.metrics.refused,
         authenticate=lambda context: daemon.auth.principal(context.invocation_metadata()))
     add_guarded(server, pb_grpc.add_KVStoreServicer_to_server, daemon, guard)
     add_guarded(server, pb_grpc.add_AdminServicer_to_server, daemon, guard)

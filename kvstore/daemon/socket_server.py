@@ -65,6 +65,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, cast
 
@@ -385,9 +386,11 @@ class _Connection(asyncio.Protocol):
             if not 0 <= op < len(CALLS):
                 return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{frames.UNKNOWN_METHOD} {op + 1}")
             name = CALLS[op]
+            t0 = time.perf_counter()
             try:
                 req = _REQUESTS[op].FromString(body[3:])
-            except Exception:
+            except Exception:  # counted and timed once, as the RPC wrapper does the calls that decode
+                self.daemon.metrics.refused(name, "INVALID_ARGUMENT", time.perf_counter() - t0)
                 return _error(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not a valid request message")
             coro = getattr(self.daemon, name)(req, self.calls)
             wrap = _proto_answer

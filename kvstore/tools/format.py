@@ -87,7 +87,8 @@ def format_stats(d: Mapping[str, Any]) -> str:
     if uptime:
         h, rem = divmod(int(uptime), 3600)
         head += f" (up {h}h{rem // 60:02d}m{rem % 60:02d}s)"
-    lines += [head, ""]
+    tenant = str(d.get("tenant", "") or "")
+    lines += [head, f"tenant {tenant}" if tenant else "all tenants", ""]
     rows = []
     for t in d.get("tiers", []) or []:
         used, cap = int_field(t, "used_bytes"), int_field(t, "capacity_bytes")

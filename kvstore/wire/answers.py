@@ -54,7 +54,7 @@ def stats_from_pb(r: pb.StatsResponse) -> DaemonStats:
         active_leases=r.active_leases, sessions=r.sessions, uptime_seconds=r.uptime_seconds,
         admitted=r.admitted, admitted_degraded=r.admitted_degraded, rejected=r.rejected,
         prefill_tokens_per_s=r.prefill_tokens_per_s, ttft_error_ewma_s=r.ttft_error_ewma_s,
-        cluster_members=r.cluster_members, cluster_status=r.cluster_status)
+        cluster_members=r.cluster_members, cluster_status=r.cluster_status, tenant=r.tenant)
 
 
 def event_from_pb(ev: pb.Event) -> Event:

@@ -1,0 +1,84 @@
+"""``Stats`` with auth on (issue r20, item 1): a tenant's credential gets its
+own tenant's figures (lookups, hits, misses, puts, gets, bytes, tier
+occupancy, tier hits, evictions, sessions), never another tenant's; the
+per-tier capacity stays the daemon's. An admin credential gets the whole
+daemon, which is the sum of its tenants. The answer says which scope it is,
+and ``kvstore stats`` prints it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstore.client import Client
+from kvstore.keys import Namespace
+from kvstore.results import DaemonStats
+from kvstore.tools.format import format_stats
+from tests.conftest import payload_for
+from tests.support.keys import chain_keys
+from tiers.base import TierKind
+
+ACME = Namespace(tenant="acme", model_id="llama", block_size=16)
+BETA = Namespace(tenant="beta", model_id="llama", block_size=16)
+BS = 4096
+TENANTS = ('[[tenant]]\nname = "acme"\ntoken = "tok-acme"\n\n'
+           '[[tenant]]\nname = "beta"\ntoken = "tok-beta"\n\n'
+           '[[tenant]]\nname = "ops"\ntoken = "tok-admin"\nadmin = true\n')
+COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets",
+            "bytes_written", "bytes_read")
+
+
+def _client(d, token: str) -> Client:
+    return Client(d.target, token=token, session=False, use_shm=False)
+
+
+def _stats(d, token: str) -> DaemonStats:
+    with _client(d, token) as c:
+        return c.stats()
+
+
+def _activity(d, ns: Namespace, token: str, seed: int, stored: int, asked: int, read: int, lookups: int) -> None:
+    keys = chain_keys(seed, asked, ns)
+    with _client(d, token) as c:
+        c.put(ns, keys[:stored], [payload_for(ns.tenant.encode(), k, BS) for k in keys[:stored]])
+        for _ in range(lookups):
+            assert c.lookup(ns, keys).hit_blocks == stored
+        assert all(g is not None for g in c.get(ns, keys[:read]))
+
+
+def test_a_tenant_sees_only_its_own_figures(make_daemon, tmp_path: Path) -> None:
+    tf = tmp_path / "tenants.toml"
+    tf.write_text(TENANTS)
+    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB")
+    _activity(d, ACME, "tok-acme", 1, stored=4, asked=6, read=2, lookups=1)
+    _activity(d, BETA, "tok-beta", 2, stored=3, asked=3, read=3, lookups=2)
+    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
+
+    want = {"acme": dict(lookups=1, hit_blocks=4, miss_blocks=2, hit_tokens=64, miss_tokens=32, puts=4, gets=2,
+                         bytes_written=4 * BS, bytes_read=2 * BS),
+            "beta": dict(lookups=2, hit_blocks=6, miss_blocks=0, hit_tokens=96, miss_tokens=0, puts=3, gets=3,
+                         bytes_written=3 * BS, bytes_read=3 * BS)}
+    for name, st, blocks, hits in (("acme", acme, 4, 2), ("beta", beta, 3, 3)):
+        assert {k: getattr(st, k) for k in COUNTERS} == want[name], name
+        dram = st.tier(TierKind.DRAM)
+        assert dram is not None
+        assert (dram.blocks, dram.used_bytes, dram.hits, dram.evictions) == (blocks, blocks * BS, hits, 0), name
+        assert dram.capacity_bytes == ops.tier(TierKind.DRAM).capacity_bytes  # the operator's sizing stays
+        assert {n.label.split("/")[0] for n in st.namespaces} == {name}
+        assert st.tenant == name
+        assert "tenant " + name in format_stats(st.to_dict())
+    # the admin sees the whole daemon: the sum of the two tenants
+    assert ops.tenant == "" and "all tenants" in format_stats(ops.to_dict())
+    for k in COUNTERS:
+        assert getattr(ops, k) == getattr(acme, k) + getattr(beta, k), k
+    assert ops.tier(TierKind.DRAM).blocks == 7 and ops.tier(TierKind.DRAM).hits == 5
+
+    # evictions: acme fills DRAM (256 slots) past full; each tenant sees its own blocks go
+    more = chain_keys(3, 300, ACME)
+    with _client(d, "tok-acme") as c:
+        for i in range(0, 300, 50):
+            c.put(ACME, more[i:i + 50], [payload_for(b"acme", k, BS) for k in more[i:i + 50]])
+    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
+    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
+    assert a.evictions == 304 - a.blocks and b.evictions == 3 - b.blocks, (a, b)
+    assert o.evictions == a.evictions + b.evictions > 0 and o.blocks == a.blocks + b.blocks
+    assert a.used_bytes == a.blocks * BS and b.used_bytes == b.blocks * BS
