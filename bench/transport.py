@@ -41,11 +41,13 @@ process, the *fetcher*):
     found, so B does not locate them again) and without, alternating; at
     (c)'s shapes and 4 x 256 KiB (figures, no target).
 
-Rounds alternate (a), (b), (c), (d), (e); the first round of each shape is a
-warm-up; each figure is the median of the rest (3 with ``--quick``, 9
-otherwise). The ratios are medians of per-round ratios (each round's
-measurements run back to back, so a load swing on this shared machine hits
-them alike).
+Each round runs (a), (b), (c), (d), (e) once, back to back, in that order
+in even rounds and in the reverse order in odd ones (so no side always runs
+first, or always right after the peer's own work); the first round of each
+shape is a warm-up; each figure is the median of the rest (3 with
+``--quick``, 9 otherwise). The ratios are medians of per-round ratios: each
+round's subject and baseline ran next to each other, so a load swing on
+this shared machine hits both sides of a ratio alike.
 
 Targets: peer fetch >= 0.7x bare ucxx, per shape (issue 6; for (b), and for
 (c) when measured). Issue 18 goal 3: two-daemon fetch (c) >= 1.2x Mooncake's
@@ -106,6 +108,7 @@ SMALL = ((256 << 10, 1), (256 << 10, 4))
 the two-step one, through (b)'s client and peer."""
 HINTED = SHAPES + ((256 << 10, 4),)
 """Shapes of (g), the engine's Lookup then Acquire, with and without the hint."""
+STEPS = ("bare", "fetch", "daemons", "others")  # one round's order; odd rounds run it reversed
 OWNER = "bench-transport"
 TAG_REQ = 1 << 50
 
@@ -273,12 +276,23 @@ async def ucx_side(quick: bool, daemons: "Daemons | None", others: dict[str, Any
             bare, fetch, two, two_grpc = [], [], [], []
             base: dict[str, list[float]] = {k: [] for k in others}
             for r in range(reps + 1):
-                tb = await f.bare(size, n)
-                tf, err = await f.fetch(size, n)
-                if err:
-                    raise RuntimeError(f"fetch {label(size, n)}: {err}")
-                td, tg = daemons.round(size, n, r % 2 == 1) if daemons is not None else (0.0, 0.0)
-                tos = {k: o.round(size, n) for k, o in others.items()}
+                # each round runs every subject and baseline once, the order
+                # reversed every other round: a drift on this shared machine
+                # falls on both sides of each per-round ratio alike
+                tb = tf = td = tg = 0.0
+                tos: dict[str, float] = {}
+                for step in (STEPS if r % 2 == 0 else STEPS[::-1]):
+                    if step == "bare":
+                        tb = await f.bare(size, n)
+                    elif step == "fetch":
+                        tf, err = await f.fetch(size, n)
+                        if err:
+                            raise RuntimeError(f"fetch {label(size, n)}: {err}")
+                    elif step == "daemons" and daemons is not None:
+                        td, tg = daemons.round(size, n, r % 4 in (1, 2))
+                    elif step == "others":
+                        ks = list(others) if r % 2 == 0 else list(others)[::-1]
+                        tos = {k: others[k].round(size, n) for k in ks}
                 if r:  # round 0 warms up
                     bare.append(tb)
                     fetch.append(tf)
