@@ -5,7 +5,8 @@ the daemon (client, fault handling, stats). See ``engine_adapter.vllm``.
 Namespace: :func:`kvstore.identity.engine_namespace` (the function the
 router calls too) over the model directory vLLM loads: a digest of the
 weight files (or ``weights_digest`` from the extra config), a digest of the
-KV-affecting ``config.json`` fields after vLLM's ``hf_overrides``, tenant,
+KV-affecting ``config.json`` fields after vLLM's ``hf_overrides`` (and its
+``--disable-sliding-window``), tenant,
 KV dtype, block size, TP size, and a schema version over the vLLM KV layout
 (platform, resolved KV cache layout, layers, KV heads, head size, block
 size, dtypes). The weights are hashed in a background thread started when
@@ -249,7 +250,8 @@ class ConnectorIdentity:
         return identity.engine_namespace(
             self.model_dir, hf_config=self.hf_config, weights_digest=weights, tenant=str(extra.get("tenant", "default")),
             hf_overrides=overrides, layout=KVLayout.OPAQUE,
-            model_id=str(extra["model_id"]) if extra.get("model_id") else None, **schema)
+            model_id=str(extra["model_id"]) if extra.get("model_id") else None,
+            disable_sliding_window=bool(getattr(mc, "disable_sliding_window", False)), **schema)
 
     @property
     def ns(self) -> Namespace | None:

@@ -27,6 +27,7 @@ keys agree. Leaf module: stdlib and xxhash only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -46,20 +47,9 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, KVLayout, Namespace
 
 __all__ = [
-    "KV_CONFIG_FIELDS",
-    "WEIGHT_SUFFIXES",
-    "DigestCache",
-    "adapter_digest",
-    "config_digest",
-    "config_geometry",
-    "engine_namespace",
-    "hf_snapshot_digest",
-    "kv_schema",
-    "load_config",
-    "vllm_layout_tag",
-    "weight_files",
-    "weights_digest",
-    "weights_digest_async",
+    "KV_CONFIG_FIELDS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "config_digest", "config_geometry",
+    "engine_namespace", "hf_snapshot_digest", "kv_schema", "load_config", "vllm_layout_tag", "weight_files",
+    "weights_digest", "weights_digest_async", "window_off",
 ]
 
 KV_CONFIG_FIELDS: Final[tuple[tuple[str, str], ...]] = (
@@ -273,10 +263,8 @@ class DigestCache:
                     json.dump({"version": _CACHE_VERSION, "files": files}, f, separators=(",", ":"))
                 os.replace(tmp, self.path)
             except BaseException:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
                 raise
         except OSError:
             pass
@@ -305,10 +293,7 @@ def _hash_file(path: str) -> str:
             return h.hexdigest()
         buf = bytearray(CHUNK)
         chunk = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
+        while n := f.readinto(buf):
             h.update(chunk[:n])
     return h.hexdigest()
 
@@ -488,6 +473,18 @@ def config_digest(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | N
     return _h128(_canonical({"fields": _select(merged), "overrides": _unlisted(merged, overrides)}))
 
 
+def window_off(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``overrides`` plus what vLLM's ``--disable-sliding-window`` does: the
+    config's window (in ``text_config`` when there) set to None; full
+    attention, so other KV. No change when the config has no window."""
+    merged, out = _merged(hf_config, overrides), dict(overrides or {})
+    if isinstance(tc := merged.get("text_config"), Mapping) and tc.get("sliding_window"):
+        out["text_config"] = {**(out.get("text_config") or {}), "sliding_window": None}
+    elif merged.get("sliding_window"):
+        out["sliding_window"] = None
+    return out
+
+
 def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     tc = cfg.get("text_config")
     return tc if isinstance(tc, Mapping) and tc.get("num_hidden_layers") else cfg
@@ -563,8 +560,8 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
                      layout: KVLayout | str = KVLayout.OPAQUE, layout_tag: str = vllm_layout_tag(),
                      compute_dtype: str | None = None, quantization: str | None = None,
                      hf_config: Mapping[str, Any] | None = None, model_id: str | None = None,
-                     digest_cache: str | None = None,
-                     geometry: tuple[int, int, int] | None = None) -> Namespace:
+                     digest_cache: str | None = None, geometry: tuple[int, int, int] | None = None,
+                     disable_sliding_window: bool = False) -> Namespace:
     """The namespace of the KV an engine computes for the model in
     ``model_dir``: the ONE derivation shared by the vLLM connector and the
     router (same arguments, same block keys).
@@ -576,7 +573,8 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
       served name, unless given;
     - ``schema_version``: from :func:`kv_schema`;
     - ``hf_config``: the config to use instead of ``model_dir/config.json``
-      (as written, no defaults filled in).
+      (as written, no defaults filled in);
+    - ``disable_sliding_window``: vLLM's flag (:func:`window_off`).
     """
     if hf_config is None:
         if model_dir is None:
@@ -586,6 +584,8 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
         if model_dir is None:
             raise InvalidArgument("engine_namespace needs model_dir or weights_digest")
         weights_digest = _digest_weights(model_dir, cache=digest_cache)
+    if disable_sliding_window:
+        hf_overrides = window_off(hf_config, hf_overrides)
     cdig = config_digest(hf_config, hf_overrides)
     merged = _merged(hf_config, hf_overrides)
     _desc, schema = kv_schema(hf_config, block_size=block_size, kv_dtype=kv_dtype, overrides=hf_overrides,

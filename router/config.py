@@ -162,6 +162,8 @@ class ModelSpec:
     """The connector's explicit ``model_id`` override, when it has one."""
     hf_overrides: Mapping[str, Any] | None = None
     """The backends' ``--hf-overrides`` (they change the config digest)."""
+    disable_sliding_window: bool = False
+    """The backends run with ``--disable-sliding-window`` (it changes the config digest)."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:

@@ -26,6 +26,7 @@ from kvstore.identity import (
     kv_schema,
     weights_digest,
     weights_digest_async,
+    window_off,
 )
 
 BASE: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -112,6 +113,18 @@ def test_hf_overrides_enter_the_digest() -> None:
     nested = {**BASE, "text_config": {"rope_theta": 1.0, "hidden_size": 8}}
     assert config_digest(nested, {"text_config": {"rope_theta": 2.0}}) == \
         config_digest({**BASE, "text_config": {"rope_theta": 2.0, "hidden_size": 8}})
+
+
+def test_a_disabled_sliding_window_is_another_config() -> None:
+    # vLLM's --disable-sliding-window: full attention, other KV past the window
+    win = {**BASE, "sliding_window": 256}
+    assert config_digest(win, window_off(win)) != config_digest(win)
+    assert window_off(win, {"rope_theta": 2.0}) == {"rope_theta": 2.0, "sliding_window": None}
+    mm = {**BASE, "text_config": {"sliding_window": 256}}
+    assert window_off(mm) == {"text_config": {"sliding_window": None}}
+    assert config_digest(mm, window_off(mm)) != config_digest(mm)
+    for none in (BASE, {**BASE, "sliding_window": 0}):  # no window: nothing to turn off
+        assert window_off(none) == {}
 
 
 def test_nested_override_of_an_unlisted_field_enters_the_digest() -> None:
