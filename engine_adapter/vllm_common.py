@@ -154,20 +154,38 @@ DUMMY_WEIGHTS = "vllm-dummy-weights"
 weights: the same for the same config, which ``model_id`` names)."""
 
 
-def _model_dir(mc: Any, download_dir: str | None) -> str | None:
-    """The local directory (or GGUF file) vLLM loads the model from: the
-    path itself, or the Hugging Face cache snapshot of a repository id;
-    None when neither is on this host."""
-    model = str(mc.model)
-    if os.path.exists(model):
-        return model
+def _local(name: str, revision: str | None, cache_dir: str | None) -> str | None:
+    """The local directory (or GGUF file) of a model path or Hugging Face
+    repository id: the path itself, or the cache snapshot of the repository
+    at ``revision``; None when neither is on this host."""
+    if os.path.exists(name):
+        return name
     try:
         from huggingface_hub import snapshot_download
 
-        return str(snapshot_download(model, revision=getattr(mc, "revision", None), cache_dir=download_dir,
-                                     local_files_only=True))
+        return str(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except Exception:  # noqa: BLE001 - not a cached repository (or no hub library): unknown
         return None
+
+
+def _model_dir(mc: Any, download_dir: str | None) -> str | None:
+    """The local directory (or GGUF file) vLLM loads the model from."""
+    return _local(str(mc.model), getattr(mc, "revision", None), download_dir)
+
+
+def _config_dir(mc: Any, model_dir: str | None) -> str | None:
+    """The directory of the ``config.json`` vLLM computes with: the model's,
+    or ``--hf-config-path`` (a directory, or the cache snapshot of a
+    repository at the revision vLLM resolved for it); None when that is not
+    on this host (vLLM's loaded config then stands for it)."""
+    path = getattr(mc, "hf_config_path", None)
+    if not path or str(path) == str(mc.model):
+        return model_dir
+    # vLLM keeps the revision it resolved for a config repository in a private field; without it
+    # the model's revision applies (a revision that repository lacks finds no snapshot: vLLM's config)
+    revision = getattr(mc, "_hf_config_revision", None) or getattr(mc, "revision", None)
+    found = _local(str(path), revision, None)
+    return found if found is not None and os.path.isdir(found) else None
 
 
 def _overrides(mc: Any) -> dict[str, Any]:
@@ -203,8 +221,7 @@ class ConnectorIdentity:
         self.model_dir = _model_dir(mc, getattr(load, "download_dir", None))
         if not self.given_digest and str(getattr(load, "load_format", "")) == "dummy":
             self.given_digest = DUMMY_WEIGHTS
-        cfg_path = getattr(mc, "hf_config_path", None)
-        cfg_dir = cfg_path if cfg_path and os.path.isdir(str(cfg_path)) else self.model_dir
+        cfg_dir = _config_dir(mc, self.model_dir)
         if cfg_dir is not None:
             self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)
         else:

@@ -126,6 +126,14 @@ def test_disable_sliding_window_is_a_new_namespace(probed: dict) -> None:
     assert _router(probed, "win") == win
 
 
+def test_hf_config_path_of_a_hub_repository_is_the_config_used(probed: dict) -> None:
+    assert probed["cfg_path"]["rope"]["rope_theta"] == THETA  # vLLM computes with the other config
+    assert probed["base"]["rope"]["rope_theta"] != THETA
+    cfg = _ns(probed, "cfg_path")
+    assert cfg != _ns(probed, "base")
+    assert cfg == _ns(probed, "theta")  # the same weights and config as a plain directory
+
+
 @pytest.mark.parametrize("case", ["gen_config", "max_len", "tokenizer", "no_prefix_caching"])
 def test_settings_that_do_not_change_the_kv_keep_the_namespace(probed: dict, case: str) -> None:
     assert _ns(probed, case) == _ns(probed, "base")
