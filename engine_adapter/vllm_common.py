@@ -58,6 +58,7 @@ __all__ = [
     "flag",
     "kv_dtype",
     "layout_descriptor",
+    "local_dir",
     "cluster_mode",
     "request_ns",
 ]
@@ -154,7 +155,7 @@ DUMMY_WEIGHTS = "vllm-dummy-weights"
 weights: the same for the same config, which ``model_id`` names)."""
 
 
-def _local(name: str, revision: str | None, cache_dir: str | None) -> str | None:
+def local_dir(name: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
     """The local directory (or GGUF file) of a model path or Hugging Face
     repository id: the path itself, or the cache snapshot of the repository
     at ``revision``; None when neither is on this host."""
@@ -170,7 +171,7 @@ def _local(name: str, revision: str | None, cache_dir: str | None) -> str | None
 
 def _model_dir(mc: Any, download_dir: str | None) -> str | None:
     """The local directory (or GGUF file) vLLM loads the model from."""
-    return _local(str(mc.model), getattr(mc, "revision", None), download_dir)
+    return local_dir(str(mc.model), getattr(mc, "revision", None), download_dir)
 
 
 def _config_dir(mc: Any, model_dir: str | None) -> str | None:
@@ -184,7 +185,7 @@ def _config_dir(mc: Any, model_dir: str | None) -> str | None:
     # vLLM keeps the revision it resolved for a config repository in a private field; without it
     # the model's revision applies (a revision that repository lacks finds no snapshot: vLLM's config)
     revision = getattr(mc, "_hf_config_revision", None) or getattr(mc, "revision", None)
-    found = _local(str(path), revision, None)
+    found = local_dir(str(path), revision)
     return found if found is not None and os.path.isdir(found) else None
 
 
