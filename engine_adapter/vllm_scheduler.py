@@ -35,6 +35,7 @@ from engine_adapter.vllm_common import (
     request_ns,
 )
 from kvstore import identity
+from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_LEN, Namespace, block_keys, block_keys_array
 from kvstore.results import ChainDecisionKind, ClusterLookup
 
@@ -123,7 +124,11 @@ class SchedulerSide:
             return None  # a LoRA that cannot be identified: its KV is not stored nor loaded
         salt = str(getattr(request, "cache_salt", None) or "")
         ns = request_ns(base, adapter, salt)
-        keys = b"".join(block_keys(ns, np.asarray(toks, dtype=np.int64)))
+        try:
+            keys = b"".join(block_keys(ns, np.asarray(toks, dtype=np.int64)))
+        except InvalidArgument as e:  # ids no key names (vLLM skips its check without a tokenizer): a miss
+            log.warning("kvstore connector: request %s is not cached (%s)", request.request_id, e)
+            return None
         params = getattr(request, "kv_transfer_params", None) or {}
         st = ReqState(request, keys, adapter, salt, lora_name,
                       load=self.do_load and params.get("kvstore_load") is not False,

@@ -106,6 +106,17 @@ def main() -> None:
     res["sent_down"] = sorted(down.get_finished({"late"})[0] or [])
     res["faults_down"] = down.stats["faults"]
     res["lora"] = lora_ids(sched)
+    # token ids no key can name (vLLM does not check them with skip_tokenizer_init): served as a miss
+    bad = {}
+    for name, tok in (("huge", 1 << 32), ("negative", -1)):
+        prompt = list(range(3, 3 + 2 * BS))
+        prompt[BS + 1] = tok
+        r = Request(f"bad-{name}", prompt, SamplingParams(max_tokens=4), None)
+        try:
+            bad[name] = list(sched.get_num_new_matched_tokens(r, 0))
+        except Exception as e:  # noqa: BLE001 - what the test reports
+            bad[name] = repr(e)[:200]
+    res["bad_ids"] = bad
     json.dump(res, open(out_path, "w"))
 
 

@@ -39,6 +39,7 @@ def test_finished_request_tail_is_saved_before_its_blocks_are_freed(tmp_path) ->
     assert r["worker_stats"]["saved_blocks"] == 1
     assert (r["hit_chain"], r["hit_block2"], r["hit_block3"]) == (3, 1, 0)
     assert r["get"] == ["OK"] and r["bytes_equal"]  # the bytes of vLLM block 6 across both layers
+    assert r["bad_ids"] == {"huge": [0, False], "negative": [0, False]}  # a miss, not a crash of vLLM
     assert r["late"] == [True, None] and r["sent_down"] == ["late"] and r["faults_down"] >= 1
     # a LoRA is named by its files: the same files under another name and
     # path share blocks, new files under the same name do not
