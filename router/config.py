@@ -164,6 +164,9 @@ class ModelSpec:
     """The backends' ``--hf-overrides`` (they change the config digest)."""
     disable_sliding_window: bool = False
     """The backends run with ``--disable-sliding-window`` (it changes the config digest)."""
+    quantization: str = ""
+    """The backends' ``--quantization`` when their ``config.json`` has no quantization config (part of the KV
+    schema, as the connector computes it); "" otherwise."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:
