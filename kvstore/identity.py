@@ -5,7 +5,7 @@ engines share blocks exactly when the KV they compute for the same tokens
 is the same, so the namespace names:
 
 - the **weights** (:func:`weights_digest`): the content of the weight
-  files, hashed once and remembered in a small sidecar cache keyed by each
+  files (and remote code), hashed once and remembered in a small sidecar cache keyed by each
   file's path, size, inode, device, mtime and ctime; for a Hugging Face
   cache snapshot, the blobs its weight files link to (named by their
   content hash, so nothing is read);
@@ -158,16 +158,19 @@ def _h128(text: str) -> str:
 # --------------------------------------------------------------------------
 
 
-def weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+def weight_files(model_dir: str | os.PathLike[str], code: bool = False) -> list[Path]:
     """The weight files :func:`weights_digest` covers, sorted by name: the
     path itself when it is a file (a ``.gguf``), else the top-level files of
-    the directory ending in one of :data:`WEIGHT_SUFFIXES`."""
+    the directory ending in one of :data:`WEIGHT_SUFFIXES`; with ``code``,
+    and when there are any, also its ``*.py`` files: remote code (vLLM's
+    Transformers backend with ``trust_remote_code`` runs it) computes too."""
     p = Path(model_dir)
     if p.is_file():
         return [p]
     if not p.is_dir():
         raise InvalidArgument(f"model directory {str(p)!r} does not exist")
-    return sorted(f for f in p.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file())
+    files = sorted(f for f in p.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file())
+    return sorted(files + [f for f in p.iterdir() if f.suffix == ".py" and f.is_file()]) if code and files else files
 
 
 def hf_snapshot_digest(model_dir: str | os.PathLike[str]) -> str | None:
@@ -183,7 +186,7 @@ def hf_snapshot_digest(model_dir: str | os.PathLike[str]) -> str | None:
         return None
     blobs = (p.parent.parent / "blobs").resolve()
     pairs = []
-    for f in weight_files(p):
+    for f in weight_files(p, code=True):
         if not f.is_symlink():
             return None
         target = f.resolve()
@@ -342,12 +345,10 @@ def weights_digest(model_dir: str | os.PathLike[str], *, cache: DigestCache | st
         snap = hf_snapshot_digest(model_dir)
         if snap is not None:
             return snap
-    files = weight_files(model_dir)
+    files = weight_files(model_dir, code=True)
     if not files:
         raise InvalidArgument(f"no weight files ({', '.join(WEIGHT_SUFFIXES[:5])}, ...) in {str(model_dir)!r}")
-    dc = None
-    if use_cache:
-        dc = cache if isinstance(cache, DigestCache) else DigestCache(cache)
+    dc = (cache if isinstance(cache, DigestCache) else DigestCache(cache)) if use_cache else None
     return _content_digest(files, dc, threads or min(8, os.cpu_count() or 1))
 
 
@@ -360,11 +361,9 @@ def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None
     connector instances of one process hash once)."""
     key = (os.path.realpath(model_dir), str(cache or ""), "")
     with _INFLIGHT_LOCK:
-        fut = _INFLIGHT.get(key)
-        if fut is not None:
+        if (fut := _INFLIGHT.get(key)) is not None:
             return fut
-        fut = Future()
-        _INFLIGHT[key] = fut
+        fut = _INFLIGHT[key] = Future()
 
     def run() -> None:
         try:

@@ -206,6 +206,23 @@ def test_explicit_weights_digest_overrides_and_reads_nothing(tmp_path: Path, mon
     assert ns_of(d, tmp_path / "c.json", model_id="my-model").model_id == "my-model"
 
 
+def test_remote_code_of_the_model_directory_is_part_of_the_weights(tmp_path: Path) -> None:
+    # with trust_remote_code, vLLM's Transformers backend runs the directory's modeling code:
+    # code edited in place computes other KV, so it is another namespace (like new weights)
+    d = make_model(tmp_path / "m", {"model.safetensors": b"A" * 100},
+                   {**BASE, "auto_map": {"AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}})
+    (d / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    before = ns_of(d, tmp_path / "c.json")
+    (d / "modeling_tiny.py").write_text("SCALE = 2.0\n")
+    after = ns_of(d, tmp_path / "c.json")
+    assert before.weights_digest != after.weights_digest and before.digest != after.digest
+    # code alone is no weights
+    code_only = make_model(tmp_path / "code-only", {})
+    (code_only / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    with pytest.raises(InvalidArgument, match="no weight files"):
+        weights_digest(code_only, cache=tmp_path / "c.json")
+
+
 def test_no_weight_files_is_an_error(tmp_path: Path) -> None:
     d = make_model(tmp_path / "m", {})
     with pytest.raises(InvalidArgument, match="no weight files"):
