@@ -20,11 +20,12 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -200,6 +201,20 @@ def _overrides(mc: Any) -> dict[str, Any]:
     return dict(ov)
 
 
+def _quantization(mc: Any, in_config: bool) -> str | None:
+    """The engine-side quantization of the KV schema: ``--quantization``
+    when the checkpoint's config names none, and ``cfg:`` + a digest of
+    ``--quantization-config`` (online quantization specs and ignore
+    patterns, as vLLM resolved them) when set; None for neither."""
+    quant = getattr(mc, "quantization", None)
+    parts = [str(quant)] if quant and not in_config else []
+    qargs = getattr(mc, "quantization_config", None)
+    if qargs is not None:
+        data = asdict(qargs) if is_dataclass(qargs) and not isinstance(qargs, type) else qargs
+        parts.append("cfg:" + xxhash.xxh3_64_hexdigest(json.dumps(data, sort_keys=True, default=repr).encode()))
+    return "+".join(parts) or None
+
+
 class ConnectorIdentity:
     """The namespace of this deployment, resolved in the background.
 
@@ -256,13 +271,12 @@ class ConnectorIdentity:
         if from_config != geometry:
             log.warning("kvstore connector: config.json gives (layers, KV heads, head size) %s but vLLM %s; using "
                         "vLLM's (a router computing keys from config.json will not match)", from_config, geometry)
-        quant = getattr(mc, "quantization", None)
         in_config = any(k in self.hf_config for k in ("quantization_config", "compression_config"))
         self.layout_tag = _layout_tag(vc, self.kv_cache_config)
         schema: dict[str, Any] = {"block_size": int(vc.cache_config.block_size), "kv_dtype": self.kv_dtype,
                                   "tp_size": int(vc.parallel_config.tensor_parallel_size),
                                   "layout_tag": self.layout_tag, "compute_dtype": str(mc.dtype),
-                                  "quantization": None if in_config or not quant else str(quant),
+                                  "quantization": _quantization(mc, in_config),
                                   "geometry": None if from_config == geometry else geometry}
         self.descriptor = identity.kv_schema(self.hf_config, overrides=overrides, **schema)[0]
         return identity.engine_namespace(

@@ -165,8 +165,8 @@ class ModelSpec:
     disable_sliding_window: bool = False
     """The backends run with ``--disable-sliding-window`` (it changes the config digest)."""
     quantization: str = ""
-    """The backends' ``--quantization`` when their ``config.json`` has no quantization config (part of the KV
-    schema, as the connector computes it); "" otherwise."""
+    """The ``quant=`` value of the connector's logged schema (the backends' ``--quantization`` when their
+    ``config.json`` has none, and their ``--quantization-config``); "" when it has none."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:

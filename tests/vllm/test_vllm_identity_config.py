@@ -13,6 +13,8 @@ Cases:
 - ``--hf-config-path`` naming a Hugging Face repository (here a local
   cache snapshot, offline) whose config differs from the model directory's:
   the namespace is that config's, not the model directory's;
+- ``--quantization-config``: part of the KV schema; ``--model-class-overrides``
+  (code the namespace cannot name): no namespace, nothing cached;
 - ``--generation-config``, ``--max-model-len``, ``--tokenizer`` (another
   directory, same token ids) and prefix caching off change no KV: the same
   namespace.
@@ -91,7 +93,11 @@ def probed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "gen_config": {"model": base, "generation_config": "vllm"},
              "max_len": {"model": base, "max_model_len": 512},
              "tokenizer": {"model": base, "tokenizer": tok},
-             "no_prefix_caching": {"model": base, "enable_prefix_caching": False}}
+             "no_prefix_caching": {"model": base, "enable_prefix_caching": False},
+             "quant_config": {"model": base, "quantization_config": {"ignore": ["lm_head"]}},
+             "quant_config2": {"model": base, "quantization_config": {"ignore": ["model.embed_tokens"]}},
+             "class_override": {"model": base, "model_class_overrides": {
+                 "LlamaForCausalLM": "vllm.model_executor.models.llama:LlamaForCausalLM"}}}
     digests = os.path.join(work, "digests.json")
     p = subprocess.run([VLLM_PY, "-c", PROBE, json.dumps(cases), digests],
                        env=vllm_env(HF_HUB_CACHE=os.path.join(work, "hub"), VLLM_LOGGING_LEVEL="ERROR"),
@@ -132,6 +138,15 @@ def test_hf_config_path_of_a_hub_repository_is_the_config_used(probed: dict) -> 
     cfg = _ns(probed, "cfg_path")
     assert cfg != _ns(probed, "base")
     assert cfg == _ns(probed, "theta")  # the same weights and config as a plain directory
+
+
+def test_a_quantization_config_is_part_of_the_namespace(probed: dict) -> None:
+    # --quantization-config (online quantization specs and ignore patterns; on a GPU it also
+    # quantizes what a pre-quantized checkpoint left unquantized) changes what is computed:
+    # the CPU backend accepts only the ignore list, which stands for any config here
+    base, q1, q2 = _ns(probed, "base"), _ns(probed, "quant_config"), _ns(probed, "quant_config2")
+    assert len({base.schema_version, q1.schema_version, q2.schema_version}) == 3
+    assert q1.weights_digest == base.weights_digest and q1.model_id == base.model_id
 
 
 @pytest.mark.parametrize("case", ["gen_config", "max_len", "tokenizer", "no_prefix_caching"])
