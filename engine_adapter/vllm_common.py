@@ -255,6 +255,10 @@ class ConnectorIdentity:
             self.future = identity.weights_digest_async(self.model_dir,
                                                         cache=extra.get("digest_cache") or None)
         self.failed = False
+        if getattr(mc, "model_class_overrides", None):  # another class: code the namespace cannot name
+            log.warning("kvstore connector: model_class_overrides %s runs code the cache identity cannot name; "
+                        "the store is unused", mc.model_class_overrides)
+            self.failed = True
         self.waited_s = 0.0
         """Seconds the first use of the namespace waited for the weights hash."""
         self.layout_tag = ""
@@ -287,7 +291,8 @@ class ConnectorIdentity:
 
     @property
     def ns(self) -> Namespace | None:
-        """The namespace (joins the weights hash the first time); None when the weights could not be hashed."""
+        """The namespace (joins the weights hash the first time); None when the weights could not be hashed
+        or vLLM runs code the namespace cannot name (``model_class_overrides``)."""
         if self._ns is None and not self.failed:
             t0 = time.perf_counter()
             try:

@@ -149,6 +149,12 @@ def test_a_quantization_config_is_part_of_the_namespace(probed: dict) -> None:
     assert q1.weights_digest == base.weights_digest and q1.model_id == base.model_id
 
 
+def test_a_model_class_override_is_not_cached(probed: dict) -> None:
+    # --model-class-overrides runs another class (code the namespace cannot name): no namespace,
+    # so every request is a miss and nothing is saved
+    assert probed["class_override"]["ns"] is None
+
+
 @pytest.mark.parametrize("case", ["gen_config", "max_len", "tokenizer", "no_prefix_caching"])
 def test_settings_that_do_not_change_the_kv_keep_the_namespace(probed: dict, case: str) -> None:
     assert _ns(probed, case) == _ns(probed, "base")
