@@ -5,7 +5,8 @@ the daemon (client, fault handling, stats). See ``engine_adapter.vllm``.
 Namespace: :func:`kvstore.identity.engine_namespace` (the function the
 router calls too) over the model directory vLLM loads: a digest of the
 weight files (or ``weights_digest`` from the extra config), a digest of the
-KV-affecting ``config.json`` fields after vLLM's ``hf_overrides``, tenant,
+KV-affecting ``config.json`` fields after vLLM's ``hf_overrides`` (and its
+``--disable-sliding-window``), tenant,
 KV dtype, block size, TP size, and a schema version over the vLLM KV layout
 (platform, resolved KV cache layout, layers, KV heads, head size, block
 size, dtypes). The weights are hashed in a background thread started when
@@ -19,11 +20,12 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -57,6 +59,7 @@ __all__ = [
     "flag",
     "kv_dtype",
     "layout_descriptor",
+    "local_dir",
     "cluster_mode",
     "request_ns",
 ]
@@ -153,20 +156,38 @@ DUMMY_WEIGHTS = "vllm-dummy-weights"
 weights: the same for the same config, which ``model_id`` names)."""
 
 
-def _model_dir(mc: Any, download_dir: str | None) -> str | None:
-    """The local directory (or GGUF file) vLLM loads the model from: the
-    path itself, or the Hugging Face cache snapshot of a repository id;
-    None when neither is on this host."""
-    model = str(mc.model)
-    if os.path.exists(model):
-        return model
+def local_dir(name: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
+    """The local directory (or GGUF file) of a model path or Hugging Face
+    repository id: the path itself, or the cache snapshot of the repository
+    at ``revision``; None when neither is on this host."""
+    if os.path.exists(name):
+        return name
     try:
         from huggingface_hub import snapshot_download
 
-        return str(snapshot_download(model, revision=getattr(mc, "revision", None), cache_dir=download_dir,
-                                     local_files_only=True))
+        return str(snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except Exception:  # noqa: BLE001 - not a cached repository (or no hub library): unknown
         return None
+
+
+def _model_dir(mc: Any, download_dir: str | None) -> str | None:
+    """The local directory (or GGUF file) vLLM loads the model from."""
+    return local_dir(str(mc.model), getattr(mc, "revision", None), download_dir)
+
+
+def _config_dir(mc: Any, model_dir: str | None) -> str | None:
+    """The directory of the ``config.json`` vLLM computes with: the model's,
+    or ``--hf-config-path`` (a directory, or the cache snapshot of a
+    repository at the revision vLLM resolved for it); None when that is not
+    on this host (vLLM's loaded config then stands for it)."""
+    path = getattr(mc, "hf_config_path", None)
+    if not path or str(path) == str(mc.model):
+        return model_dir
+    # vLLM keeps the revision it resolved for a config repository in a private field; without it
+    # the model's revision applies (a revision that repository lacks finds no snapshot: vLLM's config)
+    revision = getattr(mc, "_hf_config_revision", None) or getattr(mc, "revision", None)
+    found = local_dir(str(path), revision)
+    return found if found is not None and os.path.isdir(found) else None
 
 
 def _overrides(mc: Any) -> dict[str, Any]:
@@ -178,6 +199,20 @@ def _overrides(mc: Any) -> dict[str, Any]:
         final = mc.hf_config.to_dict()
         return {name: final[name] for name, _ in identity.KV_CONFIG_FIELDS if final.get(name) is not None}
     return dict(ov)
+
+
+def _quantization(mc: Any, in_config: bool) -> str | None:
+    """The engine-side quantization of the KV schema: ``--quantization``
+    when the checkpoint's config names none, and ``cfg:`` + a digest of
+    ``--quantization-config`` (online quantization specs and ignore
+    patterns, as vLLM resolved them) when set; None for neither."""
+    quant = getattr(mc, "quantization", None)
+    parts = [str(quant)] if quant and not in_config else []
+    qargs = getattr(mc, "quantization_config", None)
+    if qargs is not None:
+        data = asdict(qargs) if is_dataclass(qargs) and not isinstance(qargs, type) else qargs
+        parts.append("cfg:" + xxhash.xxh3_64_hexdigest(json.dumps(data, sort_keys=True, default=repr).encode()))
+    return "+".join(parts) or None
 
 
 class ConnectorIdentity:
@@ -202,8 +237,7 @@ class ConnectorIdentity:
         self.model_dir = _model_dir(mc, getattr(load, "download_dir", None))
         if not self.given_digest and str(getattr(load, "load_format", "")) == "dummy":
             self.given_digest = DUMMY_WEIGHTS
-        cfg_path = getattr(mc, "hf_config_path", None)
-        cfg_dir = cfg_path if cfg_path and os.path.isdir(str(cfg_path)) else self.model_dir
+        cfg_dir = _config_dir(mc, self.model_dir)
         if cfg_dir is not None:
             self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)
         else:
@@ -221,6 +255,10 @@ class ConnectorIdentity:
             self.future = identity.weights_digest_async(self.model_dir,
                                                         cache=extra.get("digest_cache") or None)
         self.failed = False
+        if getattr(mc, "model_class_overrides", None):  # another class: code the namespace cannot name
+            log.warning("kvstore connector: model_class_overrides %s runs code the cache identity cannot name; "
+                        "the store is unused", mc.model_class_overrides)
+            self.failed = True
         self.waited_s = 0.0
         """Seconds the first use of the namespace waited for the weights hash."""
         self.layout_tag = ""
@@ -237,23 +275,24 @@ class ConnectorIdentity:
         if from_config != geometry:
             log.warning("kvstore connector: config.json gives (layers, KV heads, head size) %s but vLLM %s; using "
                         "vLLM's (a router computing keys from config.json will not match)", from_config, geometry)
-        quant = getattr(mc, "quantization", None)
         in_config = any(k in self.hf_config for k in ("quantization_config", "compression_config"))
         self.layout_tag = _layout_tag(vc, self.kv_cache_config)
         schema: dict[str, Any] = {"block_size": int(vc.cache_config.block_size), "kv_dtype": self.kv_dtype,
                                   "tp_size": int(vc.parallel_config.tensor_parallel_size),
                                   "layout_tag": self.layout_tag, "compute_dtype": str(mc.dtype),
-                                  "quantization": None if in_config or not quant else str(quant),
+                                  "quantization": _quantization(mc, in_config),
                                   "geometry": None if from_config == geometry else geometry}
         self.descriptor = identity.kv_schema(self.hf_config, overrides=overrides, **schema)[0]
         return identity.engine_namespace(
             self.model_dir, hf_config=self.hf_config, weights_digest=weights, tenant=str(extra.get("tenant", "default")),
             hf_overrides=overrides, layout=KVLayout.OPAQUE,
-            model_id=str(extra["model_id"]) if extra.get("model_id") else None, **schema)
+            model_id=str(extra["model_id"]) if extra.get("model_id") else None,
+            disable_sliding_window=bool(getattr(mc, "disable_sliding_window", False)), **schema)
 
     @property
     def ns(self) -> Namespace | None:
-        """The namespace (joins the weights hash the first time); None when the weights could not be hashed."""
+        """The namespace (joins the weights hash the first time); None when the weights could not be hashed
+        or vLLM runs code the namespace cannot name (``model_class_overrides``)."""
         if self._ns is None and not self.failed:
             t0 = time.perf_counter()
             try:

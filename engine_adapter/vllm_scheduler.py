@@ -31,9 +31,11 @@ from engine_adapter.vllm_common import (
     DaemonLink,
     KVStoreConnectorMetadata,
     KVStoreWorkerMetadata,
+    local_dir,
     request_ns,
 )
 from kvstore import identity
+from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_LEN, Namespace, block_keys, block_keys_array
 from kvstore.results import ChainDecisionKind, ClusterLookup
 
@@ -102,6 +104,8 @@ class SchedulerSide:
         self.tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self.events: list[Any] = []
         self.adapters: dict[tuple[int, str, str], str] = {}
+        self.unidentified: set[tuple[int, str, str]] = set()
+        """LoRAs warned about (not identified)."""
 
     def state(self, request: Request) -> ReqState | None:
         st = self.reqs.get(request.request_id)
@@ -116,9 +120,15 @@ class SchedulerSide:
         lora = getattr(request, "lora_request", None)
         lora_name = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
         adapter = self.adapter_id(lora) if lora is not None else ""
+        if adapter is None:
+            return None  # a LoRA that cannot be identified: its KV is not stored nor loaded
         salt = str(getattr(request, "cache_salt", None) or "")
         ns = request_ns(base, adapter, salt)
-        keys = b"".join(block_keys(ns, np.asarray(toks, dtype=np.int64)))
+        try:
+            keys = b"".join(block_keys(ns, np.asarray(toks, dtype=np.int64)))
+        except InvalidArgument as e:  # ids no key names (vLLM skips its check without a tokenizer): a miss
+            log.warning("kvstore connector: request %s is not cached (%s)", request.request_id, e)
+            return None
         params = getattr(request, "kv_transfer_params", None) or {}
         st = ReqState(request, keys, adapter, salt, lora_name,
                       load=self.do_load and params.get("kvstore_load") is not False,
@@ -126,25 +136,32 @@ class SchedulerSide:
         self.reqs[request.request_id] = st
         return st
 
-    def adapter_id(self, lora: Any) -> str:
+    def adapter_id(self, lora: Any) -> str | None:
         """The namespace ``adapter_id`` of a LoRA: the digest of its files
         (:func:`kvstore.identity.adapter_digest`, so an adapter updated
         under the same name is a new namespace, and the same adapter under
-        another name shares blocks), or ``"name:<lora name>"`` when its files
-        are not on this host. Remembered per (id, name, path) for the
-        process (vLLM gives an updated adapter a new id)."""
+        another name shares blocks): a local directory, or the Hugging Face
+        cache snapshot of a repository id. None when its files are not on
+        this host (yet: vLLM's worker may download them later) or cannot be
+        hashed: a name alone would give another adapter of that name these
+        blocks, so the request is not cached. Remembered per (id, name,
+        path) for the process (vLLM gives an updated adapter a new id)."""
         name = str(getattr(lora, "lora_name", "") or "")
         path = str(getattr(lora, "lora_path", None) or getattr(lora, "lora_local_path", None) or "")
         memo_key = (int(getattr(lora, "lora_int_id", 0) or 0), name, path)
         got = self.adapters.get(memo_key)
         if got is None:
-            got = f"name:{name}"[:200]
-            if path and os.path.isdir(path):
-                try:
-                    got = identity.adapter_digest(path)
-                except (OSError, ValueError) as e:  # no weight files, unreadable: fall back to the name
-                    log.warning("kvstore connector: cannot hash LoRA %s at %s (%s); naming it by its name",
-                                name, path, e)
+            local = local_dir(path) if path else None
+            try:
+                if local is None or not os.path.isdir(local):
+                    raise FileNotFoundError(f"no adapter directory or cached repository {path!r}")
+                got = identity.adapter_digest(local)
+            except (OSError, ValueError) as e:  # not here, no weight files, unreadable: unidentified
+                if memo_key not in self.unidentified:
+                    self.unidentified.add(memo_key)
+                    log.warning("kvstore connector: cannot identify LoRA %s (%s); its requests are not cached",
+                                name, e)
+                return None
             self.adapters[memo_key] = got
         return got
 

@@ -5,7 +5,7 @@ engines share blocks exactly when the KV they compute for the same tokens
 is the same, so the namespace names:
 
 - the **weights** (:func:`weights_digest`): the content of the weight
-  files, hashed once and remembered in a small sidecar cache keyed by each
+  files (and remote code), hashed once and remembered in a small sidecar cache keyed by each
   file's path, size, inode, device, mtime and ctime; for a Hugging Face
   cache snapshot, the blobs its weight files link to (named by their
   content hash, so nothing is read);
@@ -27,6 +27,7 @@ keys agree. Leaf module: stdlib and xxhash only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -46,20 +47,9 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, KVLayout, Namespace
 
 __all__ = [
-    "KV_CONFIG_FIELDS",
-    "WEIGHT_SUFFIXES",
-    "DigestCache",
-    "adapter_digest",
-    "config_digest",
-    "config_geometry",
-    "engine_namespace",
-    "hf_snapshot_digest",
-    "kv_schema",
-    "load_config",
-    "vllm_layout_tag",
-    "weight_files",
-    "weights_digest",
-    "weights_digest_async",
+    "KV_CONFIG_FIELDS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "config_digest", "config_geometry",
+    "engine_namespace", "hf_snapshot_digest", "kv_schema", "load_config", "vllm_layout_tag", "weight_files",
+    "weights_digest", "weights_digest_async", "window_off",
 ]
 
 KV_CONFIG_FIELDS: Final[tuple[tuple[str, str], ...]] = (
@@ -168,16 +158,19 @@ def _h128(text: str) -> str:
 # --------------------------------------------------------------------------
 
 
-def weight_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+def weight_files(model_dir: str | os.PathLike[str], code: bool = False) -> list[Path]:
     """The weight files :func:`weights_digest` covers, sorted by name: the
     path itself when it is a file (a ``.gguf``), else the top-level files of
-    the directory ending in one of :data:`WEIGHT_SUFFIXES`."""
+    the directory ending in one of :data:`WEIGHT_SUFFIXES`; with ``code``,
+    and when there are any, also its ``*.py`` files: remote code (vLLM's
+    Transformers backend with ``trust_remote_code`` runs it) computes too."""
     p = Path(model_dir)
     if p.is_file():
         return [p]
     if not p.is_dir():
         raise InvalidArgument(f"model directory {str(p)!r} does not exist")
-    return sorted(f for f in p.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file())
+    files = sorted(f for f in p.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file())
+    return sorted(files + [f for f in p.iterdir() if f.suffix == ".py" and f.is_file()]) if code and files else files
 
 
 def hf_snapshot_digest(model_dir: str | os.PathLike[str]) -> str | None:
@@ -193,7 +186,7 @@ def hf_snapshot_digest(model_dir: str | os.PathLike[str]) -> str | None:
         return None
     blobs = (p.parent.parent / "blobs").resolve()
     pairs = []
-    for f in weight_files(p):
+    for f in weight_files(p, code=True):
         if not f.is_symlink():
             return None
         target = f.resolve()
@@ -273,10 +266,8 @@ class DigestCache:
                     json.dump({"version": _CACHE_VERSION, "files": files}, f, separators=(",", ":"))
                 os.replace(tmp, self.path)
             except BaseException:
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(tmp)
-                except OSError:
-                    pass
                 raise
         except OSError:
             pass
@@ -305,10 +296,7 @@ def _hash_file(path: str) -> str:
             return h.hexdigest()
         buf = bytearray(CHUNK)
         chunk = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
+        while n := f.readinto(buf):
             h.update(chunk[:n])
     return h.hexdigest()
 
@@ -357,12 +345,10 @@ def weights_digest(model_dir: str | os.PathLike[str], *, cache: DigestCache | st
         snap = hf_snapshot_digest(model_dir)
         if snap is not None:
             return snap
-    files = weight_files(model_dir)
+    files = weight_files(model_dir, code=True)
     if not files:
         raise InvalidArgument(f"no weight files ({', '.join(WEIGHT_SUFFIXES[:5])}, ...) in {str(model_dir)!r}")
-    dc = None
-    if use_cache:
-        dc = cache if isinstance(cache, DigestCache) else DigestCache(cache)
+    dc = (cache if isinstance(cache, DigestCache) else DigestCache(cache)) if use_cache else None
     return _content_digest(files, dc, threads or min(8, os.cpu_count() or 1))
 
 
@@ -375,11 +361,9 @@ def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None
     connector instances of one process hash once)."""
     key = (os.path.realpath(model_dir), str(cache or ""), "")
     with _INFLIGHT_LOCK:
-        fut = _INFLIGHT.get(key)
-        if fut is not None:
+        if (fut := _INFLIGHT.get(key)) is not None:
             return fut
-        fut = Future()
-        _INFLIGHT[key] = fut
+        fut = _INFLIGHT[key] = Future()
 
     def run() -> None:
         try:
@@ -488,6 +472,18 @@ def config_digest(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | N
     return _h128(_canonical({"fields": _select(merged), "overrides": _unlisted(merged, overrides)}))
 
 
+def window_off(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``overrides`` plus what vLLM's ``--disable-sliding-window`` does: the
+    config's window (in ``text_config`` when there) set to None; full
+    attention, so other KV. No change when the config has no window."""
+    merged, out = _merged(hf_config, overrides), dict(overrides or {})
+    if isinstance(tc := merged.get("text_config"), Mapping) and tc.get("sliding_window"):
+        out["text_config"] = {**(out.get("text_config") or {}), "sliding_window": None}
+    elif merged.get("sliding_window"):
+        out["sliding_window"] = None
+    return out
+
+
 def _text(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     tc = cfg.get("text_config")
     return tc if isinstance(tc, Mapping) and tc.get("num_hidden_layers") else cfg
@@ -563,8 +559,8 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
                      layout: KVLayout | str = KVLayout.OPAQUE, layout_tag: str = vllm_layout_tag(),
                      compute_dtype: str | None = None, quantization: str | None = None,
                      hf_config: Mapping[str, Any] | None = None, model_id: str | None = None,
-                     digest_cache: str | None = None,
-                     geometry: tuple[int, int, int] | None = None) -> Namespace:
+                     digest_cache: str | None = None, geometry: tuple[int, int, int] | None = None,
+                     disable_sliding_window: bool = False) -> Namespace:
     """The namespace of the KV an engine computes for the model in
     ``model_dir``: the ONE derivation shared by the vLLM connector and the
     router (same arguments, same block keys).
@@ -576,7 +572,8 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
       served name, unless given;
     - ``schema_version``: from :func:`kv_schema`;
     - ``hf_config``: the config to use instead of ``model_dir/config.json``
-      (as written, no defaults filled in).
+      (as written, no defaults filled in);
+    - ``disable_sliding_window``: vLLM's flag (:func:`window_off`).
     """
     if hf_config is None:
         if model_dir is None:
@@ -586,6 +583,8 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
         if model_dir is None:
             raise InvalidArgument("engine_namespace needs model_dir or weights_digest")
         weights_digest = _digest_weights(model_dir, cache=digest_cache)
+    if disable_sliding_window:
+        hf_overrides = window_off(hf_config, hf_overrides)
     cdig = config_digest(hf_config, hf_overrides)
     merged = _merged(hf_config, hf_overrides)
     _desc, schema = kv_schema(hf_config, block_size=block_size, kv_dtype=kv_dtype, overrides=hf_overrides,

@@ -162,6 +162,11 @@ class ModelSpec:
     """The connector's explicit ``model_id`` override, when it has one."""
     hf_overrides: Mapping[str, Any] | None = None
     """The backends' ``--hf-overrides`` (they change the config digest)."""
+    disable_sliding_window: bool = False
+    """The backends run with ``--disable-sliding-window`` (it changes the config digest)."""
+    quantization: str = ""
+    """The ``quant=`` value of the connector's logged schema (the backends' ``--quantization`` when their
+    ``config.json`` has none, and their ``--quantization-config``); "" when it has none."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:

@@ -58,7 +58,9 @@ def shared_namespace(spec: ModelSpec) -> Namespace:
                             tp_size=spec.tp_size, tenant=spec.namespace_tenant,
                             weights_digest=spec.weights_digest or None, hf_overrides=spec.hf_overrides,
                             layout_tag=vllm_layout_tag(spec.device, spec.kv_cache_layout, spec.layout_tag, spec.tp_size),
-                            compute_dtype=spec.dtype or None, model_id=spec.model_id or None)
+                            compute_dtype=spec.dtype or None, model_id=spec.model_id or None,
+                            disable_sliding_window=spec.disable_sliding_window,
+                            quantization=spec.quantization or None)
 
 
 @dataclass(slots=True)

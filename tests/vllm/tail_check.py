@@ -106,6 +106,17 @@ def main() -> None:
     res["sent_down"] = sorted(down.get_finished({"late"})[0] or [])
     res["faults_down"] = down.stats["faults"]
     res["lora"] = lora_ids(sched)
+    # token ids no key can name (vLLM does not check them with skip_tokenizer_init): served as a miss
+    bad = {}
+    for name, tok in (("huge", 1 << 32), ("negative", -1)):
+        prompt = list(range(3, 3 + 2 * BS))
+        prompt[BS + 1] = tok
+        r = Request(f"bad-{name}", prompt, SamplingParams(max_tokens=4), None)
+        try:
+            bad[name] = list(sched.get_num_new_matched_tokens(r, 0))
+        except Exception as e:  # noqa: BLE001 - what the test reports
+            bad[name] = repr(e)[:200]
+    res["bad_ids"] = bad
     json.dump(res, open(out_path, "w"))
 
 
@@ -130,10 +141,10 @@ def lora_ids(sched: KVStoreConnector) -> dict:
     copy = shutil.copytree(a, os.path.join(work, "copy"))
     prompt = list(range(3, 3 + 2 * BS))
 
-    def adapter(rid: str, lora: LoRARequest) -> tuple[str, str]:
+    def adapter(rid: str, lora: LoRARequest) -> tuple[str, str] | None:
         r = Request(rid, prompt, SamplingParams(max_tokens=4), None, lora_request=lora)
         st = sched.scheduler.state(r)
-        return st.adapter, st.lora_name
+        return None if st is None else (st.adapter, st.lora_name)
 
     out = {"v1": adapter("lora-1", LoRARequest("mine", 1, a)),
            "renamed_copy": adapter("lora-2", LoRARequest("other-name", 2, copy)),
@@ -142,6 +153,21 @@ def lora_ids(sched: KVStoreConnector) -> dict:
         f.write(b"lora weights v2")
     out["v2"] = adapter("lora-3", LoRARequest("mine", 3, a))
     out["missing"] = adapter("lora-4", LoRARequest("gone", 4, os.path.join(work, "nowhere")))
+    # a Hugging Face repository id (vLLM downloads it into the hub cache): named by the cached snapshot's
+    # files; two repositories' adapters under one name are two namespaces; one not cached is not stored
+    for repo, data in (("kvtest/sql-lora-v1", b"sql v1"), ("kvtest/sql-lora-v2", b"sql v2")):
+        top = os.path.join(os.environ["HF_HUB_CACHE"], "models--" + repo.replace("/", "--"))
+        snap = os.path.join(top, "snapshots", "b" * 40)
+        os.makedirs(snap)
+        os.makedirs(os.path.join(top, "refs"))
+        with open(os.path.join(top, "refs", "main"), "w") as f:
+            f.write("b" * 40)
+        shutil.copy(os.path.join(copy, "adapter_config.json"), snap)
+        with open(os.path.join(snap, "adapter_model.safetensors"), "wb") as f:
+            f.write(data)
+        out[repo] = adapter(f"lora-{repo}", LoRARequest("sql", 5 + len(out), repo))
+        out[f"want {repo}"] = identity.adapter_digest(snap)
+    out["not_cached"] = adapter("lora-9", LoRARequest("sql", 9, "kvtest/sql-lora-v3"))
     shutil.rmtree(work)
     return out
 

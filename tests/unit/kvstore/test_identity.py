@@ -26,6 +26,7 @@ from kvstore.identity import (
     kv_schema,
     weights_digest,
     weights_digest_async,
+    window_off,
 )
 
 BASE: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -114,6 +115,18 @@ def test_hf_overrides_enter_the_digest() -> None:
         config_digest({**BASE, "text_config": {"rope_theta": 2.0, "hidden_size": 8}})
 
 
+def test_a_disabled_sliding_window_is_another_config() -> None:
+    # vLLM's --disable-sliding-window: full attention, other KV past the window
+    win = {**BASE, "sliding_window": 256}
+    assert config_digest(win, window_off(win)) != config_digest(win)
+    assert window_off(win, {"rope_theta": 2.0}) == {"rope_theta": 2.0, "sliding_window": None}
+    mm = {**BASE, "text_config": {"sliding_window": 256}}
+    assert window_off(mm) == {"text_config": {"sliding_window": None}}
+    assert config_digest(mm, window_off(mm)) != config_digest(mm)
+    for none in (BASE, {**BASE, "sliding_window": 0}):  # no window: nothing to turn off
+        assert window_off(none) == {}
+
+
 def test_nested_override_of_an_unlisted_field_enters_the_digest() -> None:
     # a multimodal model's language model: an unlisted field of text_config
     # (Gemma 3's local-layer RoPE base) overridden through hf_overrides
@@ -191,6 +204,23 @@ def test_explicit_weights_digest_overrides_and_reads_nothing(tmp_path: Path, mon
     ns = ns_of(d, tmp_path / "c.json", weights_digest="release-2024-06")
     assert ns.weights_digest == "release-2024-06" and reads.paths == []
     assert ns_of(d, tmp_path / "c.json", model_id="my-model").model_id == "my-model"
+
+
+def test_remote_code_of_the_model_directory_is_part_of_the_weights(tmp_path: Path) -> None:
+    # with trust_remote_code, vLLM's Transformers backend runs the directory's modeling code:
+    # code edited in place computes other KV, so it is another namespace (like new weights)
+    d = make_model(tmp_path / "m", {"model.safetensors": b"A" * 100},
+                   {**BASE, "auto_map": {"AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}})
+    (d / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    before = ns_of(d, tmp_path / "c.json")
+    (d / "modeling_tiny.py").write_text("SCALE = 2.0\n")
+    after = ns_of(d, tmp_path / "c.json")
+    assert before.weights_digest != after.weights_digest and before.digest != after.digest
+    # code alone is no weights
+    code_only = make_model(tmp_path / "code-only", {})
+    (code_only / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+    with pytest.raises(InvalidArgument, match="no weight files"):
+        weights_digest(code_only, cache=tmp_path / "c.json")
 
 
 def test_no_weight_files_is_an_error(tmp_path: Path) -> None:

@@ -109,6 +109,25 @@ def hold(rig: Rig, name: str, text: str, n_blocks: int) -> None:
 
 
 # ---------------------------------------------------------------- keys
+def test_the_routers_namespace_follows_the_backends_identity_flags(tmp_path: Any) -> None:
+    # a backend run with --quantization (its config without a quantization config) or
+    # --disable-sliding-window has another namespace; the router computes it when told
+    from kvstore.identity import engine_namespace, vllm_layout_tag
+    from router.prompts import shared_namespace
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "sliding_window": 64}))
+    common = {"block_size": BS, "kv_dtype": "bfloat16", "weights_digest": "w"}
+    tag = vllm_layout_tag("cuda")
+    plain = shared_namespace(ModelSpec("m", str(d), **common))
+    assert plain == engine_namespace(str(d), layout_tag=tag, **common)
+    quant = shared_namespace(ModelSpec("m", str(d), quantization="fp8", **common))
+    assert quant == engine_namespace(str(d), layout_tag=tag, quantization="fp8", **common) != plain
+    off = shared_namespace(ModelSpec("m", str(d), disable_sliding_window=True, **common))
+    assert off == engine_namespace(str(d), layout_tag=tag, disable_sliding_window=True, **common) != plain
+
+
 def test_prompt_tokens_and_keys(model_dir: str) -> None:
     spec = ModelSpec("tiny", model_dir, block_size=BS, kv_dtype="float32")
     m = load_model(spec, ns_fn)
