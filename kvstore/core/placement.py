@@ -338,13 +338,13 @@ class Placement:
         """Committed, unpinned blocks of ``tier`` with no child in it."""
         idx = self.index
         rows = idx.used_rows()
-        rows = rows[idx.tier[rows] == tier]
-        m = (idx.state[rows] == S_COMMITTED) & (idx.pins[rows] == 0)
+        mine = idx.tier[rows] == tier
+        m = (idx.state[rows] == S_COMMITTED) & mine & (idx.pins[rows] == 0)
         leaf = idx.nchild[rows] == 0
         if tier is TierKind.DRAM and self.lower is None:
             m &= leaf  # nowhere to demote: only blocks without children (e.g. in hbm) go
         else:  # no child in the tier (one elsewhere moves or goes with it)
-            m &= leaf | ~idx.has_child_among(rows, rows)
+            m &= leaf | ~idx.has_child_among(rows, rows[mine])
         return rows[m]
 
     def victims(self, tier: TierKind, cls: int | None, k: int, for_ns: int | None = None,
