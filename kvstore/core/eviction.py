@@ -2,7 +2,7 @@
 
 A policy only ranks blocks; the store decides which blocks are candidates.
 Candidates are always leaves *within their tier*: committed, unpinned, and with
-no cached child in the same tier (``nchild_tier == 0``), so a chain is cut from
+no cached child in the same tier (``BlockIndex.has_child_among``), so a chain is cut from
 its tail and never in the middle. Victims are chosen one rank at a time: the
 lowest-ranked candidate goes first, ties broken by older last access, then by
 row. Selection is vectorised (``argpartition`` over the candidates) so one

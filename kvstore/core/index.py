@@ -9,14 +9,18 @@ Layout: one numpy array per field (struct of arrays), indexed by *row*. The
 key -> row map is an open-addressing hash table of int32 rows with linear
 probing, also a numpy array (``kvstore/core/keytable.py``, probed in C when
 ``kvstore.core.ckeytable`` is built), so the index costs no Python object per block
-(a ``dict`` entry alone would cost ~100 bytes). Children are threaded through intrusive sibling lists
-(first_child / next_sib / prev_sib) so removing a block can take its
-descendants with it in O(descendants).
+(a ``dict`` entry alone would cost ~100 bytes). The tree of chains is the
+``parent`` column alone, with each row's exact child count (``nchild``):
+``subtree`` finds a block's descendants with no Python loop per block (none
+to find when the roots' counts say so, else one pass over the rows in C,
+``kvstore.core.ckeytable.descend``, or in numpy rounds), and "children in
+the block's own tier" is found where a whole tier is scanned anyway
+(``has_child_among``).
 
 Invariants (checked by ``check_invariants`` in tests):
 - every non-free row's parent is a non-free row of the same namespace, or -1;
-- ``nchild[r]`` equals the number of rows whose parent is ``r``, and
-  ``nchild_tier[r]`` the number of those in the same tier as ``r``;
+- ``nchild[r]`` equals the number of rows whose parent is ``r``;
+- ``depth[r]`` is 0 for a chain's first block, else its parent's plus one;
 - a reserved row is invisible to ``find_committed``.
 
 The index is owned by one ``TieredStore``; it has no locks.
@@ -30,7 +34,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from kvstore.core.keytable import KeyTable
+from kvstore.core.keytable import HASHTAB, KeyTable
 from kvstore.reserve import RESERVE_ROWS, Reserved, grow_in, resident
 from kvstore.errors import InvalidArgument
 
@@ -157,11 +161,7 @@ class BlockIndex:
         ("size", "u4", 0),
         ("csum", "u8", 0),
         ("parent", "i4", NO_ROW),
-        ("first_child", "i4", NO_ROW),
-        ("next_sib", "i4", NO_ROW),
-        ("prev_sib", "i4", NO_ROW),
         ("nchild", "u4", 0),
-        ("nchild_tier", "u4", 0),
         ("pins", "u4", 0),
         ("hits", "u2", 0),
         ("last", "u4", 0),
@@ -169,8 +169,8 @@ class BlockIndex:
         ("prio", "f4", 0.0),
         ("ssd_loc", "i4", NO_LOC),
     )
-    """Each column's name, dtype and the value of a row not in use: 88 bytes
-    a row, 84 written where the policy keeps none of ``POLICY_COLUMNS``."""
+    """Each column's name, dtype and the value of a row not in use: 72 bytes
+    a row, 68 written where the policy keeps none of ``POLICY_COLUMNS``."""
 
     k0: np.ndarray
     k1: np.ndarray
@@ -181,11 +181,7 @@ class BlockIndex:
     size: np.ndarray
     csum: np.ndarray
     parent: np.ndarray
-    first_child: np.ndarray
-    next_sib: np.ndarray
-    prev_sib: np.ndarray
     nchild: np.ndarray
-    nchild_tier: np.ndarray
     pins: np.ndarray
     hits: np.ndarray
     last: np.ndarray
@@ -220,6 +216,8 @@ class BlockIndex:
         self._high = 0
         self.live = 0
         self._keys = KeyTable(0, native=native)
+        self._descend = getattr(HASHTAB, "descend", None) if native else None
+        """``ckeytable.descend`` (C), or None: ``descend_np``."""
         self._alloc: Alloc | None = None
         self.kept: frozenset[str] = frozenset()
         """The ``POLICY_COLUMNS`` kept up to date (``keep``): none until a
@@ -373,25 +371,18 @@ class BlockIndex:
         self.size[rows] = sizes
         self.csum[rows] = 0
         self.parent[rows] = parents
-        self.first_child[rows] = NO_ROW
-        self.next_sib[rows] = NO_ROW
-        self.prev_sib[rows] = NO_ROW
         self.nchild[rows] = 0
-        self.nchild_tier[rows] = 0
         self.pins[rows] = 0
         self.hits[rows] = 0
         if "prio" in self.kept:
             self.prio[rows] = 0.0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint32)
         self.ssd_loc[rows] = NO_LOC
-        # depth and child links, in order (a parent may precede in the batch)
-        if chain:  # each key the only child of the one before: link the head, thread the rest
+        # depths and child counts, in order (a parent may precede in the batch)
+        if chain:  # each key the only child of the one before: link the head, count the rest
             self._link_rows(rows[:1], parents[:1])
             self.depth[rows[1:]] = np.arange(1, n, dtype=np.int64) + int(self.depth[rows[0]])
-            head = rows[:-1]
-            self.first_child[head] = rows[1:]
-            self.nchild[head] = 1
-            self.nchild_tier[head] = 1  # one tier for the whole batch
+            self.nchild[rows[:-1]] = 1
         elif n <= LINK_LOOP_MAX:
             self._link_rows(rows, parents)
         else:
@@ -404,14 +395,14 @@ class BlockIndex:
         for r, p in zip(rows.tolist(), parents.tolist()):
             if p >= 0:
                 self.depth[r] = self.depth[p] + 1
-                self._link(p, r)
+                self.nchild[p] += 1
             else:
                 self.depth[r] = 0
 
     def _link_batch(self, rows: np.ndarray, parents: np.ndarray, bpar: np.ndarray) -> None:
         """``_link_rows`` vectorised, with the same result: depths by pointer
         jumping over the in-batch parents (a parent precedes its children),
-        and each parent's new children prepended in batch order."""
+        and each parent's new children counted."""
         ext = (parents >= 0) & (bpar < 0)
         val = np.where(bpar >= 0, 1, 0).astype(np.int64)
         val[ext] = self.depth[parents[ext]].astype(np.int64) + 1
@@ -425,88 +416,85 @@ class BlockIndex:
         else:  # a batch deeper than 2**64 cannot exist; guard against a cycle
             raise AssertionError("insert: in-batch parents form a cycle")
         self.depth[rows] = val
-        has = np.flatnonzero(parents >= 0)
-        if not has.size:
-            return
-        order = has[np.argsort(parents[has], kind="stable")]  # grouped by parent, batch order within
-        cs, ps = rows[order], parents[order]
-        start = np.ones(cs.size, dtype=bool)
-        np.not_equal(ps[1:], ps[:-1], out=start[1:])
-        end = np.ones(cs.size, dtype=bool)
-        end[:-1] = start[1:]
-        heads = np.flatnonzero(start)
-        pu = ps[heads]  # each parent once
-        old = self.first_child[pu].astype(np.int64)
-        nxt = np.empty(cs.size, dtype=np.int64)
-        nxt[1:] = cs[:-1]
-        nxt[heads] = old  # the first new child points at the old first child
-        prv = np.full(cs.size, NO_ROW, dtype=np.int64)
-        prv[:-1] = cs[1:]
-        prv[end] = NO_ROW
-        self.next_sib[cs] = nxt
-        self.prev_sib[cs] = prv
-        had = old >= 0
-        self.prev_sib[old[had]] = cs[heads[had]]
-        self.first_child[pu] = cs[end]
-        counts = np.diff(np.append(heads, cs.size))
-        self.nchild[pu] += counts.astype(np.uint32)
-        same = (self.tier[ps] == self.tier[cs]).astype(np.int64)
-        self.nchild_tier[pu] += np.add.reduceat(same, heads).astype(np.uint32)
+        has = parents[parents >= 0]
+        if has.size:
+            pu, counts = np.unique(has, return_counts=True)
+            self.nchild[pu] += counts.astype(np.uint32)
 
-    def _link(self, p: int, r: int) -> None:
-        head = int(self.first_child[p])
-        self.next_sib[r] = head
-        self.prev_sib[r] = NO_ROW
-        if head >= 0:
-            self.prev_sib[head] = r
-        self.first_child[p] = r
-        self.nchild[p] += 1
-        if self.tier[p] == self.tier[r]:
-            self.nchild_tier[p] += 1
+    def children(self, r: int) -> np.ndarray:
+        """The rows whose parent is ``r``, ascending (one vectorised pass
+        over the rows: for tests and tools, not a hot path)."""
+        return np.flatnonzero(self.parent[: self._high] == r)
 
-    def _unlink(self, r: int) -> None:
-        p = int(self.parent[r])
-        if p < 0:
-            return
-        nxt = int(self.next_sib[r])
-        prv = int(self.prev_sib[r])
-        if prv >= 0:
-            self.next_sib[prv] = nxt
-        else:
-            self.first_child[p] = nxt
-        if nxt >= 0:
-            self.prev_sib[nxt] = prv
-        self.nchild[p] -= 1
-        if self.tier[p] == self.tier[r]:
-            self.nchild_tier[p] -= 1
-        self.parent[r] = NO_ROW
-
-    def children(self, r: int) -> list[int]:
-        out = []
-        c = int(self.first_child[r])
-        while c >= 0:
-            out.append(c)
-            c = int(self.next_sib[c])
-        return out
+    def has_child_among(self, rows: np.ndarray, among: np.ndarray) -> np.ndarray:
+        """Mask of ``rows`` with a child among the rows ``among``: with
+        ``among`` every block of one tier, the blocks with a child in that
+        tier (one that may not leave it yet); with ``among`` every block of
+        the other tiers, those with a child elsewhere. One scatter of
+        ``among``'s parents, for callers that scan the tier anyway."""
+        par = self.parent[among]
+        mark = np.zeros(self._high, dtype=bool)
+        mark[par[par >= 0].astype(np.int64)] = True  # (an int32 index scatters ~6x slower)
+        return mark[rows]
 
     def subtree(self, roots: np.ndarray) -> np.ndarray:
-        """The given rows and all their descendants, parents before children."""
-        out: list[int] = []
-        stack = [int(r) for r in roots[::-1]]
-        seen: set[int] = set()
-        while stack:
-            r = stack.pop()
-            if r in seen:
-                continue
-            seen.add(r)
-            out.append(r)
-            c = int(self.first_child[r])
-            kids = []
-            while c >= 0:
-                kids.append(c)
-                c = int(self.next_sib[c])
-            stack.extend(reversed(kids))
-        return np.asarray(out, dtype=np.int64)
+        """The given rows (distinct or not) and all their descendants, once
+        each, parents before children.
+
+        No Python loop per block: where the roots' child counts show there
+        is nothing below them to find (every root a leaf: the given order
+        is kept; or every child of a root is itself a root: a reservation's
+        chain aborted whole) no row is scanned; otherwise one pass over the
+        rows finds the rest (``descend``). The rows found are returned by
+        ``depth`` (ties by row), which puts every parent before its children."""
+        roots = np.asarray(roots, dtype=np.int64).reshape(-1)
+        if roots.size <= 1:
+            if roots.size and self.nchild[roots[0]] == 0:
+                return roots.copy()
+        else:
+            uniq, first = np.unique(roots, return_index=True)
+            kids = self.nchild[uniq]
+            if not kids.any():  # leaves only: none is another's parent
+                return roots[np.sort(first)] if uniq.size < roots.size else roots.copy()
+            par = self.parent[uniq].astype(np.int64)
+            at = np.minimum(np.searchsorted(uniq, par), uniq.size - 1)
+            if int(kids.sum()) == int(np.count_nonzero(uniq[at] == par)):  # closed under children
+                return uniq[np.argsort(self.depth[uniq], kind="stable")]
+        if not roots.size:
+            return np.zeros(0, dtype=np.int64)
+        found = np.flatnonzero(self.descend(roots) == 1)
+        return found[np.argsort(self.depth[found], kind="stable")]
+
+    def descend(self, roots: np.ndarray) -> np.ndarray:
+        """A mark per row below the high-water row: 1 for ``roots`` and every
+        row below one of them, 2 (or, in numpy, 0) for the others. In C
+        where built, else ``descend_np`` (the same rows)."""
+        roots = np.ascontiguousarray(roots, dtype=np.int64)
+        if self._descend is None:
+            return self.descend_np(roots)
+        mark = np.zeros(self._high, dtype=np.uint8)
+        self._descend(self.parent, self._high, roots, mark)
+        return mark
+
+    def descend_np(self, roots: np.ndarray) -> np.ndarray:
+        """``descend`` in numpy: pointer jumping over the parent column, one
+        vectorised round per power of two of the depth. Invariant: a row is
+        marked when a root lies on its path up to (not including) ``up``."""
+        high = self._high
+        mark = np.zeros(high + 1, dtype=np.uint8)  # [high]: the sentinel above every chain
+        mark[roots] = 1
+        up = np.empty(high + 1, dtype=np.int64)
+        up[:high] = self.parent[:high]
+        up[up < 0] = high
+        up[high] = high
+        act = np.flatnonzero((mark[:high] == 0) & (up[:high] != high))
+        while act.size:
+            hit = mark[up[act]] == 1
+            mark[act[hit]] = 1
+            act = act[~hit]
+            up[act] = up[up[act]]
+            act = act[up[act] != high]
+        return mark[:high]
 
     def delete(self, rows: np.ndarray) -> None:
         """Remove rows that have no children outside ``rows`` (leaves first is
@@ -521,16 +509,17 @@ class BlockIndex:
         if int(self.nchild[rows].sum()) != int(np.count_nonzero(inner)):
             raise AssertionError("delete would orphan a child")
         self._keys.remove(self.k0, self.ns, rows)
-        for r in rows[~inner & (par >= 0)].tolist():
-            self._unlink(r)
+        outer = par[~inner & (par >= 0)]  # parents that stay lose these children
+        if outer.size == 1:
+            self.nchild[outer[0]] -= 1
+        elif outer.size:
+            np.subtract.at(self.nchild, outer.astype(np.int64), 1)
         self.parent[rows] = NO_ROW
         self.state[rows] = S_FREE
         self.loc[rows] = NO_LOC
         self.ssd_loc[rows] = NO_LOC
         self.pins[rows] = 0
-        self.first_child[rows] = NO_ROW
         self.nchild[rows] = 0
-        self.nchild_tier[rows] = 0
         if self._nfree + rows.size > self._free.size:
             free = np.empty(max(self._nfree + rows.size, 2 * self._free.size), dtype=np.int32)
             free[: self._nfree] = self._free[: self._nfree]
@@ -540,42 +529,27 @@ class BlockIndex:
         self.live -= rows.size
 
     def set_tier(self, rows: np.ndarray, tier: int, locs: np.ndarray) -> None:
-        """Move rows to another tier (new locations), keeping child counts right."""
-        for r, loc in zip(rows.tolist(), locs.tolist()):
-            old = int(self.tier[r])
-            if old == tier:
-                self.loc[r] = loc
-                continue
-            p = int(self.parent[r])
-            if p >= 0:
-                pt = int(self.tier[p])
-                if pt == old:
-                    self.nchild_tier[p] -= 1
-                if pt == tier:
-                    self.nchild_tier[p] += 1
-            self.tier[r] = tier
-            self.loc[r] = loc
-            same = 0
-            c = int(self.first_child[r])
-            while c >= 0:
-                same += int(self.tier[c]) == tier
-                c = int(self.next_sib[c])
-            self.nchild_tier[r] = same
+        """Move rows to another tier (new locations). Nothing else follows
+        a tier: children in a block's own tier are found where needed
+        (``has_child_among``)."""
+        self.tier[rows] = tier
+        self.loc[rows] = locs
 
     # ------------------------------------------------------------- checking
     def check_invariants(self) -> None:
         rows = self.used_rows()
         assert rows.size == self.live, (rows.size, self.live)
         nchild = np.zeros(self._cap, dtype=np.int64)
-        same = np.zeros(self._cap, dtype=np.int64)
         par = self.parent[rows]
         has = par >= 0
+        assert np.all(par < self._high), "parent past the rows in use"
         assert np.all(self.state[par[has]] != S_FREE), "parent is free"
         assert np.all(self.ns[par[has]] == self.ns[rows[has]]), "parent in another namespace"
         np.add.at(nchild, par[has], 1)
-        np.add.at(same, par[has], (self.tier[par[has]] == self.tier[rows[has]]).astype(np.int64))
         assert np.array_equal(nchild[rows], self.nchild[rows].astype(np.int64)), "nchild"
-        assert np.array_equal(same[rows], self.nchild_tier[rows].astype(np.int64)), "nchild_tier"
+        dep = self.depth[rows].astype(np.int64)
+        assert np.all(dep[~has] == 0), "a chain's first block has a depth"
+        assert np.array_equal(dep[has], self.depth[par[has]].astype(np.int64) + 1), "depth"
         found = self.find_any(rows)
         assert np.array_equal(found, rows), "table does not map keys to their rows"
         assert self._keys.used <= self._keys.table.size * 0.7 + 1, "key table over its load"

@@ -349,10 +349,13 @@ class Placement:
         """Committed, unpinned blocks of ``tier`` with no child in it."""
         idx = self.index
         rows = idx.used_rows()
-        m = ((idx.state[rows] == S_COMMITTED) & (idx.tier[rows] == tier)
-             & (idx.pins[rows] == 0) & (idx.nchild_tier[rows] == 0))
+        mine = idx.tier[rows] == tier
+        m = (idx.state[rows] == S_COMMITTED) & mine & (idx.pins[rows] == 0)
+        leaf = idx.nchild[rows] == 0
         if tier is TierKind.DRAM and self.lower is None:
-            m &= idx.nchild[rows] == 0  # nowhere to demote: only blocks without children (e.g. in hbm) go
+            m &= leaf  # nowhere to demote: only blocks without children (e.g. in hbm) go
+        else:  # no child in the tier (one elsewhere moves or goes with it)
+            m &= leaf | ~idx.has_child_among(rows, rows[mine])
         return rows[m]
 
     def victims(self, tier: TierKind, cls: int | None, k: int, for_ns: int | None = None,
@@ -360,11 +363,12 @@ class Placement:
         """Up to ``k`` DRAM victims of size class ``cls`` (None: any), whole
         cold subtrees first (``eviction.select_subtrees``)."""
         idx = self.index
-        rows = idx.used_rows()
-        rows = rows[idx.tier[rows] == tier]
+        used = idx.used_rows()
+        mine = idx.tier[used] == tier
+        rows = used[mine]
         blocked = (idx.state[rows] != S_COMMITTED) | (idx.pins[rows] > 0)
         if tier is TierKind.DRAM and self.lower is None:  # dropped, not demoted: children elsewhere (hbm) stay
-            blocked |= idx.nchild[rows] != idx.nchild_tier[rows]
+            blocked |= idx.has_child_among(rows, used[~mine])
         if cls is not None and rows.size:
             blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
         return self.select(tier, rows, blocked, k, for_ns, incoming)

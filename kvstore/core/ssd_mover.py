@@ -201,10 +201,11 @@ class SsdMover:
         n = got[0].size
         while n < count:
             rows = idx.used_rows()
-            ssd = rows[idx.tier[rows] == T_SSD]
+            on_ssd = idx.tier[rows] == T_SSD
+            ssd = rows[on_ssd]
             # a block with a child in DRAM stays (the child needs its parent)
             blocked = ((idx.state[ssd] != S_COMMITTED) | (idx.pins[ssd] > 0)
-                       | (idx.nchild[ssd] != idx.nchild_tier[ssd]))
+                       | idx.has_child_among(ssd, rows[~on_ssd]))
             if protect.size:
                 blocked |= np.isin(ssd, protect)
             victims = st.select(TierKind.SSD, ssd, blocked, count - n)

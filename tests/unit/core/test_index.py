@@ -12,10 +12,10 @@ from kvstore.reserve import PAGE, Reserved
 from tests.conftest import chain
 
 ROW = sum(np.dtype(dt).itemsize for _, dt, _ in BlockIndex.COLUMNS)
-"""Bytes of one row across the index's columns (88)."""
+"""Bytes of one row across the index's columns (72)."""
 WRITTEN = ROW - sum(np.dtype(dt).itemsize for n, dt, _ in BlockIndex.COLUMNS if n in POLICY_COLUMNS)
 """Bytes of a row the index writes where the policy ranks with none of
-``POLICY_COLUMNS`` (84: lru, the default, and lfu)."""
+``POLICY_COLUMNS`` (68: lru, the default, and lfu)."""
 
 
 def _insert_chain(idx: BlockIndex, ns: int, keys: list[bytes], tick: int = 1) -> np.ndarray:
@@ -65,15 +65,26 @@ def test_growth_rehash_and_delete_keep_the_map_exact():
     assert idx.live == 200 * 7
 
 
-def test_children_counts_follow_tier_moves():
+def test_children_in_a_tier_follow_tier_moves():
     idx = BlockIndex()
     keys = chain(b"t", 3)
     rows = _insert_chain(idx, 0, keys)
-    assert idx.nchild[rows[0]] == 1 and idx.nchild_tier[rows[0]] == 1
+
+    def within(tier: int) -> list[bool]:  # each of the tier's blocks: a child in that tier?
+        mine = rows[idx.tier[rows] == tier]
+        return idx.has_child_among(mine, mine).tolist()
+
+    def elsewhere(tier: int) -> list[bool]:  # each of the tier's blocks: a child in another tier?
+        mine = idx.tier[rows] == tier
+        return idx.has_child_among(rows[mine], rows[~mine]).tolist()
+
+    assert idx.nchild[rows].tolist() == [1, 1, 0] and within(1) == [True, True, False]
     idx.set_tier(rows[2:], 2, np.asarray([5]))
-    assert idx.nchild[rows[1]] == 1 and idx.nchild_tier[rows[1]] == 0
+    assert idx.nchild[rows[1]] == 1 and within(1) == [True, False] and within(2) == [False]
+    assert elsewhere(1) == [False, True] and idx.loc[rows[2]] == 5
     idx.set_tier(rows[1:2], 2, np.asarray([6]))
-    assert idx.nchild_tier[rows[1]] == 1 and idx.nchild_tier[rows[0]] == 0
+    assert within(1) == [False] and within(2) == [True, False]
+    assert elsewhere(1) == [True] and elsewhere(2) == [False, False]
     idx.check_invariants()
 
 
@@ -119,7 +130,7 @@ def _build(n_batches: int, reserve: bool) -> tuple[BlockIndex, int, int]:
 
 def test_bytes_per_block_is_compact():
     """The bench states the ≤ 64 B target at 10,000,000 blocks. With no
-    policy column kept (lru) the index writes 84 B of each 88 B row. Grown in
+    policy column kept (lru) the index writes 68 B of each 72 B row. Grown in
     place the columns cost the rows written and the key table (≤ 11.4 B): no
     growth slack, no copy at the peak, and nothing for the columns unkept."""
     if Reserved.make("u1", 1 << 20) is None:

@@ -1,7 +1,7 @@
 """The index's batch fast paths (chain insert, the key table probed in C,
-delete without walking the sibling lists) against the slow paths they
-replace, on random forests with shared key halves: the C table and the numpy
-one must place and find alike."""
+delete by child counts) against the slow paths they replace, on random
+forests with shared key halves: the C table and the numpy one must place and
+find alike."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from kvstore.core.keytable import HASHTAB
 def _check(idx: BlockIndex, ns_of: dict[int, int]) -> None:
     idx.check_invariants()
     rows = idx.used_rows()
-    # sibling lists are exactly the parent links
+    # children are exactly the parent links
     for r in rows.tolist():
-        kids = sorted(idx.children(r))
-        assert kids == sorted(rows[idx.parent[rows] == r].tolist())
+        assert idx.children(r).tolist() == sorted(rows[idx.parent[rows] == r].tolist())
     # find (C or numpy) agrees with the numpy probe, present and absent keys
     for ns in set(ns_of.values()) | {99}:
         keys = np.stack([idx.k0[rows], idx.k1[rows]], axis=1)
@@ -32,7 +31,7 @@ def _check(idx: BlockIndex, ns_of: dict[int, int]) -> None:
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c-table", "numpy-table"])
-def test_random_forests_keep_links_table_and_map_exact(native: bool):
+def test_random_forests_keep_counts_table_and_map_exact(native: bool):
     if native and HASHTAB is None:
         pytest.skip("kvstore.core.ckeytable is not built")
     rng = np.random.default_rng(7)
@@ -80,7 +79,7 @@ def test_chain_insert_matches_the_linked_one():
                                   np.asarray([i]), np.asarray([10]), BlockState.RESERVED, 5 + i)
                          for i in range(20)])
     assert np.array_equal(ra, rb)
-    for col in ("parent", "first_child", "next_sib", "prev_sib", "nchild", "nchild_tier", "depth", "last"):
+    for col in ("parent", "nchild", "depth", "last"):
         assert np.array_equal(getattr(a, col)[ra], getattr(b, col)[rb]), col
 
 
@@ -113,6 +112,6 @@ def test_batch_linking_matches_the_row_loop():
             rows_b[i] = b.insert(0, keys[i:i + 1], np.asarray([p]), tier, np.asarray([i]), np.asarray([10]),
                                  BlockState.COMMITTED, 9 + i)[0]
         assert np.array_equal(rows_a, rows_b)
-        for col in ("parent", "first_child", "next_sib", "prev_sib", "nchild", "nchild_tier", "depth"):
+        for col in ("parent", "nchild", "depth"):
             assert np.array_equal(getattr(a, col)[: a.live], getattr(b, col)[: b.live]), (trial, col)
         a.check_invariants()
