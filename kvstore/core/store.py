@@ -48,7 +48,7 @@ import numpy as np
 
 from admission.quota import TenantShares
 from kvstore.buffers import as_u8
-from kvstore.core.eviction import FrequencySketch, Policy, PolicyName, make_policy
+from kvstore.core.eviction import FrequencySketch, Policy, PolicyName, ancestor_min, close_upward, make_policy
 from kvstore.core.grants import Grants
 from kvstore.core.hbm_mover import HbmMover, HbmSpec
 from kvstore.core.holds import Holds, KeysLike
@@ -413,21 +413,40 @@ class TieredStore:
     # ------------------------------------------------------ remove/clear
     def remove(self, ns: Namespace, keys: KeysLike) -> BatchResult:
         """Remove blocks and their descendants. A block whose subtree holds a
-        pinned or reserved block stays (BUSY)."""
+        pinned or reserved block stays (BUSY); a key removed with an earlier
+        key's subtree (or given twice) is a MISS, as if the keys were removed
+        one after another. One pass for the whole batch: one ``subtree`` of
+        all the keys' blocks (one scan of the index at most), then the held
+        blocks' ancestors and each block's earliest removed ancestor by
+        pointer doubling within that set."""
         nid = self.place.nsid(ns, create=False)
         idx = self.index
         rows = idx.find_committed(nid, keys_to_array(keys))
         res = BatchResult([KeyStatus.MISS] * rows.size)
-        for i, r in enumerate(rows.tolist()):
-            if r < 0 or idx.state[r] != S_COMMITTED:
-                continue  # gone already (e.g. descendant of an earlier key)
-            sub = idx.subtree(np.asarray([r]))
-            if self.place.held(sub).any():
+        live = rows >= 0
+        live[live] = idx.state[rows[live]] == S_COMMITTED
+        if not live.any():
+            return res
+        which = np.flatnonzero(live)
+        roots, first = np.unique(rows[which], return_index=True)
+        sub = idx.subtree(roots)
+        held = self.place.held(sub)
+        busy = close_upward(idx, sub, held) if held.any() else np.zeros(sub.size, dtype=bool)
+        sorter = np.argsort(sub, kind="stable")
+        at = sorter[np.searchsorted(sub, roots, sorter=sorter)]  # each root's position in ``sub``
+        order = np.full(sub.size, np.inf)
+        order[at] = np.where(busy[at], np.inf, which[first].astype(np.float64))
+        earliest = ancestor_min(idx, sub, order)  # the first key (in order) whose removal takes each row
+        mine = at[np.searchsorted(roots, rows[which])]  # each live key's block's position in ``sub``
+        for i, b, ok in zip(which.tolist(), busy[mine].tolist(), (earliest[mine] == which).tolist()):
+            if b:
                 res.statuses[i] = KeyStatus.BUSY
                 res.messages[i] = "block or a descendant is pinned or being written"
-                continue
-            self.place.drop(sub, DropReason.REMOVED)
-            res.statuses[i] = KeyStatus.OK
+            elif ok:
+                res.statuses[i] = KeyStatus.OK
+        gone = sub[np.isfinite(earliest)]
+        if gone.size:
+            self.place.drop(gone, DropReason.REMOVED)
         return res
 
     def clear(self, ns: Namespace | None = None) -> int:
