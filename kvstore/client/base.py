@@ -7,6 +7,7 @@ handling of put and get. ``Client`` (``kvstore.client.sync``) and
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -26,6 +27,22 @@ from proto import kvstore_pb2 as pb
 from tiers.base import Buffer, TierKind
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+
+log = logging.getLogger("kvstore.client")
+_warned: set[tuple[str, int | None]] = set()
+
+
+def _warn_once(path: str, e: OSError) -> None:
+    """A slab this host's daemon offered could not be mapped: a warning the
+    first time for this path and errno (a process opening many clients
+    says it once), debug after."""
+    key = (path, e.errno)
+    level = logging.DEBUG if key in _warned else logging.WARNING
+    if len(_warned) >= 1024:
+        _warned.clear()
+    _warned.add(key)
+    log.log(level, "the daemon's slab %s cannot be mapped ([errno %s] %s): this client sends its bytes "
+            "inline over gRPC (slower)", path, e.errno, e.strerror)
 
 
 def tier_field(tier: str | None) -> Any:
@@ -70,6 +87,8 @@ class ClientBase:
         self.timeout = timeout
         self.session = ""
         self.slab: SlabMapping | None = None
+        self.slab_error = ""
+        """Why a same-host slab could not be mapped (the OSError), else ""."""
         self._fast_path = ""  # the daemon's fast Lookup socket, when same host
         self._fast: Any = None
         self._ns_wire: dict[Namespace, bytes] = {}
@@ -101,15 +120,30 @@ class ClientBase:
         self.session = resp.session_id
         self.max_message_bytes = resp.max_message_bytes or self.max_message_bytes
         self.server_tenant = resp.tenant
+        self.slab_error = ""
         if self.use_shm and resp.same_host and resp.HasField("shm"):
             try:
                 self.slab = SlabMapping(resp.shm.path, resp.shm.size_bytes, resp.shm.slab_id)
-            except OSError:
-                self.slab = None  # e.g. another container: fall back to inline bytes
+            except OSError as e:  # e.g. another container: fall back to inline bytes, and say why
+                self.slab = None
+                self.slab_error = f"the slab {resp.shm.path} cannot be mapped here ([errno {e.errno}] {e.strerror})"
+                _warn_once(resp.shm.path, e)
             if self.slab is not None and self.prefault:
                 self.slab.prefault_in_background()
         self.hbm_regions = [hbm_region_from_pb(m) for m in resp.hbm] if resp.same_host else []
         self._fast_path = resp.lookup_socket if resp.same_host else ""
+
+    def no_slab_reason(self) -> str:
+        """Why this client has no shared-memory slab ("" when it has one)."""
+        if self.slab is not None:
+            return ""
+        if not self.use_shm:
+            return "use_shm=False"
+        if self.slab_error:
+            return self.slab_error
+        if not self.session:
+            return "no session (session=False)"
+        return "the daemon is on another host (or sent no slab)"
 
     def _view(self, offset: int, length: int) -> np.ndarray:
         assert self.slab is not None

@@ -470,7 +470,7 @@ class Client(ControlCalls):
     def view(self, offset: int, length: int) -> np.ndarray:
         """Writable zero-copy view of slab bytes (same-host clients only)."""
         if self.slab is None:
-            raise Unavailable("no shared-memory slab: the daemon is on another host or use_shm=False")
+            raise Unavailable(f"no shared-memory slab: {self.no_slab_reason()}")
         return self._view(offset, length)
 
     def map_hbm(self) -> Any:

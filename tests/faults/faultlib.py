@@ -91,6 +91,33 @@ def slabs_of(pid: int) -> set[str]:
     return shm_entries(f"kvstore-{os.getuid()}-{pid}-")
 
 
+class KilledSlabs:
+    """The slabs of the daemons a test SIGKILLs, removed at its end. Named
+    while each daemon is alive (``note``, before the kill): once it is dead
+    its pid is free, and the next process given it (pid_max 32768 wraps in
+    minutes on a busy CI host; another test run's pytest hosting a daemon)
+    makes its own live slab under the same ``kvstore-<uid>-<pid>-`` prefix,
+    which must not be removed (its clients would then fail to map it)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def note(self, pid: int) -> None:
+        """Daemon ``pid`` (alive now) will be killed: its slabs, by name."""
+        self.names |= slabs_of(pid)
+
+    def remove(self) -> set[str]:
+        """Unlink what the noted daemons left; returns the names removed."""
+        removed = set()
+        for n in self.names:
+            try:
+                os.unlink(os.path.join("/dev/shm", n))
+            except FileNotFoundError:
+                continue  # a successor with the same identity removed it already
+            removed.add(n)
+        return removed
+
+
 class Serve:
     """``python -m kvstore serve`` on a Unix socket (a real process to
     SIGKILL, measure and shut down)."""

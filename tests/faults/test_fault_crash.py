@@ -5,7 +5,6 @@ daemon starts, and every block it returns is byte-exact (a miss otherwise)."""
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import threading
@@ -18,7 +17,7 @@ from kvstore.keys import Namespace
 from kvstore.core.store import StoreConfig, TieredStore
 from kvstore.core.ssd_mover import SsdSpec
 from tests.conftest import payload_for
-from tests.faults.faultlib import Serve, isetting, record, slabs_of
+from tests.faults.faultlib import KilledSlabs, Serve, isetting, record
 from tests.integration.conftest import wait_until
 from tests.support.keys import chain_keys
 
@@ -68,7 +67,7 @@ def test_sigkill_during_puts_and_demotion(tmp_path) -> None:
     lock = threading.Lock()
     stats = {"kills": 0, "checked": 0, "hits": 0, "wrong": 0, "demotions_before_kill": 0,
              "checksum_failures": 0, "kills_during_demotion": 0, "restarts": 0}
-    pids: list[int] = []
+    killed = KilledSlabs()
     leaked: set[str] = set()
 
     def report() -> None:  # what was measured so far (called before any assert on it)
@@ -81,9 +80,9 @@ def test_sigkill_during_puts_and_demotion(tmp_path) -> None:
         name, flags, env = MODES[rnd % len(MODES)]
         s = Serve(sock, *flags, "--ssd", "48MiB", "--ssd-path", ssd,
                   env={"KVSTORE_DRAM_PAGE_SIZE": "1MiB", **env})
-        pids.append(s.pid)
         try:
             s.wait_healthy()
+            killed.note(s.pid)  # its slab, named while its pid is its own
             stats["restarts"] += 1
             with Client(s.target, timeout=20) as c:
                 with lock:
@@ -134,9 +133,7 @@ def test_sigkill_during_puts_and_demotion(tmp_path) -> None:
         finally:
             s.kill()
     # SIGKILL leaves the slab behind (the next start does not need it): clean up ours
-    leaked = set().union(*(slabs_of(p) for p in pids))
-    for n in leaked:
-        os.unlink(os.path.join("/dev/shm", n))
+    leaked = killed.remove()
     report()
     assert stats["wrong"] == 0
     assert stats["hits"] > 0  # blocks did survive the kills

@@ -68,8 +68,29 @@ pytestmark = pytest.mark.timeout(2400)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = 128
-FETCH_TIMEOUT = 2.0
 OUT_TOKENS = 12
+# No expectation here may hang on the machine's speed (a loaded 2-core CI
+# runner is many times slower than an idle one), so every wall-clock knob is
+# far from where these tests' decisions are made:
+FETCH_TIMEOUT = 20.0
+"""Daemon B's deadline for one fetch from A (``cluster.fetch_timeout``; was
+2 s, which a 3.7 MB fetch on a loaded host can miss: the fetch is cut and
+the test sees fewer blocks). Below CONNECTOR_TIMEOUT (docs/pd.md)."""
+CONNECTOR_TIMEOUT = 30.0
+"""The connectors' per-call deadline (default 5 s)."""
+PREFILL_TOKENS_PER_S = {"a": "1", "b": "1", "c": "1000000"}
+"""The cost model's recompute side per node (``cluster.prefill_tokens_per_s``):
+at B a 7-block recompute is estimated at 896 s, so "fetch" holds whatever B
+learns a fetch costs on this host (its measured fetches set the estimate:
+~0.1 s at load 15, the old 1,000 tokens/s gave 0.9 s of room); at C 1 ms
+against 29 s over its 0.001 Gb/s link, so "recompute" holds too."""
+VISIBLE_TIMEOUT = 30.0
+"""How long the router waits for B to see P's blocks (returns as soon as it
+does; only the prefill-daemon-dies case waits it out)."""
+LEASE_TTL = "10s"
+"""A daemon whose loop stalls past its etcd lease (was 2 s) leaves the
+cluster and its blocks vanish from B's view. (Connecting to the killed A
+still fails within 2 s: ``min(2 s, fetch_timeout)``.)"""
 
 
 def words(n: int, seed: int) -> str:
@@ -90,9 +111,9 @@ class Node:
                     "KVSTORE_METRICS_PORT": "0", "KVSTORE_DRAM_CAPACITY": "64MiB",
                     "KVSTORE_SSD_CAPACITY": "64MiB", "KVSTORE_SSD_PATH": os.path.join(work, f"ssd-{name}"),
                     "KVSTORE_CLUSTER_MODE": "etcd", "KVSTORE_CLUSTER_ALLOW_INSECURE_UNAUTHENTICATED": "true", "KVSTORE_CLUSTER_ETCD_ENDPOINT": etcd,
-                    "KVSTORE_CLUSTER_LEASE_TTL": "2s", "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms",
+                    "KVSTORE_CLUSTER_LEASE_TTL": LEASE_TTL, "KVSTORE_CLUSTER_PUBLISH_INTERVAL": "10ms",
                     "KVSTORE_CLUSTER_FETCH_TIMEOUT": f"{FETCH_TIMEOUT}s",
-                    "KVSTORE_CLUSTER_PREFILL_TOKENS_PER_S": "1000"})
+                    "KVSTORE_CLUSTER_PREFILL_TOKENS_PER_S": PREFILL_TOKENS_PER_S[name]})
         env.update({f"KVSTORE_CLUSTER_{k.upper()}": v for k, v in cluster.items()})
         self.log_path = os.path.join(work, f"daemon-{name}.log")
         self.log = open(self.log_path, "wb")
@@ -136,7 +157,7 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for e, (node, role) in roles.items():
             ktc = kv_transfer_config(role, target=self.nodes[node].target, cluster=True,
-                                     stats_path=self.stats_path(e))
+                                     stats_path=self.stats_path(e), timeout=CONNECTOR_TIMEOUT)
             self.procs[e] = start_server(self.model, self.ports[e], ktc, self.log_path(e))
         wait_servers({f"vLLM {e}": (self.url(e), p, self.log_path(e)) for e, p in self.procs.items()}, 1200)
         model = ModelSpec("tiny", self.model, block_size=BLOCK, kv_dtype="float32", dtype="float32", device="cpu",
@@ -149,7 +170,7 @@ class Cluster:
                                classes=(ServiceClass("default", ttft_slo=600.0),), admission=False,
                                predictor=PredictorSpec(prefill_tokens_per_s=5000.0),
                                health_interval=0.5, health_failures=2,
-                               pd=PDSpec(prefill=("p",), decode=(dec,), visible_timeout=2.0))
+                               pd=PDSpec(prefill=("p",), decode=(dec,), visible_timeout=VISIBLE_TIMEOUT))
             app = build_app(cfg)
             self.svcs[name] = app.state.router
             self.routers[name] = ServerThread(app).start()
