@@ -12,7 +12,8 @@ eviction round costs O(candidates), not a Python loop per block.
 - ``lfu``: rank = (hits, last access): the least used goes first, the older of
   equally used ones first.
 - ``cost``: GreedyDual-Size-Frequency. rank = L + freq x cost / size where
-  freq = hits + 1, size in MiB, cost = 1 + depth_weight x depth: recomputing
+  freq = hits + 1, size in MiB, cost = 1 + depth_weight x depth (``depth``
+  kept only under ``cost``, computed for every block on the switch): recomputing
   a block deeper in its chain costs more (its tokens attend over a longer
   prefix, and a lost deep block wastes the whole prefix's hit on reuse). L is
   the inflation value: the rank of the last evicted block, so blocks not
@@ -90,7 +91,7 @@ class LFU(LRU):
 
 class CostAware:
     name = PolicyName.COST
-    columns = frozenset({"prio"})
+    columns = frozenset({"depth", "prio"})
 
     def __init__(self, depth_weight: float = 0.125) -> None:
         if depth_weight < 0:
@@ -234,7 +235,10 @@ def select_subtrees(index: BlockIndex, policy: Policy, rows: np.ndarray, blocked
         kth = np.partition(e, k - 1)[k - 1]
         keep = e <= kth
         cand, e = cand[keep], e[keep]
-    sel = np.lexsort((-index.depth[rows[cand]].astype(np.int64), e))[:k]
+    # equal ``e``: a block and ancestors of it, all among ``cand`` (each
+    # between it and the highest also shares ``e``), so levels within
+    # ``cand`` order them as depths would
+    sel = np.lexsort((-index.levels(rows[cand]), e))[:k]
     return rows[cand[sel]]
 
 
