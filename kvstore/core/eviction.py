@@ -10,7 +10,9 @@ eviction round costs O(candidates), not a Python loop per block.
 
 - ``lru``: rank = last access tick.
 - ``lfu``: rank = (hits, last access): the least used goes first, the older of
-  equally used ones first.
+  equally used ones first. ``hits`` is kept only under ``lfu`` and ``cost``
+  (``POLICY_COLUMNS``): a switch from ``lru`` starts every count at 0, so
+  ``lfu`` ranks by last access until counts build up.
 - ``cost``: GreedyDual-Size-Frequency. rank = L + freq x cost / size where
   freq = hits + 1, size in MiB, cost = 1 + depth_weight x depth (``depth``
   kept only under ``cost``, computed for every block on the switch): recomputing
@@ -83,6 +85,7 @@ class LRU:
 
 class LFU(LRU):
     name = PolicyName.LFU
+    columns = frozenset({"hits"})
 
     def rank(self, index: BlockIndex, rows: np.ndarray) -> np.ndarray:
         # ties on hits are broken by last access in select_victims
@@ -91,7 +94,7 @@ class LFU(LRU):
 
 class CostAware:
     name = PolicyName.COST
-    columns = frozenset({"depth", "prio"})
+    columns = frozenset({"hits", "depth", "prio"})
 
     def __init__(self, depth_weight: float = 0.125) -> None:
         if depth_weight < 0:

@@ -1,9 +1,9 @@
 """The block index: metadata only, kept compact and vectorised.
 
 Per block the index holds its key, namespace, tier, location in that tier,
-payload size and checksum, parent, cached-children count, pins, hits, last
-access and state, and, only under the eviction policies that rank with them,
-the depth in its chain and a policy priority
+payload size and checksum, parent, cached-children count, pins, last access
+and state, and, only under the eviction policies that rank with them, an
+access count, the depth in its chain and a policy priority
 (``POLICY_COLUMNS``). It never holds payload bytes.
 
 Layout: one numpy array per field (struct of arrays), indexed by *row*. The
@@ -64,16 +64,16 @@ slack at most, each row copied only a few times over the index's growth;
 one grown in place (``kvstore/reserve.py``) costs only its rows."""
 
 
-POLICY_COLUMNS = frozenset({"depth", "prio"})
+POLICY_COLUMNS = frozenset({"hits", "depth", "prio"})
 """Columns only some eviction policies rank with (``kvstore/core/eviction.py``:
-``cost`` ranks with ``depth`` and its GreedyDual value ``prio``; ``lru`` and
-``lfu`` rank with ``last`` and ``hits``, which every policy keeps, so that a
-switch at run time finds the history). The index keeps the ones in
-``BlockIndex.kept`` (set on insert) and leaves the others unwritten, so
-that, grown in place, they cost no memory. A column newly kept starts from
-its empty value, except ``depth``, computed then for every block
-(``keep``); a policy computes its own (``prio``) when installed
-(``make_policy``)."""
+``lfu`` ranks with ``hits``; ``cost`` with ``hits``, ``depth`` and its
+GreedyDual value ``prio``; ``lru`` with none: ``last``, which every policy
+keeps). The index keeps the ones in ``BlockIndex.kept`` (set on insert and
+access) and leaves the others unwritten, so that, grown in place, they cost
+no memory. A column newly kept starts from its empty value (``hits``: every
+count 0, so a switch from ``lru`` to ``lfu`` ranks by recency until counts
+build up), except ``depth``, computed then for every block (``keep``); a
+policy computes its own (``prio``) when installed (``make_policy``)."""
 
 SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier", "loc", "size", "csum")
 """The columns a prefix lookup, and a read of DRAM blocks, need: what
@@ -173,7 +173,8 @@ class BlockIndex:
         ("ssd_loc", "i4", NO_LOC),
     )
     """Each column's name, dtype and the value of a row not in use: 72 bytes
-    a row; 64 written where the policy keeps none of ``POLICY_COLUMNS``."""
+    a row; 62 written under ``lru`` (which keeps none of ``POLICY_COLUMNS``),
+    64 under ``lfu``."""
 
     k0: np.ndarray
     k1: np.ndarray
@@ -382,7 +383,8 @@ class BlockIndex:
         self.nchild[rows] = 0
         self.pins[rows] = 0
         kept = self.kept
-        self.hits[rows] = 0
+        if "hits" in kept:
+            self.hits[rows] = 0
         if "prio" in kept:
             self.prio[rows] = 0.0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint32)

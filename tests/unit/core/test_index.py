@@ -164,10 +164,10 @@ def test_policy_columns_cost_memory_only_while_kept():
     assert idx.reserved_nbytes <= base + PAGE  # its pages given back
     again = idx.insert(0, keys[: n // 2], np.full(n // 2, -1), 1, np.arange(n // 2), np.full(n // 2, 10),
                        BlockState.COMMITTED, 2)
-    idx.prio[again], idx.depth[again] = 9.0, 7  # stale, as an unkept column may hold
+    idx.prio[again], idx.hits[again], idx.depth[again] = 9.0, 3, 7  # stale, as an unkept column may hold
     idx.keep(POLICY_COLUMNS)
     used = idx.used_rows()
-    assert not idx.prio[used].any()  # kept again: from the empty value
+    assert not idx.prio[used].any() and not idx.hits[used].any()  # kept again: from the empty value
     assert not idx.depth[used].any()  # computed: every block here is a chain's first
     idx.check_invariants()
 

@@ -173,6 +173,28 @@ def test_policy_switch_keeps_blocks_and_changes_the_order(ns):
         assert st.policy.name is PolicyName.LFU
 
 
+def test_a_switch_from_lru_to_lfu_starts_every_count_at_zero(ns):
+    """``hits`` is kept only under lfu and cost: reads under lru are not
+    counted, so right after a switch lfu ranks by last access (as lru)
+    until counts build up; the blocks stay."""
+    with make(slots=3, page_slots=3) as st:
+        assert not _hot_then_cold(st, ns, switch="after")  # k0's five reads under lru: not counted
+        rows = st.index.used_rows()
+        assert st.index.kept == frozenset({"hits"})
+        assert not st.index.hits[rows].any()
+    with make(slots=3, page_slots=3) as st:
+        keys = [chain(b"z%d" % i, 1)[0] for i in range(3)]
+        put_each(st, ns, keys)
+        st.set_policy("lfu")
+        st.get(ns, keys[:1])
+        row = st.index.find(st.place.nsid(ns), keys_to_array(keys[:1]))
+        assert st.index.hits[row].tolist() == [1]  # counted from the switch on
+        st.set_policy("lru")
+        st.get(ns, keys[:1])
+        st.set_policy("lfu")
+        assert st.index.hits[row].tolist() == [0]  # a count not kept starts again
+
+
 def test_the_index_keeps_the_cost_policys_column_only_while_it_runs(ns):
     """``prio`` (cost's GreedyDual value), ``depth`` and ``hits`` are kept
     only under the policies that rank with them: a switch to cost computes
@@ -184,14 +206,14 @@ def test_the_index_keeps_the_cost_policys_column_only_while_it_runs(ns):
         rows = st.index.find(st.place.nsid(ns), keys_to_array(keys))
         assert st.index.kept == frozenset()  # lru, the default
         st.set_policy("cost")
-        assert st.index.kept == frozenset({"depth", "prio"})
+        assert st.index.kept == frozenset({"hits", "depth", "prio"})
         assert (st.index.prio[rows] > 0).all()  # every block ranked at once
         assert st.index.depth[rows].tolist() == [0, 0, 1]  # depths computed at the switch
         st.index.check_invariants()
         st.set_policy("lfu")
-        assert st.index.kept == frozenset()
+        assert st.index.kept == frozenset({"hits"})
     with make(slots=3, page_slots=3, policy="cost") as st:
-        assert st.index.kept == frozenset({"depth", "prio"})
+        assert st.index.kept == frozenset({"hits", "depth", "prio"})
 
 
 def test_store_config_accepts_a_policy_name_and_rejects_an_unknown_one():
