@@ -494,11 +494,17 @@ class BlockIndex:
         lev = np.zeros(n, dtype=np.int64)
         if n == 0:
             return lev
-        srt = np.argsort(rows, kind="stable")
-        sr = rows[srt]
         par = self.parent[rows].astype(np.int64)
-        at = np.minimum(np.searchsorted(sr, par), n - 1)
-        anc = np.where((par >= 0) & (sr[at] == par), srt[at], -1)  # the parent's position, or -1
+        if n == 1 or bool((rows[1:] > rows[:-1]).all()):  # ascending already (used_rows, a chain)
+            at = np.minimum(np.searchsorted(rows, par), n - 1)
+            anc = np.where((par >= 0) & (rows[at] == par), at, -1)  # the parent's position, or -1
+            if anc[0] < 0 and bool((anc[1:] == np.arange(n - 1)).all()):
+                return np.arange(n, dtype=np.int64)  # one chain, in row order
+        else:
+            srt = np.argsort(rows, kind="stable")
+            sr = rows[srt]
+            at = np.minimum(np.searchsorted(sr, par), n - 1)
+            anc = np.where((par >= 0) & (sr[at] == par), srt[at], -1)
         m = np.flatnonzero(anc >= 0)
         lev[m] = 1
         for _ in range(64):  # invariant: lev[i] hops from i up to anc[i] (or to the top)

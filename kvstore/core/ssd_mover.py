@@ -515,9 +515,13 @@ def flush_order(idx: BlockIndex, rows: np.ndarray) -> np.ndarray:
     """``rows`` (committed) by depth in their chains, then size: every
     ancestor among them before its descendants, even with a block between
     them not among them, and one size per run. Depths over every used row
-    (a set closed under parents: ``BlockIndex.levels``, no loop per block)."""
-    used = idx.used_rows()
-    depth = idx.levels(used)[np.searchsorted(used, rows)]
+    (a set closed under parents: ``BlockIndex.levels``, no loop per block),
+    or the ``depth`` column where the policy keeps it."""
+    if "depth" in idx.kept:
+        depth = idx.depth[rows]
+    else:
+        used = idx.used_rows()
+        depth = idx.levels(used)[np.searchsorted(used, rows)]
     return rows[np.lexsort((idx.size[rows], depth))]
 
 
