@@ -36,6 +36,7 @@ from enum import IntEnum
 import numpy as np
 
 from kvstore.core.keytable import HASHTAB, KeyTable
+from kvstore.core.levels import levels_within
 from kvstore.reserve import RESERVE_ROWS, Reserved, grow_in, resident
 from kvstore.errors import InvalidArgument
 
@@ -483,37 +484,10 @@ class BlockIndex:
 
     def levels(self, rows: np.ndarray) -> np.ndarray:
         """For each of ``rows`` (distinct), how many of its ancestors are
-        reached going up parent links *within* ``rows`` (0 where its parent
-        is not one of them). Sorting by it puts every parent in ``rows``
-        before its children; over a set closed under parents (every used
-        row) it is the depth in the chain. Pointer jumping over the set
-        (``searchsorted`` into it, no row outside it read), one vectorised
-        round per power of two of the levels."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        n = rows.size
-        lev = np.zeros(n, dtype=np.int64)
-        if n == 0:
-            return lev
-        par = self.parent[rows].astype(np.int64)
-        if n == 1 or bool((rows[1:] > rows[:-1]).all()):  # ascending already (used_rows, a chain)
-            at = np.minimum(np.searchsorted(rows, par), n - 1)
-            anc = np.where((par >= 0) & (rows[at] == par), at, -1)  # the parent's position, or -1
-            if anc[0] < 0 and bool((anc[1:] == np.arange(n - 1)).all()):
-                return np.arange(n, dtype=np.int64)  # one chain, in row order
-        else:
-            srt = np.argsort(rows, kind="stable")
-            sr = rows[srt]
-            at = np.minimum(np.searchsorted(sr, par), n - 1)
-            anc = np.where((par >= 0) & (sr[at] == par), srt[at], -1)
-        m = np.flatnonzero(anc >= 0)
-        lev[m] = 1
-        for _ in range(64):  # invariant: lev[i] hops from i up to anc[i] (or to the top)
-            if not m.size:
-                return lev
-            up = anc[m]
-            lev[m], anc[m] = lev[m] + lev[up], anc[up]
-            m = m[anc[m] >= 0]
-        raise AssertionError("levels: parent links form a cycle")
+        reached going up parent links within ``rows``: sorted by it, every
+        parent among them precedes its children; over every used row (a set
+        closed under parents) it is the depth. ``kvstore/core/levels.py``."""
+        return levels_within(self.parent, rows)
 
     def descend(self, roots: np.ndarray) -> np.ndarray:
         """A mark per row below the high-water row: 1 for ``roots`` and every
