@@ -10,9 +10,12 @@ eviction round costs O(candidates), not a Python loop per block.
 
 - ``lru``: rank = last access tick.
 - ``lfu``: rank = (hits, last access): the least used goes first, the older of
-  equally used ones first.
+  equally used ones first. ``hits`` is kept only under ``lfu`` and ``cost``
+  (``POLICY_COLUMNS``): a switch from ``lru`` starts every count at 0, so
+  ``lfu`` ranks by last access until counts build up.
 - ``cost``: GreedyDual-Size-Frequency. rank = L + freq x cost / size where
-  freq = hits + 1, size in MiB, cost = 1 + depth_weight x depth: recomputing
+  freq = hits + 1, size in MiB, cost = 1 + depth_weight x depth (``depth``
+  kept only under ``cost``, computed for every block on the switch): recomputing
   a block deeper in its chain costs more (its tokens attend over a longer
   prefix, and a lost deep block wastes the whole prefix's hit on reuse). L is
   the inflation value: the rank of the last evicted block, so blocks not
@@ -82,6 +85,7 @@ class LRU:
 
 class LFU(LRU):
     name = PolicyName.LFU
+    columns = frozenset({"hits"})
 
     def rank(self, index: BlockIndex, rows: np.ndarray) -> np.ndarray:
         # ties on hits are broken by last access in select_victims
@@ -90,7 +94,7 @@ class LFU(LRU):
 
 class CostAware:
     name = PolicyName.COST
-    columns = frozenset({"prio"})
+    columns = frozenset({"hits", "depth", "prio"})
 
     def __init__(self, depth_weight: float = 0.125) -> None:
         if depth_weight < 0:
@@ -234,7 +238,10 @@ def select_subtrees(index: BlockIndex, policy: Policy, rows: np.ndarray, blocked
         kth = np.partition(e, k - 1)[k - 1]
         keep = e <= kth
         cand, e = cand[keep], e[keep]
-    sel = np.lexsort((-index.depth[rows[cand]].astype(np.int64), e))[:k]
+    # equal ``e``: a block and ancestors of it, all among ``cand`` (each
+    # between it and the highest also shares ``e``), so levels within
+    # ``cand`` order them as depths would
+    sel = np.lexsort((-index.levels(rows[cand]), e))[:k]
     return rows[cand[sel]]
 
 

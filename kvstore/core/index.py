@@ -1,9 +1,10 @@
 """The block index: metadata only, kept compact and vectorised.
 
 Per block the index holds its key, namespace, tier, location in that tier,
-payload size and checksum, parent, cached-children counts, pins, hits, last
-access, depth in its chain, state and a policy priority. It never holds
-payload bytes.
+payload size and checksum, parent, cached-children count, pins, last access
+and state, and, only under the eviction policies that rank with them, an
+access count, the depth in its chain and a policy priority
+(``POLICY_COLUMNS``). It never holds payload bytes.
 
 Layout: one numpy array per field (struct of arrays), indexed by *row*. The
 key -> row map is an open-addressing hash table of int32 rows with linear
@@ -20,7 +21,7 @@ the block's own tier" is found where a whole tier is scanned anyway
 Invariants (checked by ``check_invariants`` in tests):
 - every non-free row's parent is a non-free row of the same namespace, or -1;
 - ``nchild[r]`` equals the number of rows whose parent is ``r``;
-- ``depth[r]`` is 0 for a chain's first block, else its parent's plus one;
+- where ``depth`` is kept: 0 for a chain's first block, else its parent's plus one;
 - a reserved row is invisible to ``find_committed``.
 
 The index is owned by one ``TieredStore``; it has no locks.
@@ -35,6 +36,7 @@ from enum import IntEnum
 import numpy as np
 
 from kvstore.core.keytable import HASHTAB, KeyTable
+from kvstore.core.levels import levels_within
 from kvstore.reserve import RESERVE_ROWS, Reserved, grow_in, resident
 from kvstore.errors import InvalidArgument
 
@@ -63,14 +65,16 @@ slack at most, each row copied only a few times over the index's growth;
 one grown in place (``kvstore/reserve.py``) costs only its rows."""
 
 
-POLICY_COLUMNS = frozenset({"prio"})
+POLICY_COLUMNS = frozenset({"hits", "depth", "prio"})
 """Columns only some eviction policies rank with (``kvstore/core/eviction.py``:
-``cost`` keeps its GreedyDual value in ``prio``; ``lru`` and ``lfu`` rank
-with ``last`` and ``hits``, which every policy keeps, so that a switch at run
-time finds the history). The index keeps the ones in ``BlockIndex.kept``
-(reset on insert) and leaves the others unwritten, so that, grown in place,
-they cost no memory. A policy that starts keeping one computes it then for
-every block (``make_policy``)."""
+``lfu`` ranks with ``hits``; ``cost`` with ``hits``, ``depth`` and its
+GreedyDual value ``prio``; ``lru`` with none: ``last``, which every policy
+keeps). The index keeps the ones in ``BlockIndex.kept`` (set on insert and
+access) and leaves the others unwritten, so that, grown in place, they cost
+no memory. A column newly kept starts from its empty value (``hits``: every
+count 0, so a switch from ``lru`` to ``lfu`` ranks by recency until counts
+build up), except ``depth``, computed then for every block (``keep``); a
+policy computes its own (``prio``) when installed (``make_policy``)."""
 
 SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier", "loc", "size", "csum")
 """The columns a prefix lookup, and a read of DRAM blocks, need: what
@@ -170,7 +174,8 @@ class BlockIndex:
         ("ssd_loc", "i4", NO_LOC),
     )
     """Each column's name, dtype and the value of a row not in use: 72 bytes
-    a row, 68 written where the policy keeps none of ``POLICY_COLUMNS``."""
+    a row; 62 written under ``lru`` (which keeps none of ``POLICY_COLUMNS``),
+    64 under ``lfu``."""
 
     k0: np.ndarray
     k1: np.ndarray
@@ -227,10 +232,15 @@ class BlockIndex:
         """Keep exactly ``columns`` of ``POLICY_COLUMNS`` up to date from now
         on. A column newly kept starts from its empty value in every row (a
         row reused while it was not kept holds a stale value); one no longer
-        kept gives its pages back where it grows in place."""
+        kept gives its pages back where it grows in place. ``depth`` newly
+        kept is computed for every row (``levels``: no loop per block)."""
         columns = frozenset(columns) & POLICY_COLUMNS
         for name, _, fill in self.COLUMNS:
-            if name in columns and name not in self.kept:
+            if name == "depth" and name in columns and name not in self.kept:
+                rows = self.used_rows()  # closed under parents: levels within it are depths
+                self.depth[: self._high] = fill
+                self.depth[rows] = self.levels(rows)
+            elif name in columns and name not in self.kept:
                 getattr(self, name)[: self._high] = fill
             elif name in self.kept and name not in columns and name in self._res:
                 self._res[name].release()
@@ -373,15 +383,18 @@ class BlockIndex:
         self.parent[rows] = parents
         self.nchild[rows] = 0
         self.pins[rows] = 0
-        self.hits[rows] = 0
-        if "prio" in self.kept:
+        kept = self.kept
+        if "hits" in kept:
+            self.hits[rows] = 0
+        if "prio" in kept:
             self.prio[rows] = 0.0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint32)
         self.ssd_loc[rows] = NO_LOC
-        # depths and child counts, in order (a parent may precede in the batch)
+        # child counts and (where kept) depths, in order (a parent may precede in the batch)
         if chain:  # each key the only child of the one before: link the head, count the rest
             self._link_rows(rows[:1], parents[:1])
-            self.depth[rows[1:]] = np.arange(1, n, dtype=np.int64) + int(self.depth[rows[0]])
+            if "depth" in kept:
+                self.depth[rows[1:]] = np.arange(1, n, dtype=np.int64) + int(self.depth[rows[0]])
             self.nchild[rows[:-1]] = 1
         elif n <= LINK_LOOP_MAX:
             self._link_rows(rows, parents)
@@ -392,17 +405,23 @@ class BlockIndex:
         return rows
 
     def _link_rows(self, rows: np.ndarray, parents: np.ndarray) -> None:
+        depth = self.depth if "depth" in self.kept else None
         for r, p in zip(rows.tolist(), parents.tolist()):
             if p >= 0:
-                self.depth[r] = self.depth[p] + 1
                 self.nchild[p] += 1
-            else:
-                self.depth[r] = 0
+            if depth is not None:
+                depth[r] = depth[p] + 1 if p >= 0 else 0
 
     def _link_batch(self, rows: np.ndarray, parents: np.ndarray, bpar: np.ndarray) -> None:
         """``_link_rows`` vectorised, with the same result: depths by pointer
         jumping over the in-batch parents (a parent precedes its children),
-        and each parent's new children counted."""
+        where kept, and each parent's new children counted."""
+        has = parents[parents >= 0]
+        if has.size:
+            pu, counts = np.unique(has, return_counts=True)
+            self.nchild[pu] += counts.astype(np.uint32)
+        if "depth" not in self.kept:
+            return
         ext = (parents >= 0) & (bpar < 0)
         val = np.where(bpar >= 0, 1, 0).astype(np.int64)
         val[ext] = self.depth[parents[ext]].astype(np.int64) + 1
@@ -416,10 +435,6 @@ class BlockIndex:
         else:  # a batch deeper than 2**64 cannot exist; guard against a cycle
             raise AssertionError("insert: in-batch parents form a cycle")
         self.depth[rows] = val
-        has = parents[parents >= 0]
-        if has.size:
-            pu, counts = np.unique(has, return_counts=True)
-            self.nchild[pu] += counts.astype(np.uint32)
 
     def children(self, r: int) -> np.ndarray:
         """The rows whose parent is ``r``, ascending (one vectorised pass
@@ -446,7 +461,9 @@ class BlockIndex:
         is kept; or every child of a root is itself a root: a reservation's
         chain aborted whole) no row is scanned; otherwise one pass over the
         rows finds the rest (``descend``). The rows found are returned by
-        ``depth`` (ties by row), which puts every parent before its children."""
+        their ``levels`` within the set (ties by row): every parent before
+        its children (the set has no gaps: a row's parent is in it unless
+        the row is a root)."""
         roots = np.asarray(roots, dtype=np.int64).reshape(-1)
         if roots.size <= 1:
             if roots.size and self.nchild[roots[0]] == 0:
@@ -459,11 +476,18 @@ class BlockIndex:
             par = self.parent[uniq].astype(np.int64)
             at = np.minimum(np.searchsorted(uniq, par), uniq.size - 1)
             if int(kids.sum()) == int(np.count_nonzero(uniq[at] == par)):  # closed under children
-                return uniq[np.argsort(self.depth[uniq], kind="stable")]
+                return uniq[np.argsort(self.levels(uniq), kind="stable")]
         if not roots.size:
             return np.zeros(0, dtype=np.int64)
         found = np.flatnonzero(self.descend(roots) == 1)
-        return found[np.argsort(self.depth[found], kind="stable")]
+        return found[np.argsort(self.levels(found), kind="stable")]
+
+    def levels(self, rows: np.ndarray) -> np.ndarray:
+        """For each of ``rows`` (distinct), how many of its ancestors are
+        reached going up parent links within ``rows``: sorted by it, every
+        parent among them precedes its children; over every used row (a set
+        closed under parents) it is the depth. ``kvstore/core/levels.py``."""
+        return levels_within(self.parent, rows)
 
     def descend(self, roots: np.ndarray) -> np.ndarray:
         """A mark per row below the high-water row: 1 for ``roots`` and every
@@ -547,9 +571,10 @@ class BlockIndex:
         assert np.all(self.ns[par[has]] == self.ns[rows[has]]), "parent in another namespace"
         np.add.at(nchild, par[has], 1)
         assert np.array_equal(nchild[rows], self.nchild[rows].astype(np.int64)), "nchild"
-        dep = self.depth[rows].astype(np.int64)
-        assert np.all(dep[~has] == 0), "a chain's first block has a depth"
-        assert np.array_equal(dep[has], self.depth[par[has]].astype(np.int64) + 1), "depth"
+        if "depth" in self.kept:
+            dep = self.depth[rows].astype(np.int64)
+            assert np.all(dep[~has] == 0), "a chain's first block has a depth"
+            assert np.array_equal(dep[has], self.depth[par[has]].astype(np.int64) + 1), "depth"
         found = self.find_any(rows)
         assert np.array_equal(found, rows), "table does not map keys to their rows"
         assert self._keys.used <= self._keys.table.size * 0.7 + 1, "key table over its load"

@@ -162,8 +162,9 @@ class Placement:
             return
         t = self.ticks(rows.size)
         idx = self.index
-        h = idx.hits[rows]
-        idx.hits[rows] = h + (h < HITS_MAX)  # 16 bits, saturating
+        if "hits" in idx.kept:  # (only a policy that ranks with it keeps it)
+            h = idx.hits[rows]
+            idx.hits[rows] = h + (h < HITS_MAX)  # 16 bits, saturating
         idx.last[rows] = np.arange(t, t + rows.size, dtype=np.uint32)
         self.policy.on_access(idx, rows)
 

@@ -37,7 +37,7 @@ from enum import Enum
 import numpy as np
 
 from kvstore.core.eviction import close_upward, select_victims
-from kvstore.core.index import NO_LOC, S_COMMITTED
+from kvstore.core.index import NO_LOC, S_COMMITTED, BlockIndex
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_io import GuardedSsdTier, IoGate
 from kvstore.core.ssd_restore import Recovery, restore_index
@@ -438,8 +438,8 @@ class SsdMover:
         budget = self.spec.step_bytes
         rows = self._take(self.prefetch_q, TierKind.SSD, budget)
         if rows.size:
-            # promote in chain order (parents first): sort by depth
-            self.promote(rows[np.argsort(idx.depth[rows], kind="stable")])
+            # promote in chain order (parents first): by levels within the batch
+            self.promote(rows[np.argsort(idx.levels(rows), kind="stable")])
             return True
         rows = self._take(self.copy_q, TierKind.DRAM, budget)
         if rows.size:
@@ -485,7 +485,7 @@ class SsdMover:
                     & (idx.ssd_loc[rows] < 0)]
         if rows.size == 0 or limit <= 0:
             return 0, int(rows.size)
-        rows = rows[np.lexsort((idx.size[rows], idx.depth[rows]))]  # parents first, one size per run
+        rows = flush_order(idx, rows)
         end = time.monotonic() + limit
         at = written = 0
         step = max(1, self.spec.step_bytes)
@@ -511,4 +511,18 @@ class SsdMover:
         self.tier.close()
 
 
-__all__ = ["WRITE_MODES", "CapacityError", "Recovery", "SsdMover", "SsdSpec", "WriteMode"]
+def flush_order(idx: BlockIndex, rows: np.ndarray) -> np.ndarray:
+    """``rows`` (committed) by depth in their chains, then size: every
+    ancestor among them before its descendants, even with a block between
+    them not among them, and one size per run. Depths over every used row
+    (a set closed under parents: ``BlockIndex.levels``, no loop per block),
+    or the ``depth`` column where the policy keeps it."""
+    if "depth" in idx.kept:
+        depth = idx.depth[rows]
+    else:
+        used = idx.used_rows()
+        depth = idx.levels(used)[np.searchsorted(used, rows)]
+    return rows[np.lexsort((idx.size[rows], depth))]
+
+
+__all__ = ["WRITE_MODES", "CapacityError", "Recovery", "SsdMover", "SsdSpec", "WriteMode", "flush_order"]

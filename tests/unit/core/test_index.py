@@ -155,7 +155,7 @@ def test_policy_columns_cost_memory_only_while_kept():
     keys = np.arange(2 * n, dtype=np.uint64).reshape(n, 2) + np.uint64(1)
     rows = idx.insert(0, keys, np.full(n, -1), 1, np.arange(n), np.full(n, 10), BlockState.COMMITTED, 1)
     base = idx.reserved_nbytes
-    idx.keep(frozenset({"prio"}))
+    idx.keep(POLICY_COLUMNS)
     assert idx.kept == POLICY_COLUMNS
     assert idx.reserved_nbytes >= base + (ROW - WRITTEN) * n  # written: every row starts at 0
     idx.prio[rows] = 2.5
@@ -164,9 +164,11 @@ def test_policy_columns_cost_memory_only_while_kept():
     assert idx.reserved_nbytes <= base + PAGE  # its pages given back
     again = idx.insert(0, keys[: n // 2], np.full(n // 2, -1), 1, np.arange(n // 2), np.full(n // 2, 10),
                        BlockState.COMMITTED, 2)
-    idx.prio[again] = 9.0  # a stale value, as an unkept column may hold
-    idx.keep(frozenset({"prio"}))
-    assert not idx.prio[idx.used_rows()].any()  # a column kept again starts from its empty value
+    idx.prio[again], idx.hits[again], idx.depth[again] = 9.0, 3, 7  # stale, as an unkept column may hold
+    idx.keep(POLICY_COLUMNS)
+    used = idx.used_rows()
+    assert not idx.prio[used].any() and not idx.hits[used].any()  # kept again: from the empty value
+    assert not idx.depth[used].any()  # computed: every block here is a chain's first
     idx.check_invariants()
 
 

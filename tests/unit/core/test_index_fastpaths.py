@@ -72,6 +72,8 @@ def test_random_forests_keep_counts_table_and_map_exact(native: bool):
 def test_chain_insert_matches_the_linked_one():
     keys = np.arange(40, dtype=np.uint64).reshape(20, 2) + np.uint64(1)
     a, b = BlockIndex(), BlockIndex()
+    a.keep(frozenset({"depth"}))  # (kept only under cost: compared where kept)
+    b.keep(frozenset({"depth"}))
     ra = a.insert(0, keys, np.asarray([-1] + [-2 - i for i in range(19)]), 1, np.arange(20), np.full(20, 10),
                   BlockState.RESERVED, 5)
     # the same chain one key at a time (the per-row path)
@@ -89,6 +91,8 @@ def test_batch_linking_matches_the_row_loop():
     rng = np.random.default_rng(11)
     for trial in range(20):
         a, b = BlockIndex(), BlockIndex()
+        a.keep(frozenset({"depth"}))
+        b.keep(frozenset({"depth"}))
         base = np.arange(1, 13, dtype=np.uint64).reshape(6, 2) * np.uint64(1000 + trial)
         pre = np.asarray([-1, -2, -2, -3, -1, -5], dtype=np.int64)  # a small existing forest
         ra = a.insert(0, base, pre, 1, np.arange(6), np.full(6, 10), BlockState.COMMITTED, 1)

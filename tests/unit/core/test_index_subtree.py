@@ -18,8 +18,9 @@ NATIVE = HASHTAB is not None and hasattr(HASHTAB, "descend")
 
 
 class Forest:
-    def __init__(self, native: bool, seed: int) -> None:
+    def __init__(self, native: bool, seed: int, kept: frozenset[str] = frozenset()) -> None:
         self.idx = BlockIndex(initial_rows=16, native=native)
+        self.idx.keep(kept)
         self.rng = np.random.default_rng(seed)
         self.tick = 1
 
@@ -51,10 +52,10 @@ class Forest:
         return seen
 
 
-def build(native: bool, seed: int) -> Forest:
+def build(native: bool, seed: int, kept: frozenset[str] = frozenset()) -> Forest:
     """A deep chain (12,000), a wide fan (12,000 children, some with chains
     below), random small trees, then subtrees freed and rows reused."""
-    f = Forest(native, seed)
+    f = Forest(native, seed, kept)
     deep = f.chain(-1, 12_000)
     fan_root = f.insert([-1])
     fan = f.insert(np.full(12_000, int(fan_root[0])))

@@ -141,17 +141,21 @@ def test_shrink_ssd_evicts_ssd_blocks_down_to_the_new_size(tmp_path, ns):
         st.index.check_invariants()
 
 
-def _hot_then_cold(st: TieredStore, ns, switch: bool) -> bool:
+def _hot_then_cold(st: TieredStore, ns, switch: str = "") -> bool:
     """k0 read often but long ago, k1/k2 read once since; then one new
-    block. Returns whether k0 survived."""
+    block. ``switch`` to lfu "before" or "after" the reads. Returns whether
+    k0 survived."""
     keys = [chain(b"k%d" % i, 1)[0] for i in range(3)]
     put_each(st, ns, keys)
+    if switch == "before":
+        assert st.set_policy("lfu") == "lru"
     for _ in range(5):
         st.get(ns, keys[:1])
     st.get(ns, keys[1:2])
     st.get(ns, keys[2:3])
-    if switch:
+    if switch == "after":
         assert st.set_policy("lfu") == "lru"
+    if switch:
         assert st.policy.name is PolicyName.LFU and st.stats().policy == "lfu"
         assert st.lookup(ns, keys).hit_blocks == 3  # the switch keeps every block
     put_each(st, ns, chain(b"new", 1))
@@ -161,29 +165,55 @@ def _hot_then_cold(st: TieredStore, ns, switch: bool) -> bool:
 def test_policy_switch_keeps_blocks_and_changes_the_order(ns):
     with make(slots=3, page_slots=3) as st:
         assert st.policy.name is PolicyName.LRU
-        assert not _hot_then_cold(st, ns, switch=False)  # LRU: the least recent k0 goes
+        assert not _hot_then_cold(st, ns)  # LRU: the least recent k0 goes
     with make(slots=3, page_slots=3) as st:
-        assert _hot_then_cold(st, ns, switch=True)  # LFU: the often-read k0 stays
+        assert _hot_then_cold(st, ns, switch="before")  # LFU: the often-read k0 stays
         with pytest.raises(InvalidArgument):
             st.set_policy("random")
         assert st.policy.name is PolicyName.LFU
 
 
-def test_the_index_keeps_the_cost_policys_column_only_while_it_runs(ns):
-    """``prio`` (cost's GreedyDual value) is kept only under cost: a switch
-    to it computes it for every block, a switch away stops writing it."""
+def test_a_switch_from_lru_to_lfu_starts_every_count_at_zero(ns):
+    """``hits`` is kept only under lfu and cost: reads under lru are not
+    counted, so right after a switch lfu ranks by last access (as lru)
+    until counts build up; the blocks stay."""
     with make(slots=3, page_slots=3) as st:
-        keys = [chain(b"c%d" % i, 1)[0] for i in range(3)]
+        assert not _hot_then_cold(st, ns, switch="after")  # k0's five reads under lru: not counted
+        rows = st.index.used_rows()
+        assert st.index.kept == frozenset({"hits"})
+        assert not st.index.hits[rows].any()
+    with make(slots=3, page_slots=3) as st:
+        keys = [chain(b"z%d" % i, 1)[0] for i in range(3)]
         put_each(st, ns, keys)
+        st.set_policy("lfu")
+        st.get(ns, keys[:1])
+        row = st.index.find(st.place.nsid(ns), keys_to_array(keys[:1]))
+        assert st.index.hits[row].tolist() == [1]  # counted from the switch on
+        st.set_policy("lru")
+        st.get(ns, keys[:1])
+        st.set_policy("lfu")
+        assert st.index.hits[row].tolist() == [0]  # a count not kept starts again
+
+
+def test_the_index_keeps_the_cost_policys_column_only_while_it_runs(ns):
+    """``prio`` (cost's GreedyDual value), ``depth`` and ``hits`` are kept
+    only under the policies that rank with them: a switch to cost computes
+    prio and depth for every block, a switch away stops writing them."""
+    with make(slots=3, page_slots=3) as st:
+        keys = chain(b"c", 1) + chain(b"d", 2)
+        put_each(st, ns, keys[:1])
+        assert st.put(ns, keys[1:], [P(k) for k in keys[1:]]).ok
         rows = st.index.find(st.place.nsid(ns), keys_to_array(keys))
         assert st.index.kept == frozenset()  # lru, the default
         st.set_policy("cost")
-        assert st.index.kept == frozenset({"prio"})
+        assert st.index.kept == frozenset({"hits", "depth", "prio"})
         assert (st.index.prio[rows] > 0).all()  # every block ranked at once
+        assert st.index.depth[rows].tolist() == [0, 0, 1]  # depths computed at the switch
+        st.index.check_invariants()
         st.set_policy("lfu")
-        assert st.index.kept == frozenset()
+        assert st.index.kept == frozenset({"hits"})
     with make(slots=3, page_slots=3, policy="cost") as st:
-        assert st.index.kept == frozenset({"prio"})
+        assert st.index.kept == frozenset({"hits", "depth", "prio"})
 
 
 def test_store_config_accepts_a_policy_name_and_rejects_an_unknown_one():

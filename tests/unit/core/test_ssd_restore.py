@@ -51,7 +51,9 @@ def test_restore_keeps_rooted_chains_of_known_namespaces(tmp_path):
         assert st.lookup(known, lost).hit_blocks == 0 and st.lookup(other, stray).hit_blocks == 0
         idx, nid = st.index, st.place.nsid(known, persist=False, create=False)
         ra, rb = idx.find(nid, keys_to_array(a)), idx.find(nid, keys_to_array(b))
-        assert idx.depth[ra].tolist() == list(range(40)) and idx.depth[rb].tolist() == list(range(10, 17))
+        dep = idx.levels(idx.used_rows())
+        assert dep[np.searchsorted(idx.used_rows(), ra)].tolist() == list(range(40))
+        assert dep[np.searchsorted(idx.used_rows(), rb)].tolist() == list(range(10, 17))
         assert idx.parent[rb[0]] == ra[9] and idx.nchild[ra[9]] == 2
         assert np.all(np.diff(idx.last[ra].astype(np.int64)) > 0)  # ticks in the tier's order: parents first
         got = st.get(known, a[:10] + b)

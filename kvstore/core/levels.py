@@ -1,0 +1,43 @@
+"""Levels within a set of index rows: how far up parent links a row's
+ancestors are reached through the set (``BlockIndex.levels``), the
+parents-first order that callers need without a ``depth`` column (kept
+only under the ``cost`` policy)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def levels_within(parent: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """For each of ``rows`` (distinct), how many of its ancestors are
+    reached going up parent links *within* ``rows`` (0 where its parent
+    is not one of them). Sorting by it puts every parent in ``rows``
+    before its children; over a set closed under parents (every used
+    row) it is the depth in the chain. Pointer jumping over the set
+    (``searchsorted`` into it, no row outside it read), one vectorised
+    round per power of two of the levels."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    n = rows.size
+    lev = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return lev
+    par = parent[rows].astype(np.int64)
+    if n == 1 or bool((rows[1:] > rows[:-1]).all()):  # ascending already (used_rows, a chain)
+        at = np.minimum(np.searchsorted(rows, par), n - 1)
+        anc = np.where((par >= 0) & (rows[at] == par), at, -1)  # the parent's position, or -1
+        if anc[0] < 0 and bool((anc[1:] == np.arange(n - 1)).all()):
+            return np.arange(n, dtype=np.int64)  # one chain, in row order
+    else:
+        srt = np.argsort(rows, kind="stable")
+        sr = rows[srt]
+        at = np.minimum(np.searchsorted(sr, par), n - 1)
+        anc = np.where((par >= 0) & (sr[at] == par), srt[at], -1)
+    m = np.flatnonzero(anc >= 0)
+    lev[m] = 1
+    for _ in range(64):  # invariant: lev[i] hops from i up to anc[i] (or to the top)
+        if not m.size:
+            return lev
+        up = anc[m]
+        lev[m], anc[m] = lev[m] + lev[up], anc[up]
+        m = m[anc[m] >= 0]
+    raise AssertionError("levels: parent links form a cycle")
