@@ -152,9 +152,10 @@ def measure_points(fleet: Fleet, p: Params, words: Words) -> tuple[list[Point], 
     from router.config import ModelSpec
     from router.prompts import Endpoint, load_model, request_tokens
 
-    entry = load_model(ModelSpec("tiny", fleet.model, block_size=BLOCK, kv_dtype="float32", dtype="float32",
-                                 device="cpu", kv_cache_layout="LBHNC"))
     a, b = fleet.urls["a"], fleet.urls["b"]
+    version = str(httpx.get(f"{b}/version", timeout=30).json()["version"])  # the namespace names vLLM's version
+    entry = load_model(ModelSpec("tiny", fleet.model, block_size=BLOCK, kv_dtype="float32", dtype="float32",
+                                 device="cpu", kv_cache_layout="LBHNC", engine_version=version))
     for url in (a, b):  # the first requests of a process are slow
         for _ in range(2):
             ttft_of(url, words(300), store=False, n=4)

@@ -123,7 +123,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     false moves blocks as inline gRPC bytes), ``prefault`` (true: the
     worker connects when the KV caches are registered and maps the slab's
     resident pages then, off the first load's path), ``layout_tag`` (extra
-    text in the layout schema), ``cluster`` (``"auto"``: lookups in cluster
+    text in the layout schema), ``engine_version`` (the vLLM version named in
+    the namespace, ``vllm.__version__`` by default: set the same string on two
+    versions known to compute the same KV to share blocks across an upgrade;
+    docs/vllm.md), ``cluster`` (``"auto"``: lookups in cluster
     mode while the daemon has a cluster, so blocks a peer holds are fetched
     when the daemon's cost model says so; true / false), ``stats_path`` (append a JSON line per
     lookup/load/save there, for tests and debugging).
@@ -172,7 +175,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.link.record(event="identity", namespace=ns.to_dict() if ns else None,
                              layout_tag=self.identity.layout_tag, schema=self.identity.descriptor,
                              waited_s=round(self.identity.waited_s, 6),
-                             weights_digest_given=bool(self.identity.given_digest))
+                             weights_digest_given=bool(self.identity.given_digest),
+                             engine_version=self.identity.engine_version)
         return ns
 
     @property

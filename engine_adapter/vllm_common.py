@@ -8,8 +8,8 @@ weight files (or ``weights_digest`` from the extra config), a digest of the
 KV-affecting ``config.json`` fields after vLLM's ``hf_overrides`` (and its
 ``--disable-sliding-window``), tenant,
 KV dtype, block size, TP size, and a schema version over the vLLM KV layout
-(platform, resolved KV cache layout, layers, KV heads, head size, block
-size, dtypes). The weights are hashed in a background thread started when
+(platform, resolved KV cache layout, vLLM version or ``engine_version``,
+layers, KV heads, head size, block size, dtypes). The weights are hashed in a background thread started when
 the connector is constructed and joined when the namespace is first needed.
 """
 
@@ -55,6 +55,7 @@ __all__ = [
     "KVStoreConnectorMetadata",
     "KVStoreWorkerMetadata",
     "connector_namespace",
+    "engine_version",
     "extra_config",
     "flag",
     "kv_dtype",
@@ -96,7 +97,7 @@ TORCH_KV = {torch.float16: KVDtype.FLOAT16, torch.bfloat16: KVDtype.BFLOAT16, to
 
 EXTRA_KEYS = frozenset({"target", "tenant", "token", "token_file", "weights_digest", "model_id", "digest_cache",
                         "timeout", "retry_interval", "load", "save", "use_shm", "prefault", "layout_tag", "cluster",
-                        "stats_path"})
+                        "stats_path", "engine_version"})
 """The ``kv_connector_extra_config`` keys the connector reads (``KVStoreConnector``'s docstring)."""
 
 
@@ -126,13 +127,30 @@ def kv_dtype(vllm_config: VllmConfig) -> KVDtype:
     return TORCH_KV[vllm_config.model_config.dtype]
 
 
+def engine_version(extra: dict[str, Any]) -> str:
+    """The vLLM version the namespace names: ``vllm.__version__``, or the
+    ``engine_version`` extra config (an operator who knows that two versions
+    compute the same KV gives both the same string); a non-string or empty
+    one is refused (ValueError)."""
+    if "engine_version" not in extra:
+        import vllm
+
+        return str(vllm.__version__)
+    v = extra["engine_version"]
+    if not isinstance(v, str) or not v.strip() or len(v) > 200:
+        raise ValueError(f"kvstore connector: engine_version must be a non-empty string of at most 200 "
+                         f"characters (the vLLM version to name in the namespace), got {v!r}")
+    return v
+
+
 def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
     from vllm.platforms import current_platform
 
     resolved = getattr(kv_cache_config, "kv_cache_layout", None) or ""
+    extra = extra_config(vllm_config)
     return identity.vllm_layout_tag(str(current_platform.device_type), str(resolved),
-                                    str(extra_config(vllm_config).get("layout_tag", "")),
-                                    int(vllm_config.parallel_config.tensor_parallel_size))
+                                    str(extra.get("layout_tag", "")),
+                                    int(vllm_config.parallel_config.tensor_parallel_size), engine_version(extra))
 
 
 def _geometry(vllm_config: VllmConfig) -> tuple[int, int, int]:
@@ -232,6 +250,7 @@ class ConnectorIdentity:
         extra = extra_config(vllm_config)
         mc = vllm_config.model_config
         self.given_digest = str(extra.get("weights_digest") or "")
+        self.engine_version = engine_version(extra)
         self.kv_dtype = kv_dtype(vllm_config)
         load = getattr(vllm_config, "load_config", None)
         self.model_dir = _model_dir(mc, getattr(load, "download_dir", None))

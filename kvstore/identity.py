@@ -508,16 +508,17 @@ def config_geometry(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] |
 
 
 def vllm_layout_tag(device_type: str = "cuda", kv_cache_layout: str = "", tag: str = "",
-                    tp_size: int = 1) -> str:
+                    tp_size: int = 1, engine_version: str = "") -> str:
     """The engine part of the layout schema of the vLLM connector: a block
     is vLLM's per-layer block bytes on ``device_type`` ("cuda", "cpu", ...)
     with its resolved KV cache layout ("" when vLLM leaves it unset, "NHD",
-    "HND"), plus the connector's ``layout_tag``. ``vllm-v1`` at TP = 1;
-    ``vllm-v1+seal`` at TP > 1, where the ranks' shards are followed by a
-    seal of per-shard checksums (``kvstore.client.shards``). A router
-    computes the backend's keys with the backend's values."""
+    "HND"), the connector's ``layout_tag``, and ``|vllm=<engine_version>``
+    (the vLLM version that computed it; another version may compute other
+    KV). ``vllm-v1`` at TP = 1; ``vllm-v1+seal`` at TP > 1, where the ranks'
+    shards are followed by a seal of per-shard checksums. A router computes
+    the backend's keys with the backend's values."""
     version = "vllm-v1" if tp_size <= 1 else "vllm-v1+seal"
-    return f"{version}|{device_type}|{kv_cache_layout}|{tag}"
+    return f"{version}|{device_type}|{kv_cache_layout}|{tag}" + (f"|vllm={engine_version}" if engine_version else "")
 
 
 def kv_schema(hf_config: Mapping[str, Any], *, block_size: int, kv_dtype: KVDtype | str,

@@ -12,12 +12,19 @@ Load is tracked two ways, as Dynamo's KV router does plus what vLLM says:
 Health: ``GET /health`` every ``health_interval``; ``health_failures``
 consecutive failures (or a request that could not connect) take the backend
 out of the pool, one passing check brings it back.
+
+Version: ``GET /version`` after each passing check (vLLM's OpenAI server
+answers ``{"version": "..."}``): the vLLM version the backend's keys are
+hashed in (``router.prompts.keys_at``). A failed check, or an answer the
+router cannot use (none, not a string, empty, over :data:`MAX_VERSION`
+characters), leaves it unknown ("") and the backend predicted a miss.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import time
@@ -43,6 +50,8 @@ __all__ = ["Backend", "EngineMetrics", "InFlight", "Pool", "read_capped", "read_
 _VLLM_WAITING = "vllm:num_requests_waiting"
 _VLLM_RUNNING = "vllm:num_requests_running"
 _VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+MAX_VERSION = 200
+"""Longest vLLM version string the router takes from a backend's ``/version``."""
 
 
 def tier_loads(cfg: RouterConfig) -> tuple[TierLoad, TierLoad, TierLoad, TierLoad]:
@@ -120,6 +129,8 @@ class Backend:
     engine: EngineMetrics = field(default_factory=EngineMetrics)
     inflight: dict[int, InFlight] = field(default_factory=dict)
     routed: int = 0
+    engine_version: str = ""
+    """The vLLM version its ``GET /version`` answered at the last passing check; "" = unknown."""
     decode_penalty_s: float = 0.005
     """Seconds a new prefill waits per request decoding there (seeded from
     the config, learned from measured TTFTs: :meth:`learn_penalty`)."""
@@ -255,12 +266,30 @@ class Pool:
             if not b.healthy:
                 log.warning("backend %s is back in the pool", b.name)
             b.healthy, b.failures = True, 0
+            await self._poll_version(b, t)
             await self._poll_metrics(b, t)
         else:
+            b.engine_version = ""  # (a restart may bring another version)
             b.failures += 1
             if b.failures >= self.cfg.health_failures and b.healthy:
                 log.warning("backend %s leaves the pool: %d failed health checks", b.name, b.failures)
                 b.healthy = False
+
+    async def _poll_version(self, b: Backend, timeout: float) -> None:
+        version = ""
+        try:
+            async with self.http.stream("GET", f"{b.spec.url}/version", timeout=timeout,
+                                        headers=b.spec.auth_headers()) as r:
+                body = await read_capped(r.aiter_bytes(), 4 * MAX_VERSION) if r.status_code == 200 else None
+            got = json.loads(body) if body else None
+            v = got.get("version") if isinstance(got, dict) else None
+            if isinstance(v, str) and v.strip() and len(v) <= MAX_VERSION:
+                version = v
+        except (httpx.HTTPError, ValueError) as e:
+            log.debug("backend %s: no usable /version: %s", b.name, e)
+        if version != b.engine_version:
+            log.info("backend %s: vLLM version %s", b.name, version or "unknown (predicted a miss)")
+            b.engine_version = version
 
     async def _poll_metrics(self, b: Backend, timeout: float) -> None:
         # vLLM measures its counts at some moment while the poll is out: the router's own there are

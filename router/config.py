@@ -167,6 +167,9 @@ class ModelSpec:
     quantization: str = ""
     """The ``quant=`` value of the connector's logged schema (the backends' ``--quantization`` when their
     ``config.json`` has none, and their ``--quantization-config``); "" when it has none."""
+    engine_version: str = ""
+    """The vLLM version named in the namespace (the connector's ``engine_version``, or the backends'
+    ``vllm.__version__``); "" = each backend's own, from its ``GET /version``."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:
@@ -174,6 +177,8 @@ class ModelSpec:
         if not 1 <= self.block_size <= 65536:
             raise _bad(f"model[{self.name}].block_size", self.block_size, "allowed: 1..65536")
         KVDtype.parse(self.kv_dtype, f"model[{self.name}].kv_dtype")
+        if len(self.engine_version) > 200:
+            raise _bad(f"model[{self.name}].engine_version", self.engine_version[:40], "at most 200 characters")
         if self.tp_size < 1 or self.max_model_len < 0:
             raise _bad(f"model[{self.name}]", (self.tp_size, self.max_model_len),
                        "tp_size must be >= 1 and max_model_len >= 0")

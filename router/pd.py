@@ -51,7 +51,7 @@ from kvstore.results import ClusterLookup
 from router.backends import Backend, Pool, read_capped
 from router.config import RouterConfig
 from router.decision import Decider, Plan, RejectReason, Rejection
-from router.prompts import Endpoint, ModelEntry, PromptKeys
+from router.prompts import Endpoint, ModelEntry, PromptKeys, keys_at
 from tiers.base import TierKind
 
 __all__ = ["PREFILL_MAX_BYTES", "PDOrchestrator", "PrefillOutcome", "prefill_body"]
@@ -131,17 +131,22 @@ class PDOrchestrator:
             return Rejection(RejectReason.NO_BACKEND, "no decode backend is available", self.cfg.health_interval)
         out = PrefillOutcome()
         p_plan: Plan | Rejection | None = None
+        p_at = [keys_at(model, prompt, b.engine_version) for b in pre]  # None: version unknown, a miss
+        d_at = [keys_at(model, prompt, b.engine_version) for b in dec]
         if pre:
-            p_tiers = [b.cache.chain_tiers(prompt.keys) if b.cache is not None else np.zeros(0, np.int64)
-                       for b in pre]
+            p_tiers = [b.cache.chain_tiers(at[1]) if b.cache is not None and at else np.zeros(0, np.int64)
+                       for b, at in zip(pre, p_at)]
             p_plan = self.decider.decide(tenant, klass, pre, p_tiers, prompt.n_tokens, bs, model.block_bytes)
             if isinstance(p_plan, Rejection) and p_plan.reason is not RejectReason.NO_BACKEND:
                 return p_plan
-        remote = np.full(len(prompt.keys), TierKind.REMOTE.value, dtype=np.int64)
-        d_local = [b.cache.chain_tiers(prompt.keys) if b.cache is not None else np.zeros(0, np.int64) for b in dec]
+        remote = np.full((prompt.n_tokens - 1) // bs, TierKind.REMOTE.value, dtype=np.int64)
+        d_local = [b.cache.chain_tiers(at[1]) if b.cache is not None and at else np.zeros(0, np.int64)
+                   for b, at in zip(dec, d_at)]
         if isinstance(p_plan, Plan):
             target = p_plan.target_s
-            d_tiers = [np.concatenate([local, remote[len(local):]]) for local in d_local]
+            p_ns = {at[0] for at in p_at if at}  # a decode of another vLLM version cannot load P's blocks
+            d_tiers = [np.concatenate([local, remote[len(local):]]) if at and at[0] in p_ns else local
+                       for local, at in zip(d_local, d_at)]
             d_cands = self.decider.candidates(dec, d_tiers, prompt.n_tokens, bs, model.block_bytes, target, tenant)
         else:  # no prefill: the decode backend computes the prompt, under the usual admission and quotas
             d_plan = self.decider.decide(tenant, klass, dec, d_local, prompt.n_tokens, bs, model.block_bytes)
@@ -153,7 +158,7 @@ class PDOrchestrator:
         else:
             out.error = "no prefill backend is available"
         if out.backend != "-":
-            await self.wait_visible(d_cands[0].backend, prompt, out)
+            await self.wait_visible(d_cands[0].backend, model, prompt, out)
         log.info("pd: prefill %s (%.1f ms%s) -> decode %s, decision %s (fetch %.2f ms, recompute %.2f ms)",
                  out.backend, out.seconds * 1e3, f", {out.error}" if out.error else "", d_cands[0].backend.name,
                  out.decision, out.fetch_s * 1e3, out.recompute_s * 1e3)
@@ -217,17 +222,18 @@ class PDOrchestrator:
             self.clients[b.name] = c
         return c
 
-    async def wait_visible(self, d: Backend, prompt: PromptKeys, out: PrefillOutcome) -> None:
+    async def wait_visible(self, d: Backend, model: ModelEntry, prompt: PromptKeys, out: PrefillOutcome) -> None:
         """Until ``d``'s daemon sees every loadable block of the prompt
         (locally or at a peer), at most ``visible_timeout`` seconds."""
-        if not d.spec.daemon or not prompt.keys or self.spec.visible_timeout <= 0:
+        at = keys_at(model, prompt, d.engine_version)
+        if not d.spec.daemon or at is None or not at[1] or self.spec.visible_timeout <= 0:
             return
-        ns = prompt.namespace
-        want = len(prompt.keys)
+        ns, keys = at
+        want = len(keys)
         deadline = time.monotonic() + self.spec.visible_timeout
         while True:
             try:
-                cl: ClusterLookup | None = await asyncio.to_thread(self.client(d).cluster_lookup, ns, prompt.keys)
+                cl: ClusterLookup | None = await asyncio.to_thread(self.client(d).cluster_lookup, ns, keys)
             except (KVStoreError, OSError) as e:
                 log.debug("pd: cluster lookup at %s failed: %s", d.name, e)
                 cl = None

@@ -7,7 +7,11 @@ chat template with ``tokenize=True`` (``add_generation_prompt`` default
 true, text content parts joined with newlines: vLLM's "string" content
 format). The namespace comes from the one shared derivation,
 :func:`kvstore.identity.engine_namespace`, called with the backends' block
-size, KV dtype and TP size; nothing is copied by hand.
+size, KV dtype and TP size; nothing is copied by hand. It names the vLLM
+version (an upgrade may change the KV): each backend's, which the router
+learns from its ``GET /version`` (``router.backends``), unless the model
+pins ``engine_version``; a backend of unknown version has no namespace and
+is predicted a miss (:func:`keys_at`).
 
 Keys cover the blocks the connector could load: at most
 ``(len(prompt) - 1) // block_size`` (the last prompt token is always
@@ -16,11 +20,12 @@ computed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -32,7 +37,7 @@ from router.config import ModelSpec
 
 log = logging.getLogger("kvstore.router")
 
-__all__ = ["Endpoint", "ModelEntry", "NamespaceFn", "PromptKeys", "load_model", "request_tokens"]
+__all__ = ["Endpoint", "ModelEntry", "NamespaceFn", "PromptKeys", "keys_at", "load_model", "request_tokens"]
 
 NamespaceFn = Callable[[ModelSpec], Namespace]
 """Derives a model's KV namespace (tests may pass their own)."""
@@ -51,13 +56,14 @@ class BadRequest(InvalidArgument):
 
 def shared_namespace(spec: ModelSpec) -> Namespace:
     """The connector's namespace for ``spec``: :func:`kvstore.identity.engine_namespace`
-    with the backends' block size, KV dtype, TP size, platform and layout."""
+    with the backends' block size, KV dtype, TP size, platform, layout and vLLM version."""
     from kvstore.identity import engine_namespace, vllm_layout_tag
 
     return engine_namespace(spec.path, block_size=spec.block_size, kv_dtype=KVDtype.parse(spec.kv_dtype),
                             tp_size=spec.tp_size, tenant=spec.namespace_tenant,
                             weights_digest=spec.weights_digest or None, hf_overrides=spec.hf_overrides,
-                            layout_tag=vllm_layout_tag(spec.device, spec.kv_cache_layout, spec.layout_tag, spec.tp_size),
+                            layout_tag=vllm_layout_tag(spec.device, spec.kv_cache_layout, spec.layout_tag, spec.tp_size,
+                                                       spec.engine_version),
                             compute_dtype=spec.dtype or None, model_id=spec.model_id or None,
                             disable_sliding_window=spec.disable_sliding_window,
                             quantization=spec.quantization or None)
@@ -71,9 +77,36 @@ class ModelEntry:
     tokenizer: Any
     """A Hugging Face tokenizer (``transformers.AutoTokenizer``)."""
     namespace: Namespace
+    """The namespace at ``spec.engine_version`` (without a pinned version, one no vLLM connector uses:
+    backends are keyed at their own version, :meth:`namespace_at`)."""
     max_model_len: int
     block_bytes: int
     """Bytes of one KV block across all layers (per TP rank)."""
+    namespace_fn: NamespaceFn = shared_namespace
+    versions: dict[str, Namespace] = field(default_factory=dict)
+    """Namespaces by vLLM version, derived on first use."""
+
+    def namespace_at(self, version: str) -> Namespace | None:
+        """The namespace of a backend running vLLM ``version``: the pinned
+        ``spec.engine_version`` when set; None when neither is known (or the
+        derivation failed: a miss, never a wrong hit)."""
+        version = self.spec.engine_version or version
+        if not version:
+            return None
+        if version == self.spec.engine_version:
+            return self.namespace
+        ns = self.versions.get(version)
+        if ns is None:
+            # the weights digest is the start-up one: not hashed again (on the event loop) per version
+            spec = dataclasses.replace(self.spec, engine_version=version,
+                                       weights_digest=self.spec.weights_digest or self.namespace.weights_digest)
+            try:
+                ns = self.namespace_fn(spec)
+            except Exception as e:  # noqa: BLE001 - the backend is then predicted a miss
+                log.warning("model %s: no namespace for vLLM %s: %s", self.spec.name, version, e)
+                return None
+            self.versions[version] = ns
+        return ns
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,17 +114,43 @@ class PromptKeys:
     """A request's prompt as the backend will see it."""
 
     tokens: np.ndarray
-    keys: list[bytes]
-    """Keys of the loadable leading blocks."""
     max_tokens: int
     """Completion tokens asked for (the request's ``max_tokens``; when unset, vLLM's defaults: 16 for a
     completion, the rest of the model's context for a chat)."""
     namespace: Namespace
-    """The namespace :attr:`keys` were hashed in: the model's, salted with the request's ``cache_salt``."""
+    """The model's namespace (:attr:`ModelEntry.namespace`), salted with the request's ``cache_salt``."""
+    block_size: int
+    hashed: dict[Namespace, list[bytes]] = field(default_factory=dict, repr=False, compare=False)
+    """Keys by namespace, hashed on first use (once per vLLM version among the backends)."""
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Keys of the loadable leading blocks in :attr:`namespace`."""
+        return self.keys_in(self.namespace)
+
+    def keys_in(self, ns: Namespace) -> list[bytes]:
+        """Keys of the loadable leading blocks in ``ns`` (one ``block_keys`` call, remembered)."""
+        got = self.hashed.get(ns)
+        if got is None:
+            loadable = (self.n_tokens - 1) // self.block_size
+            got = block_keys(ns, self.tokens[: loadable * self.block_size]) if loadable else []
+            self.hashed[ns] = got
+        return got
+
+
+def keys_at(model: ModelEntry, prompt: PromptKeys, version: str) -> tuple[Namespace, list[bytes]] | None:
+    """The namespace and loadable keys of ``prompt`` at a backend running
+    vLLM ``version`` ("" = unknown); None when the namespace is unknown: the
+    backend is then predicted a miss."""
+    base = model.namespace_at(version)
+    if base is None:
+        return None
+    ns = base if not prompt.namespace.salt else Namespace(**{**base.to_dict(), "salt": prompt.namespace.salt})  # type: ignore[arg-type]
+    return ns, prompt.keys_in(ns)
 
 
 def _model_config(path: str) -> dict[str, Any]:
@@ -119,10 +178,11 @@ def load_model(spec: ModelSpec, namespace_fn: NamespaceFn | None = None) -> Mode
 
     cfg = _model_config(spec.path)
     tok = AutoTokenizer.from_pretrained(spec.path)
-    ns = (namespace_fn or shared_namespace)(spec)
+    fn = namespace_fn or shared_namespace
+    ns = fn(spec)
     mml = spec.max_model_len or int(cfg.get("max_position_embeddings", 0) or 0) or 1 << 30
     return ModelEntry(spec=spec, tokenizer=tok, namespace=ns, max_model_len=mml,
-                      block_bytes=block_bytes_of(cfg, spec))
+                      block_bytes=block_bytes_of(cfg, spec), namespace_fn=fn)
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -236,11 +296,8 @@ def request_tokens(model: ModelEntry, endpoint: Endpoint, body: Mapping[str, Any
     if arr.size + max_tokens > limit:
         raise BadRequest(f"this model's maximum context length is {limit} tokens; the request has "
                          f"{arr.size} prompt tokens and asks for {max_tokens} more")
-    bs = model.spec.block_size
     ns = model.namespace
     salt = body.get("cache_salt")
     if isinstance(salt, str) and salt:
         ns = Namespace(**{**ns.to_dict(), "salt": salt})  # type: ignore[arg-type]
-    loadable = (arr.size - 1) // bs
-    keys = block_keys(ns, arr[: loadable * bs]) if loadable else []
-    return PromptKeys(tokens=arr, keys=keys, max_tokens=max_tokens, namespace=ns)
+    return PromptKeys(tokens=arr, max_tokens=max_tokens, namespace=ns, block_size=model.spec.block_size)

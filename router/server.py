@@ -47,6 +47,7 @@ from router.prompts import (
     ModelEntry,
     NamespaceFn,
     PromptKeys,
+    keys_at,
     load_model,
     request_tokens,
 )
@@ -253,9 +254,10 @@ class RouterService:
         backends = self.pool.healthy()
         tiers: list[np.ndarray] = []
         for b in backends:
-            local = b.cache.chain_tiers(prompt.keys) if b.cache is not None else np.zeros(0, dtype=np.int64)
-            if b.cache is not None and b.spec.cluster:
-                local = await asyncio.to_thread(b.cache.cluster_tiers, prompt.namespace, prompt.keys, local)
+            at = keys_at(model, prompt, b.engine_version)  # None: its vLLM version is unknown, a miss
+            local = b.cache.chain_tiers(at[1]) if b.cache is not None and at else np.zeros(0, dtype=np.int64)
+            if b.cache is not None and at and b.spec.cluster:
+                local = await asyncio.to_thread(b.cache.cluster_tiers, at[0], at[1], local)
             tiers.append(local)
         return self.decider.decide(who.tenant, who.klass, backends, tiers, prompt.n_tokens, model.spec.block_size,
                                    model.block_bytes)
@@ -454,6 +456,7 @@ class RouterService:
         out = []
         for b in self.pool.backends:
             out.append({"name": b.name, "url": b.spec.url, "healthy": b.healthy, "routed": b.routed,
+                        "engine_version": b.engine_version,
                         "inflight": len(b.inflight), "pending": len(b.pending()),
                         "queue_wait_s": b.queue_wait_s(now), "decode_penalty_s": b.decode_penalty_s,
                         "engine": {"waiting": b.engine.waiting, "running": b.engine.running,

@@ -48,7 +48,7 @@ from kvstore.wire.shm import host_identity  # noqa: E402
 from proto import kvstore_pb2 as pb  # noqa: E402
 from proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
 from router.config import BackendSpec, ModelSpec, PDSpec, PredictorSpec, RouterConfig, ServiceClass  # noqa: E402
-from router.prompts import Endpoint, request_tokens  # noqa: E402
+from router.prompts import Endpoint, keys_at, request_tokens  # noqa: E402
 from router.server import build_app  # noqa: E402
 from tests.faults.faultlib import free_port  # noqa: E402
 from tests.integration.conftest import wait_healthy, wait_until  # noqa: E402
@@ -189,11 +189,19 @@ class Cluster:
         return records(self.stats_path(e))
 
     def keys(self, prompt: str) -> list[bytes]:
-        return request_tokens(self.svcs["fast"].models["tiny"], Endpoint.COMPLETIONS, {"prompt": prompt}).keys
+        m = self.svcs["fast"].models["tiny"]
+        at = keys_at(m, request_tokens(m, Endpoint.COMPLETIONS, {"prompt": prompt}), self.version)
+        assert at is not None
+        return at[1]
+
+    @property
+    def version(self) -> str:
+        """The vLLM version the router learnt from the decode backend's ``GET /version``."""
+        return str(self.svcs["fast"].pool.by_name("d").engine_version)
 
     @property
     def ns(self) -> Any:
-        return self.svcs["fast"].models["tiny"].namespace
+        return self.svcs["fast"].models["tiny"].namespace_at(self.version)
 
     def direct(self, e: str, prompt: str, n: int = OUT_TOKENS) -> str:
         r = httpx.post(f"{self.url(e)}/v1/completions", timeout=600,

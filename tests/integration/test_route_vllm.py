@@ -40,7 +40,7 @@ from router.config import (
     RouterConfig,
     ServiceClass,
 )
-from router.prompts import Endpoint, request_tokens
+from router.prompts import Endpoint, keys_at, request_tokens
 from router.server import build_app
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
 from tests.support.procs import group_alive, kill_group, stop_group
@@ -140,12 +140,17 @@ def _completion(f: Fleet, prompt: str, n: int = 4, **extra: Any) -> httpx.Respon
 def test_router_keys_are_the_connectors_keys(fleet: Fleet) -> None:
     r = _completion(fleet, P)
     holder = r.headers["x-kvstore-backend"]
-    keys = request_tokens(fleet.svc.models["tiny"], Endpoint.COMPLETIONS, {"prompt": P}).keys
+    m = fleet.svc.models["tiny"]
+    version = fleet.svc.pool.by_name(holder).engine_version  # the backend's vLLM (its GET /version)
+    assert version
+    at = keys_at(m, request_tokens(m, Endpoint.COMPLETIONS, {"prompt": P}), version)
+    assert at is not None
+    ns, keys = at
     assert len(keys) == 5
     with Client(fleet.daemons[holder].target) as c:
         # the connector saved exactly the keys the router computed (same tokens, same namespace)
-        assert c.lookup(fleet.svc.models["tiny"].namespace, keys).hit_blocks == 5
-        other = Namespace(**{**fleet.svc.models["tiny"].namespace.to_dict(), "block_size": 64})
+        assert c.lookup(ns, keys).hit_blocks == 5
+        other = Namespace(**{**ns.to_dict(), "block_size": 64})
         assert c.lookup(other, block_keys(other, request_tokens(
             fleet.svc.models["tiny"], Endpoint.COMPLETIONS, {"prompt": P}).tokens[:640])).hit_blocks == 0
     view = fleet.svc.pool.by_name(holder).cache

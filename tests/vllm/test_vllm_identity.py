@@ -31,7 +31,7 @@ import subprocess
 import pytest
 
 from kvstore.client import Client
-from kvstore.identity import engine_namespace
+from kvstore.identity import engine_namespace, vllm_layout_tag
 from kvstore.keys import Namespace, block_keys
 from tests.integration.conftest import DaemonThread, wait_healthy, wait_until
 from tests.vllm.conftest import HERE, VLLM_PY, require_vllm, run_phase, vllm_env
@@ -162,6 +162,10 @@ def test_the_router_computes_the_connectors_namespace_from_outside_vllm(runs, tm
     # compute dtype, tenant, and the engine layout (device + vLLM's resolved
     # KV cache layout, as the connector logs it)
     assert ident["layout_tag"].startswith("vllm-v1|cpu|")
+    # the layout names the engine's vLLM version (an upgrade may change the KV): the router learns it
+    # from the backend's GET /version and computes the same tag
+    assert ident["engine_version"] and ident["layout_tag"] == vllm_layout_tag(
+        "cpu", ident["layout_tag"].split("|")[2], engine_version=ident["engine_version"])
     common = {"block_size": BLOCK, "kv_dtype": "float32", "tenant": "tests", "layout_tag": ident["layout_tag"],
               "compute_dtype": "float32", "digest_cache": str(tmp_path / "digests.json")}
     assert engine_namespace(runs["elsewhere"], **common) == _ns(runs["e_stats"])

@@ -17,7 +17,10 @@ Cases:
   (code the namespace cannot name): no namespace, nothing cached;
 - ``--generation-config``, ``--max-model-len``, ``--tokenizer`` (another
   directory, same token ids) and prefix caching off change no KV: the same
-  namespace.
+  namespace;
+- the vLLM version (another version may compute other KV): part of the
+  namespace, unless the connector's ``engine_version`` names the version
+  to hash in its place.
 """
 
 from __future__ import annotations
@@ -29,22 +32,28 @@ import subprocess
 
 import pytest
 
-from kvstore.identity import engine_namespace
+from kvstore.identity import engine_namespace, vllm_layout_tag
 from kvstore.keys import Namespace
 from tests.support.vllm_servers import VLLM_PY, vllm_env
 from tests.vllm.conftest import require_vllm
 
 PROBE = r"""
 import json, sys
+import vllm
 from vllm.engine.arg_utils import EngineArgs
 from engine_adapter.vllm_common import ConnectorIdentity
 
-KTC = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_module_path": "engine_adapter.vllm",
-       "kv_connector_extra_config": {"tenant": "tests", "digest_cache": sys.argv[2]}}
-out = {}
+out = {"vllm_version": vllm.__version__}
 for name, kw in json.loads(sys.argv[1]).items():
+    extra = {"tenant": "tests", "digest_cache": sys.argv[2], **kw.pop("extra", {})}
+    KTC = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_module_path": "engine_adapter.vllm",
+           "kv_connector_extra_config": extra}
     vc = EngineArgs(kv_transfer_config=KTC, dtype="float32", **kw).create_engine_config()
-    ident = ConnectorIdentity(vc, None)
+    try:
+        ident = ConnectorIdentity(vc, None)
+    except ValueError as e:
+        out[name] = {"error": str(e)}
+        continue
     ns = ident.ns
     mc = vc.model_config
     out[name] = {"ns": ns.to_dict() if ns else None, "layout_tag": ident.layout_tag,
@@ -97,7 +106,11 @@ def probed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "quant_config": {"model": base, "quantization_config": {"ignore": ["lm_head"]}},
              "quant_config2": {"model": base, "quantization_config": {"ignore": ["model.embed_tokens"]}},
              "class_override": {"model": base, "model_class_overrides": {
-                 "LlamaForCausalLM": "vllm.model_executor.models.llama:LlamaForCausalLM"}}}
+                 "LlamaForCausalLM": "vllm.model_executor.models.llama:LlamaForCausalLM"}},
+             "engine_a": {"model": base, "extra": {"engine_version": "0.0.1-a"}},
+             "engine_b": {"model": base, "extra": {"engine_version": "0.0.1-b"}},
+             "engine_a2": {"model": base, "extra": {"engine_version": "0.0.1-a"}},
+             "engine_empty": {"model": base, "extra": {"engine_version": ""}}}
     digests = os.path.join(work, "digests.json")
     p = subprocess.run([VLLM_PY, "-c", PROBE, json.dumps(cases), digests],
                        env=vllm_env(HF_HUB_CACHE=os.path.join(work, "hub"), VLLM_LOGGING_LEVEL="ERROR"),
@@ -159,3 +172,19 @@ def test_a_model_class_override_is_not_cached(probed: dict) -> None:
 def test_settings_that_do_not_change_the_kv_keep_the_namespace(probed: dict, case: str) -> None:
     assert _ns(probed, case) == _ns(probed, "base")
     assert _router(probed, "base") == _ns(probed, "base")
+
+
+def test_the_vllm_version_is_part_of_the_namespace_unless_overridden(probed: dict) -> None:
+    # an upgrade may change the KV (a fixed kernel, another RoPE or attention backend): by default
+    # the namespace carries vLLM's version, so an upgraded engine starts a new (cold) namespace
+    version = probed["vllm_version"]
+    base, a, b = _ns(probed, "base"), _ns(probed, "engine_a"), _ns(probed, "engine_b")
+    assert probed["base"]["layout_tag"].endswith(f"|vllm={version}")
+    assert len({base, a, b}) == 3  # two versions, two namespaces
+    assert a.schema_version != base.schema_version and a.model_id == base.model_id
+    assert _ns(probed, "engine_a2") == a  # an operator's override: one namespace whatever vLLM runs
+    assert "engine_version" in probed["engine_empty"]["error"]
+    # the router, told the backends' version, computes the connector's namespace
+    tag = vllm_layout_tag("cpu", probed["base"]["layout_tag"].split("|")[2], engine_version="0.0.1-a")
+    assert engine_namespace(probed["dirs"]["base"], block_size=128, kv_dtype="float32", compute_dtype="float32",
+                            tenant="tests", layout_tag=tag, digest_cache=probed["dirs"]["digests"]) == a

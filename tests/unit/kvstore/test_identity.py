@@ -162,6 +162,7 @@ def test_kv_schema_follows_the_config_geometry() -> None:
     assert len({v, *others}) == 1 + len(others)
     assert identity.vllm_layout_tag("cpu", "NHD", "x", tp_size=1) == "vllm-v1|cpu|NHD|x"
     assert identity.vllm_layout_tag("cpu", "NHD", "x", tp_size=4) == "vllm-v1+seal|cpu|NHD|x"
+    assert identity.vllm_layout_tag("cpu", "NHD", "x", 1, "0.32.0") == "vllm-v1|cpu|NHD|x|vllm=0.32.0"
 
 
 # ---------------------------------------------------------------- the namespace

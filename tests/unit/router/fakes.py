@@ -110,6 +110,8 @@ class FakeVLLM:
     """Per request, the headers it came with."""
     cancelled: int = 0
     loop: asyncio.AbstractEventLoop | None = None
+    version: Any = "0.0.0-fake"
+    """What ``GET /version`` answers as ``{"version": ...}`` (vLLM's OpenAI server); None: 404."""
 
     def open_gate(self) -> None:
         if self.gate is not None and self.loop is not None:
@@ -123,6 +125,12 @@ class FakeVLLM:
         async def health() -> Response:
             me.loop = asyncio.get_running_loop()
             return Response(status_code=200 if me.healthy else 503)
+
+        @app.get("/version")
+        async def version() -> Response:
+            if me.version is None:
+                return Response(status_code=404)
+            return JSONResponse({"version": me.version})
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 class Rig:
-    def __init__(self, model_dir: str, **cfg_changes: Any) -> None:
+    def __init__(self, model_dir: str, namespace_fn: Any = ns_fn, **cfg_changes: Any) -> None:
         self.fakes = {n: FakeVLLM(n) for n in ("a", "b")}
         self.servers = {n: ServerThread(f.app()).start() for n, f in self.fakes.items()}
         base = dict(
@@ -57,7 +57,7 @@ class Rig:
             health_interval=0.05, health_failures=3)  # (one slow check on a loaded machine is no outage)
         base.update(cfg_changes)
         self.cfg = RouterConfig(**base)
-        self.app = build_app(self.cfg, namespace_fn=ns_fn, follow_events=False)
+        self.app = build_app(self.cfg, namespace_fn=namespace_fn, follow_events=False)
         self.svc = self.app.state.router
         self.router = ServerThread(self.app).start()
         self.http = httpx.Client(base_url=self.router.url, timeout=30)
