@@ -20,7 +20,10 @@ Figures, all measured in one run on this machine:
   it (growth slack included), plus the pages the kernel backs for the
   columns grown in place, which ``tracemalloc`` does not see (``mincore``,
   kvstore/reserve.py); beside it the process's anonymous RSS grown
-  while building, a check from outside; target ≤ 64 at 10,000,000.
+  while building, a check from outside; target ≤ 64 at 10,000,000. The
+  index is built as the default store keeps it (``lru``, no SSD tier);
+  ``index_bytes_per_block_with_ssd_tier_at_*`` is the same build with the
+  column an SSD tier adds (``ssd_loc``), beside it with no target.
 
 Usage: python bench/core.py [--quick] [--json PATH] [--repeats N]
 """
@@ -205,10 +208,13 @@ def bench_first_put(rep: Report, repeats: int, total: int) -> None:
         rep.figure(f"store_start_{how}_{cap // MIB}MiB_s", statistics.median(make), "s (TieredStore created)")
 
 
-def build_index(n: int, step: int = 1 << 16) -> BlockIndex:
+def build_index(n: int, step: int = 1 << 16, ssd: bool = False) -> BlockIndex:
     """``n`` root blocks with random keys, inserted in batches of ``step``
-    into an index that starts small (growth included, as a store grows it)."""
+    into an index that starts small (growth included, as a store grows it).
+    ``ssd``: as a store with an SSD tier keeps it (``ssd_loc`` tracked)."""
     idx = BlockIndex(initial_rows=1024)
+    if ssd:
+        idx.track("ssd_loc")
     rng = np.random.default_rng(7)
     for lo in range(0, n, step):
         m = min(step, n - lo)
@@ -229,7 +235,7 @@ def rss_anon() -> int | None:
     return None
 
 
-def bench_index(rep: Report, n: int) -> None:
+def bench_index(rep: Report, n: int, ssd: bool = False) -> None:
     """Bytes per block: everything the index allocated and still holds as
     ``tracemalloc`` sees it (columns copied on growth with their slack, the
     free stack, the key table, any Python object) plus the pages backed for
@@ -241,13 +247,18 @@ def bench_index(rep: Report, n: int) -> None:
     tracemalloc.start()
     try:
         t0 = time.perf_counter()
-        idx = build_index(n)
+        idx = build_index(n, ssd=ssd)
         build_s = time.perf_counter() - t0
         traced, traced_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     rss1 = rss_anon()
     pages = idx.reserved_nbytes
+    if ssd:  # beside the default's figures: what a store with an SSD tier holds (no target of its own)
+        rep.figure(f"index_bytes_per_block_with_ssd_tier_at_{n}", (traced + pages) / n,
+                   "bytes (as below, with ssd_loc kept: a store with an SSD tier)")
+        del idx
+        return
     held, peak = traced + pages, traced_peak + pages
     rep.figure(f"index_bytes_per_block_at_{n}", held / n, "bytes (tracemalloc + backed pages of in-place columns)")
     rep.figure(f"index_peak_bytes_per_block_at_{n}", peak / n, "bytes (tracemalloc's peak + those pages)")
@@ -279,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_first_put(rep, repeats, total=(64 if a.quick else 256) * MIB)
     for n in (1_000_000,) if a.quick else (1_000_000, 10_000_000):
         bench_index(rep, n)
+    bench_index(rep, 1_000_000 if a.quick else 10_000_000, ssd=True)
     rep.emit(a.json)
     return 0
 

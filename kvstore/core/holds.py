@@ -29,6 +29,10 @@ from tiers.base import T_HBM, T_SSD, TierKind
 
 KeysLike = Sequence[bytes] | bytes | np.ndarray
 """Keys of a batch: 16-byte keys, their concatenation, or an (n, 2) uint64 array."""
+PINS_LEASED_MAX = 0xFFFF - 1024
+"""The index's ``pins`` is 16 bits: a lease is refused a block pinned this
+often (a miss from there on), which leaves the store's own short pins (a
+promotion, a write, room being made) their headroom below the wrap."""
 
 
 @dataclass(slots=True)
@@ -193,6 +197,9 @@ class Holds:
             rows = self._mappable_prefix(rows, promote)
         if rows.size and self.hbm is not None:
             rows = self.hbm.for_reader(rows, tier)
+        full = np.flatnonzero(self.index.pins[rows] >= PINS_LEASED_MAX)
+        if full.size:  # leased to its limit: a miss from there on (never a wrapped pin count)
+            rows = rows[: int(full[0])]
         if rows.size == 0:
             self._count_get(n, rows)
             return res

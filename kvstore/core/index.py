@@ -4,7 +4,8 @@ Per block the index holds its key, namespace, tier, location in that tier,
 payload size and checksum, parent, cached-children count, pins, last access
 and state, and, only under the eviction policies that rank with them, an
 access count, the depth in its chain and a policy priority
-(``POLICY_COLUMNS``). It never holds payload bytes.
+(``POLICY_COLUMNS``), and, only with an SSD tier, where a DRAM block's SSD
+copy is (``FEATURE_COLUMNS``). It never holds payload bytes.
 
 Layout: one numpy array per field (struct of arrays), indexed by *row*. The
 key -> row map is an open-addressing hash table of int32 rows with linear
@@ -36,7 +37,7 @@ from enum import IntEnum
 import numpy as np
 
 from kvstore.core.keytable import HASHTAB, KeyTable
-from kvstore.core.levels import levels_within
+from kvstore.core.levels import descend_within, levels_within
 from kvstore.reserve import RESERVE_ROWS, Reserved, grow_in, resident
 from kvstore.errors import InvalidArgument
 
@@ -75,6 +76,11 @@ no memory. A column newly kept starts from its empty value (``hits``: every
 count 0, so a switch from ``lru`` to ``lfu`` ranks by recency until counts
 build up), except ``depth``, computed then for every block (``keep``); a
 policy computes its own (``prio``) when installed (``make_policy``)."""
+FEATURE_COLUMNS = frozenset({"ssd_loc"})
+"""Columns only a tier uses, kept once it is attached (``BlockIndex.track``;
+``ssd_loc``: the SSD mover); a policy switch leaves them as they are."""
+OPTIONAL_COLUMNS = POLICY_COLUMNS | FEATURE_COLUMNS
+
 
 SHARED_COLUMNS = ("k0", "k1", "ns", "state", "tier", "loc", "size", "csum")
 """The columns a prefix lookup, and a read of DRAM blocks, need: what
@@ -166,16 +172,16 @@ class BlockIndex:
         ("csum", "u8", 0),
         ("parent", "i4", NO_ROW),
         ("nchild", "u4", 0),
-        ("pins", "u4", 0),
+        ("pins", "u2", 0),
         ("hits", "u2", 0),
         ("last", "u4", 0),
         ("depth", "u4", 0),
         ("prio", "f4", 0.0),
         ("ssd_loc", "i4", NO_LOC),
     )
-    """Each column's name, dtype and the value of a row not in use: 72 bytes
-    a row; 62 written under ``lru`` (which keeps none of ``POLICY_COLUMNS``),
-    64 under ``lfu``."""
+    """Each column's name, dtype and the value of a row not in use: 70 bytes
+    a row; 56 written under ``lru`` without an SSD tier (none of
+    ``OPTIONAL_COLUMNS`` kept), 60 with one, 58 under ``lfu``."""
 
     k0: np.ndarray
     k1: np.ndarray
@@ -225,16 +231,19 @@ class BlockIndex:
         """``ckeytable.descend`` (C), or None: ``descend_np``."""
         self._alloc: Alloc | None = None
         self.kept: frozenset[str] = frozenset()
-        """The ``POLICY_COLUMNS`` kept up to date (``keep``): none until a
-        policy that ranks with them is installed (the default, ``lru``, needs none)."""
+        """The ``OPTIONAL_COLUMNS`` kept up to date (``keep``, ``track``): none
+        until a policy that ranks with them is installed (the default, ``lru``,
+        needs none) or a tier that uses one is attached."""
 
     def keep(self, columns: frozenset[str]) -> None:
-        """Keep exactly ``columns`` of ``POLICY_COLUMNS`` up to date from now
-        on. A column newly kept starts from its empty value in every row (a
+        """Keep exactly ``columns`` of ``POLICY_COLUMNS`` (and the
+        ``FEATURE_COLUMNS`` tracked) up to date from now on. A column newly kept starts from its empty value in every row (a
         row reused while it was not kept holds a stale value); one no longer
         kept gives its pages back where it grows in place. ``depth`` newly
         kept is computed for every row (``levels``: no loop per block)."""
-        columns = frozenset(columns) & POLICY_COLUMNS
+        self._keep((frozenset(columns) & POLICY_COLUMNS) | (self.kept & FEATURE_COLUMNS))
+
+    def _keep(self, columns: frozenset[str]) -> None:
         for name, _, fill in self.COLUMNS:
             if name == "depth" and name in columns and name not in self.kept:
                 rows = self.used_rows()  # closed under parents: levels within it are depths
@@ -245,6 +254,12 @@ class BlockIndex:
             elif name in self.kept and name not in columns and name in self._res:
                 self._res[name].release()
         self.kept = columns
+
+    def track(self, column: str) -> None:
+        """Keep ``column`` of ``FEATURE_COLUMNS`` up to date from now on."""
+        if column not in FEATURE_COLUMNS:
+            raise ValueError(f"{column!r} is not one of {sorted(FEATURE_COLUMNS)}")
+        self._keep(self.kept | {column})
 
     def share(self, alloc: Alloc) -> None:
         """From now on keep the ``SHARED_COLUMNS`` and the key table in
@@ -290,7 +305,7 @@ class BlockIndex:
         for name, dt, _ in self.COLUMNS:
             old = getattr(self, name)
             res = self._res.get(name)  # (a column outside a range, shared or copied, stays outside)
-            upto = high if name in self.kept or name not in POLICY_COLUMNS else 0  # (one not kept: unread)
+            upto = high if name in self.kept or name not in OPTIONAL_COLUMNS else 0  # (one not kept: unread)
             got = grow_in(res, old, upto, cap) if res is not None else None
             if got is not None:
                 new, self._res[name] = got
@@ -389,7 +404,8 @@ class BlockIndex:
         if "prio" in kept:
             self.prio[rows] = 0.0
         self.last[rows] = np.arange(tick, tick + n, dtype=np.uint32)
-        self.ssd_loc[rows] = NO_LOC
+        if "ssd_loc" in kept:
+            self.ssd_loc[rows] = NO_LOC
         # child counts and (where kept) depths, in order (a parent may precede in the batch)
         if chain:  # each key the only child of the one before: link the head, count the rest
             self._link_rows(rows[:1], parents[:1])
@@ -501,24 +517,8 @@ class BlockIndex:
         return mark
 
     def descend_np(self, roots: np.ndarray) -> np.ndarray:
-        """``descend`` in numpy: pointer jumping over the parent column, one
-        vectorised round per power of two of the depth. Invariant: a row is
-        marked when a root lies on its path up to (not including) ``up``."""
-        high = self._high
-        mark = np.zeros(high + 1, dtype=np.uint8)  # [high]: the sentinel above every chain
-        mark[roots] = 1
-        up = np.empty(high + 1, dtype=np.int64)
-        up[:high] = self.parent[:high]
-        up[up < 0] = high
-        up[high] = high
-        act = np.flatnonzero((mark[:high] == 0) & (up[:high] != high))
-        while act.size:
-            hit = mark[up[act]] == 1
-            mark[act[hit]] = 1
-            act = act[~hit]
-            up[act] = up[up[act]]
-            act = act[up[act] != high]
-        return mark[:high]
+        """``descend`` in numpy (``kvstore/core/levels.py`` ``descend_within``)."""
+        return descend_within(self.parent, self._high, roots)
 
     def delete(self, rows: np.ndarray) -> None:
         """Remove rows that have no children outside ``rows`` (leaves first is
@@ -541,7 +541,8 @@ class BlockIndex:
         self.parent[rows] = NO_ROW
         self.state[rows] = S_FREE
         self.loc[rows] = NO_LOC
-        self.ssd_loc[rows] = NO_LOC
+        if "ssd_loc" in self.kept:
+            self.ssd_loc[rows] = NO_LOC
         self.pins[rows] = 0
         self.nchild[rows] = 0
         if self._nfree + rows.size > self._free.size:

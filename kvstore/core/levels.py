@@ -41,3 +41,25 @@ def levels_within(parent: np.ndarray, rows: np.ndarray) -> np.ndarray:
         lev[m], anc[m] = lev[m] + lev[up], anc[up]
         m = m[anc[m] >= 0]
     raise AssertionError("levels: parent links form a cycle")
+
+
+def descend_within(parent: np.ndarray, high: int, roots: np.ndarray) -> np.ndarray:
+    """``BlockIndex.descend`` in numpy: a mark per row below ``high``, 1 for
+    ``roots`` and every row below one of them, else 0. Pointer jumping over
+    the parent column, one vectorised round per power of two of the depth.
+    Invariant: a row is marked when a root lies on its path up to (not
+    including) ``up``."""
+    mark = np.zeros(high + 1, dtype=np.uint8)  # [high]: the sentinel above every chain
+    mark[roots] = 1
+    up = np.empty(high + 1, dtype=np.int64)
+    up[:high] = parent[:high]
+    up[up < 0] = high
+    up[high] = high
+    act = np.flatnonzero((mark[:high] == 0) & (up[:high] != high))
+    while act.size:
+        hit = mark[up[act]] == 1
+        mark[act[hit]] = 1
+        act = act[~hit]
+        up[act] = up[up[act]]
+        act = act[up[act] != high]
+    return mark[:high]

@@ -100,6 +100,7 @@ class SsdMover:
 
     def __init__(self, place: Placement, spec: SsdSpec, clock: Callable[[], float]) -> None:
         self.placement = place
+        place.index.track("ssd_loc")  # a DRAM block's intact SSD copy (unwritten without this tier)
         self.spec = spec
         self.gate = IoGate()
         """Runs the slow file I/O (off the store lock on the daemon's disk worker)."""

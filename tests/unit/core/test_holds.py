@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore.checksum import checksum
+from kvstore.core.index import keys_to_array
 from kvstore.core.store import StoreConfig, TieredStore
 from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied
 from tests.conftest import chain, payload_for
@@ -113,6 +114,29 @@ def test_a_lease_pins_its_blocks_against_eviction_and_remove(ns):
             st.release(lease.handle, "other")
         assert st.release(lease.handle, "r") == 1
         assert st.remove(ns, a).statuses == [KeyStatus.OK]
+
+
+def test_a_block_leased_to_its_limit_is_a_miss_and_its_pin_count_never_wraps(ns, monkeypatch):
+    """``pins`` is 16 bits: past ``PINS_LEASED_MAX`` leases a block is a
+    miss for the next reader (and every block after it in the chain), its
+    count stays below the wrap, and releasing brings it back to 0."""
+    import kvstore.core.holds as holds_mod
+
+    monkeypatch.setattr(holds_mod, "PINS_LEASED_MAX", 3)
+    with make(slots=4) as st:
+        keys = chain(b"p", 2)
+        st.put(ns, keys, [P(k) for k in keys])
+        leases = [st.acquire(ns, keys, owner="r") for _ in range(3)]
+        assert all(le.statuses == [KeyStatus.OK] * 2 for le in leases)
+        row = int(st.index.find_committed(st.place.nsid(ns, create=False), keys_to_array(keys[:1]))[0])
+        full = st.acquire(ns, keys, owner="r")
+        assert full.statuses == [KeyStatus.MISS] * 2 and full.handle == ""
+        assert int(st.index.pins[row]) == 3
+        for le in leases:
+            st.release(le.handle, "r")
+        assert int(st.index.pins[row]) == 0
+    monkeypatch.undo()
+    assert holds_mod.PINS_LEASED_MAX + 1024 == np.iinfo(st.index.pins.dtype).max  # the store's own headroom
 
 
 def test_acquire_stops_at_the_first_miss(ns):

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.core.index import POLICY_COLUMNS, BlockIndex, BlockState, keys_to_array
+from kvstore.core.index import NO_LOC, OPTIONAL_COLUMNS, POLICY_COLUMNS, BlockIndex, BlockState, keys_to_array
 from kvstore.reserve import PAGE, Reserved
 from tests.conftest import chain
 
 ROW = sum(np.dtype(dt).itemsize for _, dt, _ in BlockIndex.COLUMNS)
-"""Bytes of one row across the index's columns (72)."""
-WRITTEN = ROW - sum(np.dtype(dt).itemsize for n, dt, _ in BlockIndex.COLUMNS if n in POLICY_COLUMNS)
-"""Bytes of a row the index writes where the policy ranks with none of
-``POLICY_COLUMNS`` (68: lru, the default, and lfu)."""
+"""Bytes of one row across the index's columns (70)."""
+WRITTEN = ROW - sum(np.dtype(dt).itemsize for n, dt, _ in BlockIndex.COLUMNS if n in OPTIONAL_COLUMNS)
+"""Bytes of a row the index writes where none of ``OPTIONAL_COLUMNS`` is
+kept (56: lru, the default, without an SSD tier)."""
 
 
 def _insert_chain(idx: BlockIndex, ns: int, keys: list[bytes], tick: int = 1) -> np.ndarray:
@@ -130,7 +130,7 @@ def _build(n_batches: int, reserve: bool) -> tuple[BlockIndex, int, int]:
 
 def test_bytes_per_block_is_compact():
     """The bench states the ≤ 64 B target at 10,000,000 blocks. With no
-    policy column kept (lru) the index writes 68 B of each 72 B row. Grown in
+    optional column kept (lru, no SSD tier) the index writes 56 B of each 70 B row. Grown in
     place the columns cost the rows written and the key table (≤ 11.4 B): no
     growth slack, no copy at the peak, and nothing for the columns unkept."""
     if Reserved.make("u1", 1 << 20) is None:
@@ -157,7 +157,8 @@ def test_policy_columns_cost_memory_only_while_kept():
     base = idx.reserved_nbytes
     idx.keep(POLICY_COLUMNS)
     assert idx.kept == POLICY_COLUMNS
-    assert idx.reserved_nbytes >= base + (ROW - WRITTEN) * n  # written: every row starts at 0
+    policy = sum(np.dtype(dt).itemsize for c, dt, _ in BlockIndex.COLUMNS if c in POLICY_COLUMNS)
+    assert idx.reserved_nbytes >= base + policy * n  # written: every row starts at 0
     idx.prio[rows] = 2.5
     idx.delete(rows[: n // 2])
     idx.keep(frozenset())
@@ -172,6 +173,31 @@ def test_policy_columns_cost_memory_only_while_kept():
     idx.check_invariants()
 
 
+def test_ssd_loc_is_written_only_once_an_ssd_tier_tracks_it():
+    """``ssd_loc`` backs no memory until ``track`` (the SSD mover); from
+    then on every row starts at NO_LOC, new and freed rows are written, and
+    a policy switch (``keep``) leaves it tracked."""
+    if Reserved.make("u1", 1 << 20) is None:
+        pytest.skip("no address range can be reserved on this host")
+    n = 1 << 16
+    idx = BlockIndex(initial_rows=16)
+    keys = np.arange(2 * n, dtype=np.uint64).reshape(n, 2) + np.uint64(1)
+    rows = idx.insert(0, keys, np.full(n, -1), 1, np.arange(n), np.full(n, 10), BlockState.COMMITTED, 1)
+    base = idx.reserved_nbytes
+    assert "ssd_loc" not in idx.kept and base <= WRITTEN * n + 20 * PAGE
+    idx.ssd_loc[rows[:5]] = 7  # stale, as an untracked column may hold
+    idx.track("ssd_loc")
+    assert idx.reserved_nbytes >= base + 4 * n - PAGE and (idx.ssd_loc[rows] == NO_LOC).all()
+    idx.keep(frozenset({"hits"}))  # a policy switch
+    assert idx.kept == {"hits", "ssd_loc"}
+    idx.ssd_loc[rows[:3]] = 5
+    idx.delete(rows[:3])
+    again = idx.insert(0, keys[:3], np.full(3, -1), 1, np.arange(3), np.full(3, 10), BlockState.COMMITTED, 2)
+    assert (idx.ssd_loc[again] == NO_LOC).all()
+    with pytest.raises(ValueError):
+        idx.track("prio")
+
+
 def test_bytes_per_block_when_columns_are_copied():
     """Where no range can be reserved the columns grow by copying: up to 25%
     slack, and the old and new column side by side at the peak."""
@@ -183,7 +209,7 @@ def test_bytes_per_block_when_columns_are_copied():
     assert abs(idx.nbytes - held) <= 0.05 * held
 
 
-@pytest.mark.parametrize("kept", [frozenset(), POLICY_COLUMNS])
+@pytest.mark.parametrize("kept", [frozenset(), OPTIONAL_COLUMNS])
 def test_columns_grow_in_place_and_agree_with_copied_ones(monkeypatch, kept):
     """One that outgrows its first range moves once into a larger one, and
     the index answers exactly as with copied columns, through growth,
@@ -193,8 +219,11 @@ def test_columns_grow_in_place_and_agree_with_copied_ones(monkeypatch, kept):
     monkeypatch.setattr(index_mod, "RESERVE_ROWS", 4096)
     rng = np.random.default_rng(3)
     a, b = BlockIndex(initial_rows=16), BlockIndex(initial_rows=16, reserve=False)
-    a.keep(kept)
-    b.keep(kept)
+    for idx in (a, b):
+        idx.keep(kept)
+        if "ssd_loc" in kept:
+            idx.track("ssd_loc")
+    assert a.kept == b.kept == kept
     early = a.parent
     rows = np.zeros(0, dtype=np.int64)
     for step in range(12):  # 12 × 1,000 rows: past the 4,096-row first range
@@ -215,7 +244,7 @@ def test_columns_grow_in_place_and_agree_with_copied_ones(monkeypatch, kept):
     b.check_invariants()
     assert a.live == b.live == rows.size
     for name, _, _ in BlockIndex.COLUMNS:
-        if name in kept or name not in POLICY_COLUMNS:
+        if name in kept or name not in OPTIONAL_COLUMNS:
             assert np.array_equal(getattr(a, name)[rows], getattr(b, name)[rows]), name
     keys = np.empty((rows.size, 2), dtype=np.uint64)
     keys[:, 0], keys[:, 1] = a.k0[rows], a.k1[rows]
