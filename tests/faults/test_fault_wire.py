@@ -21,7 +21,6 @@ import pytest
 from kvstore.client import Client, ns_pb
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import KeyStatus, KVStoreError
-from kvstore.keys import Namespace
 from kvstore.wire.frames import CALLS
 from kvstore.wire.shm import host_identity
 from kvstore.wire.status import ERROR_FOR_CODE
@@ -30,13 +29,9 @@ from tests.conftest import payload_for
 from tests.support.daemon import DaemonThread
 from tests.support.keys import chain_keys
 from tests.support.waits import wait_healthy
+from tests.support.tenants import ACME, BETA, TENANTS
 
-ACME = Namespace(tenant="acme", model_id="llama", block_size=16)
-BETA = Namespace(tenant="beta", model_id="llama", block_size=16)
 BS = 4096
-TENANTS = ('[[tenant]]\nname = "acme"\ntoken = "tok-acme"\n\n'
-           '[[tenant]]\nname = "beta"\ntoken = "tok-beta"\n\n'
-           '[[tenant]]\nname = "ops"\ntoken = "tok-admin"\nadmin = true\n')
 
 
 def P(tag: bytes, k: bytes, n: int = BS) -> bytes:

@@ -15,14 +15,10 @@ from kvstore.results import DaemonStats
 from kvstore.tools.format import format_stats
 from tests.conftest import payload_for
 from tests.support.keys import chain_keys
+from tests.support.tenants import ACME, BETA, TENANTS
 from tiers.base import TierKind
 
-ACME = Namespace(tenant="acme", model_id="llama", block_size=16)
-BETA = Namespace(tenant="beta", model_id="llama", block_size=16)
 BS = 4096
-TENANTS = ('[[tenant]]\nname = "acme"\ntoken = "tok-acme"\n\n'
-           '[[tenant]]\nname = "beta"\ntoken = "tok-beta"\n\n'
-           '[[tenant]]\nname = "ops"\ntoken = "tok-admin"\nadmin = true\n')
 COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets",
             "bytes_written", "bytes_read")
 

@@ -144,16 +144,22 @@ def test_bytes_per_block_is_compact():
     assert abs(idx.nbytes - held) <= 0.05 * held  # nbytes tells the truth
 
 
+def _roots_in_place(n: int) -> tuple[BlockIndex, np.ndarray, np.ndarray]:
+    """An index grown in place holding ``n`` chain-first blocks: (index, keys, rows)."""
+    if Reserved.make("u1", 1 << 20) is None:
+        pytest.skip("no address range can be reserved on this host")
+    idx = BlockIndex(initial_rows=16)
+    keys = np.arange(2 * n, dtype=np.uint64).reshape(n, 2) + np.uint64(1)
+    rows = idx.insert(0, keys, np.full(n, -1), 1, np.arange(n), np.full(n, 10), BlockState.COMMITTED, 1)
+    return idx, keys, rows
+
+
 def test_policy_columns_cost_memory_only_while_kept():
     """``keep`` starts a column from its empty value in every row (a row
     reused meanwhile held a stale value) and gives its pages back when it
     is no longer kept."""
-    if Reserved.make("u1", 1 << 20) is None:
-        pytest.skip("no address range can be reserved on this host")
     n = 1 << 16
-    idx = BlockIndex(initial_rows=16)
-    keys = np.arange(2 * n, dtype=np.uint64).reshape(n, 2) + np.uint64(1)
-    rows = idx.insert(0, keys, np.full(n, -1), 1, np.arange(n), np.full(n, 10), BlockState.COMMITTED, 1)
+    idx, keys, rows = _roots_in_place(n)
     base = idx.reserved_nbytes
     idx.keep(POLICY_COLUMNS)
     assert idx.kept == POLICY_COLUMNS
@@ -177,12 +183,8 @@ def test_ssd_loc_is_written_only_once_an_ssd_tier_tracks_it():
     """``ssd_loc`` backs no memory until ``track`` (the SSD mover); from
     then on every row starts at NO_LOC, new and freed rows are written, and
     a policy switch (``keep``) leaves it tracked."""
-    if Reserved.make("u1", 1 << 20) is None:
-        pytest.skip("no address range can be reserved on this host")
     n = 1 << 16
-    idx = BlockIndex(initial_rows=16)
-    keys = np.arange(2 * n, dtype=np.uint64).reshape(n, 2) + np.uint64(1)
-    rows = idx.insert(0, keys, np.full(n, -1), 1, np.arange(n), np.full(n, 10), BlockState.COMMITTED, 1)
+    idx, keys, rows = _roots_in_place(n)
     base = idx.reserved_nbytes
     assert "ssd_loc" not in idx.kept and base <= WRITTEN * n + 20 * PAGE
     idx.ssd_loc[rows[:5]] = 7  # stale, as an untracked column may hold
