@@ -9,13 +9,11 @@ unary call is ~0.7 ms on the 2-core box of docs/performance.md, a 1,024-key
 index lookup ~0.1 ms). Same-host clients therefore send ``Lookup`` over a
 plain stream socket with fixed little-endian frames. The answer is the same
 as the gRPC ``Lookup``'s: the same store call, namespace validation, tenant
-binding, and the same RPC wrapper (``kvstore.daemon.rpc``: QoS gate,
-metrics, error codes).
+binding and RPC wrapper (``kvstore.daemon.rpc``: QoS gate, metrics, errors).
 
 The control calls of the shared-memory data path (``Reserve``, ``Commit``,
 ``Abort``, ``Acquire``, ``Release``) go over the same socket as their
-protobuf messages, handled by the very same servicer methods through
-``rpc.LocalContext``.
+protobuf messages, handled by the same servicer methods (``rpc.LocalContext``).
 
 Cost per call (issue 18): the connection is an ``asyncio.Protocol``, not a
 stream reader: frames are parsed in ``data_received`` and each handler's
@@ -43,9 +41,9 @@ or when the connection closes). A ``put`` frame names blocks the client
 copied there; the daemon runs ``Reserve`` (DRAM slots), copies the blocks
 from staging into them (hashing them on the way: a block that no longer
 matches the checksum the client sent fails the whole put, nothing stored)
-and runs ``Commit``, through the same servicer
-methods as the calls above, so a put either lands whole or not at all and a
-client that dies mid-batch leaves nothing reserved. At most
+and runs ``Commit``, through the same servicer methods as the calls above:
+a put lands whole or not at all, and a client that dies mid-batch leaves
+nothing reserved. At most
 ``MAX_STAGED`` connections hold a staging file at a time.
 
 Who may use it: the socket is created mode 0600, either beside
@@ -331,15 +329,12 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def hello(self, body: bytes) -> bytes:
-        version = frames.hello_version(body)
-        if version != frames.SOCKET_VERSION:
+        refused = frames.hello_refusal(body)
+        if refused:  # another socket version: the client goes over gRPC
             self.closing = True
             self.daemon.metrics.rejected("SocketHello", grpc.StatusCode.FAILED_PRECONDITION)
-            log.warning("same-host socket: refused a client of socket protocol version %d (this daemon speaks %d)",
-                        version, frames.SOCKET_VERSION)
-            return _error(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"socket protocol version {version} is not spoken here (this daemon speaks "
-                          f"{frames.SOCKET_VERSION}): use gRPC")
+            log.warning("same-host socket: refused a client: %s", refused)
+            return _error(grpc.StatusCode.FAILED_PRECONDITION, refused)
         sid, token = frames.parse_hello(body)
         d = self.daemon
         if sid not in d.sessions:

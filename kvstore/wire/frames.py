@@ -169,6 +169,14 @@ def hello_version(body: bytes) -> int:
     return int(word) if word.isdigit() and len(word) <= 9 else -1
 
 
+def hello_refusal(body: bytes) -> str:
+    """Why a daemon of ``SOCKET_VERSION`` refuses this hello ("" when it does not)."""
+    version = hello_version(body)
+    if version == SOCKET_VERSION:
+        return ""
+    return f"socket protocol version {version} is not spoken here (this daemon speaks {SOCKET_VERSION}): use gRPC"
+
+
 def parse_hello(body: bytes) -> tuple[str, str]:
     """(session id, bearer token or ""), after any version prefix."""
     if body.startswith(HELLO_PREFIX):
