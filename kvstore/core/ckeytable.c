@@ -1,6 +1,6 @@
 /*
- * kvstore.core.ckeytable -- the block index's key table, its descendant
- * marking and the levels of a set of rows, in C (optional).
+ * kvstore.core.ckeytable -- the block index's key table, its descendant and
+ * ancestor marking and the levels of a set of rows, in C (optional).
  *
  * The table is an open-addressing hash table of int32 rows with linear
  * probing (-1 empty, -2 tombstone); a row's key lives in the index's own
@@ -36,6 +36,12 @@
  *       set's top) and its levels are set on the way back: every row is
  *       walked O(1) times. A cycle within ``rows`` is refused. The numpy
  *       fallback is kvstore/core/levels.py ``levels_within``.
+ *   ascend(parent, roots, mark) -> int
+ *       Mark ``roots`` (int64) and every ancestor of one: ``mark`` (uint8,
+ *       zeroed, at least len(parent) long) becomes 1 for them. Each root's
+ *       chain is walked up to the first row already marked, so every row is
+ *       walked once (a cycle ends there too). Returns how many rows were
+ *       marked. The numpy fallback is kvstore/core/levels.py ``ancestors``.
  *
  * Every array must be C-contiguous with the dtype named; the Python side
  * (keytable.py) guarantees that. Rows read from the table are bounds-checked
@@ -572,6 +578,65 @@ done:
     return ret;
 }
 
+static PyObject *
+ht_ascend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer pb, rb, mb;
+    Py_ssize_t i, n, npar, count = 0;
+    PyObject *ret = NULL;
+    (void)self;
+
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "ascend takes 3 arguments");
+        return NULL;
+    }
+    if (ht_view(args[0], &pb, 4, 0, "parent") < 0) {
+        return NULL;
+    }
+    if (ht_view(args[1], &rb, 8, 0, "roots") < 0) {
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    if (ht_view(args[2], &mb, 1, 1, "mark") < 0) {
+        PyBuffer_Release(&rb);
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    {
+        const int32_t *parent = (const int32_t *)pb.buf;
+        const int64_t *roots = (const int64_t *)rb.buf;
+        uint8_t *mark = (uint8_t *)mb.buf;
+        npar = pb.len / 4;
+        n = rb.len / 8;
+        if (mb.len < npar) {
+            PyErr_SetString(PyExc_ValueError, "ascend: mark is shorter than parent");
+            goto done;
+        }
+        for (i = 0; i < n; i++) {
+            int64_t x = roots[i];
+            if (x < 0 || x >= npar) {
+                PyErr_Format(PyExc_ValueError, "ascend: root %lld out of range", (long long)x);
+                goto done;
+            }
+            while (x >= 0 && !mark[x]) {  /* up to the first row marked, or past a chain's first block */
+                mark[x] = 1;
+                count++;
+                x = parent[x];
+                if (x >= npar) {
+                    PyErr_SetString(PyExc_ValueError, "ascend: a parent past the rows");
+                    goto done;
+                }
+            }
+        }
+        ret = PyLong_FromSsize_t(count);
+    }
+done:
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&pb);
+    return ret;
+}
+
 static PyMethodDef ht_methods[] = {
     {"find", (PyCFunction)(void (*)(void))ht_find, METH_FASTCALL,
      "find(table, k0, k1, nscol, state, keys, ns, want_state, stop, out) -> int"},
@@ -583,6 +648,8 @@ static PyMethodDef ht_methods[] = {
      "descend(parent, high, roots, mark) -> rows marked 1 (roots and their descendants)"},
     {"levels", (PyCFunction)(void (*)(void))ht_levels, METH_FASTCALL,
      "levels(parent, rows, out) -> None: each row's ancestors reached within rows"},
+    {"ascend", (PyCFunction)(void (*)(void))ht_ascend, METH_FASTCALL,
+     "ascend(parent, roots, mark) -> rows marked (roots and their ancestors)"},
     {NULL, NULL, 0, NULL},
 };
 

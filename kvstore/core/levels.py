@@ -1,7 +1,8 @@
 """Levels within a set of index rows: how far up parent links a row's
 ancestors are reached through the set (``BlockIndex.levels``), the
 parents-first order that callers need without a ``depth`` column (kept
-only under the ``cost`` policy).
+only under the ``cost`` policy); and the ancestors of a set of rows
+(``ancestors``, what ``TieredStore.clear`` keeps above a busy block).
 
 ``levels_within`` runs in C where ``kvstore.core.ckeytable`` is built (one
 walk up the links with a memo: 1,000,000 rows in tens of ms, against
@@ -16,6 +17,28 @@ from kvstore.core.keytable import HASHTAB
 
 LEVELS = getattr(HASHTAB, "levels", None)
 """``ckeytable.levels`` (C), or None (not built, or ``NO_KVSTORE_NATIVE=1``)."""
+ASCEND = getattr(HASHTAB, "ascend", None)
+"""``ckeytable.ascend`` (C), or None: ``ancestors`` in numpy rounds."""
+
+
+def ancestors(parent: np.ndarray, roots: np.ndarray, *, native: bool = True) -> np.ndarray:
+    """A mark per row of ``parent`` (bool): ``roots`` and every ancestor of
+    one (what a busy block keeps through a clear). In C where built
+    (``ASCEND``: each chain walked up to the first row already marked, every
+    row once); in numpy, one round per level of the deepest chain (a
+    frontier of the rows not marked yet, each row in it once)."""
+    roots = np.ascontiguousarray(roots, dtype=np.int64).reshape(-1)
+    mark = np.zeros(parent.size, dtype=np.uint8)
+    if roots.size and native and ASCEND is not None and parent.dtype == np.int32 and parent.flags.c_contiguous:
+        ASCEND(parent, roots, mark)
+        return mark.view(bool)
+    front = np.unique(roots)
+    while front.size:
+        mark[front] = 1
+        up = parent[front].astype(np.int64)
+        up = up[up >= 0]
+        front = np.unique(up[mark[up] == 0])
+    return mark.view(bool)
 
 
 def levels_within(parent: np.ndarray, rows: np.ndarray, *, native: bool = True) -> np.ndarray:
