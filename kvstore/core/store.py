@@ -54,7 +54,7 @@ from kvstore.core.hbm_mover import HbmMover, HbmSpec
 from kvstore.core.holds import Holds, KeysLike
 from kvstore.core.index import S_COMMITTED, BlockIndex, BlockState, keys_to_array
 from kvstore.core.levels import ancestors
-from kvstore.core.namespaces import NO_NS, QUERY_NAMESPACES, Namespaces, namespace_label
+from kvstore.core.namespaces import CHECKSUM_FAILURES, NO_NS, QUERY_NAMESPACES, Namespaces, namespace_label
 from kvstore.core.placement import Placement
 from kvstore.core.resize import Resizer
 from kvstore.core.ssd_mover import Recovery, SsdMover, SsdSpec
@@ -555,10 +555,13 @@ class TieredStore:
         ``Holds.quarantine``). True when it was held."""
         return self.holds.quarantine(handle)
 
-    def count_checksum_failures(self, blocks: int) -> None:
+    def count_checksum_failures(self, blocks: int, ns: Namespace | None = None) -> None:
         """Count blocks that failed their checksum outside the store (a
-        cluster fetch's damaged transfers)."""
+        cluster fetch's damaged transfers), for ``ns``'s tenant too."""
         self.counters.checksum_failures += int(blocks)
+        nid = self.ns_registry.find(ns) if ns is not None else None
+        if nid is not None:
+            self.ns_registry.counts[nid][CHECKSUM_FAILURES] += int(blocks)
 
     def release_owner(self, owner: str) -> tuple[int, int]:
         self.grants.release(owner)
