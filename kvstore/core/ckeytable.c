@@ -1,6 +1,6 @@
 /*
- * kvstore.core.ckeytable -- the block index's key table, and its descendant
- * marking, in C (optional).
+ * kvstore.core.ckeytable -- the block index's key table, its descendant and
+ * ancestor marking and the levels of a set of rows, in C (optional).
  *
  * The table is an open-addressing hash table of int32 rows with linear
  * probing (-1 empty, -2 tombstone); a row's key lives in the index's own
@@ -26,6 +26,22 @@
  *       is walked up to the first row already marked and then marked
  *       on the way back, so every row is walked O(1) times. Returns how many
  *       rows are marked 1. The numpy fallback is ``BlockIndex.descend_np``.
+ *   levels(parent, rows, out) -> None
+ *       For each of ``rows`` (int64, each below len(parent)), how many of
+ *       its ancestors are reached going up ``parent`` links within
+ *       ``rows`` (0 where its parent is not one of them), into ``out``
+ *       (int64). Membership is a position array over the rows' span when
+ *       it is dense, else a binary search of the rows sorted. Each row's
+ *       chain is walked up to the first row whose level is known (or the
+ *       set's top) and its levels are set on the way back: every row is
+ *       walked O(1) times. A cycle within ``rows`` is refused. The numpy
+ *       fallback is kvstore/core/levels.py ``levels_within``.
+ *   ascend(parent, roots, mark) -> int
+ *       Mark ``roots`` (int64) and every ancestor of one: ``mark`` (uint8,
+ *       zeroed, at least len(parent) long) becomes 1 for them. Each root's
+ *       chain is walked up to the first row already marked, so every row is
+ *       walked once (a cycle ends there too). Returns how many rows were
+ *       marked. The numpy fallback is kvstore/core/levels.py ``ancestors``.
  *
  * Every array must be C-contiguous with the dtype named; the Python side
  * (keytable.py) guarantees that. Rows read from the table are bounds-checked
@@ -35,6 +51,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define HT_EMPTY (-1)
 #define HT_TOMB (-2)
@@ -397,6 +415,228 @@ fail:
     return NULL;
 }
 
+/* levels: membership in the set of rows, by position array (dense) or binary search (sparse). */
+typedef struct {
+    int64_t row;
+    int64_t at;
+} lv_pair;
+
+typedef struct {
+    int64_t lo, hi;
+    const int32_t *pos;     /* dense: position of row lo + k, or -1 */
+    const lv_pair *srt;     /* sparse: the rows sorted */
+    Py_ssize_t n;
+} lv_set;
+
+static int
+lv_cmp(const void *a, const void *b)
+{
+    int64_t x = ((const lv_pair *)a)->row, y = ((const lv_pair *)b)->row;
+    return (x > y) - (x < y);
+}
+
+static inline int64_t
+lv_member(const lv_set *s, int64_t p)
+{
+    Py_ssize_t a = 0, b;
+    if (p < s->lo || p > s->hi) {
+        return -1;
+    }
+    if (s->pos != NULL) {
+        return s->pos[p - s->lo];
+    }
+    b = s->n;
+    while (a < b) {
+        Py_ssize_t m = a + (b - a) / 2;
+        if (s->srt[m].row < p) {
+            a = m + 1;
+        } else {
+            b = m;
+        }
+    }
+    return (a < s->n && s->srt[a].row == p) ? s->srt[a].at : -1;
+}
+
+static PyObject *
+ht_levels(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer pb, rb, ob;
+    Py_ssize_t n, npar, i;
+    int32_t *pos = NULL;
+    lv_pair *srt = NULL;
+    PyObject *ret = NULL;
+    (void)self;
+
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "levels takes 3 arguments");
+        return NULL;
+    }
+    if (ht_view(args[0], &pb, 4, 0, "parent") < 0) {
+        return NULL;
+    }
+    if (ht_view(args[1], &rb, 8, 0, "rows") < 0) {
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    if (ht_view(args[2], &ob, 8, 1, "out") < 0) {
+        PyBuffer_Release(&rb);
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    {
+        const int32_t *parent = (const int32_t *)pb.buf;
+        const int64_t *rows = (const int64_t *)rb.buf;
+        int64_t *lev = (int64_t *)ob.buf;
+        lv_set s;
+        n = rb.len / 8;
+        npar = pb.len / 4;
+        if (ob.len / 8 < n) {
+            PyErr_SetString(PyExc_ValueError, "levels: out is shorter than rows");
+            goto done;
+        }
+        if (n == 0) {
+            ret = Py_None;
+            goto done;
+        }
+        s.lo = rows[0];
+        s.hi = rows[0];
+        s.n = n;
+        s.pos = NULL;
+        s.srt = NULL;
+        for (i = 0; i < n; i++) {
+            int64_t r = rows[i];
+            if (r < 0 || r >= npar) {
+                PyErr_Format(PyExc_ValueError, "levels: row %lld out of range", (long long)r);
+                goto done;
+            }
+            s.lo = r < s.lo ? r : s.lo;
+            s.hi = r > s.hi ? r : s.hi;
+            lev[i] = -1;
+        }
+        if (s.hi - s.lo < 4 * (int64_t)n + 4096) {  /* dense: a position per row of the span */
+            pos = n > INT32_MAX ? NULL : PyMem_Malloc((size_t)(s.hi - s.lo + 1) * sizeof(int32_t));
+            if (pos == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            memset(pos, 0xff, (size_t)(s.hi - s.lo + 1) * sizeof(int32_t));
+            for (i = 0; i < n; i++) {
+                pos[rows[i] - s.lo] = (int32_t)i;
+            }
+            s.pos = pos;
+        } else {
+            srt = PyMem_Malloc((size_t)n * sizeof(lv_pair));
+            if (srt == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            for (i = 0; i < n; i++) {
+                srt[i].row = rows[i];
+                srt[i].at = i;
+            }
+            qsort(srt, (size_t)n, sizeof(lv_pair), lv_cmp);
+            s.srt = srt;
+        }
+        for (i = 0; i < n; i++) {
+            int64_t x = i, j, end, top;
+            Py_ssize_t hops = 0;
+            if (lev[i] >= 0) {
+                continue;
+            }
+            for (;;) {  /* up to the set's top or the first row whose level is known */
+                j = lv_member(&s, parent[rows[x]]);
+                if (j < 0) {
+                    end = x;
+                    top = 0;
+                    break;
+                }
+                if (++hops > n) {
+                    PyErr_SetString(PyExc_ValueError, "levels: the parent links form a cycle");
+                    goto done;
+                }
+                if (lev[j] >= 0) {
+                    end = j;
+                    top = lev[j];
+                    break;
+                }
+                x = j;
+            }
+            lev[end] = top;
+            for (x = i; x != end; x = lv_member(&s, parent[rows[x]])) {  /* the same rows again */
+                lev[x] = top + hops--;
+            }
+        }
+        ret = Py_None;
+    }
+done:
+    PyMem_Free(pos);
+    PyMem_Free(srt);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&pb);
+    Py_XINCREF(ret);
+    return ret;
+}
+
+static PyObject *
+ht_ascend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer pb, rb, mb;
+    Py_ssize_t i, n, npar, count = 0;
+    PyObject *ret = NULL;
+    (void)self;
+
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "ascend takes 3 arguments");
+        return NULL;
+    }
+    if (ht_view(args[0], &pb, 4, 0, "parent") < 0) {
+        return NULL;
+    }
+    if (ht_view(args[1], &rb, 8, 0, "roots") < 0) {
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    if (ht_view(args[2], &mb, 1, 1, "mark") < 0) {
+        PyBuffer_Release(&rb);
+        PyBuffer_Release(&pb);
+        return NULL;
+    }
+    {
+        const int32_t *parent = (const int32_t *)pb.buf;
+        const int64_t *roots = (const int64_t *)rb.buf;
+        uint8_t *mark = (uint8_t *)mb.buf;
+        npar = pb.len / 4;
+        n = rb.len / 8;
+        if (mb.len < npar) {
+            PyErr_SetString(PyExc_ValueError, "ascend: mark is shorter than parent");
+            goto done;
+        }
+        for (i = 0; i < n; i++) {
+            int64_t x = roots[i];
+            if (x < 0 || x >= npar) {
+                PyErr_Format(PyExc_ValueError, "ascend: root %lld out of range", (long long)x);
+                goto done;
+            }
+            while (x >= 0 && !mark[x]) {  /* up to the first row marked, or past a chain's first block */
+                mark[x] = 1;
+                count++;
+                x = parent[x];
+                if (x >= npar) {
+                    PyErr_SetString(PyExc_ValueError, "ascend: a parent past the rows");
+                    goto done;
+                }
+            }
+        }
+        ret = PyLong_FromSsize_t(count);
+    }
+done:
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&pb);
+    return ret;
+}
+
 static PyMethodDef ht_methods[] = {
     {"find", (PyCFunction)(void (*)(void))ht_find, METH_FASTCALL,
      "find(table, k0, k1, nscol, state, keys, ns, want_state, stop, out) -> int"},
@@ -406,6 +646,10 @@ static PyMethodDef ht_methods[] = {
      "remove(table, k0, nscol, rows) -> None"},
     {"descend", (PyCFunction)(void (*)(void))ht_descend, METH_FASTCALL,
      "descend(parent, high, roots, mark) -> rows marked 1 (roots and their descendants)"},
+    {"levels", (PyCFunction)(void (*)(void))ht_levels, METH_FASTCALL,
+     "levels(parent, rows, out) -> None: each row's ancestors reached within rows"},
+    {"ascend", (PyCFunction)(void (*)(void))ht_ascend, METH_FASTCALL,
+     "ascend(parent, roots, mark) -> rows marked (roots and their ancestors)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,7 +25,13 @@ HITS = 4
 """Columns HITS + TierKind value: blocks served from each tier."""
 EVICTIONS = 8
 """Columns EVICTIONS + TierKind value: blocks that left each tier for room (ROOM_REASONS)."""
-COUNT_COLUMNS = 12
+PROMOTIONS = 12
+"""Columns PROMOTIONS + TierKind value: blocks moved up into each tier (SSD to DRAM, DRAM to HBM)."""
+DEMOTIONS = 16
+"""Columns DEMOTIONS + TierKind value: blocks moved down out of each tier (DRAM to SSD, HBM to DRAM)."""
+CHECKSUM_FAILURES = 20
+"""Blocks that failed their checksum (in a tier, on a move, at a reader, on a peer fetch)."""
+COUNT_COLUMNS = 21
 QUERY_NAMESPACES = 1024
 """Lookups register an unknown namespace (for its stats) only while fewer
 namespaces than this are known; stores always do."""
@@ -127,6 +133,19 @@ class Namespaces:
         h[0] += lookups
         h[1] += queried
         h[2] += hit
+
+    def count_blocks(self, nsids: np.ndarray, column: int) -> None:
+        """Add one to ``column`` of each block's namespace (``nsids``: the
+        blocks' namespace ids): one ``bincount``, an add per namespace present."""
+        if nsids.size == 0:
+            return
+        first = int(nsids[0])
+        if bool((nsids == first).all()):
+            self.counts[first][column] += int(nsids.size)
+            return
+        per = np.bincount(nsids.astype(np.int64))
+        for nid in np.flatnonzero(per).tolist():
+            self.counts[nid][column] += int(per[nid])
 
     def lookups(self, nid: int) -> tuple[int, int, int]:
         """(lookups, queried blocks, hit blocks) of a namespace."""

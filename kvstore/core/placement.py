@@ -30,7 +30,8 @@ from kvstore.core.eviction import (
     select_victims,
 )
 from kvstore.core.index import HITS_MAX, S_COMMITTED, S_DOOMED, S_RESERVED, TICK_MAX, BlockIndex, BlockState
-from kvstore.core.namespaces import EVICTIONS, GET_BLOCKS, GET_BYTES, HITS, PUT_BLOCKS, PUT_BYTES, Namespaces
+from kvstore.core.namespaces import (CHECKSUM_FAILURES, DEMOTIONS, EVICTIONS, GET_BLOCKS, GET_BYTES, HITS, PROMOTIONS,
+                                     PUT_BLOCKS, PUT_BYTES, Namespaces)
 from kvstore.core.plan import fix_tail_statuses, parent_row, plan
 from kvstore.errors import InvalidArgument, KeyStatus
 from kvstore.keys import Namespace
@@ -113,8 +114,12 @@ class Placement:
             fn(ev)
 
     def emit_moved(self, rows: np.ndarray, src: TierKind, dst: TierKind) -> None:
-        """Tell listeners that ``rows`` moved from ``src`` to ``dst``."""
+        """Tell listeners that ``rows`` moved from ``src`` to ``dst``, and count
+        the move per namespace (a tenant's Stats): a promotion (``dst``
+        hotter) in ``dst``'s column, a demotion in ``src``'s, as the whole
+        daemon's figures are shown on the hotter tier of the two."""
         idx = self.index
+        self.namespaces.count_blocks(idx.ns[rows], PROMOTIONS + int(dst) if dst < src else DEMOTIONS + int(src))
         for nid in np.unique(idx.ns[rows]).tolist():
             mine = rows[idx.ns[rows] == nid]
             keys = idx.keys_of(mine)
@@ -493,6 +498,7 @@ class Placement:
         Commit (a miss), Abort or expiry drops them."""
         self.counters.checksum_failures += int(rows.size)
         idx = self.index
+        self.namespaces.count_blocks(idx.ns[rows], CHECKSUM_FAILURES)
         sub = idx.subtree(rows)
         reserved = idx.state[sub] == S_RESERVED
         if not np.any(idx.pins[sub] > 0) and not reserved.any():

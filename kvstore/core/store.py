@@ -53,7 +53,8 @@ from kvstore.core.grants import Grants
 from kvstore.core.hbm_mover import HbmMover, HbmSpec
 from kvstore.core.holds import Holds, KeysLike
 from kvstore.core.index import S_COMMITTED, BlockIndex, BlockState, keys_to_array
-from kvstore.core.namespaces import NO_NS, QUERY_NAMESPACES, Namespaces, namespace_label
+from kvstore.core.levels import ancestors
+from kvstore.core.namespaces import CHECKSUM_FAILURES, NO_NS, QUERY_NAMESPACES, Namespaces, namespace_label
 from kvstore.core.placement import Placement
 from kvstore.core.resize import Resizer
 from kvstore.core.ssd_mover import Recovery, SsdMover, SsdSpec
@@ -461,13 +462,9 @@ class TieredStore:
                 return 0
             rows = rows[idx.ns[rows] == nid]
         busy = rows[(idx.pins[rows] > 0) | (idx.state[rows] != S_COMMITTED)]
-        keep: set[int] = set()
-        for r in busy.tolist():  # a busy block keeps its ancestors
-            while r >= 0 and r not in keep:
-                keep.add(r)
-                r = int(idx.parent[r])
-        if keep:
-            rows = rows[~np.isin(rows, np.fromiter(keep, dtype=np.int64))]
+        keep = busy.size > 0
+        if keep:  # a busy block keeps its ancestors (one walk up in C, else numpy rounds)
+            rows = rows[~ancestors(idx.parent, busy)[rows]]
         # drop leaves-first is not needed: the set is closed under descendants
         self.place.drop(rows, DropReason.CLEARED)
         digest = ns.digest if ns is not None else b""
@@ -558,10 +555,13 @@ class TieredStore:
         ``Holds.quarantine``). True when it was held."""
         return self.holds.quarantine(handle)
 
-    def count_checksum_failures(self, blocks: int) -> None:
+    def count_checksum_failures(self, blocks: int, ns: Namespace | None = None) -> None:
         """Count blocks that failed their checksum outside the store (a
-        cluster fetch's damaged transfers)."""
+        cluster fetch's damaged transfers), for ``ns``'s tenant too."""
         self.counters.checksum_failures += int(blocks)
+        nid = self.ns_registry.find(ns) if ns is not None else None
+        if nid is not None:
+            self.ns_registry.counts[nid][CHECKSUM_FAILURES] += int(blocks)
 
     def release_owner(self, owner: str) -> tuple[int, int]:
         self.grants.release(owner)

@@ -5,9 +5,11 @@ Its tiers keep their capacity (the operator's sizing); used bytes, blocks
 and pinned bytes are the tenant's blocks' payload bytes and counts, read
 from the index; hits and evictions per tier, puts, gets and their bytes come
 from the per-namespace counters (``Namespaces.counts``, kept by
-``Placement.committed``, ``served`` and ``drop``), lookups from the
-per-namespace lookup counters. Figures the store keeps only for the whole
-daemon (promotions, demotions, checksum failures, expiries) are 0 here.
+``Placement.committed``, ``served`` and ``drop``), as do promotions and
+demotions per tier (``Placement.emit_moved``) and checksum failures
+(``Placement.corrupt``, ``TieredStore.count_checksum_failures``); lookups
+from the per-namespace lookup counters. Figures the store keeps only for
+the whole daemon (bytes promoted and demoted, expiries) are 0 here.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from kvstore.core.index import BlockIndex
-from kvstore.core.namespaces import (COUNT_COLUMNS, EVICTIONS, GET_BLOCKS, GET_BYTES, HITS, PUT_BLOCKS, PUT_BYTES,
-                                     Namespaces)
+from kvstore.core.namespaces import (CHECKSUM_FAILURES, COUNT_COLUMNS, DEMOTIONS, EVICTIONS, GET_BLOCKS, GET_BYTES,
+                                     HITS, PROMOTIONS, PUT_BLOCKS, PUT_BYTES, Namespaces)
 from kvstore.results import Counters, TierStats
 from tiers.base import Tier, TierKind
 
@@ -36,9 +38,11 @@ def tenant_view(idx: BlockIndex, tiers: Mapping[TierKind, Tier], registry: Names
         used = int(idx.size[sel].sum())
         pinned = sel[idx.pins[sel] > 0]
         out.append(TierStats(kind, t.capacity_bytes, used, int(sel.size), int(idx.size[pinned].sum()),
-                             int(sums[EVICTIONS + int(kind)]), disk_bytes=used, hits=int(sums[HITS + int(kind)])))
+                             int(sums[EVICTIONS + int(kind)]), int(sums[PROMOTIONS + int(kind)]),
+                             int(sums[DEMOTIONS + int(kind)]), disk_bytes=used, hits=int(sums[HITS + int(kind)])))
     n_l, q, h, qt, ht = (int(v) for v in sums[COUNT_COLUMNS:])
     c = Counters(lookups=n_l, lookup_blocks=q, lookup_hit_blocks=h, lookup_tokens=qt, lookup_hit_tokens=ht,
                  put_blocks=int(sums[PUT_BLOCKS]), put_bytes=int(sums[PUT_BYTES]),
-                 get_hit_blocks=int(sums[GET_BLOCKS]), get_bytes=int(sums[GET_BYTES]))
+                 get_hit_blocks=int(sums[GET_BLOCKS]), get_bytes=int(sums[GET_BYTES]),
+                 checksum_failures=int(sums[CHECKSUM_FAILURES]))
     return out, c

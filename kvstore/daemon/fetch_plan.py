@@ -131,7 +131,7 @@ class RunFetch:
             return None
         ok = np.asarray(res.ok, dtype=bool)
         if res.corrupt:
-            store.count_checksum_failures(int(res.corrupt))  # (a store method: under the store lock)
+            store.count_checksum_failures(int(res.corrupt), ns)  # (a store method: under the store lock)
             self.metrics.peer_fetch_failed(peer, "corrupt", int(res.corrupt))
         if not slots.handle:
             if ok.size and not ok[0]:
