@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from kvstore import identity
+from kvstore import identity, weights
 from kvstore.errors import InvalidArgument
 from kvstore.identity import (
     KV_CONFIG_FIELDS,
@@ -37,7 +37,8 @@ BASE: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "ll
 
 
 class Reads:
-    """Counts the files ``kvstore.identity`` opens for reading bytes."""
+    """Counts the files ``kvstore.identity`` (and ``kvstore.weights``, which hashes the weights) opens
+    for reading bytes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.paths: list[str] = []
@@ -47,7 +48,8 @@ class Reads:
                 self.paths.append(str(file))
             return builtins.open(file, mode, *args, **kwargs)
 
-        monkeypatch.setattr(identity, "open", counting_open, raising=False)
+        for module in (identity, weights):
+            monkeypatch.setattr(module, "open", counting_open, raising=False)
 
 
 def make_model(d: Path, weights: dict[str, bytes], config: dict[str, Any] | None = None) -> Path:
