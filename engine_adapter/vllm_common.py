@@ -257,9 +257,10 @@ class ConnectorIdentity:
         if not self.given_digest and str(getattr(load, "load_format", "")) == "dummy":
             self.given_digest = DUMMY_WEIGHTS
         cfg_dir = _config_dir(mc, self.model_dir)
-        if cfg_dir is not None:
-            self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)
-        else:
+        self.config_format = str(getattr(mc, "config_format", None) or "auto")
+        if cfg_dir is not None and self.config_format in identity.CONFIG_FORMATS:
+            self.hf_config: dict[str, Any] = identity.load_config(cfg_dir, self.config_format)
+        else:  # not on this host, or a custom config parser: what vLLM loaded stands for it
             get = getattr(getattr(mc, "hf_config", None), "to_diff_dict", None)
             self.hf_config = dict(get()) if callable(get) else {}
         self.future: Future[str]

@@ -51,8 +51,8 @@ from kvstore.weights import canonical as _canonical
 from kvstore.weights import h128 as _h128
 
 __all__ = [
-    "KV_CONFIG_FIELDS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "config_digest", "config_geometry",
-    "engine_namespace", "hf_snapshot_digest", "kv_schema", "load_config", "vllm_layout_tag", "weight_files",
+    "CONFIG_FORMATS", "KV_CONFIG_FIELDS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "config_digest",
+    "config_geometry", "engine_namespace", "hf_snapshot_digest", "kv_schema", "load_config", "vllm_layout_tag", "weight_files",
     "weights_digest", "weights_digest_async", "window_off",
 ]
 
@@ -119,6 +119,10 @@ KV_CONFIG_FIELDS: Final[tuple[tuple[str, str], ...]] = (
     ("dim", "residual width (Mistral params.json)"), ("n_layers", "layers"), ("n_heads", "query heads"),
     ("n_kv_heads", "KV heads"), ("hidden_dim", "MLP width"), ("norm_eps", "normalisation epsilon"),
     ("yarn", "YaRN RoPE scaling"), ("llama_4_scaling", "position-dependent query scale"), ("moe", "MoE settings"),
+    ("activation", "MLP activation (Mistral params.json)"),
+    ("tied_embeddings", "which tensor embeds the tokens (Mistral params.json)"),
+    ("quantization", "quantized weights (Mistral params.json)"),
+    ("config_format", "params.json read over config.json (vLLM's Mistral format: another model class)"),
     # nested configs of multimodal and composite models
     ("text_config", "the language model of a multimodal model"),
 )
@@ -138,24 +142,42 @@ _digest_weights: Final = weights_digest  # reachable where a parameter shadows t
 # --------------------------------------------------------------------------
 
 
-def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """``config.json`` of a model directory as written (no defaults filled
-    in, so every reader gets the same fields), else ``params.json`` (the
-    Mistral format); {} when there is neither, or when ``model_dir`` is a
-    file (a GGUF file carries its config inside the weights, which the
-    weights digest covers)."""
+CONFIG_FORMATS: Final = ("auto", "hf", "mistral")
+"""vLLM's ``--config-format`` values :func:`load_config` reads as vLLM does."""
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{path}: {path.name} is not a JSON object")
+    return data
+
+
+def load_config(model_dir: str | os.PathLike[str], config_format: str = "auto") -> dict[str, Any]:
+    """The config vLLM computes with, as written (no defaults filled in,
+    so every reader gets the same fields): ``config.json`` of a model
+    directory, else ``params.json``; {} when there is neither, or when
+    ``model_dir`` is a file (a GGUF file carries its config inside the
+    weights, which the weights digest covers). In vLLM's Mistral format
+    (``config_format="mistral"``, or ``"auto"`` on a directory with
+    ``params.json`` and ``consolidated*.safetensors``, as vLLM detects it)
+    ``params.json``'s fields over ``config.json``'s (vLLM's defaults for
+    it), with ``config_format: "mistral"`` when there is a ``config.json``
+    (the same directory read the other way). InvalidArgument for a format
+    not in :data:`CONFIG_FORMATS`."""
+    if config_format not in CONFIG_FORMATS:
+        raise InvalidArgument(f"config format {config_format!r} is not one of {', '.join(CONFIG_FORMATS)}")
     base = Path(model_dir)
     if not base.is_dir():
         return {}
-    for name in ("config.json", "params.json"):
-        path = base / name
-        if path.is_file():
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            if not isinstance(data, dict):
-                raise InvalidArgument(f"{path}: {name} is not a JSON object")
-            return data
-    return {}
+    hf, params = _json_object(base / "config.json"), _json_object(base / "params.json")
+    if config_format == "mistral" or (config_format == "auto" and params is not None
+                                      and any(base.glob("consolidated*.safetensors"))):
+        return {**(hf or {}), **(params or {}), **({"config_format": "mistral"} if hf is not None else {})}
+    return hf if hf is not None else (params if config_format == "auto" and params is not None else {})
 
 
 def _merged(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -291,7 +313,7 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
                      compute_dtype: str | None = None, quantization: str | None = None,
                      hf_config: Mapping[str, Any] | None = None, model_id: str | None = None,
                      digest_cache: str | None = None, geometry: tuple[int, int, int] | None = None,
-                     disable_sliding_window: bool = False) -> Namespace:
+                     disable_sliding_window: bool = False, config_format: str = "auto") -> Namespace:
     """The namespace of the KV an engine computes for the model in
     ``model_dir``: the ONE derivation shared by the vLLM connector and the
     router (same arguments, same block keys).
@@ -304,12 +326,13 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
     - ``schema_version``: from :func:`kv_schema`;
     - ``hf_config``: the config to use instead of ``model_dir/config.json``
       (as written, no defaults filled in);
-    - ``disable_sliding_window``: vLLM's flag (:func:`window_off`).
+    - ``disable_sliding_window``: vLLM's flag (:func:`window_off`);
+    - ``config_format``: vLLM's ``--config-format`` (:func:`load_config`).
     """
     if hf_config is None:
         if model_dir is None:
             raise InvalidArgument("engine_namespace needs model_dir or hf_config")
-        hf_config = load_config(model_dir)
+        hf_config = load_config(model_dir, config_format)
     if weights_digest is None:
         if model_dir is None:
             raise InvalidArgument("engine_namespace needs model_dir or weights_digest")

@@ -421,3 +421,18 @@ def test_docs_list_every_field() -> None:
     text = (root / "docs" / "keys.md").read_text(encoding="utf-8")
     for name, why in KV_CONFIG_FIELDS:
         assert f"| `{name}` | {why} |" in text, name
+
+
+def test_the_mistral_format_reads_params_json_as_vllm_does(tmp_path: Path) -> None:
+    d = make_model(tmp_path / "m", {"model.safetensors": b"w"})
+    (d / "params.json").write_text(json.dumps({"dim": 256, "n_layers": 4, "norm_eps": 1e-5}))
+    hf = identity.load_config(d)
+    assert hf == BASE == identity.load_config(d, "hf")  # auto: config.json (no consolidated weights)
+    mistral = identity.load_config(d, "mistral")
+    assert mistral["norm_eps"] == 1e-5 and mistral["rms_norm_eps"] == BASE["rms_norm_eps"]
+    assert mistral["config_format"] == "mistral"
+    assert identity.config_digest(mistral) != identity.config_digest(hf)
+    (d / "consolidated.safetensors").write_bytes(b"w")  # vLLM's auto detection: params.json + consolidated
+    assert identity.load_config(d) == mistral and identity.load_config(d, "hf") == BASE
+    with pytest.raises(InvalidArgument, match="config format"):
+        identity.load_config(d, "gguf")
