@@ -215,13 +215,26 @@ def _unlisted(merged: Mapping[str, Any], overrides: Mapping[str, Any] | None) ->
     return out
 
 
+def _nested_config(value: Any) -> bool:
+    return isinstance(value, Mapping) and "model_type" in value
+
+
 def config_digest(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> str:
     """xxh3_128 hex over the canonical JSON of the :data:`KV_CONFIG_FIELDS`
     of ``hf_config`` after ``overrides`` (vLLM's ``hf_overrides``), plus
     every overridden field not in that list (a nested ``text_config``
-    override's included)."""
+    override's included), plus every dict-valued override as given but
+    those of a nested config (a dict with a ``model_type``, as transformers
+    writes one): vLLM sets a dict-valued field (``rope_parameters``,
+    ``rope_scaling``) to the given dict and merges only into nested
+    configs, so an override that leaves out a key of the config's dict runs
+    with that key's default, while merging it would give the config back."""
     merged = _merged(hf_config, overrides)
-    return _h128(_canonical({"fields": _select(merged), "overrides": _unlisted(merged, overrides)}))
+    doc = {"fields": _select(merged), "overrides": _unlisted(merged, overrides)}
+    if given := {k: v for k, v in sorted((overrides or {}).items())
+                 if isinstance(v, Mapping) and not _nested_config(hf_config.get(k))}:
+        doc["given"] = given  # (only then: the digest of every other config stays as it was)
+    return _h128(_canonical(doc))
 
 
 def window_off(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

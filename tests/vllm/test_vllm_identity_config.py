@@ -25,6 +25,11 @@ Cases:
   with ``consolidated*.safetensors`` and ``params.json`` under ``auto``):
   vLLM reads ``params.json`` over ``config.json`` (another model class,
   other values), so the namespace is that file's;
+- ``--hf-overrides`` of a dict-valued field (vLLM 0.32's way to set RoPE
+  scaling): vLLM sets the field to the given dict (it merges only nested
+  configs), so an override that leaves out a key of the config's dict
+  (here YaRN's ``beta_fast``) runs with that key's default: a new
+  namespace, although merging it into the config gives the config back;
 - ``--load-format safetensors``, ``--logits-processors``, ``--tokenizer-mode``
   and ``--code-revision`` on a local directory change no KV: the same
   namespace.
@@ -77,6 +82,7 @@ PARAMS = {"dim": 256, "n_layers": 4, "head_dim": 64, "hidden_dim": 512, "n_heads
 """The tiny Llama's ``params.json`` (Mistral format): another norm epsilon and RoPE base than its
 ``config.json``."""
 MIN_P = "vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor"
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 1024}
 
 
 def _edit(d: str, **fields) -> None:
@@ -110,6 +116,8 @@ def probed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         json.dump(PARAMS, f)
     mistral_auto = shutil.copytree(mistral, os.path.join(work, "mistral-auto"))  # + consolidated weights
     shutil.copy(os.path.join(mistral, "model.safetensors"), os.path.join(mistral_auto, "consolidated.safetensors"))
+    yarn = shutil.copytree(tiny_model, os.path.join(work, "yarn"))
+    _edit(yarn, rope_parameters={**YARN, "beta_fast": 64.0})
     tok = os.path.join(work, "tokenizer-only")
     os.makedirs(tok)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -135,14 +143,15 @@ def probed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "load_format": {"model": base, "load_format": "safetensors"},
              "logits_processors": {"model": base, "logits_processors": [MIN_P]},
              "tokenizer_mode": {"model": base, "tokenizer_mode": "hf"},
-             "code_revision": {"model": base, "code_revision": "other"}}
+             "code_revision": {"model": base, "code_revision": "other"},
+             "yarn": {"model": yarn}, "yarn_partial": {"model": yarn, "hf_overrides": {"rope_parameters": YARN}}}
     digests = os.path.join(work, "digests.json")
     p = subprocess.run([VLLM_PY, "-c", PROBE, json.dumps(cases), digests],
                        env=vllm_env(HF_HUB_CACHE=os.path.join(work, "hub"), VLLM_LOGGING_LEVEL="ERROR"),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    out["dirs"] = {"base": base, "win": win, "theta": theta, "mistral": mistral, "mistral_auto": mistral_auto,
+    out["dirs"] = {"base": base, "win": win, "theta": theta, "mistral": mistral, "mistral_auto": mistral_auto, "yarn": yarn,
                    "digests": digests}
     return out
 
@@ -231,3 +240,11 @@ def test_the_mistral_config_format_is_the_config_used(probed: dict) -> None:
     assert _router(probed, "mistral") == hf
     assert _router(probed, "mistral_auto") == auto
     assert _router(probed, "mistral_auto", config_format="hf") == _ns(probed, "mistral_auto_hf")
+
+
+def test_a_dict_override_replaces_the_field_as_vllm_does(probed: dict) -> None:
+    # the override is the whole dict vLLM computes with: YaRN's beta_fast falls back to its default
+    assert probed["yarn"]["rope"]["beta_fast"] == 64.0 and "beta_fast" not in probed["yarn_partial"]["rope"]
+    partial = _ns(probed, "yarn_partial")
+    assert partial != _ns(probed, "yarn") and partial.weights_digest == _ns(probed, "yarn").weights_digest
+    assert _router(probed, "yarn", hf_overrides={"rope_parameters": YARN}) == partial

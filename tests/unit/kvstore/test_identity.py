@@ -111,10 +111,16 @@ def test_hf_overrides_enter_the_digest() -> None:
     assert config_digest(BASE, {"some_new_knob": 3}) != base
     # overriding a listed field to the value it has is the same model
     assert config_digest(BASE, {"rope_theta": 10000.0}) == base
-    # nested overrides update a nested config
-    nested = {**BASE, "text_config": {"rope_theta": 1.0, "hidden_size": 8}}
+    # nested overrides update a nested config (transformers writes its model_type)
+    nested = {**BASE, "text_config": {"model_type": "llama", "rope_theta": 1.0, "hidden_size": 8}}
     assert config_digest(nested, {"text_config": {"rope_theta": 2.0}}) == \
-        config_digest({**BASE, "text_config": {"rope_theta": 2.0, "hidden_size": 8}})
+        config_digest({**BASE, "text_config": {"model_type": "llama", "rope_theta": 2.0, "hidden_size": 8}})
+    # a dict-valued field is replaced by vLLM: leaving out a key of the config's dict is another model,
+    # although the dict merged into the config's would be the config's
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    cfg = {**BASE, "rope_scaling": {**yarn, "beta_fast": 64.0}}
+    assert config_digest(cfg, {"rope_scaling": yarn}) != config_digest(cfg)
+    assert config_digest(cfg, {"rope_scaling": yarn}) == config_digest(cfg, {"rope_scaling": dict(yarn)})
 
 
 def test_a_disabled_sliding_window_is_another_config() -> None:
@@ -133,14 +139,15 @@ def test_nested_override_of_an_unlisted_field_enters_the_digest() -> None:
     # a multimodal model's language model: an unlisted field of text_config
     # (Gemma 3's local-layer RoPE base) overridden through hf_overrides
     # changes the KV, so it must change the namespace like a top-level one
-    mm = {**BASE, "text_config": {"rope_theta": 1.0, "rope_local_base_freq": 10000.0}}
+    mm = {**BASE, "text_config": {"model_type": "gemma3_text", "rope_theta": 1.0, "rope_local_base_freq": 10000.0}}
     base = config_digest(mm)
     assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != base
     assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != \
         config_digest(mm, {"text_config": {"rope_local_base_freq": 40000.0}})
     # a listed nested field still counts once, as it would edited in config.json
     assert config_digest(mm, {"text_config": {"rope_theta": 2.0}}) == \
-        config_digest({**BASE, "text_config": {"rope_theta": 2.0, "rope_local_base_freq": 10000.0}})
+        config_digest({**BASE, "text_config": {"model_type": "gemma3_text", "rope_theta": 2.0,
+                                               "rope_local_base_freq": 10000.0}})
 
 
 def test_kv_schema_follows_the_config_geometry() -> None:
