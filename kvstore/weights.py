@@ -31,7 +31,7 @@ import xxhash
 from kvstore.errors import InvalidArgument
 
 __all__ = [
-    "CHUNK", "RACY_WINDOW_NS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "canonical", "h128",
+    "CHUNK", "RACY_WINDOW_NS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "canonical", "code_digest", "h128",
     "hf_snapshot_digest", "weight_files", "weights_digest", "weights_digest_async",
 ]
 
@@ -281,6 +281,14 @@ def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None
 
     threading.Thread(target=run, name="kvstore-weights-digest", daemon=True).start()
     return fut
+
+
+def code_digest(code_dir: str | os.PathLike[str]) -> str:
+    """``"code:"`` + XXH3-128 over (file name, XXH3-128 of the content) of
+    the top-level ``*.py`` files of ``code_dir`` (remote code, read whole:
+    they are small); "" when it has none."""
+    files = sorted(f for f in Path(code_dir).iterdir() if f.suffix == ".py" and f.is_file())
+    return "code:" + h128(canonical([(f.name, _hash_file(str(f))) for f in files])) if files else ""
 
 
 _ADAPTER_CONFIG_SKIP: Final = frozenset({"base_model_name_or_path", "revision", "inference_mode"})
