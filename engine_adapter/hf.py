@@ -40,7 +40,7 @@ from kvstore.identity import engine_namespace
 from kvstore.keys import KVLayout, Namespace
 
 __all__ = ["Generation", "HFPrefixCache", "build_model", "check_tp", "greedy_generate", "llama_config",
-           "model_namespace", "new_cache", "shard_model", "weights_digest"]
+           "engine_version", "model_namespace", "new_cache", "shard_model", "weights_digest"]
 
 
 # --------------------------------------------------------------------------
@@ -108,28 +108,51 @@ def check_tp(model_or_config: Any, tp_size: int) -> None:
 
 
 HF_LAYOUT_TAG = "hf-dynamic-cache|layer_kv_page"
-"""The engine part of the HF adapter's layout schema (:func:`kvstore.identity.kv_schema`)."""
+"""The engine part of the HF adapter's layout schema (:func:`kvstore.identity.kv_schema`),
+followed by ``|hf=<engine_version>``."""
+
+
+def engine_version(given: str | None = None) -> str:
+    """The library versions the namespace names: ``transformers=<v>,torch=<v>``
+    (an upgrade of either may compute other KV: another attention kernel,
+    RoPE or norm implementation), or ``given`` (an operator who knows two
+    versions compute the same KV gives both the same string); an empty
+    or overlong one is refused (InvalidArgument)."""
+    if given is None:
+        import transformers
+
+        return f"transformers={transformers.__version__},torch={torch.__version__}"
+    if not isinstance(given, str) or not given.strip() or len(given) > 200:
+        raise InvalidArgument(f"engine_version must be a non-empty string of at most 200 characters "
+                              f"(the library versions to name in the namespace), got {given!r}")
+    return given
 
 
 def model_namespace(model: Any, *, tenant: str = "default", block_size: int = 16, tp_size: int = 1,
                     model_id: str | None = None, digest: str | None = None,
-                    dtype: torch.dtype | None = None) -> Namespace:
+                    dtype: torch.dtype | None = None, engine_version: str | None = None) -> Namespace:
     """The namespace of ``model``'s KV, from the same function the vLLM
     connector and the router use (:func:`kvstore.identity.engine_namespace`):
     weights digest (computed from the parameters when not given: do it
     before sharding), the KV-affecting config fields
     (:data:`kvstore.identity.KV_CONFIG_FIELDS`, read from ``model.config``),
     model id derived from them (unless given), KV dtype, layout, block
-    size, TP size, and the schema version of the layout."""
+    size, TP size, and the schema version of the layout, which names the
+    transformers and torch versions (:func:`engine_version`; ``engine_version``
+    replaces them)."""
     cfg = getattr(model, "config", model)
     to_dict = getattr(cfg, "to_dict", None)
     hf_config = dict(to_dict()) if callable(to_dict) else {}
     if dtype is None:
         dtype = next(model.parameters()).dtype
+    tag = f"{HF_LAYOUT_TAG}|hf={_engine_version(engine_version)}"
     return engine_namespace(None, hf_config=hf_config, weights_digest=digest or weights_digest(model),
                             block_size=block_size, kv_dtype=kv_dtype_of(dtype), tp_size=tp_size, tenant=tenant,
-                            layout=KVLayout.LAYER_KV_PAGE, layout_tag=HF_LAYOUT_TAG, compute_dtype=str(dtype),
+                            layout=KVLayout.LAYER_KV_PAGE, layout_tag=tag, compute_dtype=str(dtype),
                             model_id=model_id)
+
+
+_engine_version = engine_version  # reachable where a parameter shadows the name
 
 
 def _decoder_layers(model: Any) -> Any:

@@ -36,6 +36,7 @@ from kvstore import identity
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.keys import KVDtype, KVLayout, Namespace
+from kvstore.weights import code_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -208,6 +209,23 @@ def _config_dir(mc: Any, model_dir: str | None) -> str | None:
     return found if found is not None and os.path.isdir(found) else None
 
 
+def _code_revision(mc: Any, model_dir: str | None) -> str | None:
+    """The remote code vLLM runs from another revision than the weights':
+    with ``--code-revision`` and ``--trust-remote-code`` on a repository
+    id, :func:`kvstore.weights.code_digest` of that revision's cache
+    snapshot; "" when none applies (a local directory's code is hashed with
+    its weights); None when that snapshot is not on this host."""
+    rev, model = getattr(mc, "code_revision", None), str(mc.model)
+    if not rev or not getattr(mc, "trust_remote_code", False) or os.path.exists(model):
+        return ""
+    code_dir = local_dir(model, str(rev))
+    if code_dir is None or not os.path.isdir(code_dir):
+        return None
+    if model_dir is not None and os.path.realpath(code_dir) == os.path.realpath(model_dir):
+        return ""
+    return code_digest(code_dir)
+
+
 def _overrides(mc: Any) -> dict[str, Any]:
     """vLLM's ``hf_overrides`` as a mapping. A callable override cannot be
     replayed by a router: its effect (the KV fields of the config vLLM ended
@@ -257,9 +275,10 @@ class ConnectorIdentity:
         if not self.given_digest and str(getattr(load, "load_format", "")) == "dummy":
             self.given_digest = DUMMY_WEIGHTS
         cfg_dir = _config_dir(mc, self.model_dir)
-        if cfg_dir is not None:
-            self.hf_config: dict[str, Any] = identity.load_config(cfg_dir)
-        else:
+        self.config_format = str(getattr(mc, "config_format", None) or "auto")
+        if cfg_dir is not None and self.config_format in identity.CONFIG_FORMATS:
+            self.hf_config: dict[str, Any] = identity.load_config(cfg_dir, self.config_format)
+        else:  # not on this host, or a custom config parser: what vLLM loaded stands for it
             get = getattr(getattr(mc, "hf_config", None), "to_diff_dict", None)
             self.hf_config = dict(get()) if callable(get) else {}
         self.future: Future[str]
@@ -274,6 +293,13 @@ class ConnectorIdentity:
             self.future = identity.weights_digest_async(self.model_dir,
                                                         cache=extra.get("digest_cache") or None)
         self.failed = False
+        code = _code_revision(mc, self.model_dir)
+        self.code = code or ""
+        """The digest of remote code from another revision (``--code-revision``), added to the weights'."""
+        if code is None:
+            log.warning("kvstore connector: the code of %s at code revision %s is not on this host; the store is "
+                        "unused", mc.model, mc.code_revision)
+            self.failed = True
         if getattr(mc, "model_class_overrides", None):  # another class: code the namespace cannot name
             log.warning("kvstore connector: model_class_overrides %s runs code the cache identity cannot name; "
                         "the store is unused", mc.model_class_overrides)
@@ -302,6 +328,7 @@ class ConnectorIdentity:
                                   "quantization": _quantization(mc, in_config),
                                   "geometry": None if from_config == geometry else geometry}
         self.descriptor = identity.kv_schema(self.hf_config, overrides=overrides, **schema)[0]
+        weights = f"{weights}+{self.code}" if self.code else weights
         return identity.engine_namespace(
             self.model_dir, hf_config=self.hf_config, weights_digest=weights, tenant=str(extra.get("tenant", "default")),
             hf_overrides=overrides, layout=KVLayout.OPAQUE,

@@ -83,6 +83,15 @@ class ReqState:
     """Leading blocks known stored (or planned)."""
 
 
+def _files_stamp(adapter_dir: str) -> tuple[Any, ...]:
+    """What must stay equal for a LoRA's remembered digest to hold: its
+    real directory and the (size, inode, device, mtime, ctime) of its
+    ``adapter_config.json`` and weight files."""
+    files = [os.path.join(adapter_dir, "adapter_config.json"), *map(str, identity.weight_files(adapter_dir, code=True))]
+    return (os.path.realpath(adapter_dir),
+            *((os.path.basename(f), *identity.DigestCache.stamp(os.stat(f))) for f in files if os.path.exists(f)))
+
+
 class SchedulerSide:
     """Lookups and the per-step plan of one scheduler-role connector."""
 
@@ -103,7 +112,10 @@ class SchedulerSide:
         self.tails: list[BlockMove] = []  # tail saves of finished requests, sent with the next step's plan
         self.tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self.events: list[Any] = []
-        self.adapters: dict[tuple[int, str, str], str] = {}
+        self.adapters: dict[tuple[int, str, str], tuple[tuple[Any, ...], str]] = {}
+        """LoRA (id, name, path) -> (its files' stamps, its ``adapter_id``)."""
+        self.changed: set[tuple[int, str, str]] = set()
+        """LoRAs whose files changed under the same (id, name, path): not cached."""
         self.unidentified: set[tuple[int, str, str]] = set()
         """LoRAs warned about (not identified)."""
 
@@ -145,25 +157,41 @@ class SchedulerSide:
         this host (yet: vLLM's worker may download them later) or cannot be
         hashed: a name alone would give another adapter of that name these
         blocks, so the request is not cached. Remembered per (id, name,
-        path) for the process (vLLM gives an updated adapter a new id)."""
+        path) for the process with the files' stamps (a ``stat`` each,
+        checked per request): should the files change under the same id,
+        name and path (vLLM's ``load_inplace`` reload, or files rewritten
+        in place), which version a request computes with depends on when
+        vLLM's worker reloads them, so that adapter is not cached again in
+        this process (loaded under a new name, it is a new id)."""
         name = str(getattr(lora, "lora_name", "") or "")
         path = str(getattr(lora, "lora_path", None) or getattr(lora, "lora_local_path", None) or "")
         memo_key = (int(getattr(lora, "lora_int_id", 0) or 0), name, path)
-        got = self.adapters.get(memo_key)
-        if got is None:
-            local = local_dir(path) if path else None
-            try:
-                if local is None or not os.path.isdir(local):
-                    raise FileNotFoundError(f"no adapter directory or cached repository {path!r}")
-                got = identity.adapter_digest(local)
-            except (OSError, ValueError) as e:  # not here, no weight files, unreadable: unidentified
-                if memo_key not in self.unidentified:
-                    self.unidentified.add(memo_key)
-                    log.warning("kvstore connector: cannot identify LoRA %s (%s); its requests are not cached",
-                                name, e)
+        if memo_key in self.changed:
+            return None
+        local = local_dir(path) if path else None
+        try:
+            if local is None or not os.path.isdir(local):
+                raise FileNotFoundError(f"no adapter directory or cached repository {path!r}")
+            stamp = _files_stamp(local)
+            got = self.adapters.get(memo_key)
+            if got is not None and got[0] != stamp:
+                self.changed.add(memo_key)
+                self.adapters.pop(memo_key, None)
+                log.warning("kvstore connector: the files of LoRA %s (%s) changed under the same vLLM id; its "
+                            "requests are no longer cached (load it under a new name to cache it)", name, path)
                 return None
-            self.adapters[memo_key] = got
-        return got
+            if got is None:
+                got = (stamp, identity.adapter_digest(local))
+                if _files_stamp(local) != stamp:  # changed while hashed: try again next request
+                    return None
+                self.adapters[memo_key] = got
+        except (OSError, ValueError) as e:  # not here, no weight files, unreadable: unidentified
+            if memo_key not in self.unidentified:
+                self.unidentified.add(memo_key)
+                log.warning("kvstore connector: cannot identify LoRA %s (%s); its requests are not cached",
+                            name, e)
+            return None
+        return got[1]
 
     def keys_upto(self, st: ReqState, n: int) -> int:
         """Make ``st.keys`` cover the first ``n`` full blocks of the

@@ -4,8 +4,9 @@ A cached block may be served only to the model that computed it. Two
 engines share blocks exactly when the KV they compute for the same tokens
 is the same, so the namespace names:
 
-- the **weights** (:func:`weights_digest`): the content of the weight
-  files (and remote code), hashed once and remembered in a small sidecar cache keyed by each
+- the **weights** (:func:`weights_digest`, in :mod:`kvstore.weights` and
+  re-exported here): the content of the weight files (and remote code),
+  hashed once and remembered in a small sidecar cache keyed by each
   file's path, size, inode, device, mtime and ctime; for a Hugging Face
   cache snapshot, the blobs its weight files link to (named by their
   content hash, so nothing is read);
@@ -27,17 +28,9 @@ keys agree. Leaf module: stdlib and xxhash only.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
 import os
-import re
-import stat
-import tempfile
-import threading
-import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
@@ -45,10 +38,21 @@ import xxhash
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KVDtype, KVLayout, Namespace
+from kvstore.weights import (
+    WEIGHT_SUFFIXES,
+    DigestCache,
+    adapter_digest,
+    hf_snapshot_digest,
+    weight_files,
+    weights_digest,
+    weights_digest_async,
+)
+from kvstore.weights import canonical as _canonical
+from kvstore.weights import h128 as _h128
 
 __all__ = [
-    "KV_CONFIG_FIELDS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "config_digest", "config_geometry",
-    "engine_namespace", "hf_snapshot_digest", "kv_schema", "load_config", "vllm_layout_tag", "weight_files",
+    "CONFIG_FORMATS", "KV_CONFIG_FIELDS", "WEIGHT_SUFFIXES", "DigestCache", "adapter_digest", "config_digest",
+    "config_geometry", "engine_namespace", "hf_snapshot_digest", "kv_schema", "load_config", "vllm_layout_tag", "weight_files",
     "weights_digest", "weights_digest_async", "window_off",
 ]
 
@@ -115,6 +119,10 @@ KV_CONFIG_FIELDS: Final[tuple[tuple[str, str], ...]] = (
     ("dim", "residual width (Mistral params.json)"), ("n_layers", "layers"), ("n_heads", "query heads"),
     ("n_kv_heads", "KV heads"), ("hidden_dim", "MLP width"), ("norm_eps", "normalisation epsilon"),
     ("yarn", "YaRN RoPE scaling"), ("llama_4_scaling", "position-dependent query scale"), ("moe", "MoE settings"),
+    ("activation", "MLP activation (Mistral params.json)"),
+    ("tied_embeddings", "which tensor embeds the tokens (Mistral params.json)"),
+    ("quantization", "quantized weights (Mistral params.json)"),
+    ("config_format", "params.json read over config.json (vLLM's Mistral format: another model class)"),
     # nested configs of multimodal and composite models
     ("text_config", "the language model of a multimodal model"),
 )
@@ -126,281 +134,7 @@ side of including a field: a wrong hit costs correctness, a miss only time."""
 
 _FIELD_NAMES: Final = tuple(name for name, _ in KV_CONFIG_FIELDS)
 
-WEIGHT_SUFFIXES: Final[tuple[str, ...]] = (
-    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".npz", ".pdparams", ".tensors",
-    ".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json",
-)
-"""Files of a model directory that :func:`weights_digest` hashes (top level
-only; vLLM loads from there)."""
-
-CHUNK: Final = 64 << 20
-"""Bytes hashed per call of the content hash."""
-RACY_WINDOW_NS: Final = 2_000_000_000
-"""Files changed this recently (ns) before being hashed are not cached."""
-_SNAPSHOT_RE: Final = re.compile(r"^[0-9a-f]{40}$")
-_CACHE_VERSION: Final = 1
-_CACHE_MAX_ENTRIES: Final = 4096
-_INFLIGHT_LOCK: Final = threading.Lock()
-_INFLIGHT: dict[tuple[str, str, str], Future[str]] = {}
-
-
-def _canonical(value: Any) -> str:
-    """Canonical JSON (sorted keys, no spaces); non-JSON values as their repr."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr)
-
-
-def _h128(text: str) -> str:
-    return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
-
-
-# --------------------------------------------------------------------------
-# Weights
-# --------------------------------------------------------------------------
-
-
-def weight_files(model_dir: str | os.PathLike[str], code: bool = False) -> list[Path]:
-    """The weight files :func:`weights_digest` covers, sorted by name: the
-    path itself when it is a file (a ``.gguf``), else the top-level files of
-    the directory ending in one of :data:`WEIGHT_SUFFIXES`; with ``code``,
-    and when there are any, also its ``*.py`` files: remote code (vLLM's
-    Transformers backend with ``trust_remote_code`` runs it) computes too."""
-    p = Path(model_dir)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise InvalidArgument(f"model directory {str(p)!r} does not exist")
-    files = sorted(f for f in p.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file())
-    return sorted(files + [f for f in p.iterdir() if f.suffix == ".py" and f.is_file()]) if code and files else files
-
-
-def hf_snapshot_digest(model_dir: str | os.PathLike[str]) -> str | None:
-    """For a Hugging Face cache snapshot (``.../snapshots/<40-hex commit>/``)
-    whose weight files are all links into the repository's ``blobs/``:
-    ``"hf:"`` + a hash of (file name, blob name) pairs. Blob names are the
-    files' content hashes (SHA-256 for LFS files), checked by the download,
-    so nothing is read; two commits with the same weights share it. None
-    when ``model_dir`` is not such a snapshot or a weight file was replaced
-    by a plain file (then the content is hashed)."""
-    p = Path(model_dir)
-    if not (p.is_dir() and p.parent.name == "snapshots" and _SNAPSHOT_RE.match(p.name)):
-        return None
-    blobs = (p.parent.parent / "blobs").resolve()
-    pairs = []
-    for f in weight_files(p, code=True):
-        if not f.is_symlink():
-            return None
-        target = f.resolve()
-        if target.parent != blobs:
-            return None
-        pairs.append((f.name, target.name, target.stat().st_size))
-    if not pairs:
-        return None
-    return "hf:" + _h128(_canonical(pairs))
-
-
-class DigestCache:
-    """The sidecar cache of per-file content digests: a JSON file mapping a
-    weight file's real path to its digest and the ``(size, inode, device,
-    mtime_ns, ctime_ns)`` it had when hashed. An entry whose file changed in
-    any of these is stale. Written atomically (temp file + rename), mode
-    0600; a missing or corrupt cache is treated as empty.
-
-    A file changed less than ``racy_window_ns`` before it was hashed is not
-    remembered (hashed again next time): file times tick coarsely, so a
-    write in the same tick as the hash could leave every stamp field equal
-    (git's "racily clean" entries)."""
-
-    def __init__(self, path: str | os.PathLike[str] | None = None, *,
-                 racy_window_ns: int = RACY_WINDOW_NS) -> None:
-        self.path = Path(path) if path is not None else self.default_path()
-        self.racy_window_ns = racy_window_ns
-
-    @staticmethod
-    def default_path() -> Path:
-        """``$KVSTORE_DIGEST_CACHE``, else ``$XDG_CACHE_HOME/kvstore/weights-digest.json``
-        (``~/.cache/kvstore/weights-digest.json``)."""
-        env = os.environ.get("KVSTORE_DIGEST_CACHE")
-        if env:
-            return Path(env)
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return Path(base) / "kvstore" / "weights-digest.json"
-
-    @staticmethod
-    def stamp(st: os.stat_result) -> list[int]:
-        """What must stay equal for a cached digest to hold."""
-        return [st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns]
-
-    def load(self) -> dict[str, dict[str, Any]]:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-            if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
-                return {}
-            files = data.get("files")
-            return {k: v for k, v in files.items() if isinstance(v, dict)} if isinstance(files, dict) else {}
-        except (OSError, ValueError, AttributeError):
-            return {}
-
-    def lookup(self, entries: Mapping[str, Mapping[str, Any]], real: str, st: os.stat_result) -> str | None:
-        e = entries.get(real)
-        if e is None or e.get("stamp") != self.stamp(st) or not isinstance(e.get("digest"), str):
-            return None
-        return str(e["digest"])
-
-    def store(self, new: Mapping[str, Mapping[str, Any]]) -> None:
-        """Merge ``new`` into the file (re-read first, so concurrent writers
-        lose little) and write it atomically; failures are ignored (the
-        cache only saves time)."""
-        if not new:
-            return
-        try:
-            files = self.load()
-            files.update({k: dict(v) for k, v in new.items()})
-            if len(files) > _CACHE_MAX_ENTRIES:
-                files = dict(list(files.items())[-_CACHE_MAX_ENTRIES:])
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd, tmp = tempfile.mkstemp(prefix=".weights-digest.", dir=self.path.parent)
-            try:
-                os.fchmod(fd, stat.S_IRUSR | stat.S_IWUSR)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump({"version": _CACHE_VERSION, "files": files}, f, separators=(",", ":"))
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        except OSError:
-            pass
-
-
-def _hash_file(path: str) -> str:
-    """xxh3_128 of a file's bytes: mapped and hashed in :data:`CHUNK`
-    pieces (no copy out of the page cache, where vLLM has just read the
-    weights); read in pieces where mapping fails."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
-        try:
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (ValueError, OSError):  # empty, or a file that cannot be mapped
-            m = None
-        if m is not None:
-            with m:
-                if hasattr(m, "madvise"):
-                    m.madvise(mmap.MADV_SEQUENTIAL)
-                view = memoryview(m)
-                try:
-                    for i in range(0, len(m), CHUNK):
-                        h.update(view[i:i + CHUNK])
-                finally:
-                    view.release()
-            return h.hexdigest()
-        buf = bytearray(CHUNK)
-        chunk = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(chunk[:n])
-    return h.hexdigest()
-
-
-def _content_digest(files: list[Path], cache: DigestCache | None, threads: int) -> str:
-    entries = cache.load() if cache is not None else {}
-    rows: list[tuple[str, int, str | None, str, os.stat_result]] = []
-    for f in files:
-        real = os.path.realpath(f)
-        st = os.stat(real)
-        rows.append((f.name, st.st_size, cache.lookup(entries, real, st) if cache else None, real, st))
-    todo = [r for r in rows if r[2] is None]
-    done: dict[str, str] = {}
-    if todo:
-        # biggest first, so the pool finishes together
-        todo.sort(key=lambda r: -r[1])
-        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as pool:
-            for r, d in zip(todo, pool.map(lambda r: _hash_file(r[3]), todo)):
-                done[r[3]] = d
-        if cache is not None:
-            new = {}
-            now = time.time_ns()
-            for _name, _size, _d, real, st_before in todo:
-                st_after = os.stat(real)
-                changed = max(st_after.st_mtime_ns, st_after.st_ctime_ns)
-                if DigestCache.stamp(st_after) == DigestCache.stamp(st_before) and \
-                        now - changed >= cache.racy_window_ns:  # not changed while (or just before) hashed
-                    new[real] = {"stamp": DigestCache.stamp(st_after), "digest": done[real]}
-            cache.store(new)
-    parts = [(name, size, d if d is not None else done[real]) for name, size, d, real, _st in rows]
-    return "xxh3:" + _h128(_canonical(parts))
-
-
-def weights_digest(model_dir: str | os.PathLike[str], *, cache: DigestCache | str | None = None,
-                   use_cache: bool = True, threads: int | None = None, hf_snapshot: bool = True) -> str:
-    """A digest of the model's weights that changes whenever a weight file's
-    content does: ``hf:...`` for an unmodified Hugging Face cache snapshot
-    (:func:`hf_snapshot_digest`), else ``xxh3:...`` over (file name, size,
-    xxh3_128 of the content) of every file of :func:`weight_files`, hashed
-    in parallel (``threads``, default up to 8) and remembered in the
-    :class:`DigestCache` (``cache``: a path or a cache; default
-    :meth:`DigestCache.default_path`), so a later start with unchanged files
-    reads no weight bytes. Raises InvalidArgument when there are no weight
-    files."""
-    if hf_snapshot:
-        snap = hf_snapshot_digest(model_dir)
-        if snap is not None:
-            return snap
-    files = weight_files(model_dir, code=True)
-    if not files:
-        raise InvalidArgument(f"no weight files ({', '.join(WEIGHT_SUFFIXES[:5])}, ...) in {str(model_dir)!r}")
-    dc = (cache if isinstance(cache, DigestCache) else DigestCache(cache)) if use_cache else None
-    return _content_digest(files, dc, threads or min(8, os.cpu_count() or 1))
-
-
 _digest_weights: Final = weights_digest  # reachable where a parameter shadows the name
-
-
-def weights_digest_async(model_dir: str | os.PathLike[str], *, cache: str | None = None) -> Future[str]:
-    """:func:`weights_digest` in a background thread, shared by every caller
-    in this process that asks for the same directory while it runs (two
-    connector instances of one process hash once)."""
-    key = (os.path.realpath(model_dir), str(cache or ""), "")
-    with _INFLIGHT_LOCK:
-        if (fut := _INFLIGHT.get(key)) is not None:
-            return fut
-        fut = _INFLIGHT[key] = Future()
-
-    def run() -> None:
-        try:
-            digest: str | None = weights_digest(model_dir, cache=cache)
-            error: BaseException | None = None
-        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-            digest, error = None, e
-        with _INFLIGHT_LOCK:  # shared only while it runs: a later call sees later files
-            _INFLIGHT.pop(key, None)
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(str(digest))
-
-    threading.Thread(target=run, name="kvstore-weights-digest", daemon=True).start()
-    return fut
-
-
-_ADAPTER_CONFIG_SKIP: Final = frozenset({"base_model_name_or_path", "revision", "inference_mode"})
-
-
-def adapter_digest(adapter_dir: str | os.PathLike[str], *, cache: DigestCache | str | None = None) -> str:
-    """The namespace ``adapter_id`` of a LoRA (PEFT) adapter directory:
-    ``"lora:"`` + XXH3-128 over its ``adapter_config.json`` (every field but
-    the base model's path and revision, which the namespace names already)
-    and the :func:`weights_digest` of its weight files. Like the model's,
-    it changes when the adapter's files do, and not with its name or path."""
-    p = Path(adapter_dir)
-    cfg: dict[str, Any] = {}
-    cfg_path = p / "adapter_config.json"
-    if cfg_path.is_file():
-        with open(cfg_path, encoding="utf-8") as f:
-            data = json.load(f)
-        if isinstance(data, dict):
-            cfg = {k: v for k, v in data.items() if k not in _ADAPTER_CONFIG_SKIP}
-    weights = weights_digest(p, cache=cache)
-    return "lora:" + _h128(_canonical({"config": cfg, "weights": weights}))
 
 
 # --------------------------------------------------------------------------
@@ -408,24 +142,42 @@ def adapter_digest(adapter_dir: str | os.PathLike[str], *, cache: DigestCache | 
 # --------------------------------------------------------------------------
 
 
-def load_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """``config.json`` of a model directory as written (no defaults filled
-    in, so every reader gets the same fields), else ``params.json`` (the
-    Mistral format); {} when there is neither, or when ``model_dir`` is a
-    file (a GGUF file carries its config inside the weights, which the
-    weights digest covers)."""
+CONFIG_FORMATS: Final = ("auto", "hf", "mistral")
+"""vLLM's ``--config-format`` values :func:`load_config` reads as vLLM does."""
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{path}: {path.name} is not a JSON object")
+    return data
+
+
+def load_config(model_dir: str | os.PathLike[str], config_format: str = "auto") -> dict[str, Any]:
+    """The config vLLM computes with, as written (no defaults filled in,
+    so every reader gets the same fields): ``config.json`` of a model
+    directory, else ``params.json``; {} when there is neither, or when
+    ``model_dir`` is a file (a GGUF file carries its config inside the
+    weights, which the weights digest covers). In vLLM's Mistral format
+    (``config_format="mistral"``, or ``"auto"`` on a directory with
+    ``params.json`` and ``consolidated*.safetensors``, as vLLM detects it)
+    ``params.json``'s fields over ``config.json``'s (vLLM's defaults for
+    it), with ``config_format: "mistral"`` when there is a ``config.json``
+    (the same directory read the other way). InvalidArgument for a format
+    not in :data:`CONFIG_FORMATS`."""
+    if config_format not in CONFIG_FORMATS:
+        raise InvalidArgument(f"config format {config_format!r} is not one of {', '.join(CONFIG_FORMATS)}")
     base = Path(model_dir)
     if not base.is_dir():
         return {}
-    for name in ("config.json", "params.json"):
-        path = base / name
-        if path.is_file():
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            if not isinstance(data, dict):
-                raise InvalidArgument(f"{path}: {name} is not a JSON object")
-            return data
-    return {}
+    hf, params = _json_object(base / "config.json"), _json_object(base / "params.json")
+    if config_format == "mistral" or (config_format == "auto" and params is not None
+                                      and any(base.glob("consolidated*.safetensors"))):
+        return {**(hf or {}), **(params or {}), **({"config_format": "mistral"} if hf is not None else {})}
+    return hf if hf is not None else (params if config_format == "auto" and params is not None else {})
 
 
 def _merged(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -463,13 +215,26 @@ def _unlisted(merged: Mapping[str, Any], overrides: Mapping[str, Any] | None) ->
     return out
 
 
+def _nested_config(value: Any) -> bool:
+    return isinstance(value, Mapping) and "model_type" in value
+
+
 def config_digest(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> str:
     """xxh3_128 hex over the canonical JSON of the :data:`KV_CONFIG_FIELDS`
     of ``hf_config`` after ``overrides`` (vLLM's ``hf_overrides``), plus
     every overridden field not in that list (a nested ``text_config``
-    override's included)."""
+    override's included), plus every dict-valued override as given but
+    those of a nested config (a dict with a ``model_type``, as transformers
+    writes one): vLLM sets a dict-valued field (``rope_parameters``,
+    ``rope_scaling``) to the given dict and merges only into nested
+    configs, so an override that leaves out a key of the config's dict runs
+    with that key's default, while merging it would give the config back."""
     merged = _merged(hf_config, overrides)
-    return _h128(_canonical({"fields": _select(merged), "overrides": _unlisted(merged, overrides)}))
+    doc = {"fields": _select(merged), "overrides": _unlisted(merged, overrides)}
+    if given := {k: v for k, v in sorted((overrides or {}).items())
+                 if isinstance(v, Mapping) and not _nested_config(hf_config.get(k))}:
+        doc["given"] = given  # (only then: the digest of every other config stays as it was)
+    return _h128(_canonical(doc))
 
 
 def window_off(hf_config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -561,7 +326,7 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
                      compute_dtype: str | None = None, quantization: str | None = None,
                      hf_config: Mapping[str, Any] | None = None, model_id: str | None = None,
                      digest_cache: str | None = None, geometry: tuple[int, int, int] | None = None,
-                     disable_sliding_window: bool = False) -> Namespace:
+                     disable_sliding_window: bool = False, config_format: str = "auto") -> Namespace:
     """The namespace of the KV an engine computes for the model in
     ``model_dir``: the ONE derivation shared by the vLLM connector and the
     router (same arguments, same block keys).
@@ -574,12 +339,13 @@ def engine_namespace(model_dir: str | os.PathLike[str] | None, *, block_size: in
     - ``schema_version``: from :func:`kv_schema`;
     - ``hf_config``: the config to use instead of ``model_dir/config.json``
       (as written, no defaults filled in);
-    - ``disable_sliding_window``: vLLM's flag (:func:`window_off`).
+    - ``disable_sliding_window``: vLLM's flag (:func:`window_off`);
+    - ``config_format``: vLLM's ``--config-format`` (:func:`load_config`).
     """
     if hf_config is None:
         if model_dir is None:
             raise InvalidArgument("engine_namespace needs model_dir or hf_config")
-        hf_config = load_config(model_dir)
+        hf_config = load_config(model_dir, config_format)
     if weights_digest is None:
         if model_dir is None:
             raise InvalidArgument("engine_namespace needs model_dir or weights_digest")

@@ -44,6 +44,7 @@ from enum import StrEnum
 from typing import Any
 
 from kvstore.errors import InvalidArgument
+from kvstore.identity import CONFIG_FORMATS
 from kvstore.keys import KVDtype
 
 __all__ = ["ApiKey", "BackendSpec", "ModelSpec", "PDSpec", "PredictorSpec", "RouterConfig", "RoutingPolicy", "ServiceClass",
@@ -170,6 +171,9 @@ class ModelSpec:
     engine_version: str = ""
     """The vLLM version named in the namespace (the connector's ``engine_version``, or the backends'
     ``vllm.__version__``); "" = each backend's own, from its ``GET /version``."""
+    config_format: str = "auto"
+    """The backends' ``--config-format``: ``mistral`` reads ``params.json`` over ``config.json`` (``auto``
+    does so, as vLLM does, in a directory with ``params.json`` and ``consolidated*.safetensors``)."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.path:
@@ -177,6 +181,9 @@ class ModelSpec:
         if not 1 <= self.block_size <= 65536:
             raise _bad(f"model[{self.name}].block_size", self.block_size, "allowed: 1..65536")
         KVDtype.parse(self.kv_dtype, f"model[{self.name}].kv_dtype")
+        if self.config_format not in CONFIG_FORMATS:
+            raise _bad(f"model[{self.name}].config_format", self.config_format,
+                       f"allowed: {', '.join(CONFIG_FORMATS)}")
         if len(self.engine_version) > 200:
             raise _bad(f"model[{self.name}].engine_version", self.engine_version[:40], "at most 200 characters")
         if self.tp_size < 1 or self.max_model_len < 0:

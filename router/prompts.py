@@ -66,7 +66,7 @@ def shared_namespace(spec: ModelSpec) -> Namespace:
                                                        spec.engine_version),
                             compute_dtype=spec.dtype or None, model_id=spec.model_id or None,
                             disable_sliding_window=spec.disable_sliding_window,
-                            quantization=spec.quantization or None)
+                            quantization=spec.quantization or None, config_format=spec.config_format)
 
 
 @dataclass(slots=True)

@@ -20,7 +20,19 @@ Cases:
   namespace;
 - the vLLM version (another version may compute other KV): part of the
   namespace, unless the connector's ``engine_version`` names the version
-  to hash in its place.
+  to hash in its place;
+- the Mistral config format (``--config-format mistral``, or a directory
+  with ``consolidated*.safetensors`` and ``params.json`` under ``auto``):
+  vLLM reads ``params.json`` over ``config.json`` (another model class,
+  other values), so the namespace is that file's;
+- ``--hf-overrides`` of a dict-valued field (vLLM 0.32's way to set RoPE
+  scaling): vLLM sets the field to the given dict (it merges only nested
+  configs), so an override that leaves out a key of the config's dict
+  (here YaRN's ``beta_fast``) runs with that key's default: a new
+  namespace, although merging it into the config gives the config back;
+- ``--load-format safetensors``, ``--logits-processors``, ``--tokenizer-mode``
+  and ``--code-revision`` on a local directory change no KV: the same
+  namespace.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ for name, kw in json.loads(sys.argv[1]).items():
     ns = ident.ns
     mc = vc.model_config
     out[name] = {"ns": ns.to_dict() if ns else None, "layout_tag": ident.layout_tag,
+                 "arch": mc.architecture, "rms_norm_eps": getattr(mc.hf_config, "rms_norm_eps", None),
                  "sliding_window": getattr(mc.hf_text_config, "sliding_window", None),
                  "rope": dict(getattr(mc.hf_config, "rope_parameters", None) or {})}
 print(json.dumps(out))
@@ -64,6 +77,12 @@ print(json.dumps(out))
 
 SNAPSHOT = "a" * 40
 THETA = 500000.0
+PARAMS = {"dim": 256, "n_layers": 4, "head_dim": 64, "hidden_dim": 512, "n_heads": 4, "n_kv_heads": 2,
+          "norm_eps": 1e-5, "vocab_size": 1024, "rope_theta": THETA, "max_position_embeddings": 4096}
+"""The tiny Llama's ``params.json`` (Mistral format): another norm epsilon and RoPE base than its
+``config.json``."""
+MIN_P = "vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor"
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 1024}
 
 
 def _edit(d: str, **fields) -> None:
@@ -92,6 +111,13 @@ def probed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write(SNAPSHOT)
     shutil.copy(os.path.join(theta, "config.json"), os.path.join(repo, "snapshots", SNAPSHOT, "config.json"))
+    mistral = shutil.copytree(tiny_model, os.path.join(work, "mistral"))  # config.json and params.json
+    with open(os.path.join(mistral, "params.json"), "w") as f:
+        json.dump(PARAMS, f)
+    mistral_auto = shutil.copytree(mistral, os.path.join(work, "mistral-auto"))  # + consolidated weights
+    shutil.copy(os.path.join(mistral, "model.safetensors"), os.path.join(mistral_auto, "consolidated.safetensors"))
+    yarn = shutil.copytree(tiny_model, os.path.join(work, "yarn"))
+    _edit(yarn, rope_parameters={**YARN, "beta_fast": 64.0})
     tok = os.path.join(work, "tokenizer-only")
     os.makedirs(tok)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -110,14 +136,23 @@ def probed(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
              "engine_a": {"model": base, "extra": {"engine_version": "0.0.1-a"}},
              "engine_b": {"model": base, "extra": {"engine_version": "0.0.1-b"}},
              "engine_a2": {"model": base, "extra": {"engine_version": "0.0.1-a"}},
-             "engine_empty": {"model": base, "extra": {"engine_version": ""}}}
+             "engine_empty": {"model": base, "extra": {"engine_version": ""}},
+             "mistral_hf": {"model": mistral}, "mistral_fmt": {"model": mistral, "config_format": "mistral"},
+             "mistral_auto": {"model": mistral_auto},
+             "mistral_auto_hf": {"model": mistral_auto, "config_format": "hf"},
+             "load_format": {"model": base, "load_format": "safetensors"},
+             "logits_processors": {"model": base, "logits_processors": [MIN_P]},
+             "tokenizer_mode": {"model": base, "tokenizer_mode": "hf"},
+             "code_revision": {"model": base, "code_revision": "other"},
+             "yarn": {"model": yarn}, "yarn_partial": {"model": yarn, "hf_overrides": {"rope_parameters": YARN}}}
     digests = os.path.join(work, "digests.json")
     p = subprocess.run([VLLM_PY, "-c", PROBE, json.dumps(cases), digests],
                        env=vllm_env(HF_HUB_CACHE=os.path.join(work, "hub"), VLLM_LOGGING_LEVEL="ERROR"),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    out["dirs"] = {"base": base, "win": win, "theta": theta, "digests": digests}
+    out["dirs"] = {"base": base, "win": win, "theta": theta, "mistral": mistral, "mistral_auto": mistral_auto, "yarn": yarn,
+                   "digests": digests}
     return out
 
 
@@ -168,7 +203,8 @@ def test_a_model_class_override_is_not_cached(probed: dict) -> None:
     assert probed["class_override"]["ns"] is None
 
 
-@pytest.mark.parametrize("case", ["gen_config", "max_len", "tokenizer", "no_prefix_caching"])
+@pytest.mark.parametrize("case", ["gen_config", "max_len", "tokenizer", "no_prefix_caching", "load_format",
+                                  "logits_processors", "tokenizer_mode", "code_revision"])
 def test_settings_that_do_not_change_the_kv_keep_the_namespace(probed: dict, case: str) -> None:
     assert _ns(probed, case) == _ns(probed, "base")
     assert _router(probed, "base") == _ns(probed, "base")
@@ -188,3 +224,27 @@ def test_the_vllm_version_is_part_of_the_namespace_unless_overridden(probed: dic
     tag = vllm_layout_tag("cpu", probed["base"]["layout_tag"].split("|")[2], engine_version="0.0.1-a")
     assert engine_namespace(probed["dirs"]["base"], block_size=128, kv_dtype="float32", compute_dtype="float32",
                             tenant="tests", layout_tag=tag, digest_cache=probed["dirs"]["digests"]) == a
+
+
+def test_the_mistral_config_format_is_the_config_used(probed: dict) -> None:
+    # vLLM reads params.json (over config.json's fields) and runs another class with its values
+    assert probed["mistral_hf"]["arch"] == "LlamaForCausalLM" and probed["mistral_hf"]["rms_norm_eps"] == 1e-6
+    for case in ("mistral_fmt", "mistral_auto"):
+        assert probed[case]["arch"] == "MistralForCausalLM" and probed[case]["rms_norm_eps"] == 1e-5
+    hf, fmt, auto = _ns(probed, "mistral_hf"), _ns(probed, "mistral_fmt"), _ns(probed, "mistral_auto")
+    assert fmt != hf and fmt.weights_digest == hf.weights_digest
+    assert auto != _ns(probed, "mistral_auto_hf")
+    assert probed["mistral_auto_hf"]["arch"] == "LlamaForCausalLM"
+    # the router, told the backends' config format (or detecting it as vLLM does), agrees
+    assert _router(probed, "mistral", config_format="mistral") == fmt
+    assert _router(probed, "mistral") == hf
+    assert _router(probed, "mistral_auto") == auto
+    assert _router(probed, "mistral_auto", config_format="hf") == _ns(probed, "mistral_auto_hf")
+
+
+def test_a_dict_override_replaces_the_field_as_vllm_does(probed: dict) -> None:
+    # the override is the whole dict vLLM computes with: YaRN's beta_fast falls back to its default
+    assert probed["yarn"]["rope"]["beta_fast"] == 64.0 and "beta_fast" not in probed["yarn_partial"]["rope"]
+    partial = _ns(probed, "yarn_partial")
+    assert partial != _ns(probed, "yarn") and partial.weights_digest == _ns(probed, "yarn").weights_digest
+    assert _router(probed, "yarn", hf_overrides={"rope_parameters": YARN}) == partial

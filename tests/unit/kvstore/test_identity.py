@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from kvstore import identity
+from kvstore import identity, weights
 from kvstore.errors import InvalidArgument
 from kvstore.identity import (
     KV_CONFIG_FIELDS,
@@ -37,7 +37,8 @@ BASE: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "ll
 
 
 class Reads:
-    """Counts the files ``kvstore.identity`` opens for reading bytes."""
+    """Counts the files ``kvstore.identity`` (and ``kvstore.weights``, which hashes the weights) opens
+    for reading bytes."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.paths: list[str] = []
@@ -47,7 +48,8 @@ class Reads:
                 self.paths.append(str(file))
             return builtins.open(file, mode, *args, **kwargs)
 
-        monkeypatch.setattr(identity, "open", counting_open, raising=False)
+        for module in (identity, weights):
+            monkeypatch.setattr(module, "open", counting_open, raising=False)
 
 
 def make_model(d: Path, weights: dict[str, bytes], config: dict[str, Any] | None = None) -> Path:
@@ -109,10 +111,16 @@ def test_hf_overrides_enter_the_digest() -> None:
     assert config_digest(BASE, {"some_new_knob": 3}) != base
     # overriding a listed field to the value it has is the same model
     assert config_digest(BASE, {"rope_theta": 10000.0}) == base
-    # nested overrides update a nested config
-    nested = {**BASE, "text_config": {"rope_theta": 1.0, "hidden_size": 8}}
+    # nested overrides update a nested config (transformers writes its model_type)
+    nested = {**BASE, "text_config": {"model_type": "llama", "rope_theta": 1.0, "hidden_size": 8}}
     assert config_digest(nested, {"text_config": {"rope_theta": 2.0}}) == \
-        config_digest({**BASE, "text_config": {"rope_theta": 2.0, "hidden_size": 8}})
+        config_digest({**BASE, "text_config": {"model_type": "llama", "rope_theta": 2.0, "hidden_size": 8}})
+    # a dict-valued field is replaced by vLLM: leaving out a key of the config's dict is another model,
+    # although the dict merged into the config's would be the config's
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    cfg = {**BASE, "rope_scaling": {**yarn, "beta_fast": 64.0}}
+    assert config_digest(cfg, {"rope_scaling": yarn}) != config_digest(cfg)
+    assert config_digest(cfg, {"rope_scaling": yarn}) == config_digest(cfg, {"rope_scaling": dict(yarn)})
 
 
 def test_a_disabled_sliding_window_is_another_config() -> None:
@@ -131,14 +139,15 @@ def test_nested_override_of_an_unlisted_field_enters_the_digest() -> None:
     # a multimodal model's language model: an unlisted field of text_config
     # (Gemma 3's local-layer RoPE base) overridden through hf_overrides
     # changes the KV, so it must change the namespace like a top-level one
-    mm = {**BASE, "text_config": {"rope_theta": 1.0, "rope_local_base_freq": 10000.0}}
+    mm = {**BASE, "text_config": {"model_type": "gemma3_text", "rope_theta": 1.0, "rope_local_base_freq": 10000.0}}
     base = config_digest(mm)
     assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != base
     assert config_digest(mm, {"text_config": {"rope_local_base_freq": 20000.0}}) != \
         config_digest(mm, {"text_config": {"rope_local_base_freq": 40000.0}})
     # a listed nested field still counts once, as it would edited in config.json
     assert config_digest(mm, {"text_config": {"rope_theta": 2.0}}) == \
-        config_digest({**BASE, "text_config": {"rope_theta": 2.0, "rope_local_base_freq": 10000.0}})
+        config_digest({**BASE, "text_config": {"model_type": "gemma3_text", "rope_theta": 2.0,
+                                               "rope_local_base_freq": 10000.0}})
 
 
 def test_kv_schema_follows_the_config_geometry() -> None:
@@ -419,3 +428,18 @@ def test_docs_list_every_field() -> None:
     text = (root / "docs" / "keys.md").read_text(encoding="utf-8")
     for name, why in KV_CONFIG_FIELDS:
         assert f"| `{name}` | {why} |" in text, name
+
+
+def test_the_mistral_format_reads_params_json_as_vllm_does(tmp_path: Path) -> None:
+    d = make_model(tmp_path / "m", {"model.safetensors": b"w"})
+    (d / "params.json").write_text(json.dumps({"dim": 256, "n_layers": 4, "norm_eps": 1e-5}))
+    hf = identity.load_config(d)
+    assert hf == BASE == identity.load_config(d, "hf")  # auto: config.json (no consolidated weights)
+    mistral = identity.load_config(d, "mistral")
+    assert mistral["norm_eps"] == 1e-5 and mistral["rms_norm_eps"] == BASE["rms_norm_eps"]
+    assert mistral["config_format"] == "mistral"
+    assert identity.config_digest(mistral) != identity.config_digest(hf)
+    (d / "consolidated.safetensors").write_bytes(b"w")  # vLLM's auto detection: params.json + consolidated
+    assert identity.load_config(d) == mistral and identity.load_config(d, "hf") == BASE
+    with pytest.raises(InvalidArgument, match="config format"):
+        identity.load_config(d, "gguf")

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import Event, EventKind
 from tiers.base import TierKind
@@ -126,6 +127,13 @@ def test_the_routers_namespace_follows_the_backends_identity_flags(tmp_path: Any
     assert quant == engine_namespace(str(d), layout_tag=tag, quantization="fp8", **common) != plain
     off = shared_namespace(ModelSpec("m", str(d), disable_sliding_window=True, **common))
     assert off == engine_namespace(str(d), layout_tag=tag, disable_sliding_window=True, **common) != plain
+    # --config-format mistral: vLLM reads params.json over config.json (another class, other values)
+    (d / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 2, "norm_eps": 1e-5}))
+    mistral = shared_namespace(ModelSpec("m", str(d), config_format="mistral", **common))
+    assert mistral == engine_namespace(str(d), layout_tag=tag, config_format="mistral", **common) != plain
+    assert shared_namespace(ModelSpec("m", str(d), config_format="hf", **common)) == plain
+    with pytest.raises(InvalidArgument, match="config_format"):
+        ModelSpec("m", str(d), config_format="gguf", **common)
 
 
 def test_prompt_tokens_and_keys(model_dir: str) -> None:
