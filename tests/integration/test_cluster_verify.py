@@ -3,7 +3,7 @@ daemon's DRAM commits each block with the peer's checksum and does not hash
 it on arrival; the block's first reader checks it (docs/architecture.md,
 "Where a block's checksum is checked"). A block that arrived damaged must
 still never reach an engine as a hit: the same-host read finds it, reports
-it, and the daemon drops it (counted).
+it, and the daemon drops it (counted); a demotion to SSD does not write it.
 Real daemons in one process, the in-process transport of ``cluster_fake``."""
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.client import Client
+from kvstore.client import Client, ns_pb
 from kvstore.daemon import peers
 from kvstore.errors import KeyStatus
+from kvstore.keys import block_keys
 from proto import kvstore_pb2 as pb
 from tests.integration import cluster_fake
 from tests.integration.conftest import wait_until
 from tests.integration.test_cluster_inproc import BLOCK, NS, chain, payloads, static_pair
+from tiers.base import TierKind
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +78,24 @@ def test_a_damaged_fetched_block_read_through_a_lease_is_never_returned(make_dae
     assert failures(b) == before + 1
     assert b.lookup(keys).local_blocks == 0
 
+
+def test_a_damaged_fetched_block_is_not_written_to_ssd_when_demoted(make_daemon, tmp_path):
+    a, b = static_pair(make_daemon, n1={
+        "dram__capacity": "4MiB", "dram__page_size": "1MiB", "ssd__capacity": "64MiB",
+        "ssd__path": str(tmp_path / "ssd"), "ssd__admit_min_hits": 0, "ssd__write_mode": "back"})
+    keys = chain(4, seed=33)
+    before = failures(b)
+    assert fetch_damaged(a, b, keys).fetched_blocks == 4
+    for s in range(16):  # 8 MiB of new blocks through b's 4 MiB of DRAM: the fetched chain is demoted
+        k = block_keys(NS, np.arange(40000 + 1000 * s, 40000 + 1000 * s + 8 * NS.block_size))
+        r = b.stub.Put(pb.PutRequest(ns=ns_pb(NS), keys=k, payloads=payloads(k)), timeout=10)
+        assert [x.status for x in r.results] == [pb.STATUS_OK] * 8, r
+
+    def fetched_left_dram() -> bool:
+        return TierKind.DRAM not in b.d.call(lambda: list(b.d.store.peek(NS, keys).tiers))
+
+    wait_until(fetched_left_dram, 30, "b's fetched chain evicted from DRAM")
+    # never written: not on SSD, not readable, and the damaged block was counted where it was found
+    assert b.lookup(keys).local_blocks == 0
+    assert b.get(keys) == [None] * 4
+    assert failures(b) == before + 1
