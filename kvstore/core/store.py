@@ -77,6 +77,7 @@ from kvstore.results import (
 )
 from tiers.base import T_HBM, T_SSD, Buffer, Tier, TierKind
 from tiers.dram import DramTier
+from tiers.slots import check_slab_size
 
 __all__ = [
     "NO_NS",
@@ -128,6 +129,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", PolicyName.parse(self.policy))
+        check_slab_size("dram", self.dram_bytes)
 
 
 class TieredStore:
