@@ -1462,13 +1462,19 @@ h0: PyBuffer_Release(&hb);
 }
 
 
+/* The index keeps a DRAM slot's byte offset over its 4 KiB unit, in 32 bits
+ * (kvstore/core/index.py LOC_SHIFT; kvstore/wire/shared_index.py checks the
+ * module's LOC_SHIFT against its own before it calls shared_slots). */
+#define KV_LOC_SHIFT 12
+
 PyDoc_STRVAR(shared_slots_doc,
 "shared_slots(header, gen, table, k0, k1, nscol, state, tier, loc, size, csum, keys, ns,\n"
 "             committed, dram) -> (hit, clean, slots) | None\n"
 "\n"
 "Like shared_lookup, for a read: the leading keys committed in namespace\n"
 "``ns`` with tier ``dram``. ``slots`` is ``hit`` records of four int64\n"
-"(row, offset, size, checksum as its uint64 bits); ``clean`` is False when\n"
+"(row, offset, size, checksum as its uint64 bits; the offset is the int32\n"
+"``loc`` times 2**LOC_SHIFT, its slot's unit); ``clean`` is False when\n"
 "the scan stopped at a block that is present but not in DRAM (only the\n"
 "daemon can serve it). None when the index changed meanwhile or ``gen``\n"
 "is not the header's.");
@@ -1477,7 +1483,7 @@ static PyObject *
 kv_shared_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer b[12];
-    static const Py_ssize_t item[12] = {8, 4, 8, 8, 4, 1, 1, 8, 4, 8, 1, 0};
+    static const Py_ssize_t item[12] = {8, 4, 8, 8, 4, 1, 1, 4, 4, 8, 1, 0};
     unsigned long long gen;
     long long ns, committed, dram;
     PyObject *result = NULL;
@@ -1513,7 +1519,7 @@ kv_shared_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         const uint64_t *k0 = (const uint64_t *)b[2].buf, *k1 = (const uint64_t *)b[3].buf;
         const uint32_t *nscol = (const uint32_t *)b[4].buf;
         const uint8_t *state = (const uint8_t *)b[5].buf, *tier = (const uint8_t *)b[6].buf;
-        const int64_t *loc = (const int64_t *)b[7].buf;
+        const int32_t *loc = (const int32_t *)b[7].buf;
         const uint32_t *size = (const uint32_t *)b[8].buf;
         const uint64_t *csum = (const uint64_t *)b[9].buf;
         const unsigned char *q = (const unsigned char *)b[10].buf;
@@ -1528,7 +1534,7 @@ kv_shared_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (b[4].len / 4 < nrows) nrows = b[4].len / 4;
         if (b[5].len < nrows) nrows = b[5].len;
         if (b[6].len < nrows) nrows = b[6].len;
-        if (b[7].len / 8 < nrows) nrows = b[7].len / 8;
+        if (b[7].len / 4 < nrows) nrows = b[7].len / 4;
         if (b[8].len / 4 < nrows) nrows = b[8].len / 4;
         if (b[9].len / 8 < nrows) nrows = b[9].len / 8;
         if (b[0].len < 16 || b[10].len % 16 || tsize == 0 || (tsize & (tsize - 1))) {
@@ -1563,7 +1569,7 @@ kv_shared_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 break;
             }
             out[4 * hit] = found;
-            out[4 * hit + 1] = loc[found];
+            out[4 * hit + 1] = (int64_t)loc[found] * ((int64_t)1 << KV_LOC_SHIFT);
             out[4 * hit + 2] = (int64_t)size[found];
             memcpy(&out[4 * hit + 3], &csum[found], 8);
             hit++;
@@ -2584,6 +2590,7 @@ PyInit__native(void)
 #endif
     if (PyModule_AddIntConstant(m, "XXH_VERSION", XXH_VERSION_NUMBER) < 0 ||
         PyModule_AddIntConstant(m, "MAX_BLOCK_SIZE", KV_MAX_BLOCK_SIZE) < 0 ||
+        PyModule_AddIntConstant(m, "LOC_SHIFT", KV_LOC_SHIFT) < 0 ||
         PyModule_AddIntConstant(m, "NONTEMPORAL_MIN", (long)kv_nt_min) < 0 ||
         PyModule_AddStringConstant(m, "COPY_KERNEL", kv_fused_name) < 0) {
         Py_DECREF(m);

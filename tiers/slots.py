@@ -22,8 +22,21 @@ import numpy as np
 from kvstore.errors import CapacityError, InvalidArgument
 
 SLOT_ALIGN = 4096
+SLAB_LIMIT = 1 << 43
+"""The largest slab tier, 8 TiB: the block index keeps a slot's offset as
+its number of ``SLOT_ALIGN`` units in 32 bits (kvstore/core/index.py,
+``loc``), so a larger slab is refused when it is made or resized."""
+SLAB_LIMIT_TEXT = "8 TiB"
 _NEGATIVE = -(1 << 62)
 """Bits set in a negative offset (and in none from 0 to 2^62)."""
+
+
+def check_slab_size(label: str, capacity_bytes: int) -> None:
+    """InvalidArgument for a slab tier larger than ``SLAB_LIMIT``."""
+    if int(capacity_bytes) > SLAB_LIMIT:
+        raise InvalidArgument(f"{label} capacity {int(capacity_bytes)} bytes is beyond the largest slab "
+                              f"tier ({SLAB_LIMIT_TEXT}, {SLAB_LIMIT} bytes: the index keeps a slot's "
+                              f"location in 32 bits of {SLOT_ALIGN}-byte units)")
 
 
 class _Page:
@@ -45,8 +58,9 @@ class PagedSlots:
                     slot_sizes: Sequence[int]) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgument(f"{self.label} capacity must be > 0 bytes, got {capacity_bytes}")
-        if slot_align <= 0 or slot_align & (slot_align - 1):
-            raise InvalidArgument(f"slot_align must be a power of two, got {slot_align}")
+        if slot_align < SLOT_ALIGN or slot_align & (slot_align - 1):
+            raise InvalidArgument(f"slot_align must be a power of two of at least {SLOT_ALIGN}, got {slot_align}")
+        check_slab_size(self.label, capacity_bytes)
         page_bytes = min(int(page_bytes), int(capacity_bytes))
         page_bytes -= page_bytes % slot_align
         if page_bytes <= 0:

@@ -46,6 +46,7 @@ from kvstore.errors import CapacityError, InvalidArgument, KeyStatus
 from kvstore.results import BatchResult, DropReason
 from tiers.base import Buffer, TierKind
 from tiers.hbm import CopyFn, HbmTier, MemInfo
+from tiers.slots import check_slab_size
 
 log = logging.getLogger("kvstore.hbm")
 
@@ -86,6 +87,9 @@ class HbmSpec:
     """Free-memory probe (device -> (free, total)); default torch.cuda.mem_get_info on CUDA."""
     copy_fn: CopyFn | None = field(default=None, compare=False)
     """Copy function (dst, src, stream); tests inject failures."""
+
+    def __post_init__(self) -> None:
+        check_slab_size("hbm", self.capacity_bytes)
 
 
 def spec_from_config(config: Config) -> HbmSpec | None:
@@ -193,7 +197,7 @@ class HbmMover:
             if cand.size and protect.size:
                 cand = cand[~np.isin(cand, protect)]
             if cand.size:
-                cand = cand[self.tier.classes_of_locs(st.index.loc[cand]) != cls]
+                cand = cand[self.tier.classes_of_locs(st.index.offsets(cand)) != cls]
             return select_victims(st.index, st.policy, cand, 1)
         idx = st.index
         rows = idx.used_rows()
@@ -202,7 +206,7 @@ class HbmMover:
         if protect.size:
             blocked |= np.isin(rows, protect)
         if rows.size:
-            blocked |= self.tier.classes_of_locs(idx.loc[rows]) != cls
+            blocked |= self.tier.classes_of_locs(idx.offsets(rows)) != cls
         return st.select(HBM, rows, blocked, k, for_ns, incoming)
 
     # ----------------------------------------------------------- movement
@@ -236,14 +240,14 @@ class HbmMover:
                 where = where[:k]
             if use.size:
                 views = [st.dram.view(int(o), int(size)) for o in locs.tolist()]
-                ok = self.tier.read_into(idx.loc[use], idx.size[use], idx.csum[use], views)
+                ok = self.tier.read_into(idx.offsets(use), idx.size[use], idx.csum[use], views)
                 good = use[ok]
                 if not ok.all():
                     st.dram.free(locs[~ok])
                     log.warning("hbm: %d blocks failed their copy or checksum on demotion; dropped",
                                 int((~ok).sum()))
                 if good.size:
-                    hbm_locs = idx.loc[good].copy()
+                    hbm_locs = idx.offsets(good)
                     idx.set_tier(good, int(DRAM), locs[ok])
                     self.tier.free(hbm_locs)
                     moved[where[ok]] = True
@@ -285,7 +289,7 @@ class HbmMover:
                     use, locs = use[mine], locs[mine]
                     if use.size == 0:
                         continue
-                srcs = [st.dram.view(int(o), int(size)) for o in idx.loc[use].tolist()]
+                srcs = [st.dram.view(int(o), int(size)) for o in idx.offsets(use).tolist()]
                 csums, ok = self.tier.write_masked(locs, srcs)
                 bad_bytes = ok & (csums != idx.csum[use])
                 ok &= ~bad_bytes
@@ -293,7 +297,7 @@ class HbmMover:
                     self.tier.free(locs[~ok])
                 good = use[ok]
                 if good.size:
-                    old = idx.loc[good].copy()
+                    old = idx.offsets(good)
                     idx.set_tier(good, int(HBM), locs[ok])
                     st.dram.free(old)
                     self.promoted += int(good.size)
@@ -341,7 +345,7 @@ class HbmMover:
     def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
         """Inline reads of HBM blocks into host buffers (verified)."""
         idx = self.placement.index
-        return self.tier.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs)
+        return self.tier.read_into(idx.offsets(rows), idx.size[rows], idx.csum[rows], outs)
 
     def commit_checksums(self, rows: np.ndarray, all_rows: np.ndarray, res: BatchResult) -> np.ndarray:
         """Checksums of the HBM blocks of ``rows`` (a reservation an engine
@@ -351,7 +355,7 @@ class HbmMover:
         st = self.placement
         idx = st.index
         on = rows[idx.tier[rows] == HBM]
-        csums, copied = self.tier.checksums(idx.loc[on], idx.size[on])
+        csums, copied = self.tier.checksums(idx.offsets(on), idx.size[on])
         idx.csum[on] = csums
         if not copied.all():
             st.drop(idx.subtree(on[~copied]), DropReason.ABORTED)
@@ -374,7 +378,7 @@ class HbmMover:
         if len(pages):
             rows = idx.used_rows()
             rows = rows[idx.tier[rows] == HBM]
-            inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
+            inside = rows[t.locs_in_pages(idx.offsets(rows), pages)]
             # one DRAM has no room for leaves with its subtree: none of it may be held
             if st.held_below(inside).any():
                 raise CapacityError("hbm blocks in the region being retired (or blocks stored under them) are "
@@ -385,11 +389,11 @@ class HbmMover:
                 dst = t.allocate(int(size), part.size)
                 k = dst.size
                 if k:
-                    ok = t.move(dst, idx.loc[part[:k]], idx.size[part[:k]])
+                    ok = t.move(dst, idx.offsets(part[:k]), idx.size[part[:k]])
                     t.free(dst[~ok])
                     good = part[:k][ok]
-                    old = idx.loc[good].copy()
-                    idx.loc[good] = dst[ok]
+                    old = idx.offsets(good)
+                    idx.set_offsets(good, dst[ok])
                     t.free(old)
                     part = np.concatenate([part[k:], part[:k][~ok]])
                 if part.size:

@@ -150,7 +150,7 @@ class Holds:
         else:
             on_hbm = idx.tier[rows] == T_HBM
             for r in rows[~on_hbm].tolist():
-                idx.csum[r] = checksum(self.placement.dram.view(int(idx.loc[r]), int(idx.size[r])))
+                idx.csum[r] = checksum(self.placement.dram.view(idx.offset(r), int(idx.size[r])))
             if self.hbm is not None and on_hbm.any():
                 rows = self.hbm.commit_checksums(rows, h.rows, res)
                 if rows.size == 0:
@@ -212,7 +212,7 @@ class Holds:
         hit = rows.size
         res.statuses[:hit] = [KeyStatus.OK] * hit
         res.tier_codes[:hit] = idx.tier[rows]
-        res.offsets[:hit] = idx.loc[rows]
+        res.offsets[:hit] = idx.offsets(rows)
         res.lengths[:hit] = idx.size[rows]
         res.checksums[:hit] = idx.csum[rows]
         self._count_get(n, rows, found[:hit])

@@ -36,10 +36,12 @@ from enum import IntEnum
 
 import numpy as np
 
-from kvstore.core.keytable import HASHTAB, KeyTable
+from kvstore.core.keytable import HASHTAB, KeyTable, key_bytes
+from kvstore.core.keytable import keys_to_array as keys_to_array  # (re-exported: its home was here)
 from kvstore.core.levels import descend_within, levels_within
 from kvstore.reserve import RESERVE_ROWS, Reserved, grow_in, resident
-from kvstore.errors import InvalidArgument
+from tiers.base import T_SSD
+from tiers.slots import SLOT_ALIGN
 
 NO_ROW = -1
 """No row: a missing key, or the parent of a chain's first block."""
@@ -49,6 +51,11 @@ is ``-2 - i``) names "the row of keys[i]", an earlier key of the same batch,
 whose row does not exist yet. Any value ``<= IN_BATCH`` is such a reference."""
 NO_LOC = -1
 """``loc``/``ssd_loc`` of a row with no slot there (e.g. no SSD copy)."""
+LOC_SHIFT = SLOT_ALIGN.bit_length() - 1
+"""A slab tier's (HBM, DRAM) slot starts at a multiple of ``SLOT_ALIGN``:
+``loc`` keeps its byte offset shifted right by this, in 32 bits (slabs up to
+``tiers.slots.SLAB_LIMIT``); ``offsets`` gives it back. An SSD block's
+``loc`` is its id, as it is."""
 
 LINK_LOOP_MAX = 4
 """Non-chain inserts of up to this many keys link row by row; longer ones
@@ -108,47 +115,6 @@ int (it probes the enum class for ``__array_ufunc__``, which goes through
 ``EnumType.__getattr__`` and raises), and the put/get path does dozens."""
 
 
-def keys_to_array(keys: object) -> np.ndarray:
-    """Keys as an ``(n, 2)`` uint64 array (the two little-endian halves).
-
-    Accepts a list/tuple of 16-byte ``bytes``, one blob of ``n*16`` bytes, or
-    an ``(n, 16)`` uint8 / ``(n, 2)`` uint64 array. Raises InvalidArgument
-    naming the first bad key.
-    """
-    if isinstance(keys, np.ndarray):
-        if keys.dtype == np.uint64 and keys.ndim == 2 and keys.shape[1] == 2:
-            return keys
-        if keys.dtype == np.uint8 and keys.ndim == 2 and keys.shape[1] == 16:
-            return np.ascontiguousarray(keys).view("<u8")
-        raise InvalidArgument(f"key array must be (n, 16) uint8, got {keys.dtype} {keys.shape}")
-    if isinstance(keys, (bytes, bytearray, memoryview)):
-        blob = bytes(keys)
-        if len(blob) % 16:
-            raise InvalidArgument(f"key blob length {len(blob)} is not a multiple of 16")
-        return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
-    try:
-        seq = list(keys)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidArgument(f"keys must be a sequence of 16-byte strings, got {type(keys).__name__}") from None
-    if not seq:
-        return np.zeros((0, 2), dtype=np.uint64)
-    try:
-        ok = set(map(len, seq)) == {16}
-        blob = b"".join(seq) if ok else b""
-    except TypeError:
-        ok = False
-    if not ok:
-        for i, k in enumerate(seq):
-            if not isinstance(k, (bytes, bytearray)) or len(k) != 16:
-                got = f"{len(k)} bytes" if isinstance(k, (bytes, bytearray)) else type(k).__name__
-                raise InvalidArgument(f"key {i} must be 16 bytes, got {got}")
-    return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
-
-
-def key_bytes(k0: int, k1: int) -> bytes:
-    return np.array([k0, k1], dtype="<u8").tobytes()
-
-
 @dataclass(slots=True, frozen=True)
 class Lookup:
     """Prefix lookup: ``hit`` leading blocks present; rows and tiers of those."""
@@ -167,7 +133,7 @@ class BlockIndex:
         ("ns", "u4", 0),
         ("state", "u1", 0),
         ("tier", "u1", 0),
-        ("loc", "i8", NO_LOC),
+        ("loc", "i4", NO_LOC),
         ("size", "u4", 0),
         ("csum", "u8", 0),
         ("parent", "i4", NO_ROW),
@@ -179,9 +145,9 @@ class BlockIndex:
         ("prio", "f4", 0.0),
         ("ssd_loc", "i4", NO_LOC),
     )
-    """Each column's name, dtype and the value of a row not in use: 70 bytes
-    a row; 56 written under ``lru`` without an SSD tier (none of
-    ``OPTIONAL_COLUMNS`` kept), 60 with one, 58 under ``lfu``."""
+    """Each column's name, dtype and the value of a row not in use: 66 bytes
+    a row; 52 written under ``lru`` without an SSD tier (none of
+    ``OPTIONAL_COLUMNS`` kept), 56 with one, 54 under ``lfu``."""
 
     k0: np.ndarray
     k1: np.ndarray
@@ -361,7 +327,8 @@ class BlockIndex:
     # -------------------------------------------------------------- mutation
     def insert(self, ns: int, keys: np.ndarray, parents: np.ndarray, tier: int,
                locs: np.ndarray, sizes: np.ndarray, state: BlockState, tick: int) -> np.ndarray:
-        """Add absent, distinct keys; ``parents`` are rows (or -1).
+        """Add absent, distinct keys; ``parents`` are rows (or -1); ``locs``
+        as ``set_tier``'s.
 
         A parent may be one of the rows being inserted (given as
         ``plan.in_batch(i)``, that is ``IN_BATCH - i``, meaning "the row of
@@ -392,7 +359,7 @@ class BlockIndex:
         self.ns[rows] = ns
         self.state[rows] = st
         self.tier[rows] = tier
-        self.loc[rows] = locs
+        self.loc[rows] = locs if tier == T_SSD else np.right_shift(locs, LOC_SHIFT)
         self.size[rows] = sizes
         self.csum[rows] = 0
         self.parent[rows] = parents
@@ -554,11 +521,22 @@ class BlockIndex:
         self.live -= rows.size
 
     def set_tier(self, rows: np.ndarray, tier: int, locs: np.ndarray) -> None:
-        """Move rows to another tier (new locations). Nothing else follows
-        a tier: children in a block's own tier are found where needed
-        (``has_child_among``)."""
+        """Move rows to another tier (new locations: byte offsets in a slab
+        tier, SSD ids). Nothing else follows a tier: children in a block's
+        own tier are found where needed (``has_child_among``)."""
         self.tier[rows] = tier
-        self.loc[rows] = locs
+        self.loc[rows] = locs if tier == T_SSD else np.right_shift(locs, LOC_SHIFT)
+
+    def set_offsets(self, rows: np.ndarray, offsets: np.ndarray) -> None:
+        """New slots for ``rows`` in the slab tier they are in (byte offsets)."""
+        self.loc[rows] = np.right_shift(offsets, LOC_SHIFT)
+
+    def offsets(self, rows: np.ndarray) -> np.ndarray:
+        """Byte offsets (int64) of ``rows``' slots in the slab tier they are in."""
+        return np.left_shift(self.loc[rows], LOC_SHIFT, dtype=np.int64)  # (dtype: numpy 1.x would keep int32)
+
+    def offset(self, row: int) -> int:
+        return int(self.loc[row]) << LOC_SHIFT
 
     # ------------------------------------------------------------- checking
     def check_invariants(self) -> None:

@@ -22,11 +22,54 @@ from types import ModuleType
 
 import numpy as np
 
+from kvstore.errors import InvalidArgument
+
 EMPTY = -1
 TOMB = -2
 MIX = np.uint64(0x9E3779B97F4A7C15)
 MAX_LOAD = 0.7
 """Live plus tombstone slots over table size before a rehash."""
+
+
+def keys_to_array(keys: object) -> np.ndarray:
+    """Keys as an ``(n, 2)`` uint64 array (the two little-endian halves).
+
+    Accepts a list/tuple of 16-byte ``bytes``, one blob of ``n*16`` bytes, or
+    an ``(n, 16)`` uint8 / ``(n, 2)`` uint64 array. Raises InvalidArgument
+    naming the first bad key.
+    """
+    if isinstance(keys, np.ndarray):
+        if keys.dtype == np.uint64 and keys.ndim == 2 and keys.shape[1] == 2:
+            return keys
+        if keys.dtype == np.uint8 and keys.ndim == 2 and keys.shape[1] == 16:
+            return np.ascontiguousarray(keys).view("<u8")
+        raise InvalidArgument(f"key array must be (n, 16) uint8, got {keys.dtype} {keys.shape}")
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        blob = bytes(keys)
+        if len(blob) % 16:
+            raise InvalidArgument(f"key blob length {len(blob)} is not a multiple of 16")
+        return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
+    try:
+        seq = list(keys)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidArgument(f"keys must be a sequence of 16-byte strings, got {type(keys).__name__}") from None
+    if not seq:
+        return np.zeros((0, 2), dtype=np.uint64)
+    try:
+        ok = set(map(len, seq)) == {16}
+        blob = b"".join(seq) if ok else b""
+    except TypeError:
+        ok = False
+    if not ok:
+        for i, k in enumerate(seq):
+            if not isinstance(k, (bytes, bytearray)) or len(k) != 16:
+                got = f"{len(k)} bytes" if isinstance(k, (bytes, bytearray)) else type(k).__name__
+                raise InvalidArgument(f"key {i} must be 16 bytes, got {got}")
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
+
+
+def key_bytes(k0: int, k1: int) -> bytes:
+    return np.array([k0, k1], dtype="<u8").tobytes()
 
 
 def load_hashtab() -> ModuleType | None:

@@ -376,7 +376,7 @@ class Placement:
         if tier is TierKind.DRAM and self.lower is None:  # dropped, not demoted: children elsewhere (hbm) stay
             blocked |= idx.has_child_among(rows, used[~mine])
         if cls is not None and rows.size:
-            blocked |= self.dram.classes_of_locs(idx.loc[rows]) != cls
+            blocked |= self.dram.classes_of_locs(idx.offsets(rows)) != cls
         return self.select(tier, rows, blocked, k, for_ns, incoming)
 
     def select(self, tier: TierKind, rows: np.ndarray, blocked: np.ndarray, k: int,
@@ -441,7 +441,7 @@ class Placement:
         own blocks only when it is over its share, as ``select``)."""
         cand = self.evictable(tier)
         if cand.size:
-            cand = cand[self.dram.classes_of_locs(self.index.loc[cand]) != cls]
+            cand = cand[self.dram.classes_of_locs(self.index.offsets(cand)) != cls]
         if cand.size and self.shares is not None and for_ns is not None:
             idx = self.index
             rows = idx.used_rows()
@@ -482,7 +482,7 @@ class Placement:
                 per_ns = np.bincount(idx.ns[sel])
                 for nid in np.flatnonzero(per_ns).tolist():
                     self.namespaces.counts[nid][EVICTIONS + tk] += int(per_ns[nid])
-            self.tiers[TierKind(tk)].free(idx.loc[sel])
+            self.tiers[TierKind(tk)].free(idx.loc[sel] if tk == T_SSD else idx.offsets(sel))  # (SSD: ids)
         if self.lower is not None:
             self.lower.free_copies(rows)
         idx.delete(rows)
@@ -553,9 +553,9 @@ class Placement:
                 ok[didx] = self.read(rows[didx], [outs[i] for i in didx.tolist()])
             return ok
         if self.verify_reads:
-            ok = self.dram.read_into(idx.loc[rows], idx.size[rows], idx.csum[rows], outs)
+            ok = self.dram.read_into(idx.offsets(rows), idx.size[rows], idx.csum[rows], outs)
         else:
-            for off, n, dst in zip(idx.loc[rows].tolist(), idx.size[rows].tolist(), outs):
+            for off, n, dst in zip(idx.offsets(rows).tolist(), idx.size[rows].tolist(), outs):
                 np.copyto(as_u8(dst), self.dram.buf[off : off + n])
             ok = np.ones(rows.size, dtype=bool)
         return ok

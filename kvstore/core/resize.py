@@ -18,6 +18,7 @@ from kvstore.errors import CapacityError, InvalidArgument, NotFound
 from kvstore.fs_room import free_bytes
 from kvstore.results import DropReason
 from tiers.base import T_DRAM, T_SSD, TierKind
+from tiers.slots import check_slab_size
 
 MAX_CAPACITY = 1 << 56
 """No tier is ever sized beyond 64 PiB (a bound on what the wire may ask for,
@@ -37,6 +38,8 @@ def check_host_room(r: Resizer, tier: TierKind, capacity_bytes: int) -> None:
     if cap > MAX_CAPACITY:
         raise InvalidArgument(f"{tier.label} capacity {cap} bytes is beyond the largest allowed "
                               f"({MAX_CAPACITY} bytes)")
+    if tier in (TierKind.DRAM, TierKind.HBM):
+        check_slab_size(tier.label, cap)
     if tier is TierKind.DRAM:
         held = r.placement.dram.capacity_bytes
         now, free = r.placement.dram.host_room()
@@ -93,7 +96,7 @@ class Resizer:
         if len(pages):
             rows = idx.used_rows()
             rows = rows[idx.tier[rows] == T_DRAM]
-            inside = rows[t.locs_in_pages(idx.loc[rows], pages)]
+            inside = rows[t.locs_in_pages(idx.offsets(rows), pages)]
             granted = self.grants.locs() if self.grants is not None else inside[:0]
             # a retired block that finds no slot leaves with its subtree: none of it may be held
             sub = idx.subtree(inside)
@@ -134,10 +137,10 @@ class Resizer:
                     place.drop(sub, DropReason.RESIZED)
                     evicted += int(sub.size)
                     continue
-                src = int(idx.loc[r])
+                src = idx.offset(r)
                 np.copyto(t.buf[int(dst[0]) : int(dst[0]) + n], t.buf[src : src + n])
                 t.free(np.asarray([src]))
-                idx.loc[r] = int(dst[0])
+                idx.set_offsets(np.asarray([r]), dst[:1])
         t.resize(capacity_bytes)
         return evicted
 

@@ -135,7 +135,7 @@ class SsdMover:
     def read(self, rows: np.ndarray, outs: Sequence[Buffer]) -> np.ndarray:
         """Verified reads of SSD blocks into host buffers."""
         idx = self.placement.index
-        args = (idx.loc[rows].copy(), idx.size[rows].copy(), idx.csum[rows].copy(), outs, self.meta(rows))
+        args = (idx.loc[rows].astype(np.int64), idx.size[rows].copy(), idx.csum[rows].copy(), outs, self.meta(rows))
         idx.pins[rows] += 1  # nothing takes them away while the read runs
         try:
             return self.gate.run(self.tier.read_into, *args)
@@ -262,7 +262,7 @@ class SsdMover:
             k = locs.size
             if k == 0:
                 return out
-            views = [st.dram.view(int(idx.loc[r]), int(idx.size[r])) for r in rows[:k].tolist()]
+            views = [st.dram.view(idx.offset(r), int(idx.size[r])) for r in rows[:k].tolist()]
             try:
                 csums = self.gate.run(self.tier.write, locs, views, self.meta(rows[:k]))
             except KVStoreError as e:
@@ -347,7 +347,7 @@ class SsdMover:
     def _move_to_ssd(self, rows: np.ndarray) -> None:
         st = self.placement
         idx = st.index
-        dram_locs = idx.loc[rows].copy()
+        dram_locs = idx.offsets(rows)
         idx.set_tier(rows, int(TierKind.SSD), idx.ssd_loc[rows].copy())
         idx.ssd_loc[rows] = NO_LOC
         st.dram.free(dram_locs)
@@ -377,7 +377,7 @@ class SsdMover:
             return ok
         sel = rows[:k]
         outs = [st.dram.view(int(o), nbytes) for o in locs.tolist()]
-        args = (idx.loc[sel].copy(), idx.size[sel].copy(), idx.csum[sel].copy(), outs, self.meta(sel))
+        args = (idx.loc[sel].astype(np.int64), idx.size[sel].copy(), idx.csum[sel].copy(), outs, self.meta(sel))
         idx.pins[sel] += 1
         try:
             good = self.gate.run(self.tier.read_into, *args)

@@ -77,6 +77,7 @@ from kvstore.results import (
 )
 from tiers.base import T_HBM, T_SSD, Buffer, Tier, TierKind
 from tiers.dram import DramTier
+from tiers.slots import check_slab_size
 
 __all__ = [
     "NO_NS",
@@ -128,6 +129,7 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", PolicyName.parse(self.policy))
+        check_slab_size("dram", self.dram_bytes)
 
 
 class TieredStore:
@@ -462,14 +464,13 @@ class TieredStore:
                 return 0
             rows = rows[idx.ns[rows] == nid]
         busy = rows[(idx.pins[rows] > 0) | (idx.state[rows] != S_COMMITTED)]
-        keep = busy.size > 0
-        if keep:  # a busy block keeps its ancestors (one walk up in C, else numpy rounds)
+        if busy.size:  # a busy block keeps its ancestors (one walk up in C, else numpy rounds)
             rows = rows[~ancestors(idx.parent, busy)[rows]]
         # drop leaves-first is not needed: the set is closed under descendants
         self.place.drop(rows, DropReason.CLEARED)
         digest = ns.digest if ns is not None else b""
         self.place.emit(Event(EventKind.CLEARED, digest, []))
-        if nid is not None and not keep:
+        if nid is not None and not busy.size:
             self.ns_registry.forget_size(nid)
         return int(rows.size)
 

@@ -65,15 +65,19 @@ MAGIC = int.from_bytes(b"KVIDX001", "little")
 NAMES_AT = 64
 NAME_BYTES = 128
 ARRAYS = (("table", "i4"), ("k0", "u8"), ("k1", "u8"), ("ns", "u4"), ("state", "u1"), ("tier", "u1"),
-          ("loc", "i8"), ("size", "u4"), ("csum", "u8"))
+          ("loc", "i4"), ("size", "u4"), ("csum", "u8"))
 """The published arrays, in header order, with their dtypes (the key table
 and the index columns ``kvstore.core.index.SHARED_COLUMNS``)."""
+LOC_SHIFT = 12
+"""A DRAM block's ``loc`` is its slab offset shifted right by this
+(``kvstore.core.index.LOC_SHIFT``; a test keeps them equal): the native
+probe shifts it back, and is used only where its own ``LOC_SHIFT`` agrees."""
 COMMITTED_STATE = 2
 """``BlockState.COMMITTED`` (kvstore/core/index.py; a test keeps them equal)."""
 DRAM_TIER = 1
 """``TierKind.DRAM`` (tiers/base.py; a test keeps them equal)."""
 LAYOUT = checksum.checksum(repr((HEADER_BYTES, NAMES_AT, NAME_BYTES, ARRAYS, COMMITTED_STATE, DRAM_TIER,
-                                 "tier byte = TierKind + 1")).encode())
+                                 "tier byte = TierKind + 1", "offset = loc << LOC_SHIFT", LOC_SHIFT)).encode())
 """Header word 4: the digest of the layout above, so a reader of another
 layout refuses the header even where the magic was not bumped."""
 RETRIES = 4
@@ -89,10 +93,11 @@ hit blocks, and the hit blocks in HBM, DRAM and SSD."""
 
 
 def load_native() -> Any:
-    """The native helper when built with the probes (they are native only),
-    else None (``kvstore.checksum.load_native``: also None with ``NO_KVSTORE_NATIVE=1``)."""
+    """The native helper when built with the probes (they are native only)
+    for this layout's ``loc`` (an older build read it as int64), else None (``kvstore.checksum.load_native``: also None with ``NO_KVSTORE_NATIVE=1``)."""
     native = checksum.load_native()
-    return native if native is not None and hasattr(native, "shared_slots") else None
+    ok = native is not None and hasattr(native, "shared_slots") and getattr(native, "LOC_SHIFT", None) == LOC_SHIFT
+    return native if ok else None
 
 
 class SharedIndexReader:

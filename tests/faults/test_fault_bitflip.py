@@ -130,7 +130,7 @@ def test_dram_bit_flips_are_always_detected(make_daemon) -> None:
     def flip(row: int, rng: random.Random) -> None:
         def go() -> None:
             st = d.store
-            st.dram.corrupt_for_test(int(st.index.loc[row]), rng.randrange(BS * 8))
+            st.dram.corrupt_for_test(st.index.offset(row), rng.randrange(BS * 8))
 
         d.call(go)
         return True

@@ -54,7 +54,7 @@ async def _corrupt_then_get(daemon, keys: list[bytes], blocks: list[np.ndarray],
         def flip() -> None:
             st = daemon.store
             row = int(st.index.find_committed(st.namespace_id(NS, create=False), keys_to_array(keys[1:2]))[0])
-            st.dram.corrupt_for_test(int(st.index.loc[row]), 8 * 100)
+            st.dram.corrupt_for_test(st.index.offset(row), 8 * 100)
 
         daemon.call(flip)
         got = await c.get(NS, keys[:3])

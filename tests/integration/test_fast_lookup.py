@@ -528,7 +528,7 @@ def test_a_read_that_races_a_change_or_fails_its_checksum_takes_the_lease_path(u
         raw = uds_daemon.store.raw
         row = int(raw.index.find_committed(raw.namespace_id(ns, False),
                                            np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
-        uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
+        uds_daemon.call(raw.dram.corrupt_for_test, raw.index.offset(row), 3)
         assert c.get_into(ns, keys, outs) == [KeyStatus.OK, KeyStatus.CORRUPT, KeyStatus.OK]
         assert c.shared_reads == 1
         assert c.lookup(ns, keys).hit_blocks == 1

@@ -70,7 +70,7 @@ def test_a_corrupt_block_is_never_reported_loaded(uds_daemon, staged):
         c.flush()
         raw = uds_daemon.store.raw
         row = int(raw.index.find_committed(raw.namespace_id(ns, False), np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
-        uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
+        uds_daemon.call(raw.dram.corrupt_for_test, raw.index.offset(row), 3)
         place, layers = _layout(staged)
         assert c.get_into(ns, keys, place.sink([1, 3])) == [KeyStatus.OK, KeyStatus.CORRUPT]
         assert (layers[0][1] == 7).all() and (layers[1][1] == 7).all()
@@ -90,7 +90,7 @@ def test_packed_keys_report_the_corrupt_block_by_its_own_key(uds_daemon, how):
         c.flush()
         raw = uds_daemon.store.raw
         row = int(raw.index.find_committed(raw.namespace_id(ns, False), np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
-        uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), 3)
+        uds_daemon.call(raw.dram.corrupt_for_test, raw.index.offset(row), 3)
         outs = [np.zeros(BS, np.uint8) for _ in keys]
         assert c.get_into(ns, b"".join(keys), outs)[:2] == [KeyStatus.OK, KeyStatus.CORRUPT]
         assert (outs[0] == 7).all()
@@ -203,7 +203,7 @@ def test_sealed_shards_through_every_path_and_damage_fails_only_its_rank(uds_dae
         assert all(np.array_equal(out[j], ranks[r][1][i]) for j, i in enumerate(ids))
     raw = uds_daemon.store.raw
     row = int(raw.index.find_committed(raw.namespace_id(ns, False), np.frombuffer(keys[1], "<u8").reshape(1, 2))[0])
-    uds_daemon.call(raw.dram.corrupt_for_test, int(raw.index.loc[row]), (shard + 77) * 8 + 2)  # rank 1's shard
+    uds_daemon.call(raw.dram.corrupt_for_test, raw.index.offset(row), (shard + 77) * 8 + 2)  # rank 1's shard
     if how == "inline":  # the daemon checks the whole block before it sends it: every rank sees the damage
         assert read(0)[0][:2] == [KeyStatus.OK, KeyStatus.CORRUPT]
     else:

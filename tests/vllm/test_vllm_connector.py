@@ -104,7 +104,7 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             st = d.store
             rows = st.index.used_rows()
             row = next(int(r) for r in rows.tolist() if st.index.key_of(int(r)) == key4)
-            st.dram.corrupt_for_test(int(st.index.loc[row]), 12345)
+            st.dram.corrupt_for_test(st.index.offset(row), 12345)
 
         d.call(flip)
         failures0 = d.call(lambda: d.store.counters.checksum_failures)

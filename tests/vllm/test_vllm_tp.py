@@ -143,7 +143,7 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             def flip() -> None:  # one bit of rank 1's shard (the slot's second half) of block 3
                 st = d.store
                 row = next(int(r) for r in st.index.used_rows().tolist() if st.index.key_of(int(r)) == key3)
-                st.dram.corrupt_for_test(int(st.index.loc[row]), (length // 2 + 12345) * 8 + 3)
+                st.dram.corrupt_for_test(st.index.offset(row), (length // 2 + 12345) * 8 + 3)
 
             d.call(flip)
             out["block_bytes"] = length

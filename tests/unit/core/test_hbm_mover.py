@@ -160,7 +160,7 @@ def test_resize_hbm_shrink_moves_blocks_and_cannot_grow(ns):
         s = {t.tier: t for t in st.stats().tiers}
         assert s[HBM].capacity_bytes == 4 * B
         assert left == 0 and s[HBM].blocks == 4  # all four relocated below the new size
-        assert all(o < 4 * B for o in st.index.loc[st.index.used_rows()][
+        assert all(o < 4 * B for o in st.index.offsets(st.index.used_rows())[
             st.index.tier[st.index.used_rows()] == HBM].tolist())
         left = st.resize(HBM, 2 * B)  # now two must leave: demoted to DRAM
         assert left == 2 and tiers_of(st, ns, a[:2] + b).count(DRAM) == 2
@@ -371,7 +371,7 @@ def test_failed_ssd_demotion_never_drops_a_leased_or_reserved_hbm_block_below(ns
         st.put(ns, z, pl(ns, z), tier=HBM)
         rows = st.index.used_rows()
         on_hbm = rows[st.index.tier[rows] == HBM]
-        assert sorted(st.index.loc[on_hbm].tolist()) == sorted(held)
+        assert sorted(st.index.offsets(on_hbm).tolist()) == sorted(held)
         import torch
 
         st.hbm.tier.view(held[1], B).copy_(torch.frombuffer(bytearray(pl(ns, p[2:3])[0]), dtype=torch.uint8))

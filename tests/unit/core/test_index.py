@@ -12,10 +12,10 @@ from kvstore.reserve import PAGE, Reserved
 from tests.conftest import chain
 
 ROW = sum(np.dtype(dt).itemsize for _, dt, _ in BlockIndex.COLUMNS)
-"""Bytes of one row across the index's columns (70)."""
+"""Bytes of one row across the index's columns (66)."""
 WRITTEN = ROW - sum(np.dtype(dt).itemsize for n, dt, _ in BlockIndex.COLUMNS if n in OPTIONAL_COLUMNS)
 """Bytes of a row the index writes where none of ``OPTIONAL_COLUMNS`` is
-kept (56: lru, the default, without an SSD tier)."""
+kept (52: lru, the default, without an SSD tier)."""
 
 
 def _insert_chain(idx: BlockIndex, ns: int, keys: list[bytes], tick: int = 1) -> np.ndarray:
@@ -277,3 +277,36 @@ def test_an_index_with_no_reservable_range_copies(monkeypatch):
     idx.insert(0, keys, np.full(100, -1), 1, np.arange(100), np.full(100, 10), BlockState.COMMITTED, 1)
     idx.check_invariants()
     assert idx.find(0, keys).tolist() == list(range(100))
+
+
+def test_a_row_is_52_bytes_under_lru_and_56_with_an_ssd_tier():
+    """Goal 5 (≤ 64 B per block at 10M with the key table's ~6.7 B): the
+    pages an index of chain-first blocks backs, without and with ``ssd_loc``."""
+    n = 1 << 16
+    idx, _, _ = _roots_in_place(n)
+    assert idx.reserved_nbytes <= 52 * n + 20 * PAGE
+    idx.track("ssd_loc")
+    assert idx.reserved_nbytes <= 56 * n + 20 * PAGE
+
+
+def test_slab_locations_are_kept_in_32_bits_as_slot_numbers():
+    """A slab tier's location (a byte offset where a slot starts) is kept as
+    its slot number, an SSD id as it is: every offset of the largest slab
+    allowed, and every SSD id, comes back exactly."""
+    from kvstore.core.index import LOC_SHIFT
+    from tiers.base import TierKind
+    from tiers.slots import SLAB_LIMIT, SLOT_ALIGN
+
+    assert 1 << LOC_SHIFT == SLOT_ALIGN and SLAB_LIMIT >> LOC_SHIFT == 1 << 31
+    idx = BlockIndex(initial_rows=16)
+    offs = np.asarray([0, SLOT_ALIGN, 5 << 32, SLAB_LIMIT - SLOT_ALIGN], dtype=np.int64)
+    rows = idx.insert(0, keys_to_array(chain(b"o", 4)), np.full(4, -1), int(TierKind.DRAM), offs,
+                      np.full(4, 10), BlockState.COMMITTED, 1)
+    assert idx.offsets(rows).tolist() == offs.tolist() and idx.offset(int(rows[3])) == int(offs[3])
+    idx.set_tier(rows[:2], int(TierKind.SSD), np.asarray([7, (1 << 31) - 1]))
+    assert idx.loc[rows[:2]].tolist() == [7, (1 << 31) - 1]  # an SSD id as it is
+    idx.set_tier(rows[:1], int(TierKind.HBM), offs[3:])
+    idx.set_offsets(rows[2:3], offs[1:2])
+    assert idx.offsets(rows[[0, 2, 3]]).tolist() == [offs[3], offs[1], offs[3]]
+    idx.delete(rows[3:])
+    assert idx.loc[rows[3]] == NO_LOC

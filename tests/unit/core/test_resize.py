@@ -56,7 +56,7 @@ def test_shrink_dram_moves_blocks_down_and_evicts_only_what_no_longer_fits(ns):
         assert evicted == 2 and st.dram.capacity_bytes == 4 * BS
         kept = readable(st, ns, keys)
         assert len(kept) == 4 and set(keys[3:]) <= set(kept)  # LRU order: the cold ones left
-        assert all(int(loc) < 4 * BS for loc in st.index.loc[st.index.used_rows()])
+        assert all(int(loc) < 4 * BS for loc in st.index.offsets(st.index.used_rows()))
         st.index.check_invariants()
 
 
@@ -64,7 +64,7 @@ def test_shrink_refuses_while_a_retired_block_is_leased(ns):
     with make(slots=4) as st:
         keys = [chain(b"k%d" % i, 1)[0] for i in range(4)]
         put_each(st, ns, keys)
-        top = max(range(4), key=lambda i: int(st.index.loc[st.index.used_rows()][i]))
+        top = max(range(4), key=lambda i: int(st.index.offsets(st.index.used_rows())[i]))
         row = st.index.used_rows()[top]
         key = st.index.key_of(int(row))
         lease = st.acquire(ns, [key], owner="r")
@@ -77,7 +77,7 @@ def test_shrink_refuses_while_a_retired_block_is_leased(ns):
 
 def pages_of(st: TieredStore, ns, keys: list[bytes]) -> list[int]:
     rows = st.index.find(st.namespace_id(ns), keys_to_array(keys))
-    return [int(st.index.loc[r]) // BS for r in rows]
+    return [st.index.offset(r) // BS for r in rows]
 
 
 def test_shrink_never_drops_a_leased_block_stored_under_a_retired_one(ns):
@@ -220,3 +220,21 @@ def test_store_config_accepts_a_policy_name_and_rejects_an_unknown_one():
     assert StoreConfig(policy="cost").policy is PolicyName.COST  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
         StoreConfig(policy="fifo")  # type: ignore[arg-type]
+
+
+def test_a_slab_beyond_what_the_index_can_locate_is_refused_before_anything_is_allocated(ns):
+    """The index keeps a slab location in 32 bits of 4 KiB slots: a DRAM or
+    HBM tier over 8 TiB is refused at config time (and by a resize), naming
+    the limit, and no slab is made."""
+    from kvstore.core.hbm_mover import HbmSpec
+    from tiers.slots import SLAB_LIMIT
+
+    with pytest.raises(InvalidArgument, match="8 TiB"):
+        StoreConfig(dram_bytes=SLAB_LIMIT + (16 << 20))
+    with pytest.raises(InvalidArgument, match="8 TiB"):
+        HbmSpec(capacity_bytes=SLAB_LIMIT + (16 << 20), device="cpu")
+    StoreConfig(dram_bytes=SLAB_LIMIT)  # the largest is allowed
+    with make(slots=2) as st:
+        with pytest.raises(InvalidArgument, match="8 TiB"):
+            st.resize(TierKind.DRAM, SLAB_LIMIT + (16 << 20))
+        assert st.dram.capacity_bytes == 2 * BS

@@ -191,7 +191,7 @@ def test_checksum_mismatch_is_a_counted_miss(ns):
         keys = chain(b"C", 3)
         put_chain(st, ns, keys)
         row = st.index.find_committed(0, keys_to_array(keys[1:2]))[0]
-        st.dram.corrupt_for_test(int(st.index.loc[row]), bit=77)
+        st.dram.corrupt_for_test(st.index.offset(row), bit=77)
         got = st.get(ns, keys)
         assert got.statuses[:2] == [KeyStatus.OK, KeyStatus.CORRUPT]
         assert got.payloads[1] is None

@@ -127,7 +127,7 @@ class StoreMachine(RuleBasedStateMachine):
         rows = self.store.index.find_committed(n, keys_to_array([CHAINS[c][i]]))
         idx = self.store.index
         if rows[0] >= 0 and idx.pins[rows[0]] == 0 and idx.tier[rows[0]] == 1:  # a DRAM slot
-            self.store.dram.corrupt_for_test(int(self.store.index.loc[rows[0]]), bit)
+            self.store.dram.corrupt_for_test(self.store.index.offset(rows[0]), bit)
             res = self.store.get(NAMESPACES[n], [CHAINS[c][i]])
             assert res.statuses == [KeyStatus.CORRUPT]
 
@@ -152,7 +152,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert st_.dram.used_bytes == len(rows) * BS
         t = st_.dram
         per_page = {}
-        for off in st_.index.loc[rows].tolist():
+        for off in st_.index.offsets(rows).tolist():
             per_page[off // t.page_bytes] = per_page.get(off // t.page_bytes, 0) + 1
         free_slots = 0
         for pno, (cls, used, free) in enumerate(t.pages()):

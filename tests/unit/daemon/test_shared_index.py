@@ -171,7 +171,7 @@ def test_slots_give_dram_blocks_and_stop_at_one_elsewhere(shared):
     hit, clean, slots = reader.slots(nid, b"".join(keys))
     assert (hit, clean) == (5, True)
     assert slots[:, 0].tolist() == rows.tolist()
-    assert slots[:, 1].tolist() == store.index.loc[rows].tolist()
+    assert slots[:, 1].tolist() == store.index.offsets(rows).tolist()
     assert slots[:, 2].tolist() == [4096] * 5
     assert slots[:, 3].view(np.uint64).tolist() == store.index.csum[rows].tolist()
     with lock:
@@ -180,6 +180,30 @@ def test_slots_give_dram_blocks_and_stop_at_one_elsewhere(shared):
     assert (hit, clean) == (3, False)
     other = block_keys(NS, np.arange(16, dtype=np.uint32) + 50)
     assert reader.slots(nid, b"".join(keys[:2] + other))[:2] == (2, True)  # a miss ends it cleanly
+
+
+def test_slots_give_the_byte_offset_of_a_slot_past_4_gib(shared):
+    """``loc`` keeps a DRAM slot's number in 32 bits; the probe gives back its
+    64-bit byte offset, up to the last slot of the largest slab (8 TiB)."""
+    from kvstore.core.index import LOC_SHIFT
+    from tiers.slots import SLAB_LIMIT
+
+    assert wire.LOC_SHIFT == LOC_SHIFT == wire.load_native().LOC_SHIFT
+    store, lock, si, reader = shared
+    keys = block_keys(NS, np.arange(16 * 2, dtype=np.uint32) + 900)
+    _put(store, lock, keys)
+    with lock:
+        nid = store.namespace_id(NS, create=False)
+        rows = store.index.find_committed(nid, np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2))
+        was = store.index.offsets(rows)
+        far = np.asarray([5 << 32, SLAB_LIMIT - 4096])
+        store.index.set_offsets(rows, far)  # (only the index: no slab is that large here)
+    try:
+        hit, _, slots = reader.slots(nid, b"".join(keys))
+        assert hit == 2 and slots[:, 1].tolist() == far.tolist() == store.index.offsets(rows).tolist()
+    finally:
+        with lock:
+            store.index.set_offsets(rows, was)
 
 
 def test_a_zombie_daemon_counts_as_gone(tmp_path):
@@ -218,9 +242,9 @@ def test_grown_column_files_back_only_the_rows_used(shared):
     sizes = []
     for name in os.listdir(wire.SHM_DIR):
         st = os.stat(os.path.join(wire.SHM_DIR, name))
-        if name.startswith(si.prefix) and st.st_size == cap * 8:  # k0, k1, loc, csum
+        if name.startswith(si.prefix) and st.st_size == cap * 8:  # k0, k1, csum
             sizes.append(st.st_blocks * 512)
-    assert len(sizes) == 4 and max(sizes) <= used, (sizes, used, whole)
+    assert len(sizes) == 3 and max(sizes) <= used, (sizes, used, whole)
     assert _both(store, lock, reader, chain)[1][0] == n
 
 
@@ -234,6 +258,20 @@ def test_a_header_of_another_layout_is_refused_and_lookups_go_to_the_daemon(shar
         SharedIndexReader(si.path)
 
 
+def test_the_header_of_a_daemon_with_int64_locations_is_refused(shared):
+    """Before the twenty-first round ``loc`` was int64 byte offsets: that
+    daemon's header (same magic, its layout digest) must not be read as this one."""
+    from kvstore import checksum
+
+    old_arrays = tuple((n, "i8" if n == "loc" else dt) for n, dt in wire.ARRAYS)
+    old = checksum.checksum(repr((wire.HEADER_BYTES, wire.NAMES_AT, wire.NAME_BYTES, old_arrays,
+                                  wire.COMMITTED_STATE, wire.DRAM_TIER, "tier byte = TierKind + 1")).encode())
+    store, lock, si, reader = shared
+    si.hdr[4] = np.uint64(old)
+    with pytest.raises(OSError, match="another layout"):
+        SharedIndexReader(si.path)
+
+
 def test_an_index_column_of_another_dtype_is_not_shared():
     """The daemon publishes only columns whose dtypes are the ones the readers assume."""
     store = TieredStore(StoreConfig(dram_bytes=8 << 20))
@@ -241,7 +279,7 @@ def test_an_index_column_of_another_dtype_is_not_shared():
     si = SharedIndex(store, lock)
     try:
         with pytest.raises(OSError, match="loc"):
-            si.alloc("loc", 16, "i4")  # a build whose index keeps loc as int32
+            si.alloc("loc", 16, "i8")  # a build whose index keeps loc as int64 (before the 21st round)
     finally:
         si.close()
         store.close()
