@@ -3,7 +3,9 @@
 This module moves memory regions and knows nothing about the index: a
 :class:`BlockServer` answers a request (an opaque header) with the regions its
 ``provider`` hands it, a :class:`BlockClient` receives them straight into the
-destinations its ``alloc`` hands it and checks each block's XXH3-64 on arrival.
+destinations its ``alloc`` hands it and, unless the caller says its bytes are
+checked later (``fetch(..., verify=False)``), checks each block's XXH3-64 on
+arrival.
 The cluster layer (``transport/cluster.py``) encodes namespace, credential and
 keys in the header and pins/unpins blocks in the provider.
 
@@ -422,7 +424,7 @@ class BlockClient:
             f.cancel()
 
     async def fetch(self, address: str, header: bytes, count: int, alloc: Alloc,
-                    deadline_s: float, *, sizes: np.ndarray | None = None) -> FetchResult:
+                    deadline_s: float, *, sizes: np.ndarray | None = None, verify: bool = True) -> FetchResult:
         """Fetch ``count`` blocks named by ``header`` from the peer at ``address``
         into the views ``alloc`` returns; never raises for peer or transport
         faults (they come back as ``error``).
@@ -431,7 +433,14 @@ class BlockClient:
         fetch, one round trip (``transport/ucx_wire.py``). ``alloc`` is then called
         with ``sizes`` before the request, and a block whose real length
         differs is not received. Without it, ``alloc`` gets the peer's
-        lengths after a first round trip."""
+        lengths after a first round trip.
+
+        ``verify`` (default): each block's XXH3-64 is checked as it lands and
+        a mismatch is ``corrupt``, not ``ok``. ``verify=False``: a block that
+        landed whole is ``ok`` unhashed, for a caller that keeps the peer's
+        ``checksums`` with the bytes and has every reader check them (the
+        daemon's fetch into its DRAM tier: docs/architecture.md); bytes that
+        go straight to a consumer must be fetched verified."""
         if not 0 <= count <= MAX_BLOCKS:
             raise InvalidArgument(f"count must be in [0, {MAX_BLOCKS}], got {count}")
         if len(header) > MAX_HEADER:
@@ -460,7 +469,8 @@ class BlockClient:
             return failed(f"connect to {address} failed: {type(e).__name__}: {e}", FetchFault.LINK)
         conn.fetches += 1
         if sizes is not None:
-            return await self._fetch_sized(conn, header, count, alloc, sizes, lengths, failed, t0, end, deadline_s)
+            return await self._fetch_sized(conn, header, count, alloc, sizes, lengths, failed, t0, end, deadline_s,
+                                           verify)
         ep = conn.ep
         seq = next(_SEQ)
         posted: list[asyncio.Future[Any]] = []
@@ -492,7 +502,7 @@ class BlockClient:
 
             async def one(i: int, dst: Any) -> None:
                 await ep.recv(dst, tag=wire.tag_blk(seq, i))
-                verified[i] = checksum(dst) == int(sums[i])
+                verified[i] = not verify or checksum(dst) == int(sums[i])
 
             for i in present.tolist():
                 d = dests[i]
@@ -522,7 +532,7 @@ class BlockClient:
 
     async def _fetch_sized(self, conn: _Conn, header: bytes, count: int, alloc: Alloc, sizes: np.ndarray,
                            lengths: np.ndarray, failed: Callable[..., FetchResult], t0: float, end: float,
-                           deadline_s: float) -> FetchResult:
+                           deadline_s: float, verify: bool = True) -> FetchResult:
         """``fetch`` with ``sizes``: alloc, then the request, then the
         receives posted while the peer answers (``transport/ucx_wire.py``).
         ``lengths`` (zeros) gets the peer's; ``failed`` is ``fetch``'s."""
@@ -556,7 +566,7 @@ class BlockClient:
             await ep.recv(dst, tag=wire.tag_blk(seq, i))
             await trecv  # the checksums; a block counts only where the peer sent it
             if answer[0] == wire.ST_OK and lengths[i] == want[i]:
-                verified[i] = checksum(dst) == int(answer[2][i])
+                verified[i] = not verify or checksum(dst) == int(answer[2][i])
 
         posted: list[asyncio.Future[Any]] = [trecv]
         try:

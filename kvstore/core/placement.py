@@ -496,9 +496,8 @@ class Placement:
         once) and is freed when the pins go; reserved blocks stay the
         writer's (their slots are not handed to anyone else) until its
         Commit (a miss), Abort or expiry drops them."""
-        self.counters.checksum_failures += int(rows.size)
+        self.count_corrupt(rows)
         idx = self.index
-        self.namespaces.count_blocks(idx.ns[rows], CHECKSUM_FAILURES)
         sub = idx.subtree(rows)
         reserved = idx.state[sub] == S_RESERVED
         if not np.any(idx.pins[sub] > 0) and not reserved.any():
@@ -513,6 +512,12 @@ class Placement:
         idx.state[sub] = S_DOOMED
         self._doomed += int(sub.size)
         self.sweep_doomed()
+
+    def count_corrupt(self, rows: np.ndarray) -> None:
+        """Count ``rows`` as checksum failures (the daemon's and their
+        namespaces'); dropping them is the caller's."""
+        self.counters.checksum_failures += int(rows.size)
+        self.namespaces.count_blocks(self.index.ns[rows], CHECKSUM_FAILURES)
 
     def sweep_doomed(self) -> None:
         """Free DOOMED blocks nobody pins any more (leaves first)."""

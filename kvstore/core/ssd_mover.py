@@ -226,11 +226,14 @@ class SsdMover:
             n += more.size
         return np.concatenate(got)
 
-    def _write(self, rows: np.ndarray, evict: bool = True, keep_copies: np.ndarray | None = None) -> np.ndarray:
+    def _write(self, rows: np.ndarray, evict: bool = True, keep_copies: np.ndarray | None = None,
+               demoting: bool = False) -> np.ndarray:
         """Write DRAM blocks ``rows`` to SSD (one call per size); returns the SSD ids
-        (-1 where there was no room or the write failed). ``evict`` False:
+        (-1 where there was no room, the write failed or the DRAM bytes do
+        not match their checksum: never written). ``evict`` False:
         into free SSD space only. ``keep_copies``: rows whose SSD copies must
-        not be dropped to make room (``_ssd_room``)."""
+        not be dropped to make room (``_ssd_room``). ``demoting``: the caller
+        drops what is not written, so a mismatch is counted here."""
         st = self.placement
         idx = st.index
         out = np.full(rows.size, NO_LOC, dtype=np.int64)
@@ -243,13 +246,13 @@ class SsdMover:
             names = {int(n): json.dumps(st.namespaces.get(int(n)).to_dict(), sort_keys=True) for n in np.unique(idx.ns[rows])}
             keep = np.fromiter((names[int(n)] not in blocked for n in idx.ns[rows]), bool, rows.size)
             if not keep.all():
-                out[keep] = self._write(rows[keep], evict, keep_copies)
+                out[keep] = self._write(rows[keep], evict, keep_copies, demoting)
                 return out
         sizes = idx.size[rows]
         if (sizes != sizes[0]).any():  # victims of several block sizes: SSD ids are sized one size a call
             for size in np.unique(sizes).tolist():
                 sel = np.flatnonzero(sizes == size)
-                out[sel] = self._write(rows[sel], evict, keep_copies)
+                out[sel] = self._write(rows[sel], evict, keep_copies, demoting)
             return out
         nbytes = int(sizes[0])
         idx.pins[rows] += 1  # in flight: not evicted, not reused
@@ -268,8 +271,11 @@ class SsdMover:
                 log.warning("ssd write of %d blocks failed: %s", k, e)
                 return out
             ok = csums == idx.csum[rows[:k]]
-            if not np.all(ok):  # the DRAM copy no longer matches its checksum
+            if not np.all(ok):  # the DRAM copy no longer matches its checksum: never written
                 self.tier.free(locs[~ok])
+                if demoting:  # dropped by the caller (a copy keeps it in DRAM for its reader to find)
+                    st.count_corrupt(rows[:k][~ok])
+                    log.warning("ssd: %d blocks failed their checksum on demotion; dropped", int((~ok).sum()))
             out[:k] = np.where(ok, locs, NO_LOC)
             self.bytes_demoted += int(nbytes * int(ok.sum()))
             return out
@@ -310,7 +316,7 @@ class SsdMover:
             to_write = rest[admit]
             cold = rest[~admit]
             if to_write.size:
-                ids = self._write(to_write, keep_copies=has_copy)
+                ids = self._write(to_write, keep_copies=has_copy, demoting=True)
                 written = to_write[ids >= 0]
                 idx.ssd_loc[written] = ids[ids >= 0]
                 has_copy = np.concatenate([has_copy, written])

@@ -1,8 +1,12 @@
 """The fetching side of a cluster fetch (``peers.ClusterNode.fetch`` hands
 each remote run here): split the run into block requests that each fit the
 peer's receive buffer, fetch them in order into DRAM slots
-(``fetch_slots.FetchSlots``), commit what arrived intact, and make the peer
-suspect when its link failed.
+(``fetch_slots.FetchSlots``), commit what arrived whole with the peer's
+checksums, and make the peer suspect when its link failed. The blocks are
+not hashed on arrival (``verify=False``) when the store verifies its DRAM
+reads (the daemon's always does): their first reader checks them, a
+damaged one is a miss there, reported and dropped; a store that does not
+(``StoreConfig.verify_reads`` off) has them checked on arrival.
 
 One request carries the ``BlockFetchHeader`` (namespace, credential, 16
 bytes per key) and, when sized, 8 bytes per block: it must fit
@@ -101,8 +105,11 @@ class RunFetch:
         slots = FetchSlots(store, ns, want, parent)
         sizes = np.full(len(want), own, dtype=np.int64) if own else None
         t0 = time.perf_counter()
+        # not hashed on arrival when this store checks every DRAM read against the peer's checksum:
+        # each block is hashed once, by its first reader (docs/architecture.md)
+        verify = not getattr(getattr(store, "config", None), "verify_reads", False)
         transfer = asyncio.ensure_future(self.client.fetch(address, header, len(want), slots.alloc, timeout,
-                                                           sizes=sizes))
+                                                           sizes=sizes, verify=verify))
         try:  # never cancelled with the caller: the slots end only once the transport is done with them
             finished, _ = await asyncio.wait({transfer}, timeout=timeout + 5.0)
         except asyncio.CancelledError:
@@ -137,7 +144,7 @@ class RunFetch:
             if ok.size and not ok[0]:
                 self.metrics.peer_fetch_failed(peer, "absent")  # a stale directory entry
             return 0, 0, 0.0
-        done = slots.commit(ok, res.checksums)
+        done = slots.commit(ok, res.checksums, verified=verify)
         nbytes = int(np.asarray(res.lengths, dtype=np.int64)[:done].sum())
         seconds = float(res.seconds) if res.seconds else time.perf_counter() - t0
         if done < len(want) and not res.corrupt:

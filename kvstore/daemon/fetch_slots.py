@@ -52,9 +52,13 @@ class FetchSlots:
             dests[i] = memoryview(store.dram.view(int(res.offsets[i]), int(res.lengths[i])))
         return dests
 
-    def commit(self, ok: np.ndarray, checksums: Any) -> int:
+    def commit(self, ok: np.ndarray, checksums: Any, verified: bool = True) -> int:
         """Commit the blocks before the first one not ``ok`` (abort the
-        rest); returns the blocks committed."""
+        rest) with the peer's ``checksums``; returns the blocks committed.
+        ``verified=False`` (the transport did not hash them on arrival): the
+        blocks are kept only with a checksum each from the peer, which their
+        first reader checks; without (the store would hash the bytes as they
+        landed, damage included) none is."""
         if not self.handle:
             return 0
         got = int(np.argmin(ok)) if (~ok).any() else int(ok.size)
@@ -63,6 +67,9 @@ class FetchSlots:
         while reserved < len(statuses) and statuses[reserved] is KeyStatus.OK:
             reserved += 1
         sums = None if checksums is None else np.asarray(checksums, dtype=np.uint64)[: len(statuses)]
+        if not verified and (sums is None or sums.size < len(statuses)):
+            log.error("an unverified fetch came without the peer's checksums: nothing of it is kept")
+            got = 0
         return int(self.store.commit_prefix(self.handle, FETCH_OWNER, min(got, reserved), sums))
 
     def failed(self, res: Any) -> None:

@@ -2,7 +2,8 @@
 BlockServer/BlockClient contract), for cluster tests of the layers above it:
 daemons on their own loops in one process fetch from each other through a
 registry. It copies each served region into the destination the fetcher
-allocated and verifies its xxh3_64 as the real transport does; faults are
+allocated and verifies its xxh3_64 as the real transport does (unless
+``verify=False``, as there); faults are
 switches: ``corrupt`` (flip a byte of the next N blocks), ``paused`` (never
 answer: a SIGSTOPped peer) and ``dead`` (refuse: a killed one). A sized
 fetch (``sizes=``) allocates before it asks, and a block whose length is
@@ -72,7 +73,7 @@ class FakeBlockClient:
 
     async def fetch(self, address: str, header: bytes, count: int,
                     alloc: Callable[[np.ndarray], Sequence[memoryview | None]], deadline_s: float, *,
-                    sizes: np.ndarray | None = None) -> FetchResult:
+                    sizes: np.ndarray | None = None, verify: bool = True) -> FetchResult:
         if len(header) > MAX_HEADER:  # the real client's limits
             raise InvalidArgument(f"header of {len(header)} bytes exceeds the limit of {MAX_HEADER}")
         if sizes is not None and len(header) + 8 * count > MAX_HEADER:
@@ -125,12 +126,13 @@ class FakeBlockClient:
                 if srv.corrupt > 0:
                     srv.corrupt -= 1
                     dst[0] ^= 0xFF
-                if xxhash.xxh3_64_intdigest(dst) != int(served.checksums[i]):
+                if verify and xxhash.xxh3_64_intdigest(dst) != int(served.checksums[i]):
                     corrupt += 1
                     continue
                 ok[i] = True
                 nbytes += int(lengths[i])
-            return FetchResult(ok, lengths, nbytes, time.perf_counter() - t0, None, corrupt)
+            return FetchResult(ok, lengths, nbytes, time.perf_counter() - t0, None, corrupt,
+                               np.asarray(served.checksums, np.uint64))
         finally:
             served.release()
 

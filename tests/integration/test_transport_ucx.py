@@ -111,6 +111,31 @@ async def test_absent_skipped_and_lying_checksum(peer, slab, client):
         pass
 
 
+@pytest.mark.parametrize("sized", [False, True])
+async def test_verify_is_per_call_and_a_lying_checksum_is_caught_when_asked(peer, slab, client, sized):
+    """``verify=True`` (the default, and what a fetch whose bytes go straight
+    to a consumer uses) hashes each block on arrival: the lie is corrupt.
+    ``verify=False`` (the daemon's fetch into its DRAM tier, whose readers
+    check the peer's checksum) does not hash: the block is ok and the peer's
+    checksums come back to be committed with it."""
+    c = client
+    n, size = 4, 128 * KIB
+    sizes = full(n, size) if sized else None
+    for verify in (True, False):
+        d = Dest(n, size)
+        r = await c.fetch(peer.address, hdr(n=n, size=size, lie=[2]), n, d.alloc, 10.0, sizes=sizes, verify=verify)
+        assert r.error is None
+        assert r.ok.tolist() == [True, True, not verify, True]
+        assert r.corrupt == (1 if verify else 0)
+        assert r.checksums is not None and len(r.checksums) == n
+        for i in range(n):  # (the bytes are right: only the checksum lies)
+            assert np.array_equal(d.view(i), block(slab, i, size))
+        if not verify:  # the lie is what the receiver would commit: its first reader finds the mismatch
+            from kvstore.checksum import checksum
+            assert int(r.checksums[2]) != checksum(d.view(2))
+            assert int(r.checksums[1]) == checksum(d.view(1))
+
+
 @pytest.mark.parametrize("flag,word", [("refuse", "refused"), ("invalid", "invalid")])
 async def test_provider_errors_reach_the_caller_and_nothing_is_written(peer, flag, word, client):
     c = client

@@ -69,3 +69,35 @@ def test_a_failed_fetch_is_quarantined_on_the_transports_count_never_on_its_word
     failed(2000, "do not reuse (just words)", 0)
     assert used() == 3 * BS  # aborted: freed
     raw.close()
+
+
+def test_unverified_blocks_are_kept_only_with_the_peers_checksums() -> None:
+    """A fetch not hashed on arrival is committed with the peer's checksums,
+    which the first reader checks: damaged bytes are then a miss. Without
+    them the store would hash the bytes as they landed, damage and all, so
+    nothing is kept."""
+    from kvstore.checksum import checksum
+    from kvstore.errors import KeyStatus
+
+    raw = TieredStore(StoreConfig(dram_bytes=64 * BS, dram_page_bytes=64 * BS))
+    store: Any = LockedStore(raw, StoreLock())
+    keys = block_keys(NS, np.arange(2 * 16, dtype=np.uint32))
+    good = [np.full(BS, 7, np.uint8), np.full(BS, 9, np.uint8)]
+    sums = np.array([checksum(b) for b in good], dtype=np.uint64)
+
+    def land(ks: list[bytes]) -> FetchSlots:
+        slots = FetchSlots(store, NS, ks, None)
+        dests = slots.alloc(np.full(2, BS, dtype=np.int64))
+        for d, b in zip(dests, good):
+            np.frombuffer(d, np.uint8)[:] = b  # type: ignore[arg-type]
+        np.frombuffer(dests[1], np.uint8)[5] ^= 0xFF  # type: ignore[arg-type]  # damaged on the way
+        return slots
+
+    assert land(keys).commit(np.ones(2, bool), None, verified=False) == 0
+    assert raw.lookup(NS, keys).hit_blocks == 0 and raw.hold_counts() == (0, 0)
+    assert land(keys).commit(np.ones(2, bool), sums, verified=False) == 2
+    outs = [np.zeros(BS, np.uint8) for _ in keys]
+    assert raw.get_into(NS, keys, outs).statuses == [KeyStatus.OK, KeyStatus.CORRUPT]
+    assert np.array_equal(outs[0], good[0])
+    assert raw.lookup(NS, keys).hit_blocks == 1 and raw.stats().counters.checksum_failures == 1
+    raw.close()
