@@ -328,6 +328,28 @@ ht_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* The three buffers of a walk over the parent links: ``parent`` (int32),
+ * a row array (int64) and an output (writable, ``out_item`` bytes an item);
+ * on failure none is held and an exception is set. */
+static int
+ht_tree_views(PyObject *parent, PyObject *rows, const char *rows_name, PyObject *out,
+              Py_ssize_t out_item, const char *out_name, Py_buffer *pb, Py_buffer *rb, Py_buffer *ob)
+{
+    if (ht_view(parent, pb, 4, 0, "parent") < 0) {
+        return -1;
+    }
+    if (ht_view(rows, rb, 8, 0, rows_name) < 0) {
+        PyBuffer_Release(pb);
+        return -1;
+    }
+    if (ht_view(out, ob, out_item, 1, out_name) < 0) {
+        PyBuffer_Release(rb);
+        PyBuffer_Release(pb);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 ht_descend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -343,16 +365,7 @@ ht_descend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (high == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (ht_view(args[0], &pb, 4, 0, "parent") < 0) {
-        return NULL;
-    }
-    if (ht_view(args[2], &rb, 8, 0, "roots") < 0) {
-        PyBuffer_Release(&pb);
-        return NULL;
-    }
-    if (ht_view(args[3], &mb, 1, 1, "mark") < 0) {
-        PyBuffer_Release(&rb);
-        PyBuffer_Release(&pb);
+    if (ht_tree_views(args[0], args[2], "roots", args[3], 1, "mark", &pb, &rb, &mb) < 0) {
         return NULL;
     }
     {
@@ -471,16 +484,7 @@ ht_levels(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "levels takes 3 arguments");
         return NULL;
     }
-    if (ht_view(args[0], &pb, 4, 0, "parent") < 0) {
-        return NULL;
-    }
-    if (ht_view(args[1], &rb, 8, 0, "rows") < 0) {
-        PyBuffer_Release(&pb);
-        return NULL;
-    }
-    if (ht_view(args[2], &ob, 8, 1, "out") < 0) {
-        PyBuffer_Release(&rb);
-        PyBuffer_Release(&pb);
+    if (ht_tree_views(args[0], args[1], "rows", args[2], 8, "out", &pb, &rb, &ob) < 0) {
         return NULL;
     }
     {
@@ -590,16 +594,7 @@ ht_ascend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "ascend takes 3 arguments");
         return NULL;
     }
-    if (ht_view(args[0], &pb, 4, 0, "parent") < 0) {
-        return NULL;
-    }
-    if (ht_view(args[1], &rb, 8, 0, "roots") < 0) {
-        PyBuffer_Release(&pb);
-        return NULL;
-    }
-    if (ht_view(args[2], &mb, 1, 1, "mark") < 0) {
-        PyBuffer_Release(&rb);
-        PyBuffer_Release(&pb);
+    if (ht_tree_views(args[0], args[1], "roots", args[2], 1, "mark", &pb, &rb, &mb) < 0) {
         return NULL;
     }
     {
