@@ -36,7 +36,7 @@ from engine_adapter.layout import PagedKVLayout, kv_dtype_of
 from engine_adapter.tp import LocalGroup, TorchDistGroup, TPGroup, shard_heads
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument
-from kvstore.identity import engine_namespace
+from kvstore.identity import engine_namespace, given_engine_version
 from kvstore.keys import KVLayout, Namespace
 
 __all__ = ["Generation", "HFPrefixCache", "build_model", "check_tp", "greedy_generate", "llama_config",
@@ -122,10 +122,7 @@ def engine_version(given: str | None = None) -> str:
         import transformers
 
         return f"transformers={transformers.__version__},torch={torch.__version__}"
-    if not isinstance(given, str) or not given.strip() or len(given) > 200:
-        raise InvalidArgument(f"engine_version must be a non-empty string of at most 200 characters "
-                              f"(the library versions to name in the namespace), got {given!r}")
-    return given
+    return given_engine_version(given, "library")
 
 
 def model_namespace(model: Any, *, tenant: str = "default", block_size: int = 16, tp_size: int = 1,

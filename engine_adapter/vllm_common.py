@@ -132,16 +132,12 @@ def engine_version(extra: dict[str, Any]) -> str:
     """The vLLM version the namespace names: ``vllm.__version__``, or the
     ``engine_version`` extra config (an operator who knows that two versions
     compute the same KV gives both the same string); a non-string or empty
-    one is refused (ValueError)."""
+    one is refused (InvalidArgument, a ValueError)."""
     if "engine_version" not in extra:
         import vllm
 
         return str(vllm.__version__)
-    v = extra["engine_version"]
-    if not isinstance(v, str) or not v.strip() or len(v) > 200:
-        raise ValueError(f"kvstore connector: engine_version must be a non-empty string of at most 200 "
-                         f"characters (the vLLM version to name in the namespace), got {v!r}")
-    return v
+    return identity.given_engine_version(extra["engine_version"], "vLLM")
 
 
 def _layout_tag(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:

@@ -146,6 +146,16 @@ CONFIG_FORMATS: Final = ("auto", "hf", "mistral")
 """vLLM's ``--config-format`` values :func:`load_config` reads as vLLM does."""
 
 
+def given_engine_version(given: object, engine: str) -> str:
+    """An operator's ``engine_version`` (two versions they know compute the
+    same KV given one string), checked: a non-empty string of at most 200
+    characters, else InvalidArgument (a ValueError) naming ``engine``."""
+    if not isinstance(given, str) or not given.strip() or len(given) > 200:
+        raise InvalidArgument(f"engine_version must be a non-empty string of at most 200 characters "
+                              f"(the {engine} version to name in the namespace), got {given!r}")
+    return given
+
+
 def _json_object(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None

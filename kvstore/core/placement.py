@@ -479,9 +479,7 @@ class Placement:
             sel = rows[tiers == tk]
             self.count_eviction(TierKind(tk), reason, int(sel.size))
             if room:  # per namespace too (a tenant's Stats)
-                per_ns = np.bincount(idx.ns[sel])
-                for nid in np.flatnonzero(per_ns).tolist():
-                    self.namespaces.counts[nid][EVICTIONS + tk] += int(per_ns[nid])
+                self.namespaces.count_blocks(idx.ns[sel], EVICTIONS + tk)
             self.tiers[TierKind(tk)].free(idx.loc[sel] if tk == T_SSD else idx.offsets(sel))  # (SSD: ids)
         if self.lower is not None:
             self.lower.free_copies(rows)
