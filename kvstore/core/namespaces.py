@@ -34,7 +34,9 @@ CHECKSUM_FAILURES = 20
 BYTES_PROMOTED, BYTES_DEMOTED = 21, 22
 """Payload bytes read from SSD into DRAM, and written from DRAM to SSD
 (demotions and write-through copies): the admin's ``bytes_promoted``/``bytes_demoted``."""
-COUNT_COLUMNS = 23
+RESERVATIONS_EXPIRED, LEASES_EXPIRED = 23, 24
+"""Reservations never committed and leases past their ttl, ended by ``Holds.reap``."""
+COUNT_COLUMNS = 25
 QUERY_NAMESPACES = 1024
 """Lookups register an unknown namespace (for its stats) only while fewer
 namespaces than this are known; stores always do."""
