@@ -240,6 +240,10 @@ class StoreStats:
     granted_bytes: int = 0
     """DRAM slots granted to same-host writers ahead of their puts (in the
     DRAM tier's used bytes, not blocks yet; kvstore/core/grants.py)."""
+    bytes_promoted: int = 0
+    """Payload bytes read from SSD into DRAM (kvstore/core/ssd_mover.py)."""
+    bytes_demoted: int = 0
+    """Payload bytes written from DRAM to SSD (demotions, write-through copies)."""
 
 
 # ------------------------------------------------------------ client side

@@ -20,6 +20,7 @@ import numpy as np
 from kvstore.checksum import checksum
 from kvstore.core.hbm_mover import HbmMover
 from kvstore.core.index import S_COMMITTED, S_DOOMED, S_RESERVED, BlockIndex, BlockState, keys_to_array
+from kvstore.core.namespaces import LEASES_EXPIRED, RESERVATIONS_EXPIRED
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_mover import SsdMover
 from kvstore.errors import InvalidArgument, KeyStatus, NotFound, PermissionDenied
@@ -300,15 +301,20 @@ class Holds:
 
     def reap(self, now: float | None = None) -> int:
         """Abort reservations and release leases past their deadline.
-        Returns how many."""
+        Returns how many (counted for the store and for each hold's namespace)."""
         now = self.clock() if now is None else now
+        counts = self.placement.namespaces.counts
         expired = [k for k, h in self.reservations.items() if h.deadline <= now]
         for k in expired:
-            self.abort_rows(self.reservations.pop(k))
+            h = self.reservations.pop(k)
+            self.abort_rows(h)
+            counts[h.ns][RESERVATIONS_EXPIRED] += 1
         self.counters.reservations_expired += len(expired)
         stale = [k for k, h in self.leases.items() if h.deadline <= now]
         for k in stale:
-            self.index.pins[self.leases.pop(k).rows] -= 1
+            h = self.leases.pop(k)
+            self.index.pins[h.rows] -= 1
+            counts[h.ns][LEASES_EXPIRED] += 1
         self.placement.sweep_doomed()
         self.counters.leases_expired += len(stale)
         return len(expired) + len(stale)

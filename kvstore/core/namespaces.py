@@ -31,7 +31,12 @@ DEMOTIONS = 16
 """Columns DEMOTIONS + TierKind value: blocks moved down out of each tier (DRAM to SSD, HBM to DRAM)."""
 CHECKSUM_FAILURES = 20
 """Blocks that failed their checksum (in a tier, on a move, at a reader, on a peer fetch)."""
-COUNT_COLUMNS = 21
+BYTES_PROMOTED, BYTES_DEMOTED = 21, 22
+"""Payload bytes read from SSD into DRAM, and written from DRAM to SSD
+(demotions and write-through copies): the admin's ``bytes_promoted``/``bytes_demoted``."""
+RESERVATIONS_EXPIRED, LEASES_EXPIRED = 23, 24
+"""Reservations never committed and leases past their ttl, ended by ``Holds.reap``."""
+COUNT_COLUMNS = 25
 QUERY_NAMESPACES = 1024
 """Lookups register an unknown namespace (for its stats) only while fewer
 namespaces than this are known; stores always do."""
@@ -134,18 +139,19 @@ class Namespaces:
         h[1] += queried
         h[2] += hit
 
-    def count_blocks(self, nsids: np.ndarray, column: int) -> None:
-        """Add one to ``column`` of each block's namespace (``nsids``: the
-        blocks' namespace ids): one ``bincount``, an add per namespace present."""
+    def count_blocks(self, nsids: np.ndarray, column: int, each: int = 1) -> None:
+        """Add ``each`` (one block, or its bytes) to ``column`` of each block's
+        namespace (``nsids``: the blocks' namespace ids): one ``bincount``, an
+        add per namespace present."""
         if nsids.size == 0:
             return
         first = int(nsids[0])
         if bool((nsids == first).all()):
-            self.counts[first][column] += int(nsids.size)
+            self.counts[first][column] += int(nsids.size) * each
             return
         per = np.bincount(nsids.astype(np.int64))
         for nid in np.flatnonzero(per).tolist():
-            self.counts[nid][column] += int(per[nid])
+            self.counts[nid][column] += int(per[nid]) * each
 
     def lookups(self, nid: int) -> tuple[int, int, int]:
         """(lookups, queried blocks, hit blocks) of a namespace."""

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvstore.core.eviction import close_upward, select_victims
 from kvstore.core.index import NO_LOC, S_COMMITTED, BlockIndex
+from kvstore.core.namespaces import BYTES_DEMOTED, BYTES_PROMOTED
 from kvstore.core.placement import Placement
 from kvstore.core.ssd_io import GuardedSsdTier, IoGate
 from kvstore.core.ssd_restore import Recovery, restore_index
@@ -278,6 +279,7 @@ class SsdMover:
                     log.warning("ssd: %d blocks failed their checksum on demotion; dropped", int((~ok).sum()))
             out[:k] = np.where(ok, locs, NO_LOC)
             self.bytes_demoted += int(nbytes * int(ok.sum()))
+            st.namespaces.count_blocks(idx.ns[rows[:k][ok]], BYTES_DEMOTED, nbytes)  # rows pinned: ns unchanged
             return out
         finally:
             idx.pins[rows] -= 1
@@ -394,6 +396,7 @@ class SsdMover:
             idx.ssd_loc[sel] = ssd_locs  # keep the SSD copy: a later eviction is free
             self.promoted += int(sel.size)
             self.bytes_promoted += nbytes * int(sel.size)
+            st.namespaces.count_blocks(idx.ns[sel], BYTES_PROMOTED, nbytes)
             st.emit_moved(sel, TierKind.SSD, TierKind.DRAM)
         ok[: sel.size] = True
         return ok

@@ -479,17 +479,16 @@ class TieredStore:
         """The whole store's stats; with ``tenant``, that tenant's alone
         (its namespaces, its blocks, its activity: kvstore/core/tenant_view.py)."""
         if tenant is not None:
-            tiers, counters = tenant_view(self.index, self.tiers, self.ns_registry, tenant)
+            tiers, counters, (up, down) = tenant_view(self.index, self.tiers, self.ns_registry, tenant)
             nss = [n for n in self.stats().namespaces if n.tenant == tenant]
-            return StoreStats(tiers, counters, nss, self.policy.name.value, 0, 0)
+            return StoreStats(tiers, counters, nss, self.policy.name.value, 0, 0, 0, up, down)
         idx = self.index
         rows = idx.used_rows()
         out = []
         for kind, t in self.tiers.items():
             sel = rows[idx.tier[rows] == kind]
             pinned = sel[idx.pins[sel] > 0]
-            # evictions: blocks that left the tier for room (demotions are counted on their own;
-            # removes, clears, aborts and corrupt blocks in kvstore_evictions_total by reason)
+            # evictions: left for room (demotions apart; other reasons in kvstore_evictions_total)
             ev = sum(v for (tk, r), v in self.counters.evictions.items() if tk == kind and r in ROOM_REASONS)
             ts = TierStats(kind, t.capacity_bytes, t.used_bytes, int(sel.size),
                            int(idx.size[pinned].sum()) if pinned.size else 0, ev, disk_bytes=t.used_bytes)
@@ -507,11 +506,11 @@ class TieredStore:
         ns_stats = []
         for nid, ns in self.ns_registry.items():
             n_l, q, h = self.ns_registry.lookups(nid)
-            ns_stats.append(NamespaceStats(namespace_label(ns), ns.tenant, ns.digest, n_l, q, h,
-                                           int(per_ns[nid])))
+            ns_stats.append(NamespaceStats(namespace_label(ns), ns.tenant, ns.digest, n_l, q, h, int(per_ns[nid])))
         leases, reservations = self.holds.counts()
+        moved = (self.ssd.bytes_promoted, self.ssd.bytes_demoted) if self.ssd is not None else (0, 0)
         return StoreStats(out, self.counters, ns_stats, self.policy.name.value, reservations, leases,
-                          sum(self.grants.bytes.values()))
+                          sum(self.grants.bytes.values()), *moved)
 
     def namespaces(self) -> Iterable[Namespace]:
         return self.ns_registry.all()

@@ -317,6 +317,7 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
             lookups=c.lookups, hit_blocks=c.lookup_hit_blocks, miss_blocks=c.lookup_blocks - c.lookup_hit_blocks,
             hit_tokens=c.lookup_hit_tokens, miss_tokens=c.lookup_tokens - c.lookup_hit_tokens,
             puts=c.put_blocks, gets=c.get_hit_blocks, bytes_written=c.put_bytes, bytes_read=c.get_bytes,
+            bytes_promoted=st.bytes_promoted, bytes_demoted=st.bytes_demoted,
             checksum_failures=c.checksum_failures, active_reservations=st.reservations,
             active_leases=st.leases, sessions=sessions, uptime_seconds=time.time() - self.started,
             tenant=tenant or "")
@@ -341,9 +342,6 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
         if self.cluster is not None:
             out.cluster_members = len(self.cluster.membership.members)
             out.cluster_status = self.cluster.status
-        if self.store.ssd is not None and tenant is None:
-            out.bytes_promoted = self.store.ssd.bytes_promoted
-            out.bytes_demoted = self.store.ssd.bytes_demoted
         if include_namespaces:
             for n in st.namespaces:
                 if tenant is not None and n.tenant != tenant:

@@ -118,3 +118,59 @@ def test_a_tenant_sees_its_own_promotions_demotions_and_checksum_failures(make_d
     assert o.promotions == a.promotions + b.promotions and o.demotions == a.demotions + b.demotions
     assert (acme.checksum_failures, beta.checksum_failures, ops.checksum_failures) == (1, 0, 1)
     assert "tenant acme" in format_stats(acme.to_dict())
+
+
+def _moved(st: DaemonStats) -> tuple[int, int, int]:
+    dram = st.tier(TierKind.DRAM)
+    return st.bytes_promoted, st.bytes_demoted, dram.demotions if dram is not None else 0
+
+
+def _settled(d) -> tuple[DaemonStats, DaemonStats, DaemonStats]:
+    """(acme's, beta's, the admin's) stats with no move in between: the daemon
+    demotes in the background, and its counters only grow, so an admin figure
+    read before and after the tenants' unchanged means none moved meanwhile."""
+    for _ in range(200):  # bounded: fails only if the daemon never settles
+        before = _stats(d, "tok-admin")
+        acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
+        if _moved(before) == _moved(ops):
+            return acme, beta, ops
+    raise AssertionError("the daemon kept moving blocks")
+
+
+def test_a_tenant_sees_its_own_bytes_promoted_and_demoted(make_daemon, tmp_path: Path) -> None:
+    """Bytes promoted (read from SSD into DRAM) and bytes demoted (written
+    from DRAM to SSD) are counted per namespace: each tenant sees its own
+    blocks' bytes, never another's, and the admin's figure is their sum."""
+    tf = tmp_path / "tenants.toml"
+    tf.write_text(TENANTS)
+    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB",
+                    ssd__capacity="64MiB", ssd__path=str(tmp_path / "ssd"), ssd__admit_min_hits=0)
+    bkeys = chain_keys(2, 3, BETA)
+    with _client(d, "tok-beta") as c:
+        c.put(BETA, bkeys, [payload_for(b"beta", k, BS) for k in bkeys])
+    more = chain_keys(3, 400, ACME)  # acme fills DRAM (256 slots): the coldest blocks, beta's too, go to SSD
+    with _client(d, "tok-acme") as c:
+        for i in range(0, 400, 50):
+            c.put(ACME, more[i:i + 50], [payload_for(b"acme", k, BS) for k in more[i:i + 50]])
+    acme, beta, ops = _settled(d)
+    a, b = acme.tier(TierKind.DRAM), beta.tier(TierKind.DRAM)
+    assert ops.bytes_demoted > 0 and ops.bytes_promoted == 0
+    assert (acme.bytes_demoted, beta.bytes_demoted) == (a.demotions * BS, b.demotions * BS), (acme, beta)
+    assert beta.bytes_demoted == 3 * BS and acme.bytes_demoted > 0
+    assert ops.bytes_demoted == acme.bytes_demoted + beta.bytes_demoted
+    assert acme.bytes_promoted == beta.bytes_promoted == 0
+
+    with Client(d.target, token="tok-beta") as c:
+        with c.acquire(BETA, bkeys) as lease:
+            assert lease.tiers == [TierKind.DRAM] * 3
+    acme, beta, ops = _settled(d)
+    assert (acme.bytes_promoted, beta.bytes_promoted) == (0, 3 * BS), (acme, beta)
+    with Client(d.target, token="tok-acme") as c:
+        down_a = c.lookup(ACME, more[:40]).tiers.count(TierKind.SSD)
+        assert down_a > 0
+        with c.acquire(ACME, more[:40]) as lease:
+            assert lease.tiers == [TierKind.DRAM] * 40
+    acme, beta, ops = _settled(d)
+    assert (acme.bytes_promoted, beta.bytes_promoted) == (down_a * BS, 3 * BS), (acme, beta)
+    assert ops.bytes_promoted == acme.bytes_promoted + beta.bytes_promoted
+    assert ops.bytes_demoted == acme.bytes_demoted + beta.bytes_demoted

@@ -311,3 +311,26 @@ def test_a_corrupt_parent_never_hands_a_reserved_slot_to_another_writer(ns):
         assert st.lookup(ns, a).hit_blocks == 0
         st.index.check_invariants()
         assert st.stats().tiers[0].used_bytes == sum(1 for s in got.statuses if s is KeyStatus.OK) * BS
+
+
+def test_expiries_are_counted_for_the_tenant_whose_hold_expired():
+    """A tenant's stats count its own expired reservations and leases, never
+    another tenant's; the whole store's figures are the sums."""
+    from tests.support.tenants import ACME, BETA
+
+    clock = Clock()
+    with make(slots=8, clock=clock, timeout=5.0) as st:
+        a, b = chain(b"a", 2), chain(b"b", 1)
+        st.put(BETA, b, [P(b[0])])
+        st.acquire(BETA, b, owner="r", ttl=1.0)
+        st.acquire(BETA, b, owner="r2", ttl=1.0)
+        st.reserve(ACME, a[:1], BS, owner="w")
+        st.reserve(ACME, a[1:], BS, owner="w2")
+        st.reserve(BETA, chain(b"c", 1), BS, owner="w3")
+        clock.now += 6.0
+        assert st.reap() == 5
+        acme, beta, whole = (st.stats(t).counters for t in ("acme", "beta", None))
+        assert (acme.reservations_expired, acme.leases_expired) == (2, 0)
+        assert (beta.reservations_expired, beta.leases_expired) == (1, 2)
+        assert whole.reservations_expired == acme.reservations_expired + beta.reservations_expired == 3
+        assert whole.leases_expired == acme.leases_expired + beta.leases_expired == 2
