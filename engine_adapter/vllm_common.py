@@ -477,7 +477,8 @@ class DaemonLink:
                                       "saved_blocks": 0, "existing_blocks": 0, "faults": 0,
                                       "cluster_lookups": 0, "decision_local": 0, "decision_fetch": 0,
                                       "decision_recompute": 0, "remote_blocks": 0, "fetched_blocks": 0,
-                                      "fetched_bytes": 0, "fetch_failed_blocks": 0}
+                                      "fetched_bytes": 0, "fetch_failed_blocks": 0,
+                                      "lora_changed_requests": 0}
 
     def fault(self, op: str, e: BaseException | str) -> None:
         FAULTS.labels(op).inc()

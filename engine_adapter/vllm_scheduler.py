@@ -61,6 +61,10 @@ class ReqState:
     adapter: str
     """The namespace's ``adapter_id`` (:meth:`SchedulerSide.adapter_id`)."""
     salt: str
+    lora: tuple[int, str, str] | None = None
+    """The request's LoRA as the adapter memo names it (vLLM id, name,
+    path); None without LoRA. Its files are checked once per step
+    (:meth:`SchedulerSide.adapters_changed`)."""
     lora_name: str = ""
     """vLLM's name of the request's LoRA (for KV events)."""
     load: bool = True
@@ -83,6 +87,12 @@ class ReqState:
     """Leading blocks known stored (or planned)."""
 
 
+def lora_key(lora: Any) -> tuple[int, str, str]:
+    """A vLLM ``LoRARequest`` as the adapter memo names it: (id, name, path)."""
+    path = str(getattr(lora, "lora_path", None) or getattr(lora, "lora_local_path", None) or "")
+    return int(getattr(lora, "lora_int_id", 0) or 0), str(getattr(lora, "lora_name", "") or ""), path
+
+
 def _files_stamp(adapter_dir: str) -> tuple[Any, ...]:
     """What must stay equal for a LoRA's remembered digest to hold: its
     real directory and the (size, inode, device, mtime, ctime) of its
@@ -90,6 +100,16 @@ def _files_stamp(adapter_dir: str) -> tuple[Any, ...]:
     files = [os.path.join(adapter_dir, "adapter_config.json"), *map(str, identity.weight_files(adapter_dir, code=True))]
     return (os.path.realpath(adapter_dir),
             *((os.path.basename(f), *identity.DigestCache.stamp(os.stat(f))) for f in files if os.path.exists(f)))
+
+
+def _same_files(adapter_dir: str, stamp: tuple[Any, ...], dir_stamp: list[int]) -> bool:
+    """The per-step check: the directory (its entries: a file added,
+    removed or renamed over; a link repointed) and the files ``stamp``
+    names, a ``stat`` each, are as they were; False means "maybe
+    changed" (then :func:`_files_stamp` decides)."""
+    stamp_of = identity.DigestCache.stamp
+    return stamp_of(os.stat(adapter_dir)) == dir_stamp and \
+        all(stamp_of(os.stat(os.path.join(adapter_dir, f[0]))) == list(f[1:]) for f in stamp[1:])
 
 
 class SchedulerSide:
@@ -112,12 +132,15 @@ class SchedulerSide:
         self.tails: list[BlockMove] = []  # tail saves of finished requests, sent with the next step's plan
         self.tail_pending: set[str] = set()  # finished requests whose blocks wait for their tail save
         self.events: list[Any] = []
-        self.adapters: dict[tuple[int, str, str], tuple[tuple[Any, ...], str]] = {}
-        """LoRA (id, name, path) -> (its files' stamps, its ``adapter_id``)."""
+        self.adapters: dict[tuple[int, str, str], tuple[tuple[Any, ...], str, str, list[int]]] = {}
+        """LoRA (id, name, path) -> (its files' stamps, its ``adapter_id``, its local directory, the
+        directory's own stamp)."""
         self.changed: set[tuple[int, str, str]] = set()
         """LoRAs whose files changed under the same (id, name, path): not cached."""
         self.unidentified: set[tuple[int, str, str]] = set()
         """LoRAs warned about (not identified)."""
+        self.lora_reqs = 0
+        """Requests in ``reqs`` with a LoRA (none: a step checks no adapter files)."""
 
     def state(self, request: Request) -> ReqState | None:
         st = self.reqs.get(request.request_id)
@@ -142,10 +165,11 @@ class SchedulerSide:
             log.warning("kvstore connector: request %s is not cached (%s)", request.request_id, e)
             return None
         params = getattr(request, "kv_transfer_params", None) or {}
-        st = ReqState(request, keys, adapter, salt, lora_name,
+        st = ReqState(request, keys, adapter, salt, lora_key(lora) if lora is not None else None, lora_name,
                       load=self.do_load and params.get("kvstore_load") is not False,
                       save=self.do_save and params.get("kvstore_save") is not False)
         self.reqs[request.request_id] = st
+        self.lora_reqs += st.lora is not None
         return st
 
     def adapter_id(self, lora: Any) -> str | None:
@@ -163,25 +187,22 @@ class SchedulerSide:
         in place), which version a request computes with depends on when
         vLLM's worker reloads them, so that adapter is not cached again in
         this process (loaded under a new name, it is a new id)."""
-        name = str(getattr(lora, "lora_name", "") or "")
-        path = str(getattr(lora, "lora_path", None) or getattr(lora, "lora_local_path", None) or "")
-        memo_key = (int(getattr(lora, "lora_int_id", 0) or 0), name, path)
+        memo_key = lora_key(lora)
+        _, name, path = memo_key
         if memo_key in self.changed:
             return None
         local = local_dir(path) if path else None
         try:
             if local is None or not os.path.isdir(local):
                 raise FileNotFoundError(f"no adapter directory or cached repository {path!r}")
+            dir_stamp = identity.DigestCache.stamp(os.stat(local))
             stamp = _files_stamp(local)
             got = self.adapters.get(memo_key)
             if got is not None and got[0] != stamp:
-                self.changed.add(memo_key)
-                self.adapters.pop(memo_key, None)
-                log.warning("kvstore connector: the files of LoRA %s (%s) changed under the same vLLM id; its "
-                            "requests are no longer cached (load it under a new name to cache it)", name, path)
+                self.adapter_moved(memo_key)
                 return None
             if got is None:
-                got = (stamp, identity.adapter_digest(local))
+                got = (stamp, identity.adapter_digest(local), local, dir_stamp)
                 if _files_stamp(local) != stamp:  # changed while hashed: try again next request
                     return None
                 self.adapters[memo_key] = got
@@ -192,6 +213,49 @@ class SchedulerSide:
                             name, e)
             return None
         return got[1]
+
+    def adapter_moved(self, memo_key: tuple[int, str, str]) -> None:
+        """Mark a LoRA whose files changed under the same (id, name, path):
+        not cached again in this process; one warning."""
+        self.changed.add(memo_key)
+        self.adapters.pop(memo_key, None)
+        log.warning("kvstore connector: the files of LoRA %s (%s) changed under the same vLLM id; its requests "
+                    "are no longer cached, those in flight included (load it under a new name to cache it)",
+                    memo_key[1], memo_key[2])
+
+    def adapters_changed(self, loras: set[tuple[int, str, str]]) -> set[tuple[int, str, str]]:
+        """Which of ``loras`` (the adapters of this step's requests) no
+        longer have the files their digest was taken from: a ``stat`` per
+        file of each, once per step (requests without LoRA cost nothing).
+        A request planned under the old digest would otherwise save (or
+        load) blocks computed with the new weights under it."""
+        out = loras & self.changed
+        for memo_key in loras - out:
+            got = self.adapters.get(memo_key)
+            same = False
+            try:
+                if got is not None:
+                    stamp, digest, local, dir_stamp = got
+                    if _same_files(local, stamp, dir_stamp):
+                        continue
+                    dir_stamp = identity.DigestCache.stamp(os.stat(local))
+                    same = _files_stamp(local) == stamp
+                    if same:  # only the directory changed (another file in it): remember its new stamp
+                        self.adapters[memo_key] = (stamp, digest, local, dir_stamp)
+            except (OSError, ValueError):  # gone or unreadable: not the files the digest names
+                same = False
+            if not same:
+                self.adapter_moved(memo_key)
+                out.add(memo_key)
+        return out
+
+    def drop_changed(self, st: ReqState) -> None:
+        """Stop storing and loading a request whose LoRA's files changed
+        since it was planned (counted, ``lora_changed_requests``)."""
+        if st.save or st.load:
+            st.save = st.load = False
+            self.link.stats["lora_changed_requests"] += 1
+            self.link.record(event="lora_changed", req=st.request.request_id)
 
     def keys_upto(self, st: ReqState, n: int) -> int:
         """Make ``st.keys`` cover the first ``n`` full blocks of the
@@ -312,12 +376,18 @@ class SchedulerSide:
             elif nb is not None:
                 st.block_ids.extend(nb[0])
             computed[req_id] = cached.num_computed_tokens[i]
+        changed = self.adapters_changed({st.lora for r in computed if (st := self.reqs[r]).lora is not None}) \
+            if self.lora_reqs else set()
         for req_id, done in computed.items():
             st = self.reqs[req_id]
+            if changed and st.lora in changed:
+                self.drop_changed(st)
             if st.plan is not None:
                 a, b = st.plan
                 st.plan = None
-                if b <= len(st.block_ids):
+                if not st.load and b <= len(st.block_ids):  # dropped since planned: no keys, vLLM recomputes
+                    meta.loads.append(BlockMove(req_id, st.adapter, st.salt, b"", st.block_ids[a:b], a))
+                elif b <= len(st.block_ids):
                     meta.loads.append(BlockMove(req_id, st.adapter, st.salt, st.keys[a * KEY_LEN:b * KEY_LEN],
                                                 st.block_ids[a:b], a, cluster=0 <= st.fetch_from < b,
                                                 peer=st.looked.hint(a, b) if st.looked else ("", 0, 0)))
@@ -397,8 +467,11 @@ class SchedulerSide:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False, None
+        self.lora_reqs -= st.lora is not None
         if len(self.finished) < 4096:
             self.finished[request.request_id] = st  # until its last save is reported
+        if st.lora is not None and st.save and self.adapters_changed({st.lora}):
+            self.drop_changed(st)
         if not st.save or request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             return False, None  # aborted/errored: its KV may be incomplete or invalid
         with_kv = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)

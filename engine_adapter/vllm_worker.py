@@ -192,16 +192,24 @@ class WorkerSide(SaveSide):
     def load_all(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
             return
+        loads = [m for m in meta.loads if m.keys]
+        if len(loads) < len(meta.loads):  # dropped by the scheduler (no keys: its LoRA changed since planned)
+            dropped = [m for m in meta.loads if not m.keys]
+            self.load_errors.update(b for m in dropped for b in m.block_ids)
+            self.load_failed.update(m.req_id for m in dropped)
+            self.link.stats["failed_blocks"] += sum(len(m.block_ids) for m in dropped)
+            if not loads:
+                return
         base = self.ident.ns
         if not self.layers or base is None:  # nothing registered (or no identity): nothing can be loaded
-            self.load_errors.update(b for m in meta.loads for b in m.block_ids)
-            self.load_failed.update(m.req_id for m in meta.loads)
+            self.load_errors.update(b for m in loads for b in m.block_ids)
+            self.load_failed.update(m.req_id for m in loads)
             return
         t0 = time.perf_counter()
         at = time.monotonic()  # (the system-wide clock: bench/vllm.py lines up the ranks' steps with it)
         self.phases = dict.fromkeys(LOAD_PHASES, 0.0)
         rank = self.rank
-        total = sum(len(m.block_ids) for m in meta.loads)
+        total = sum(len(m.block_ids) for m in loads)
         place = self.scatter  # blocks straight into the KV tensors, else staged and copied in below
         sealed = self.tp > 1  # a rank reads its shard and the seal (staged: shard-wide rows)
         raw, typed = (None, []) if place is not None else \
@@ -213,7 +221,7 @@ class WorkerSide(SaveSide):
         row = 0
         c = self.link.client()
         self.phases["setup"] = time.perf_counter() - t0
-        for m in meta.loads:
+        for m in loads:
             n = len(m.block_ids)
             if place is not None:  # (the keys stay packed: a sealed read checks them against its seals)
                 sink: BlockSink = place.sink(m.block_ids, m.keys)
@@ -246,7 +254,7 @@ class WorkerSide(SaveSide):
         # (bench/vllm.py reports each phase, and the bytes moved against a
         # memcpy of the same bytes)
         if self.link.stats_path:
-            recs.append(dict(event="load_step", rank=rank, reqs=len(meta.loads), planned_blocks=total,
+            recs.append(dict(event="load_step", rank=rank, reqs=len(loads), planned_blocks=total,
                              loaded_blocks=len(good_ids), bytes=len(good_ids) * self.shard_bytes,
                              copied_bytes=len(good_ids) * self.read_bytes, at=round(at, 6),
                              ms=round((t2 - t0) * 1000, 3),
