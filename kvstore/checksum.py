@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["HAVE_NATIVE", "checksum", "copy_checksum", "copy_many", "copy_verify", "gather_many", "run_split",
+__all__ = ["HAVE_NATIVE", "READ_STREAM_MIN", "STREAM_MIN", "checksum", "copy_checksum", "copy_many", "copy_verify", "gather_many", "run_split",
            "scatter_slots", "verify_many", "verify_scatter", "verify_scatter_many"]
 
 
@@ -326,6 +326,26 @@ def gather_many(dsts: Sequence[Any], pieces: Any, srcs: tuple[Any, ...], indices
 # ---------------------------------------------------------------- batches
 _POOL: Any = None
 _PARALLEL_MIN_BYTES: Final = 4 << 20
+
+STREAM_MIN: Final[int] = int(_native.NONTEMPORAL_MIN) if _native is not None else 1 << 20
+"""Batches of this many bytes or more are copied with non-temporal stores
+(the native helper's ``NONTEMPORAL_MIN``: half the last-level cache this
+CPU shares, at least 1 MiB): a batch that size leaves the cache whatever
+its stores do."""
+
+READ_STREAM_MIN: Final[int] = max(1 << 20, STREAM_MIN // 2)
+"""Reads (``verify_many``: a copy out of the store into the reader's
+buffers) stream their stores from half ``STREAM_MIN``: a quarter of the
+last-level cache, where the bytes read and the bytes written together take
+half of it. Such a destination is not read back by the store, and its
+reader takes it from RAM about as fast as from a cache that the copy would
+have had to fill first, read for ownership included. Measured on the
+2-core AMD EPYC of docs/performance.md (32 MiB L3; get, then the caller
+reading every byte): 8 x 1 MiB 1.13 -> 1.02 ms with the get in flight and
+1.25 -> 1.19 ms after it, the get alone 20-30% faster; 6 x 1 MiB and 4 x
+1 MiB were slower streamed once read back, so the threshold stays there.
+Writes into the store keep ``STREAM_MIN``: the daemon reads a staged put
+again as it lands it."""
 """Batches smaller than this are copied on the calling thread."""
 
 
@@ -348,21 +368,24 @@ def _split(n: int, nbytes: int, threads: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
-def copy_many(dsts: Any, srcs: Any, threads: int = 2) -> np.ndarray:
+def copy_many(dsts: Any, srcs: Any, threads: int = 2, stream_from: int | None = None) -> np.ndarray:
     """``copy_checksum`` over a batch of blocks, spread over up to ``threads``
     threads (the copies release the GIL); returns the checksums (uint64).
     One thread copies as fast as ``np.copyto`` only with a hash on top; two
     keep up with memory on a 2-core machine. A batch of the native helper's
-    ``NONTEMPORAL_MIN`` bytes or more is copied with non-temporal stores,
-    whichever thread copies each part."""
+    ``NONTEMPORAL_MIN`` bytes or more (or of ``stream_from`` bytes or more,
+    when given) is copied with non-temporal stores, whichever thread copies
+    each part."""
     n = len(srcs)
     out = np.empty(n, dtype=np.uint64)
     nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
+    # (the native helper streams a batch whose batch_bytes reach NONTEMPORAL_MIN)
+    batch_bytes = max(nbytes, STREAM_MIN) if stream_from is not None and nbytes >= stream_from else nbytes
 
     def run(a: int, b: int) -> None:
         if _native is not None:  # one call, one GIL release, per part
             _native.copy_checksum_many([_native_arg(d, "dsts[i]") for d in dsts[a:b]],
-                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], out[a:b], nbytes)
+                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], out[a:b], batch_bytes)
             return
         for i in range(a, b):
             out[i] = copy_checksum(dsts[i], srcs[i])
@@ -387,7 +410,9 @@ def checksum_many(bufs: Any, threads: int = 2) -> np.ndarray:
 
 
 def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.ndarray:
-    """``copy_verify`` over a batch; returns a bool mask (False: mismatch)."""
+    """``copy_verify`` over a batch; returns a bool mask (False: mismatch).
+    A verifying copy is a read out of the store into its reader's buffers:
+    from ``READ_STREAM_MIN`` bytes it streams its stores (see there)."""
     n = len(srcs)
     if _native is not None:
         try:
@@ -396,7 +421,7 @@ def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.nda
             raise ValueError("expected must be an XXH3-64 checksum in [0, 2**64)") from None
         if want.shape != (n,):
             raise ValueError(f"{want.size} checksums for {n} blocks")
-        return copy_many(dsts, srcs, threads) == want
+        return copy_many(dsts, srcs, threads, READ_STREAM_MIN) == want
     exp = [int(x) for x in expected]
     ok = np.empty(n, dtype=bool)
     nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)

@@ -173,6 +173,44 @@ def test_a_batch_copied_with_non_temporal_stores_is_the_same_copy(batch_bytes: i
         nat.copy_checksum_many(dsts, srcs, sums, -1)
 
 
+@needs_native
+def test_reads_stream_from_a_quarter_of_the_cache_and_writes_from_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read (``verify_many``) of ``READ_STREAM_MIN`` bytes asks the native
+    helper for non-temporal stores (its ``batch_bytes`` reach
+    ``NONTEMPORAL_MIN``); a write (``copy_many``) of the same batch does not,
+    and a read just under the threshold does not either. The bytes and the
+    verdicts are the same whatever the stores."""
+    nat = cks._native
+    assert nat is not None
+    assert cks.STREAM_MIN == nat.NONTEMPORAL_MIN
+    assert cks.READ_STREAM_MIN == max(1 << 20, nat.NONTEMPORAL_MIN // 2)
+    asked: list[int] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(nat, name)
+
+        def copy_checksum_many(self, dsts: object, srcs: object, sums: object, batch_bytes: int = 0) -> None:
+            asked.append(batch_bytes)
+            nat.copy_checksum_many(dsts, srcs, sums, batch_bytes)
+
+    monkeypatch.setattr(cks, "_native", Spy())
+    size = 1 << 16
+    for n, read, streams in ((cks.READ_STREAM_MIN // size, True, True),
+                             (cks.READ_STREAM_MIN // size - 1, True, False),
+                             (cks.READ_STREAM_MIN // size, False, cks.READ_STREAM_MIN >= nat.NONTEMPORAL_MIN)):
+        srcs = _blocks(n, size, n)
+        want = [xxhash.xxh3_64_intdigest(s.tobytes()) for s in srcs]
+        dsts = [np.zeros(size, np.uint8) for _ in range(n)]
+        asked.clear()
+        if read:
+            assert bool(cks.verify_many(dsts, srcs, want, threads=1).all())
+        else:
+            assert cks.copy_many(dsts, srcs, threads=1).tolist() == want
+        assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+        assert asked and all((b >= nat.NONTEMPORAL_MIN) == streams for b in asked), (n, read, asked)
+
+
 # --------------------------------------------------------------------------
 # batches: copy_many, checksum_many, verify_many
 # --------------------------------------------------------------------------
