@@ -1,21 +1,28 @@
 """``Stats`` with auth on (issue r20, item 1): a tenant's credential gets its
 own tenant's figures (lookups, hits, misses, puts, gets, bytes, tier
 occupancy, tier hits, evictions, promotions, demotions, checksum failures,
-sessions), never another tenant's; the per-tier capacity stays the daemon's. An admin credential gets the whole
+expired reservations and leases, sessions), never another tenant's; the
+per-tier capacity stays the daemon's. An admin credential gets the whole
 daemon, which is the sum of its tenants. The answer says which scope it is,
 and ``kvstore stats`` prints it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from kvstore.client import Client
+import grpc
+
+from kvstore.client import Client, ns_pb
 from kvstore.keys import Namespace
 from kvstore.results import DaemonStats
 from kvstore.tools.format import format_stats
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import payload_for
 from tests.support.keys import chain_keys
 from tests.support.tenants import ACME, BETA, TENANTS
+from tests.support.waits import wait_until
 from tiers.base import TierKind
 
 BS = 4096
@@ -174,3 +181,40 @@ def test_a_tenant_sees_its_own_bytes_promoted_and_demoted(make_daemon, tmp_path:
     assert (acme.bytes_promoted, beta.bytes_promoted) == (down_a * BS, 3 * BS), (acme, beta)
     assert ops.bytes_promoted == acme.bytes_promoted + beta.bytes_promoted
     assert ops.bytes_demoted == acme.bytes_demoted + beta.bytes_demoted
+
+
+def _expired(st: DaemonStats) -> tuple[int, int]:
+    return st.reservations_expired, st.leases_expired
+
+
+def test_a_tenant_sees_its_own_expired_reservations_and_leases(make_daemon, tmp_path: Path) -> None:
+    """Reservations never committed and leases taken without a session expire
+    after ``server.reservation_timeout``; each is counted for its tenant, and
+    ``Stats`` says so: the tenant sees its own, another tenant none, the admin
+    the sum, and ``kvstore stats`` prints them."""
+    tf = tmp_path / "tenants.toml"
+    tf.write_text(TENANTS)
+    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB",
+                    server__reservation_timeout=0.2, server__lease_check_interval=0.05)
+    _activity(d, BETA, "tok-beta", 2, stored=3, asked=3, read=3, lookups=1)  # inline: nothing to expire
+    keys = chain_keys(1, 4, ACME)
+    with _client(d, "tok-acme") as c:
+        c.put(ACME, keys[:2], [payload_for(b"acme", k, BS) for k in keys[:2]])
+        resv = c.reserve(ACME, keys[2:], BS, parent=keys[1])  # never committed
+        assert resv.reservation_id
+    # a lease taken without a session (this channel never handshakes): expires too
+    with grpc.insecure_channel(d.target) as ch:
+        lease = pb_grpc.KVStoreStub(ch).Acquire(pb.AcquireRequest(ns=ns_pb(ACME), keys=keys[:2]),
+                                                metadata=[("authorization", "Bearer tok-acme")])
+    assert lease.lease_id and lease.hit_blocks == 2
+    wait_until(lambda: _expired(_stats(d, "tok-acme")) == (1, 1), what="acme's hold to expire")
+    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
+    assert _expired(acme) == (1, 1) and _expired(beta) == (0, 0)
+    assert _expired(ops) == (1, 1)  # the sum of the tenants
+    assert (acme.active_reservations, acme.active_leases) == (0, 0)
+    for st in (acme, ops):
+        d2 = st.to_dict()
+        assert (d2["reservations_expired"], d2["leases_expired"]) == ("1", "1")
+        assert DaemonStats.from_dict(d2) == st
+        assert re.search(r"^expired reservations / leases +1 / 1$", format_stats(d2), re.M)
+    assert re.search(r"^expired reservations / leases +0 / 0$", format_stats(beta.to_dict()), re.M)
