@@ -87,46 +87,6 @@ def test_a_tenant_sees_only_its_own_figures(make_daemon, tmp_path: Path) -> None
     assert a.used_bytes == a.blocks * BS and b.used_bytes == b.blocks * BS
 
 
-def test_a_tenant_sees_its_own_promotions_demotions_and_checksum_failures(make_daemon, tmp_path: Path) -> None:
-    """The figures the store once kept only for the whole daemon: blocks
-    demoted from DRAM to SSD, promoted back, and failed checksums are
-    counted per namespace, so each tenant sees its own and the admin the sum."""
-    tf = tmp_path / "tenants.toml"
-    tf.write_text(TENANTS)
-    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB",
-                    ssd__capacity="64MiB", ssd__path=str(tmp_path / "ssd"), ssd__write_mode="through",
-                    ssd__admit_min_hits=0)
-    bkeys = chain_keys(2, 3, BETA)
-    with _client(d, "tok-beta") as c:
-        c.put(BETA, bkeys, [payload_for(b"beta", k, BS) for k in bkeys])
-    more = chain_keys(3, 400, ACME)  # acme fills DRAM (256 slots): the coldest blocks go down to SSD
-    with _client(d, "tok-acme") as c:
-        for i in range(0, 400, 50):
-            c.put(ACME, more[i:i + 50], [payload_for(b"acme", k, BS) for k in more[i:i + 50]])
-    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
-    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
-    assert o.demotions > 0 and o.demotions == a.demotions + b.demotions, (a, b, o)
-    assert a.demotions > 0 and a.promotions == b.promotions == 0
-
-    # each leases its own chain: what went to SSD is promoted into DRAM, counted for its tenant
-    with Client(d.target, token="tok-beta") as c:
-        down_b = c.lookup(BETA, bkeys).tiers.count(TierKind.SSD)
-        with c.acquire(BETA, bkeys) as lease:
-            assert lease.tiers == [TierKind.DRAM] * 3
-    with Client(d.target, token="tok-acme") as c:
-        down_a = c.lookup(ACME, more[:40]).tiers.count(TierKind.SSD)
-        assert down_a > 0
-        with c.acquire(ACME, more[:40]) as lease:
-            assert lease.tiers == [TierKind.DRAM] * 40
-        assert c.report_corrupt(ACME, more[39:40]) == 1  # a block its reader found bad
-    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
-    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
-    assert (a.promotions, b.promotions) == (down_a, down_b), (a, b, o)
-    assert o.promotions == a.promotions + b.promotions and o.demotions == a.demotions + b.demotions
-    assert (acme.checksum_failures, beta.checksum_failures, ops.checksum_failures) == (1, 0, 1)
-    assert "tenant acme" in format_stats(acme.to_dict())
-
-
 def _moved(st: DaemonStats) -> tuple[int, int, int]:
     dram = st.tier(TierKind.DRAM)
     return st.bytes_promoted, st.bytes_demoted, dram.demotions if dram is not None else 0
@@ -142,6 +102,47 @@ def _settled(d) -> tuple[DaemonStats, DaemonStats, DaemonStats]:
         if _moved(before) == _moved(ops):
             return acme, beta, ops
     raise AssertionError("the daemon kept moving blocks")
+
+
+def test_a_tenant_sees_its_own_promotions_demotions_and_checksum_failures(make_daemon, tmp_path: Path) -> None:
+    """The figures the store once kept only for the whole daemon: blocks
+    demoted from DRAM to SSD, promoted back, and failed checksums are
+    counted per namespace, so each tenant sees its own and the admin the sum
+    (read with no move in between: ``_settled``)."""
+    tf = tmp_path / "tenants.toml"
+    tf.write_text(TENANTS)
+    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB",
+                    ssd__capacity="64MiB", ssd__path=str(tmp_path / "ssd"), ssd__write_mode="through",
+                    ssd__admit_min_hits=0)
+    bkeys = chain_keys(2, 3, BETA)
+    with _client(d, "tok-beta") as c:
+        c.put(BETA, bkeys, [payload_for(b"beta", k, BS) for k in bkeys])
+    more = chain_keys(3, 400, ACME)  # acme fills DRAM (256 slots): the coldest blocks go down to SSD
+    with _client(d, "tok-acme") as c:
+        for i in range(0, 400, 50):
+            c.put(ACME, more[i:i + 50], [payload_for(b"acme", k, BS) for k in more[i:i + 50]])
+    acme, beta, ops = _settled(d)  # the daemon demotes in the background
+    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
+    assert o.demotions > 0 and o.demotions == a.demotions + b.demotions, (a, b, o)
+    assert a.demotions > 0 and a.promotions == b.promotions == 0
+
+    # each leases its own chain: what went to SSD is promoted into DRAM, counted for its tenant
+    with Client(d.target, token="tok-beta") as c:
+        down_b = c.lookup(BETA, bkeys).tiers.count(TierKind.SSD)
+        with c.acquire(BETA, bkeys) as lease:
+            assert lease.tiers == [TierKind.DRAM] * 3
+    with Client(d.target, token="tok-acme") as c:
+        down_a = c.lookup(ACME, more[:40]).tiers.count(TierKind.SSD)
+        assert down_a > 0
+        with c.acquire(ACME, more[:40]) as lease:
+            assert lease.tiers == [TierKind.DRAM] * 40
+        assert c.report_corrupt(ACME, more[39:40]) == 1  # a block its reader found bad
+    acme, beta, ops = _settled(d)  # the daemon demotes in the background
+    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
+    assert (a.promotions, b.promotions) == (down_a, down_b), (a, b, o)
+    assert o.promotions == a.promotions + b.promotions and o.demotions == a.demotions + b.demotions
+    assert (acme.checksum_failures, beta.checksum_failures, ops.checksum_failures) == (1, 0, 1)
+    assert "tenant acme" in format_stats(acme.to_dict())
 
 
 def test_a_tenant_sees_its_own_bytes_promoted_and_demoted(make_daemon, tmp_path: Path) -> None:
