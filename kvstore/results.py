@@ -250,7 +250,8 @@ class StoreStats:
 _TIER_WIRE: dict[TierKind | None, str] = {None: "TIER_UNSPECIFIED", **{t: f"TIER_{t.name}" for t in TierKind}}
 _U64_FIELDS = ("lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets",
                "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures",
-               "active_reservations", "active_leases", "sessions", "admitted", "admitted_degraded", "rejected")
+               "active_reservations", "active_leases", "reservations_expired", "leases_expired", "sessions",
+               "admitted", "admitted_degraded", "rejected")
 _TIER_U64 = ("capacity_bytes", "used_bytes", "blocks", "pinned_bytes", "evictions", "promotions", "demotions",
              "hits", "disk_bytes")
 
@@ -277,6 +278,10 @@ class DaemonStats:
     checksum_failures: int = 0
     active_reservations: int = 0
     active_leases: int = 0
+    reservations_expired: int = 0
+    """Reservations aborted uncommitted after ``server.reservation_timeout``, since start."""
+    leases_expired: int = 0
+    """Leases (taken without a session) released after ``server.reservation_timeout``, since start."""
     sessions: int = 0
     uptime_seconds: float = 0.0
     admitted: int = 0

@@ -652,7 +652,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace_label: _Optional[str] = ..., ns_digest: _Optional[bytes] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets", "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures", "active_reservations", "active_leases", "sessions", "uptime_seconds", "namespaces", "admitted", "admitted_degraded", "rejected", "prefill_tokens_per_s", "ttft_error_ewma_s", "cluster_members", "cluster_status", "tenant")
+    __slots__ = ("tiers", "lookups", "hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "puts", "gets", "bytes_written", "bytes_read", "bytes_promoted", "bytes_demoted", "checksum_failures", "active_reservations", "active_leases", "sessions", "uptime_seconds", "namespaces", "admitted", "admitted_degraded", "rejected", "prefill_tokens_per_s", "ttft_error_ewma_s", "reservations_expired", "leases_expired", "cluster_members", "cluster_status", "tenant")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -676,6 +676,8 @@ class StatsResponse(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_ERROR_EWMA_S_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_STATUS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -702,10 +704,12 @@ class StatsResponse(_message.Message):
     rejected: int
     prefill_tokens_per_s: float
     ttft_error_ewma_s: float
+    reservations_expired: int
+    leases_expired: int
     cluster_members: int
     cluster_status: str
     tenant: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., admitted: _Optional[int] = ..., admitted_degraded: _Optional[int] = ..., rejected: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_error_ewma_s: _Optional[float] = ..., cluster_members: _Optional[int] = ..., cluster_status: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_promoted: _Optional[int] = ..., bytes_demoted: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., active_reservations: _Optional[int] = ..., active_leases: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., admitted: _Optional[int] = ..., admitted_degraded: _Optional[int] = ..., rejected: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_error_ewma_s: _Optional[float] = ..., reservations_expired: _Optional[int] = ..., leases_expired: _Optional[int] = ..., cluster_members: _Optional[int] = ..., cluster_status: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("after_seq", "ns", "run_id")

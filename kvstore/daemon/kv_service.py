@@ -319,7 +319,8 @@ class KVStoreService(DaemonState, pb_grpc.KVStoreServicer):
             puts=c.put_blocks, gets=c.get_hit_blocks, bytes_written=c.put_bytes, bytes_read=c.get_bytes,
             bytes_promoted=st.bytes_promoted, bytes_demoted=st.bytes_demoted,
             checksum_failures=c.checksum_failures, active_reservations=st.reservations,
-            active_leases=st.leases, sessions=sessions, uptime_seconds=time.time() - self.started,
+            active_leases=st.leases, reservations_expired=c.reservations_expired,
+            leases_expired=c.leases_expired, sessions=sessions, uptime_seconds=time.time() - self.started,
             tenant=tenant or "")
         for t in st.tiers:
             out.tiers.append(pb.TierStats(tier=tier_pb(t.tier), capacity_bytes=t.capacity_bytes,

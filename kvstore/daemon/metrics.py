@@ -185,6 +185,8 @@ class StoreCollector(Collector):
               "Blocks that puts or reserves could not place: no room after eviction."),
             c("kvstore_reservations_expired_total",
               "Reservations reclaimed because they were never committed."),
+            c("kvstore_leases_expired_total",
+              "Leases taken without a session released because their holder never did."),
             g("kvstore_open_reservations", "Reservations not yet committed or aborted."),
             g("kvstore_open_leases", "Leases (acquired blocks) not yet released."),
             g("kvstore_granted_bytes", "DRAM granted to same-host writers ahead of their puts "
@@ -244,6 +246,7 @@ class StoreCollector(Collector):
             "kvstore_checksum_failures": c.checksum_failures,
             "kvstore_capacity_rejects": c.capacity_rejects,
             "kvstore_reservations_expired": c.reservations_expired,
+            "kvstore_leases_expired": c.leases_expired,
             "kvstore_open_reservations": st.reservations,
             "kvstore_open_leases": st.leases,
             "kvstore_granted_bytes": st.granted_bytes,

@@ -118,6 +118,8 @@ def format_stats(d: Mapping[str, Any]) -> str:
         ("reservations / leases / sessions",
          f"{int_field(d, 'active_reservations'):,} / {int_field(d, 'active_leases'):,} / "
          f"{int_field(d, 'sessions'):,}"),
+        ("expired reservations / leases",
+         f"{int_field(d, 'reservations_expired'):,} / {int_field(d, 'leases_expired'):,}"),
         ("admitted / degraded / rejected",
          f"{int_field(d, 'admitted'):,} / {int_field(d, 'admitted_degraded'):,} / {int_field(d, 'rejected'):,}"),
         ("prefill model / TTFT error", f"{float(d.get('prefill_tokens_per_s') or 0):,.0f} tokens/s / "

@@ -51,7 +51,8 @@ def stats_from_pb(r: pb.StatsResponse) -> DaemonStats:
         miss_tokens=r.miss_tokens, puts=r.puts, gets=r.gets, bytes_written=r.bytes_written,
         bytes_read=r.bytes_read, bytes_promoted=r.bytes_promoted, bytes_demoted=r.bytes_demoted,
         checksum_failures=r.checksum_failures, active_reservations=r.active_reservations,
-        active_leases=r.active_leases, sessions=r.sessions, uptime_seconds=r.uptime_seconds,
+        active_leases=r.active_leases, reservations_expired=r.reservations_expired,
+        leases_expired=r.leases_expired, sessions=r.sessions, uptime_seconds=r.uptime_seconds,
         admitted=r.admitted, admitted_degraded=r.admitted_degraded, rejected=r.rejected,
         prefill_tokens_per_s=r.prefill_tokens_per_s, ttft_error_ewma_s=r.ttft_error_ewma_s,
         cluster_members=r.cluster_members, cluster_status=r.cluster_status, tenant=r.tenant)

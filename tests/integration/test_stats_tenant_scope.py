@@ -1,21 +1,28 @@
 """``Stats`` with auth on (issue r20, item 1): a tenant's credential gets its
 own tenant's figures (lookups, hits, misses, puts, gets, bytes, tier
 occupancy, tier hits, evictions, promotions, demotions, checksum failures,
-sessions), never another tenant's; the per-tier capacity stays the daemon's. An admin credential gets the whole
+expired reservations and leases, sessions), never another tenant's; the
+per-tier capacity stays the daemon's. An admin credential gets the whole
 daemon, which is the sum of its tenants. The answer says which scope it is,
 and ``kvstore stats`` prints it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from kvstore.client import Client
+import grpc
+
+from kvstore.client import Client, ns_pb
 from kvstore.keys import Namespace
 from kvstore.results import DaemonStats
 from kvstore.tools.format import format_stats
+from proto import kvstore_pb2 as pb
+from proto import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import payload_for
 from tests.support.keys import chain_keys
 from tests.support.tenants import ACME, BETA, TENANTS
+from tests.support.waits import wait_until
 from tiers.base import TierKind
 
 BS = 4096
@@ -80,46 +87,6 @@ def test_a_tenant_sees_only_its_own_figures(make_daemon, tmp_path: Path) -> None
     assert a.used_bytes == a.blocks * BS and b.used_bytes == b.blocks * BS
 
 
-def test_a_tenant_sees_its_own_promotions_demotions_and_checksum_failures(make_daemon, tmp_path: Path) -> None:
-    """The figures the store once kept only for the whole daemon: blocks
-    demoted from DRAM to SSD, promoted back, and failed checksums are
-    counted per namespace, so each tenant sees its own and the admin the sum."""
-    tf = tmp_path / "tenants.toml"
-    tf.write_text(TENANTS)
-    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB",
-                    ssd__capacity="64MiB", ssd__path=str(tmp_path / "ssd"), ssd__write_mode="through",
-                    ssd__admit_min_hits=0)
-    bkeys = chain_keys(2, 3, BETA)
-    with _client(d, "tok-beta") as c:
-        c.put(BETA, bkeys, [payload_for(b"beta", k, BS) for k in bkeys])
-    more = chain_keys(3, 400, ACME)  # acme fills DRAM (256 slots): the coldest blocks go down to SSD
-    with _client(d, "tok-acme") as c:
-        for i in range(0, 400, 50):
-            c.put(ACME, more[i:i + 50], [payload_for(b"acme", k, BS) for k in more[i:i + 50]])
-    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
-    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
-    assert o.demotions > 0 and o.demotions == a.demotions + b.demotions, (a, b, o)
-    assert a.demotions > 0 and a.promotions == b.promotions == 0
-
-    # each leases its own chain: what went to SSD is promoted into DRAM, counted for its tenant
-    with Client(d.target, token="tok-beta") as c:
-        down_b = c.lookup(BETA, bkeys).tiers.count(TierKind.SSD)
-        with c.acquire(BETA, bkeys) as lease:
-            assert lease.tiers == [TierKind.DRAM] * 3
-    with Client(d.target, token="tok-acme") as c:
-        down_a = c.lookup(ACME, more[:40]).tiers.count(TierKind.SSD)
-        assert down_a > 0
-        with c.acquire(ACME, more[:40]) as lease:
-            assert lease.tiers == [TierKind.DRAM] * 40
-        assert c.report_corrupt(ACME, more[39:40]) == 1  # a block its reader found bad
-    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
-    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
-    assert (a.promotions, b.promotions) == (down_a, down_b), (a, b, o)
-    assert o.promotions == a.promotions + b.promotions and o.demotions == a.demotions + b.demotions
-    assert (acme.checksum_failures, beta.checksum_failures, ops.checksum_failures) == (1, 0, 1)
-    assert "tenant acme" in format_stats(acme.to_dict())
-
-
 def _moved(st: DaemonStats) -> tuple[int, int, int]:
     dram = st.tier(TierKind.DRAM)
     return st.bytes_promoted, st.bytes_demoted, dram.demotions if dram is not None else 0
@@ -135,6 +102,47 @@ def _settled(d) -> tuple[DaemonStats, DaemonStats, DaemonStats]:
         if _moved(before) == _moved(ops):
             return acme, beta, ops
     raise AssertionError("the daemon kept moving blocks")
+
+
+def test_a_tenant_sees_its_own_promotions_demotions_and_checksum_failures(make_daemon, tmp_path: Path) -> None:
+    """The figures the store once kept only for the whole daemon: blocks
+    demoted from DRAM to SSD, promoted back, and failed checksums are
+    counted per namespace, so each tenant sees its own and the admin the sum
+    (read with no move in between: ``_settled``)."""
+    tf = tmp_path / "tenants.toml"
+    tf.write_text(TENANTS)
+    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB",
+                    ssd__capacity="64MiB", ssd__path=str(tmp_path / "ssd"), ssd__write_mode="through",
+                    ssd__admit_min_hits=0)
+    bkeys = chain_keys(2, 3, BETA)
+    with _client(d, "tok-beta") as c:
+        c.put(BETA, bkeys, [payload_for(b"beta", k, BS) for k in bkeys])
+    more = chain_keys(3, 400, ACME)  # acme fills DRAM (256 slots): the coldest blocks go down to SSD
+    with _client(d, "tok-acme") as c:
+        for i in range(0, 400, 50):
+            c.put(ACME, more[i:i + 50], [payload_for(b"acme", k, BS) for k in more[i:i + 50]])
+    acme, beta, ops = _settled(d)  # the daemon demotes in the background
+    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
+    assert o.demotions > 0 and o.demotions == a.demotions + b.demotions, (a, b, o)
+    assert a.demotions > 0 and a.promotions == b.promotions == 0
+
+    # each leases its own chain: what went to SSD is promoted into DRAM, counted for its tenant
+    with Client(d.target, token="tok-beta") as c:
+        down_b = c.lookup(BETA, bkeys).tiers.count(TierKind.SSD)
+        with c.acquire(BETA, bkeys) as lease:
+            assert lease.tiers == [TierKind.DRAM] * 3
+    with Client(d.target, token="tok-acme") as c:
+        down_a = c.lookup(ACME, more[:40]).tiers.count(TierKind.SSD)
+        assert down_a > 0
+        with c.acquire(ACME, more[:40]) as lease:
+            assert lease.tiers == [TierKind.DRAM] * 40
+        assert c.report_corrupt(ACME, more[39:40]) == 1  # a block its reader found bad
+    acme, beta, ops = _settled(d)  # the daemon demotes in the background
+    a, b, o = (s.tier(TierKind.DRAM) for s in (acme, beta, ops))
+    assert (a.promotions, b.promotions) == (down_a, down_b), (a, b, o)
+    assert o.promotions == a.promotions + b.promotions and o.demotions == a.demotions + b.demotions
+    assert (acme.checksum_failures, beta.checksum_failures, ops.checksum_failures) == (1, 0, 1)
+    assert "tenant acme" in format_stats(acme.to_dict())
 
 
 def test_a_tenant_sees_its_own_bytes_promoted_and_demoted(make_daemon, tmp_path: Path) -> None:
@@ -174,3 +182,40 @@ def test_a_tenant_sees_its_own_bytes_promoted_and_demoted(make_daemon, tmp_path:
     assert (acme.bytes_promoted, beta.bytes_promoted) == (down_a * BS, 3 * BS), (acme, beta)
     assert ops.bytes_promoted == acme.bytes_promoted + beta.bytes_promoted
     assert ops.bytes_demoted == acme.bytes_demoted + beta.bytes_demoted
+
+
+def _expired(st: DaemonStats) -> tuple[int, int]:
+    return st.reservations_expired, st.leases_expired
+
+
+def test_a_tenant_sees_its_own_expired_reservations_and_leases(make_daemon, tmp_path: Path) -> None:
+    """Reservations never committed and leases taken without a session expire
+    after ``server.reservation_timeout``; each is counted for its tenant, and
+    ``Stats`` says so: the tenant sees its own, another tenant none, the admin
+    the sum, and ``kvstore stats`` prints them."""
+    tf = tmp_path / "tenants.toml"
+    tf.write_text(TENANTS)
+    d = make_daemon(server__tenants_file=str(tf), dram__capacity="1MiB", dram__page_size="1MiB",
+                    server__reservation_timeout=0.2, server__lease_check_interval=0.05)
+    _activity(d, BETA, "tok-beta", 2, stored=3, asked=3, read=3, lookups=1)  # inline: nothing to expire
+    keys = chain_keys(1, 4, ACME)
+    with _client(d, "tok-acme") as c:
+        c.put(ACME, keys[:2], [payload_for(b"acme", k, BS) for k in keys[:2]])
+        resv = c.reserve(ACME, keys[2:], BS, parent=keys[1])  # never committed
+        assert resv.reservation_id
+    # a lease taken without a session (this channel never handshakes): expires too
+    with grpc.insecure_channel(d.target) as ch:
+        lease = pb_grpc.KVStoreStub(ch).Acquire(pb.AcquireRequest(ns=ns_pb(ACME), keys=keys[:2]),
+                                                metadata=[("authorization", "Bearer tok-acme")])
+    assert lease.lease_id and lease.hit_blocks == 2
+    wait_until(lambda: _expired(_stats(d, "tok-acme")) == (1, 1), what="acme's hold to expire")
+    acme, beta, ops = _stats(d, "tok-acme"), _stats(d, "tok-beta"), _stats(d, "tok-admin")
+    assert _expired(acme) == (1, 1) and _expired(beta) == (0, 0)
+    assert _expired(ops) == (1, 1)  # the sum of the tenants
+    assert (acme.active_reservations, acme.active_leases) == (0, 0)
+    for st in (acme, ops):
+        d2 = st.to_dict()
+        assert (d2["reservations_expired"], d2["leases_expired"]) == ("1", "1")
+        assert DaemonStats.from_dict(d2) == st
+        assert re.search(r"^expired reservations / leases +1 / 1$", format_stats(d2), re.M)
+    assert re.search(r"^expired reservations / leases +0 / 0$", format_stats(beta.to_dict()), re.M)

@@ -21,6 +21,7 @@ def _stats_msg() -> pb.StatsResponse:
                             pinned_bytes=1 << 20, evictions=12, hits=3),
                pb.TierStats(tier=pb.TIER_SSD, capacity_bytes=0, demotions=4)],
         lookups=10, hit_blocks=300, miss_blocks=100, puts=500, checksum_failures=2, uptime_seconds=3725.5,
+        reservations_expired=4, leases_expired=5,
         prefill_tokens_per_s=1e4, cluster_members=2, cluster_status="ok",
         namespaces=[pb.NamespaceStats(namespace_label="acme/llama", ns_digest=b"\x01" * 16, lookups=8,
                                       hit_blocks=300, queried_blocks=320, blocks=4000)])
@@ -41,6 +42,7 @@ def test_stats_are_typed_and_keep_the_json_shape() -> None:
     st = stats_from_pb(msg)
     assert isinstance(st, DaemonStats)
     assert st.lookups == 10 and st.checksum_failures == 2 and st.cluster_status == "ok"
+    assert (st.reservations_expired, st.leases_expired) == (4, 5)
     dram = st.tier(TierKind.DRAM)
     assert dram is not None and dram.blocks == 4096 and dram.hits == 3
     assert st.tier(TierKind.HBM) is None

@@ -412,3 +412,17 @@ def test_namespace_series_are_bounded_and_the_rest_fold_into_other(store: Tiered
         assert sum(queried.values()) == sample(text, "kvstore_lookup_blocks_total") == sum(range(10, 20)) + extra
         assert sum(hit.values()) == sample(text, "kvstore_lookup_hit_blocks_total") == sum(range(10))
         assert queried[OTHER_TENANT] == sum(range(10, 17)) + extra and hit[OTHER_TENANT] == sum(range(7))
+
+
+def test_expired_reservations_and_leases_are_counted(store: TieredStore) -> None:
+    """A reservation never committed and a lease taken with a ttl (no
+    session) both expire in ``reap``: /metrics counts each kind."""
+    ns = Namespace(tenant="t", model_id="m")
+    keys = _keys(6, 2)
+    assert store.put(ns, keys, [np.zeros(BLOCK, np.uint8)] * 2).ok
+    assert store.acquire(ns, keys, owner="client-1", ttl=1.0).handle
+    assert store.reserve(ns, _keys(7, 1), BLOCK, owner="client-1").handle
+    assert store.reap(now=store.clock() + 3600) == 2  # past every deadline
+    text = Metrics(store.stats).render().decode()
+    assert sample(text, "kvstore_reservations_expired_total") == 1
+    assert sample(text, "kvstore_leases_expired_total") == 1

@@ -49,7 +49,7 @@ def _stats_dict() -> dict[str, Any]:
         lookups=10, hit_blocks=300, miss_blocks=100, hit_tokens=4800, miss_tokens=1600,
         puts=500, gets=250, bytes_written=500 * 65536, bytes_read=250 * 65536,
         checksum_failures=2, active_reservations=1, active_leases=3, sessions=2,
-        uptime_seconds=3725.0,
+        reservations_expired=4, leases_expired=5, uptime_seconds=3725.0,
         namespaces=[pb.NamespaceStats(namespace_label="acme/llama", lookups=8, hit_blocks=300,
                                       queried_blocks=320, blocks=4000),
                     pb.NamespaceStats(namespace_label="beta/qwen", lookups=2, queried_blocks=80)])
@@ -71,6 +71,7 @@ def test_format_stats() -> None:
     assert "500 / 250 blocks" in text
     assert "31.2 MiB / 15.6 MiB" in text
     assert "checksum failures                 2" in text
+    assert "expired reservations / leases     4 / 5" in text  # the holds nobody ended in time
     acme = next(line for line in lines if line.startswith("acme/llama"))
     assert "93.8%" in acme and "4,000" in acme
     beta = next(line for line in lines if line.startswith("beta/qwen"))
@@ -82,6 +83,7 @@ def test_format_stats_empty_response() -> None:
     d = MessageToDict(pb.StatsResponse(), preserving_proto_field_name=True)
     text = format_stats(d)
     assert "(no tiers reported)" in text and "prefix hit ratio" in text and " -  " in text
+    assert "expired reservations / leases     0 / 0" in text
 
 
 def test_stats_json_and_unreachable_daemon(capsys: pytest.CaptureFixture[str],
@@ -105,6 +107,7 @@ def test_stats_json_and_unreachable_daemon(capsys: pytest.CaptureFixture[str],
         m.setattr(kvstore.client, "Client", FakeClient)
         code, out, _ = run(capsys, "stats", "--json")
         assert code == 0 and json.loads(out)["lookups"] == "10"
+        assert (json.loads(out)["reservations_expired"], json.loads(out)["leases_expired"]) == ("4", "5")
         code, out, _ = run(capsys, "stats")
         assert code == 0 and "prefix hit ratio" in out
     # nothing listens on port 1: a clear message, exit 1, no traceback
