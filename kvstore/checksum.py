@@ -326,6 +326,7 @@ def gather_many(dsts: Sequence[Any], pieces: Any, srcs: tuple[Any, ...], indices
 # ---------------------------------------------------------------- batches
 _POOL: Any = None
 _PARALLEL_MIN_BYTES: Final = 4 << 20
+"""Batches smaller than this are copied on the calling thread."""
 
 STREAM_MIN: Final[int] = int(_native.NONTEMPORAL_MIN) if _native is not None else 1 << 20
 """Batches of this many bytes or more are copied with non-temporal stores
@@ -346,7 +347,6 @@ reading every byte): 8 x 1 MiB 1.13 -> 1.02 ms with the get in flight and
 1 MiB were slower streamed once read back, so the threshold stays there.
 Writes into the store keep ``STREAM_MIN``: the daemon reads a staged put
 again as it lands it."""
-"""Batches smaller than this are copied on the calling thread."""
 
 
 def _pool() -> Any:
