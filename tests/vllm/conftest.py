@@ -16,6 +16,18 @@ from tests.support.vllm_servers import VLLM_PY, make_tiny_model, vllm_env
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+ADAPTER_WRITER = r'''
+def write(d, payload):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}, f)
+    with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
+        f.write(payload)
+'''
+"""For the LoRA probes (run with the vLLM environment's python): ``write(dir,
+payload)`` lays out a minimal PEFT adapter (its config and one weights file)."""
+
+
 def require_vllm() -> None:
     if not os.access(VLLM_PY, os.X_OK):
         pytest.skip(f"no vLLM environment at {VLLM_PY} (build it with `make vllm-env`)")

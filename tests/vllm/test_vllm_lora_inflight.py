@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from tests.support.vllm_servers import VLLM_PY, vllm_env
-from tests.vllm.conftest import require_vllm
+from tests.vllm.conftest import ADAPTER_WRITER, require_vllm
 
 PROBE = r"""
 import json, os, sys
@@ -33,12 +33,7 @@ from engine_adapter.vllm_worker import WorkerSide
 from kvstore.keys import KEY_LEN, Namespace
 
 work = sys.argv[1]
-def write(d, payload):
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "adapter_config.json"), "w") as f:
-        json.dump({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}, f)
-    with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
-        f.write(payload)
+""" + ADAPTER_WRITER + r"""
 
 class Client:
     hit = 0
