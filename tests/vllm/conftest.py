@@ -28,6 +28,19 @@ def write(d, payload):
 payload)`` lays out a minimal PEFT adapter (its config and one weights file)."""
 
 
+def run_lora_probe(probe: str, work: str) -> dict[str, Any]:
+    """Run a LoRA probe script with the vLLM environment's python in
+    ``work`` (its digest cache there too); its last stdout line, as JSON."""
+    require_vllm()
+    p = subprocess.run([VLLM_PY, "-c", probe, work],
+                       env=vllm_env(KVSTORE_DIGEST_CACHE=os.path.join(work, "digests.json"),
+                                    VLLM_LOGGING_LEVEL="ERROR"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    result: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return result
+
+
 def require_vllm() -> None:
     if not os.access(VLLM_PY, os.X_OK):
         pytest.skip(f"no vLLM environment at {VLLM_PY} (build it with `make vllm-env`)")

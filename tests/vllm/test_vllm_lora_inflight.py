@@ -12,14 +12,10 @@ scheduler output, as vLLM's scheduler calls it; and the worker half's
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 
 import pytest
 
-from tests.support.vllm_servers import VLLM_PY, vllm_env
-from tests.vllm.conftest import ADAPTER_WRITER, require_vllm
+from tests.vllm.conftest import ADAPTER_WRITER, run_lora_probe
 
 PROBE = r"""
 import json, os, sys
@@ -156,14 +152,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    require_vllm()
-    work = str(tmp_path_factory.mktemp("vllm-lora-inflight"))
-    p = subprocess.run([VLLM_PY, "-c", PROBE, work],
-                       env=vllm_env(KVSTORE_DIGEST_CACHE=os.path.join(work, "digests.json"),
-                                    VLLM_LOGGING_LEVEL="ERROR"),
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_lora_probe(PROBE, str(tmp_path_factory.mktemp("vllm-lora-inflight")))
 
 
 def test_blocks_computed_before_the_reload_are_saved_under_its_digest(probed: dict) -> None:
