@@ -189,21 +189,25 @@ class WorkerSide(SaveSide):
         finally:  # the loads are done (or failed): this step's saves can reserve now
             self.reserve_ahead(meta)
 
+    def fail_loads(self, moves: list[Any]) -> None:
+        """Report ``moves`` (``BlockMove``) as not loaded: their blocks are
+        load errors, which vLLM recomputes."""
+        self.load_errors.update(b for m in moves for b in m.block_ids)
+        self.load_failed.update(m.req_id for m in moves)
+
     def load_all(self, meta: Any) -> None:
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
             return
         loads = [m for m in meta.loads if m.keys]
         if len(loads) < len(meta.loads):  # dropped by the scheduler (no keys: its LoRA changed since planned)
             dropped = [m for m in meta.loads if not m.keys]
-            self.load_errors.update(b for m in dropped for b in m.block_ids)
-            self.load_failed.update(m.req_id for m in dropped)
+            self.fail_loads(dropped)
             self.link.stats["failed_blocks"] += sum(len(m.block_ids) for m in dropped)
             if not loads:
                 return
         base = self.ident.ns
         if not self.layers or base is None:  # nothing registered (or no identity): nothing can be loaded
-            self.load_errors.update(b for m in loads for b in m.block_ids)
-            self.load_failed.update(m.req_id for m in loads)
+            self.fail_loads(loads)
             return
         t0 = time.perf_counter()
         at = time.monotonic()  # (the system-wide clock: bench/vllm.py lines up the ranks' steps with it)
