@@ -22,8 +22,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,12 +51,27 @@ class _Written:
     """The namespace's serialized message."""
     packed: bytes
     """Its keys, 16 bytes each."""
-    slots: np.ndarray
-    """``(n, 3)`` int64: offset in ``buf``, size and checksum bits of each block."""
+    offsets: Sequence[int] | np.ndarray
+    """Each block's offset in ``buf``."""
+    sizes: list[int] | int
+    """Each block's size (one int: all the same)."""
+    csums: list[int] | np.ndarray
+    """Each block's checksum (uint64 values)."""
     buf: np.ndarray
     """Where the blocks are: the slab (reserved slots) or the staging ring (a write-behind put)."""
     seq: int
     """The Commit's number on the same-host socket (``LookupSocketClient.sent``)."""
+
+
+class OwnRun(NamedTuple):
+    """A run of consecutive blocks of one put in flight (``OwnWrites.find``)."""
+
+    offsets: list[int]
+    """Each block's offset in ``buf``."""
+    sizes: list[int]
+    sums: list[int]
+    """Each block's checksum (uint64 values)."""
+    buf: np.ndarray
 
 
 class OwnWrites:
@@ -77,20 +93,29 @@ class OwnWrites:
     def __init__(self, limit: int = 64) -> None:
         self.recent: deque[_Written] = deque(maxlen=limit)
 
-    def add(self, wire: bytes, packed: bytes, offsets: list[int] | np.ndarray, sizes: list[int] | int,
-            csums: list[int], buf: np.ndarray, seq: int) -> None:
-        slots = np.empty((len(offsets), 3), dtype=np.int64)
-        slots[:, 0] = offsets
-        slots[:, 1] = sizes
-        slots[:, 2] = np.asarray(csums, dtype=np.uint64).view(np.int64)
-        self.recent.append(_Written(wire, packed, slots, buf, seq))
+    def add(self, wire: bytes, packed: bytes, offsets: Sequence[int] | np.ndarray, sizes: list[int] | int,
+            csums: list[int] | np.ndarray, buf: np.ndarray, seq: int) -> None:
+        """Record a put in flight (nothing is copied: the caller leaves
+        ``offsets`` and ``csums`` as they are)."""
+        self.recent.append(_Written(wire, packed, offsets, sizes, csums, buf, seq))
 
-    def find(self, wire: bytes, keys: bytes,
-             in_flight: Callable[[int], bool]) -> tuple[np.ndarray, np.ndarray] | None:
-        """``(slots, buf)`` of ``keys``, a run of consecutive keys of one put
-        in flight in namespace ``wire``: ``slots`` ``(n, 3)`` (offset in
-        ``buf``, size, checksum bits). None when they are not (the put was
-        answered, or the keys span puts)."""
+    def find(self, wire: bytes, keys: bytes, in_flight: Callable[[int], bool]) -> OwnRun | None:
+        """Where ``keys`` are, a run of consecutive keys of one put in flight
+        in namespace ``wire`` (``OwnRun``: lists, no array built); None when
+        they are not (the put was answered, or the keys span puts)."""
+        got = self._locate(wire, keys, in_flight)
+        if got is None:
+            return None
+        w, a, b = got
+        offsets = w.offsets[a:b]
+        sums = w.csums[a:b]
+        return OwnRun(offsets.tolist() if isinstance(offsets, np.ndarray) else list(offsets),
+                      [w.sizes] * (b - a) if isinstance(w.sizes, int) else list(w.sizes[a:b]),
+                      sums.tolist() if isinstance(sums, np.ndarray) else list(sums), w.buf)
+
+    def _locate(self, wire: bytes, keys: bytes,
+                in_flight: Callable[[int], bool]) -> tuple[_Written, int, int] | None:
+        """The put in flight holding ``keys`` as a run, and the run's block range in it."""
         for w in reversed(self.recent):
             if not in_flight(w.seq):
                 break  # this put's commit and every older one were answered
@@ -100,7 +125,7 @@ class OwnWrites:
             while pos > 0 and pos % 16:
                 pos = w.packed.find(keys, pos + 1)
             if pos >= 0:
-                return w.slots[pos // 16 : pos // 16 + len(keys) // 16], w.buf
+                return w, pos // 16, pos // 16 + len(keys) // 16
         return None
 
     def clear(self) -> None:
@@ -234,7 +259,7 @@ class SharedPath:
     # --------------------------------------------------------------- read
     def read(self, nid: int, packed: bytes, sink: BlockSink, slab: SlabMapping,
              again: Callable[[], bool] | None = None,
-             own: Callable[[bytes], tuple[np.ndarray, np.ndarray] | None] | None = None
+             own: Callable[[bytes], OwnRun | None] | None = None
              ) -> list[KeyStatus] | None:
         """``get_into`` without a lease, when every present block of the
         prefix is in DRAM: the slots come from the shared index, the copy out
@@ -264,18 +289,24 @@ class SharedPath:
             placed = read_slots(sink, slab.buf, raw)  # an engine's sink: one native call, no object per block
             if placed is not None:
                 return self.read_done(nid, packed, n, hit, raw, hit) if placed == hit else None
-        slots = np.frombuffer(raw, dtype=np.int64).reshape(-1, 4)
-        got = slots[:, 1:] if mine is None else np.concatenate((slots[:, 1:], mine[0]))
-        done = int(got.shape[0])
-        offsets, sizes = got[:, 0].tolist(), got[:, 1].tolist()
-        in_slab = done if mine is None or mine[1] is slab.buf else hit  # (ring offsets are the client's own)
+        if hit:
+            slots = np.frombuffer(raw, dtype=np.int64).reshape(-1, 4)
+            offsets, sizes = slots[:, 1].tolist(), slots[:, 2].tolist()
+            sums = slots[:, 3].view(np.uint64).tolist()
+        else:
+            offsets, sizes, sums = [], [], []
+        if mine is not None:  # (lists throughout: a get right after a put builds no array)
+            offsets += mine.offsets
+            sizes += mine.sizes
+            sums += mine.sums
+        done = len(offsets)
+        in_slab = done if mine is None or mine.buf is slab.buf else hit  # (ring offsets are the client's own)
         if sizes_of(sink, done) != sizes or not all(map(slab.covers, offsets[:in_slab], sizes[:in_slab])):
             return None  # (the lease path answers INVALID for a size that does not fit)
         if done:
-            bufs = [slab.buf] * hit + ([mine[1]] * (done - hit) if mine is not None else [])
+            bufs = [slab.buf] * hit + ([mine.buf] * (done - hit) if mine is not None else [])
             srcs = [b[o : o + z] for b, o, z in zip(bufs, offsets, sizes)]
-            sums = got[:, 2].view(np.uint64).tolist()
-            if mine is not None and mine[1] is not slab.buf:
+            if mine is not None and mine.buf is not slab.buf:
                 # a write-behind put in flight: the daemon is copying these very blocks on the
                 # other core now, so a second thread here would only wait for a core
                 good = write_with(sink, 1, range(done), srcs, sums)

@@ -134,7 +134,7 @@ class WriteBehind:
                     frame = granted_put_frame(wire, parent, packed, size, csums.astype("<u8").tobytes(),
                                               np.asarray(offs, dtype="<u8").tobytes())
                     seq = fast.send_frame("Put", frame)
-                    self.own.add(wire, packed, offs, size, csums.tolist(), slab, seq)
+                    self.own.add(wire, packed, offs, size, csums, slab, seq)
                 self.grants.ask(fast, wire, size, m)  # for the next put of this size
             if offs is not None:
                 return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
@@ -147,7 +147,7 @@ class WriteBehind:
             dsts = [ring.buf[at + i * size : at + (i + 1) * size] for i in range(m)]
             csums = copy_many(dsts, srcs, threads)
             seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()))
-            self.own.add(wire, packed, np.arange(at, at + m * size, size), size, csums.tolist(), ring.buf, seq)
+            self.own.add(wire, packed, range(at, at + m * size, size), size, csums, ring.buf, seq)
         return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
 
     def _open(self, fast: LookupSocketClient) -> StagingRing | None:

@@ -142,9 +142,11 @@ def test_own_writes_find_runs_of_one_put_in_flight_only():
     own.add(b"ns", keys, [0, 8, 16, 24], 8, [1, 2, 3, 2**64 - 1], buf, seq=1)
     live = {1}
     in_flight = live.__contains__
-    slots, where = own.find(b"ns", keys[16:48], in_flight)
-    assert where is buf and slots.tolist() == [[8, 8, 2], [16, 8, 3]]
-    assert own.find(b"ns", keys[48:], in_flight)[0][0, 2] == -1  # checksum bits as int64
+    run = own.find(b"ns", keys[16:48], in_flight)
+    assert run is not None and run.buf is buf
+    assert (run.offsets, run.sizes, run.sums) == ([8, 16], [8, 8], [2, 3])
+    last = own.find(b"ns", keys[48:], in_flight)
+    assert last is not None and last.sums == [2**64 - 1]  # the checksum as given: unsigned
     assert own.find(b"other", keys[:16], in_flight) is None
     assert own.find(b"ns", keys[8:24], in_flight) is None  # not on a key boundary
     assert own.find(b"ns", keys + b"\x09" * 16, in_flight) is None  # runs past the put
@@ -155,6 +157,23 @@ def test_own_writes_find_runs_of_one_put_in_flight_only():
     live.update({2, 3})
     assert own.find(b"ns", b"\x06" * 16, in_flight) is not None
     assert len(own.recent) == 2
+
+
+def test_own_writes_keep_a_staged_puts_offsets_and_checksums_as_given():
+    """A write-behind put records its ring offsets as a range and its
+    checksums as the copy's uint64 array (no table built on the put's
+    path); a read gets them as plain Python ints."""
+    from kvstore.client.shared import OwnWrites
+
+    own = OwnWrites()
+    buf = np.zeros(64, np.uint8)
+    keys = b"".join(bytes([i]) * 16 for i in range(3))
+    sums = np.array([7, 2**63, 2**64 - 2], dtype=np.uint64)
+    own.add(b"ns", keys, range(16, 40, 8), 8, sums, buf, seq=1)
+    run = own.find(b"ns", keys[16:], {1}.__contains__)
+    assert run is not None
+    assert (run.offsets, run.sizes, run.sums) == ([24, 32], [8, 8], [2**63, 2**64 - 2])
+    assert all(type(x) is int for x in run.offsets + run.sizes + run.sums)
 
 
 @pytest.mark.parametrize("answer, call", [
