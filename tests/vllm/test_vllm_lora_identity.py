@@ -10,7 +10,6 @@ One vLLM-environment process drives the scheduler half's
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.vllm.conftest import ADAPTER_WRITER, run_lora_probe

@@ -12,7 +12,6 @@ scheduler output, as vLLM's scheduler calls it; and the worker half's
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.vllm.conftest import ADAPTER_WRITER, run_lora_probe
