@@ -87,7 +87,8 @@ class GrantPool:
             self.until.pop(k, None)
         back = np.asarray(self.back, dtype="<u8").tobytes()
         sent = time.monotonic()
-        self.asked[size] = (fast.send_frame("Grant", frames.grant_frame(wire, n, size, back), keep=True), sent)
+        self.asked[size] = (fast.send_frame("Grant", frames.grant_frame(wire, n, size, back), keep=True, cork=True),
+                            sent)
         self.back.clear()
 
     def _collect(self, fast: LookupSocketClient, size: int) -> None:

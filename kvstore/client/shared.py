@@ -72,6 +72,8 @@ class OwnRun(NamedTuple):
     sums: list[int]
     """Each block's checksum (uint64 values)."""
     buf: np.ndarray
+    quiet: bool = False
+    """The put's frame is still corked: the daemon is not copying its blocks now."""
 
 
 class OwnWrites:
@@ -99,10 +101,12 @@ class OwnWrites:
         ``offsets`` and ``csums`` as they are)."""
         self.recent.append(_Written(wire, packed, offsets, sizes, csums, buf, seq))
 
-    def find(self, wire: bytes, keys: bytes, in_flight: Callable[[int], bool]) -> OwnRun | None:
+    def find(self, wire: bytes, keys: bytes, in_flight: Callable[[int], bool],
+             corked: Callable[[int], bool] | None = None) -> OwnRun | None:
         """Where ``keys`` are, a run of consecutive keys of one put in flight
         in namespace ``wire`` (``OwnRun``: lists, no array built); None when
-        they are not (the put was answered, or the keys span puts)."""
+        they are not (the put was answered, or the keys span puts).
+        ``corked``: whether a frame is still corked (``OwnRun.quiet``)."""
         got = self._locate(wire, keys, in_flight)
         if got is None:
             return None
@@ -111,7 +115,8 @@ class OwnWrites:
         sums = w.csums[a:b]
         return OwnRun(offsets.tolist() if isinstance(offsets, np.ndarray) else list(offsets),
                       [w.sizes] * (b - a) if isinstance(w.sizes, int) else list(w.sizes[a:b]),
-                      sums.tolist() if isinstance(sums, np.ndarray) else list(sums), w.buf)
+                      sums.tolist() if isinstance(sums, np.ndarray) else list(sums), w.buf,
+                      corked is not None and corked(w.seq))
 
     def _locate(self, wire: bytes, keys: bytes,
                 in_flight: Callable[[int], bool]) -> tuple[_Written, int, int] | None:
@@ -306,9 +311,10 @@ class SharedPath:
         if done:
             bufs = [slab.buf] * hit + ([mine.buf] * (done - hit) if mine is not None else [])
             srcs = [b[o : o + z] for b, o, z in zip(bufs, offsets, sizes)]
-            if mine is not None and mine.buf is not slab.buf:
-                # a write-behind put in flight: the daemon is copying these very blocks on the
-                # other core now, so a second thread here would only wait for a core
+            if mine is not None and mine.buf is not slab.buf and not mine.quiet:
+                # a write-behind put in flight whose frame went out: the daemon is copying these
+                # very blocks on the other core now, so a second thread here would only wait for a
+                # core (a corked one it has not seen: both cores are the reader's)
                 good = write_with(sink, 1, range(done), srcs, sums)
             else:
                 good = sink.write(range(done), srcs, sums)

@@ -7,6 +7,10 @@ Calls whose answer the caller does not need at once (``send``: the
 ``Commit`` of a put, the ``Release`` of a get) are sent without waiting;
 their answers are read before the next call's (the daemon runs a
 connection's calls in order, so they have run by then) or by ``flush``.
+A write-behind put's frames may also wait to be sent (``cork``): they go
+out with this client's next frame, or after ``cork_s`` on their own, so
+the daemon does not land a put while its writer is still busy (issue 18,
+twenty-fourth round: a get right after a put then has both cores).
 A pipelined call that failed is logged and counted in ``late_errors``; a
 write-behind put (``put`` frames, kvstore.client.staging) whose blocks the
 daemon could not store (no room, a parent gone) counts them in
@@ -20,6 +24,7 @@ import os
 import select
 import socket
 import threading
+import time
 
 from kvstore.errors import KeyStatus, KVStoreError, Unavailable
 from kvstore.wire import frames
@@ -39,7 +44,8 @@ _HIT = frames.HIT.unpack_from
 class LookupSocketClient:
     """One connection to the daemon's same-host socket, bound to a session."""
 
-    def __init__(self, path: str, session: str, timeout: float = 30.0, token: str | None = None) -> None:
+    def __init__(self, path: str, session: str, timeout: float = 30.0, token: str | None = None,
+                 cork_s: float = 0.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.lock = threading.Lock()
@@ -58,6 +64,18 @@ class LookupSocketClient:
         """Numbers of frames sent with ``send_kept`` whose answers are unread."""
         self.kept: dict[int, bytes | KVStoreError] = {}
         """Their answers once read (the response, or the daemon's error), until ``answer`` takes them."""
+        self.cork_s = cork_s
+        """How long a frame sent with ``cork`` may wait for the next frame before it is sent on its own
+        (0: corked frames are sent at once)."""
+        self.corked: list[bytes] = []
+        """Frames sent with ``cork`` and not written yet (numbered and owed already, in order)."""
+        self.corked_at = 0.0
+        """When the first of them was corked (``time.monotonic``)."""
+        self.uncorked = 0
+        """Writes of corked frames the ``cork_s`` timer made (no later frame or flush came first)."""
+        self._wake = threading.Event()
+        self._timer: threading.Thread | None = None
+        self._closed = False
         try:
             self.sock.connect(path)
             self._send(frames.hello_frame(session, token))
@@ -77,13 +95,19 @@ class LookupSocketClient:
         except OSError:
             pass  # (already closed, or the daemon hung up first)
         self.sock.close()
+        self._closed = True
+        self._wake.set()
 
     def _send(self, data: bytes) -> None:
         """``sendall`` that reads the daemon's answers meanwhile (into
         ``buf``, for ``_frame``) while the socket is full: the daemon stops
         reading a connection whose answers pile up unread, so a client that
         only wrote could wait on it for ever. One system call when the
-        socket takes it all (the usual case)."""
+        socket takes it all (the usual case). Corked frames go first, in
+        the same write."""
+        if self.corked:
+            data = b"".join(self.corked) + data
+            self.corked.clear()
         sock = self.sock
         fd = sock.fileno()
         try:
@@ -149,7 +173,9 @@ class LookupSocketClient:
         return ConnectionError(f"malformed answer on the same-host socket: {what}")
 
     def _settle(self) -> None:
-        """Read the answers owed to pipelined calls (lock held)."""
+        """Read the answers owed to pipelined calls (lock held; corked frames are sent first)."""
+        if self.corked:
+            self._send(b"")
         while self.owed:
             name = self.owed.pop(0)
             self.settled += 1
@@ -218,20 +244,66 @@ class LookupSocketClient:
             self.owed += [name] * len(msgs)
             self.sent += len(msgs)
 
-    def send_frame(self, name: str, msg: bytes, keep: bool = False) -> int:
+    def send_frame(self, name: str, msg: bytes, keep: bool = False, cork: bool = False) -> int:
         """A whole frame sent without waiting (its answer is read like a
         ``send``'s; ``keep``: and kept for ``answer``). With many answers
         owed, those are read first (they were sent long ago: the socket's
-        buffers stay small). Returns its number (see ``sent``)."""
+        buffers stay small). ``cork`` (with ``cork_s``): the frame is only
+        numbered now; it is written with this client's next frame, by
+        ``flush`` or an ``answer``, or ``cork_s`` after the first corked
+        frame by a timer thread, whichever comes first. Returns its number
+        (see ``sent``)."""
         with self.lock:
             if len(self.owed) >= MAX_OWED:
                 self._settle()
-            self._send(msg)
+            if cork and self.cork_s > 0:
+                self.corked.append(msg)
+                if len(self.corked) == 1:
+                    self.corked_at = time.monotonic()
+                    self._arm()
+            else:
+                self._send(msg)
             self.owed.append(name)
             self.sent += 1
             if keep:  # (under the lock: no other thread's call can read the answer first)
                 self.keep.add(self.sent)
             return self.sent
+
+    def is_corked(self, seq: int) -> bool:
+        """Whether the ``seq``-th frame sent without waiting is still corked (not written: the daemon has not seen it)."""
+        return seq > self.sent - len(self.corked)
+
+    def _arm(self) -> None:
+        """Wake the timer thread (started at the first corked frame) for a corked frame (lock held)."""
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._uncork_later, daemon=True, name="kvstore-uncork")
+            self._timer.start()
+        self._wake.set()
+
+    def _uncork_later(self) -> None:
+        """The timer thread: write corked frames ``cork_s`` after the first
+        of them, unless a frame or a flush wrote them before. A socket that
+        fails here is closed: the client's next call on it fails over."""
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            self._wake.clear()
+            while True:
+                with self.lock:
+                    if not self.corked or self._closed:
+                        break
+                    wait = self.corked_at + self.cork_s - time.monotonic()
+                    if wait <= 0:
+                        try:
+                            self._send(b"")
+                        except OSError as e:
+                            log.warning("writing corked frames to the same-host socket failed: %s", e)
+                            self.close()
+                            return
+                        self.uncorked += 1
+                        break
+                time.sleep(wait)
 
     def call(self, name: str, request: bytes) -> bytes:
         """One of ``frames.CALLS``: the serialized request in, the serialized

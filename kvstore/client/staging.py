@@ -5,6 +5,11 @@ daemon gave this connection (kvstore.daemon.socket_server: ``stage`` and
 A small put copies its blocks into the ring (fused with their xxh3_64
 checksums), sends one ``put`` frame without waiting and returns; the
 daemon reserves, copies and commits. No round trip is on the put's path.
+The frame is corked (``LookupSocketClient.send_frame``): it goes out with
+the client's next frame, or ``write_behind_delay`` later on its own, so a
+get that follows the put at once (its own blocks, read from the ring) has
+both cores while the daemon waits. Granted puts and their ``grant`` asks
+are corked the same way.
 Until the frame's answer is read, its bytes stay in the ring untouched, so
 this client's own reads of those blocks are served from there
 (``OwnWrites``, kvstore/client/shared.py). The ring wraps only after every
@@ -35,6 +40,10 @@ from kvstore.wire.frames import fits_frame, granted_put_frame, put_frame
 from kvstore.wire.shm import SlabMapping
 
 log = logging.getLogger("kvstore.client")
+
+WRITE_BEHIND_DELAY = 0.005
+"""Seconds a write-behind put's frame waits for the client's next frame
+before it is sent on its own (``Client(write_behind_delay=...)``)."""
 
 
 class StagingRing:
@@ -133,7 +142,7 @@ class WriteBehind:
                         raise
                     frame = granted_put_frame(wire, parent, packed, size, csums.astype("<u8").tobytes(),
                                               np.asarray(offs, dtype="<u8").tobytes())
-                    seq = fast.send_frame("Put", frame)
+                    seq = fast.send_frame("Put", frame, cork=True)
                     self.own.add(wire, packed, offs, size, csums, slab, seq)
                 self.grants.ask(fast, wire, size, m)  # for the next put of this size
             if offs is not None:
@@ -146,7 +155,8 @@ class WriteBehind:
                 return None
             dsts = [ring.buf[at + i * size : at + (i + 1) * size] for i in range(m)]
             csums = copy_many(dsts, srcs, threads)
-            seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()))
+            seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()),
+                                  cork=True)
             self.own.add(wire, packed, range(at, at + m * size, size), size, csums, ring.buf, seq)
         return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
 

@@ -33,7 +33,7 @@ from kvstore.client.holds import Lease, PendingReservation, Reservation
 from kvstore.client.shared import OwnWrites, SharedPath
 from kvstore.client.sinks import BlockSink, as_sink, is_sink
 from kvstore.client.socket import LookupSocketClient, settle_quietly
-from kvstore.client.staging import WriteBehind
+from kvstore.client.staging import WRITE_BEHIND_DELAY, WriteBehind
 from kvstore.errors import DeadlineExceeded, InvalidArgument, KeyStatus, KVStoreError, Unavailable
 from kvstore.keys import Namespace
 from kvstore.results import LookupResult
@@ -59,7 +59,8 @@ class Client(ControlCalls):
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
                  pipeline: bool = True, shared_index: bool = True, write_behind: bool | str = True,
-                 prefault: bool = False, hold_counts: bool = False) -> None:
+                 prefault: bool = False, hold_counts: bool = False,
+                 write_behind_delay: float = WRITE_BEHIND_DELAY) -> None:
         """``fast_lookup``: on the daemon's host, send ``lookup`` and the
         shared-memory path's control calls over its same-host socket
         (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
@@ -75,10 +76,17 @@ class Client(ControlCalls):
         64 MiB; kvstore/client/grants.py) or a small one into a staging ring
         ("staged": the ring only), and sent without waiting
         (kvstore/client/staging.py); blocks the daemon then cannot store
-        are counted in ``late_rejected``. ``prefault``: once the slab is mapped, map its resident
+        are counted in ``late_rejected``. ``write_behind_delay``: seconds such a
+        put's frame may wait to go out with this client's next frame (a ``flush``, any call, the
+        next put) before it is sent on its own; meanwhile the daemon does not land it, so the
+        client's own work right after the put (a get of those blocks: read from where it wrote
+        them) has the machine's cores. Other clients see the put at most that much later. 0:
+        sent at once. ``prefault``: once the slab is mapped, map its resident
         pages on a background thread (``SlabMapping.prefault``), so the first read of an old block
         takes no page faults; for a long-lived engine process. ``hold_counts``: counts of
         shared-index reads and lookups wait for ``send_counts`` (or a call)."""
+        if not write_behind_delay >= 0:  # (NaN too)
+            raise InvalidArgument(f"write_behind_delay must be >= 0 seconds, got {write_behind_delay}")
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         self.prefault = prefault
         creds = self._creds()
@@ -103,7 +111,8 @@ class Client(ControlCalls):
             threading.Thread(target=self._drain_keepalive, daemon=True, name="kvstore-keepalive").start()
             if fast_lookup and self._fast_path:
                 try:
-                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token)
+                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token,
+                                                    write_behind_delay)
                 except (OSError, KVStoreError) as e:
                     log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
                 else:  # a process that exits without close() still lands its last pipelined Commit
@@ -437,7 +446,7 @@ class Client(ControlCalls):
         nid = shared.nid(fast, wire)
         own = self._own
         got = shared.read(nid, packed, sink, self.slab, self._own_commits,
-                          lambda tail: own.find(wire, tail, fast.in_flight)) if nid is not None else None
+                          lambda tail: own.find(wire, tail, fast.in_flight, fast.is_corked)) if nid is not None else None
         if got is not None and shared.tally_due():
             self.send_counts()
         return got

@@ -265,3 +265,42 @@ def test_a_put_whose_staging_bytes_do_not_match_their_checksums_stores_nothing(u
             raw.close()
         assert c.lookup(ns, new).hit_blocks == 2
         assert uds_daemon.call(uds_daemon.store.stats).reservations == 0
+
+
+def test_a_write_behind_put_waits_for_its_writers_next_frame_or_its_delay(uds_daemon):
+    """A write-behind put's frame is corked: the daemon does not see the put
+    (another client's lookup misses) while its writer reads the blocks back
+    from its ring with nothing sent; the writer's next frame (here a flush)
+    takes it out. With a short ``write_behind_delay`` it goes out on its own;
+    with 0, at once."""
+    ns = _ns()
+    data = [np.full(BS, i + 3, np.uint8) for i in range(4)]
+    with Client(uds_daemon.target, write_behind_delay=300.0) as a, Client(uds_daemon.target) as b:
+        _ready(a, ns)
+        keys = _keys(ns, 4, 500)
+        assert a.put(ns, keys, data) == [KeyStatus.OK] * 4
+        assert a._fast.owed == ["Put"] and a._fast.corked
+        assert b.lookup(ns, keys).hit_blocks == 0  # the daemon has not seen it
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 4 and a.own_write_reads == 4
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+        assert a._fast.corked  # the read sent nothing
+        a.flush()
+        assert not a._fast.corked and b.lookup(ns, keys).hit_blocks == 4 and a._fast.uncorked == 0
+    with Client(uds_daemon.target, write_behind_delay=0.05) as c, Client(uds_daemon.target) as b:
+        assert c.lookup(ns, _keys(ns, 1, 1 << 20)).hit_blocks == 1  # (learns the namespace's id)
+        keys = _keys(ns, 4, 600)
+        assert c.put(ns, keys, data) == [KeyStatus.OK] * 4
+        deadline = time.monotonic() + 30
+        while b.lookup(ns, keys).hit_blocks < 4 and time.monotonic() < deadline:  # no call of c's meanwhile
+            time.sleep(0.01)
+        assert b.lookup(ns, keys).hit_blocks == 4 and c._fast.uncorked == 1
+        c.flush()
+        assert c.late_rejected == 0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(InvalidArgument, match="write_behind_delay"):
+            Client(uds_daemon.target, write_behind_delay=bad)
+    with Client(uds_daemon.target, write_behind_delay=0) as d:
+        assert d.lookup(ns, _keys(ns, 1, 1 << 20)).hit_blocks == 1
+        assert d.put(ns, _keys(ns, 2, 700), data[:2]) == [KeyStatus.OK] * 2
+        assert d._fast.owed == ["Put"] and not d._fast.corked

@@ -174,6 +174,10 @@ def test_own_writes_keep_a_staged_puts_offsets_and_checksums_as_given():
     assert run is not None
     assert (run.offsets, run.sizes, run.sums) == ([24, 32], [8, 8], [2**63, 2**64 - 2])
     assert all(type(x) is int for x in run.offsets + run.sizes + run.sums)
+    assert not run.quiet  # (nothing said about corked frames: the daemon may be landing it)
+    quiet = own.find(b"ns", keys[16:], {1}.__contains__, {1}.__contains__)
+    assert quiet is not None and quiet.quiet and quiet.offsets == [24, 32]  # its frame is still corked
+    assert not own.find(b"ns", keys[16:], {1}.__contains__, set().__contains__).quiet  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("answer, call", [
@@ -288,3 +292,74 @@ def test_a_close_from_another_thread_fails_a_blocked_write_at_once(monkeypatch: 
     finally:
         hold.set()
         t.join(30)
+
+
+def test_corked_frames_go_out_with_the_next_frame_in_order() -> None:
+    """A frame sent with ``cork`` is numbered at once but written only with
+    the client's next frame (corked ones first, in one write), and its answer
+    is read in its turn; ``flush`` writes what is still corked before it
+    waits. With a long ``cork_s`` the timer never writes them here."""
+    seen: list[bytes] = []
+    got = threading.Event()
+
+    def script(conn: socket.socket) -> None:
+        _read(conn)  # hello
+        conn.sendall(frames.frame(b"\x00"))
+        seen.append(conn.recv(1 << 16))  # the two corked frames and the lookup, in one write
+        got.set()
+        conn.sendall(frames.frame(b"\x00\x00") + frames.frame(b"\x00\x00") + frames.answer_frame(0, b""))
+        seen.append(_read(conn))  # the third corked frame, written by flush
+        conn.sendall(frames.frame(b"\x00\x00"))
+        conn.recv(1)  # (until the client hangs up)
+
+    path, t = _peer(script)
+    c = LookupSocketClient(path, "s-1", timeout=30, cork_s=300.0)
+    try:
+        first = c.send_frame("Put", frames.frame(b"A" * 5), cork=True)
+        second = c.send_frame("Put", frames.frame(b"B" * 6), cork=True)
+        assert (first, second) == (1, 2) and c.owed == ["Put", "Put"]
+        assert c.is_corked(first) and c.is_corked(second) and c.in_flight(second)
+        assert not got.wait(0.2)  # nothing written yet
+        assert c.lookup(b"NS", b"k" * 16) == (0, b"")
+        assert seen[0].startswith(frames.frame(b"A" * 5) + frames.frame(b"B" * 6))
+        assert len(seen[0]) > 2 * 4 + 11  # (the lookup frame follows them)
+        assert not c.is_corked(second) and not c.in_flight(second) and c.owed == []
+        third = c.send_frame("Put", frames.frame(b"C" * 7), cork=True)
+        assert c.is_corked(third)
+        c.flush()
+        assert seen[1] == b"C" * 7 and not c.in_flight(third) and c.uncorked == 0
+    finally:
+        c.close()
+        t.join(30)
+
+
+def test_a_corked_frame_goes_out_on_its_own_after_cork_s() -> None:
+    """No later frame: the timer thread writes the corked frame ``cork_s``
+    after it was corked (and counts it); without ``cork_s`` a corked frame
+    is written at once."""
+    seen: list[bytes] = []
+    wrote = threading.Event()
+
+    def script(conn: socket.socket) -> None:
+        _read(conn)  # hello
+        conn.sendall(frames.frame(b"\x00"))
+        seen.append(_read(conn))
+        wrote.set()
+        conn.sendall(frames.frame(b"\x00\x00"))
+        conn.recv(1)  # (until the client hangs up)
+
+    for cork_s in (0.05, 0.0):
+        seen.clear()
+        wrote.clear()
+        path, t = _peer(script)
+        c = LookupSocketClient(path, "s-1", timeout=30, cork_s=cork_s)
+        try:
+            seq = c.send_frame("Put", frames.frame(b"D" * 9), cork=True)
+            assert c.is_corked(seq) == (cork_s > 0)
+            assert wrote.wait(30) and seen == [b"D" * 9]
+            c.flush()  # (under the lock the timer wrote it with: its count is in by then)
+            assert not c.is_corked(seq) and c.uncorked == (1 if cork_s else 0)
+            assert not c.in_flight(seq) and c.late_errors == 0
+        finally:
+            c.close()
+            t.join(30)

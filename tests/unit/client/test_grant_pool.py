@@ -19,7 +19,7 @@ class _Fast:
         self.offsets = offsets
         self.sent: list[bytes] = []
 
-    def send_frame(self, name: str, msg: bytes, keep: bool = False) -> int:
+    def send_frame(self, name: str, msg: bytes, keep: bool = False, cork: bool = False) -> int:
         self.sent.append(msg)
         return len(self.sent)
 
