@@ -369,7 +369,8 @@ class Ours:
                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         target = f"unix:{where[3]}" if self.unix_socket else f"127.0.0.1:{port}"
         wait_serving(target, 60)
-        self.client = Client(target, use_shm=True, write_behind=WRITE_BEHIND)
+        self.client = Client(target, use_shm=True, write_behind=WRITE_BEHIND,
+                             **({} if WRITE_BEHIND_DELAY is None else {"write_behind_delay": WRITE_BEHIND_DELAY}))
         if self.client.slab is None:
             raise RuntimeError("the client did not map the daemon's slab (no shared-memory path)")
         if self.client._fast is None:
@@ -491,6 +492,8 @@ def measure(quick: bool, venv: str, mooncake_note: str, sizes: tuple[int, ...] =
     mc: Mooncake | None = None
     try:
         ours.start()
+        notes.append(f"kvstore client: write_behind_delay {ours.client.write_behind_delay * 1e3:g} ms (a write-behind "
+                     "put's frames wait that long for the client's next frame)")
         if mooncake_note:
             notes.append(f"Mooncake not measured: {mooncake_note}")
         else:
@@ -701,6 +704,8 @@ def default_venv() -> str:
 
 WRITE_BEHIND: bool | str = True
 """The bench client's ``write_behind`` (``--staged``: "staged")."""
+WRITE_BEHIND_DELAY: float | None = None
+"""The bench client's ``write_behind_delay`` (``--write-behind-delay``; None: the client's default)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -723,9 +728,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not create a network namespace (Mooncake is then skipped)")
     ap.add_argument("--staged", action="store_true",
                     help="puts without granted slots: the staging ring or Reserve, as before the tenth round")
+    ap.add_argument("--write-behind-delay", type=float, metavar="S",
+                    help="the client's write_behind_delay in seconds (default: the client's, 5 ms); 0 sends a "
+                         "write-behind put's frame at once, as before the twenty-fourth round")
     a = ap.parse_args(argv)
-    global WRITE_BEHIND
+    global WRITE_BEHIND, WRITE_BEHIND_DELAY
     WRITE_BEHIND = "staged" if a.staged else True
+    WRITE_BEHIND_DELAY = a.write_behind_delay
     note = ""
     if a.in_netns:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # PID 1 ignores them otherwise

@@ -89,6 +89,8 @@ class Client(ControlCalls):
             raise InvalidArgument(f"write_behind_delay must be >= 0 seconds, got {write_behind_delay}")
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         self.prefault = prefault
+        self.write_behind_delay = write_behind_delay
+        """Seconds a write-behind put's frames may wait for this client's next frame (see above)."""
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
                         else grpc.insecure_channel(self.target, self._options()))

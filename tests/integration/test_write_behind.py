@@ -279,7 +279,7 @@ def test_a_write_behind_put_waits_for_its_writers_next_frame_or_its_delay(uds_da
         _ready(a, ns)
         keys = _keys(ns, 4, 500)
         assert a.put(ns, keys, data) == [KeyStatus.OK] * 4
-        assert a._fast.owed == ["Put"] and a._fast.corked
+        assert a._fast.owed == ["Put"] and a._fast.corked and a.write_behind_delay == 300.0
         assert b.lookup(ns, keys).hit_blocks == 0  # the daemon has not seen it
         outs = [np.zeros(BS, np.uint8) for _ in keys]
         assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 4 and a.own_write_reads == 4
