@@ -25,6 +25,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 
 from kvstore.errors import KeyStatus, KVStoreError, Unavailable
 from kvstore.wire import frames
@@ -276,34 +277,31 @@ class LookupSocketClient:
     def _arm(self) -> None:
         """Wake the timer thread (started at the first corked frame) for a corked frame (lock held)."""
         if self._timer is None:
-            self._timer = threading.Thread(target=self._uncork_later, daemon=True, name="kvstore-uncork")
+            self._timer = threading.Thread(target=_uncork_later, args=(weakref.ref(self), self._wake), daemon=True,
+                                           name="kvstore-uncork")
+            weakref.finalize(self, self._wake.set)  # (a client dropped without close: its timer ends)
             self._timer.start()
         self._wake.set()
 
-    def _uncork_later(self) -> None:
-        """The timer thread: write corked frames ``cork_s`` after the first
-        of them, unless a frame or a flush wrote them before. A socket that
-        fails here is closed: the client's next call on it fails over."""
-        while True:
-            self._wake.wait()
-            if self._closed:
-                return
-            self._wake.clear()
-            while True:
-                with self.lock:
-                    if not self.corked or self._closed:
-                        break
-                    wait = self.corked_at + self.cork_s - time.monotonic()
-                    if wait <= 0:
-                        try:
-                            self._send(b"")
-                        except OSError as e:
-                            log.warning("writing corked frames to the same-host socket failed: %s", e)
-                            self.close()
-                            return
-                        self.uncorked += 1
-                        break
-                time.sleep(wait)
+    def _uncork_due(self) -> float | None:
+        """For the timer thread: write the corked frames if ``cork_s`` has
+        passed since the first of them; else the seconds left (None: nothing
+        is corked now, or the socket is closed). A socket that fails here is
+        closed: the client's next call on it fails over."""
+        with self.lock:
+            if not self.corked or self._closed:
+                return None
+            wait = self.corked_at + self.cork_s - time.monotonic()
+            if wait > 0:
+                return wait
+            try:
+                self._send(b"")
+            except OSError as e:
+                log.warning("writing corked frames to the same-host socket failed: %s", e)
+                self.close()
+                return None
+            self.uncorked += 1
+            return None
 
     def call(self, name: str, request: bytes) -> bytes:
         """One of ``frames.CALLS``: the serialized request in, the serialized
@@ -354,6 +352,25 @@ class LookupSocketClient:
         """Wait for every pipelined call's answer."""
         with self.lock:
             self._settle()
+
+
+def _uncork_later(ref: "weakref.ref[LookupSocketClient]", wake: threading.Event) -> None:
+    """The timer thread of a client that corks frames: write them
+    ``cork_s`` after the first of them, unless a frame or a flush wrote them
+    before. It holds the client only while it looks at it, and ends when the
+    client is closed or collected."""
+    while True:
+        wake.wait()
+        wake.clear()
+        while True:
+            fast = ref()
+            if fast is None or fast._closed:
+                return
+            wait = fast._uncork_due()
+            del fast
+            if wait is None:
+                break
+            time.sleep(wait)
 
 
 def settle_quietly(fast: LookupSocketClient) -> None:

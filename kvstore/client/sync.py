@@ -77,8 +77,8 @@ class Client(ControlCalls):
         ("staged": the ring only), and sent without waiting
         (kvstore/client/staging.py); blocks the daemon then cannot store
         are counted in ``late_rejected``. ``write_behind_delay``: seconds such a
-        put's frame may wait to go out with this client's next frame (a ``flush``, any call, the
-        next put) before it is sent on its own; meanwhile the daemon does not land it, so the
+        put's frame may wait to go out with this client's next frame (a ``flush``, any call on the
+        same-host socket; another write-behind put joins it) before it is sent on its own; meanwhile the daemon does not land it, so the
         client's own work right after the put (a get of those blocks: read from where it wrote
         them) has the machine's cores. Other clients see the put at most that much later. 0:
         sent at once. ``prefault``: once the slab is mapped, map its resident

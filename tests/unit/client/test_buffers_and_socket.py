@@ -363,3 +363,32 @@ def test_a_corked_frame_goes_out_on_its_own_after_cork_s() -> None:
         finally:
             c.close()
             t.join(30)
+
+
+def test_a_client_dropped_without_close_is_collected_and_its_timer_ends() -> None:
+    """The timer thread holds the client only while it looks at it: a
+    client dropped after corking (its frames flushed) is collected, and the
+    thread ends."""
+    import gc
+    import weakref
+
+    def script(conn: socket.socket) -> None:
+        _read(conn)  # hello
+        conn.sendall(frames.frame(b"\x00"))
+        _read(conn)
+        conn.sendall(frames.frame(b"\x00\x00"))
+        conn.recv(1)  # (until the client hangs up)
+
+    path, t = _peer(script)
+    c = LookupSocketClient(path, "s-1", timeout=30, cork_s=0.01)
+    c.send_frame("Put", frames.frame(b"E" * 3), cork=True)
+    c.flush()
+    timer = c._timer
+    assert timer is not None and timer.is_alive()
+    ref = weakref.ref(c)
+    del c
+    gc.collect()
+    assert ref() is None
+    timer.join(30)
+    assert not timer.is_alive()
+    t.join(30)
