@@ -45,6 +45,8 @@ R = [rng.randrange(3, 1024) for _ in range(700)]
 S = [rng.randrange(3, 1024) for _ in range(600)]  # 4 full blocks
 U = [rng.randrange(3, 1024) for _ in range(800)]  # 6 full blocks
 TIMEOUT = 2.0
+RETRY_INTERVAL = 0.5
+"""The connector's ``retry_interval``: how long a client that failed waits before it connects again."""
 AFTER_RESTART = 4
 """Requests of P after a restart; the last must hit (the connector noticed the new daemon)."""
 
@@ -64,7 +66,8 @@ def life(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     flags = ("--dram", "64MiB", "--ssd", "256MiB", "--ssd-path", ssd)
     env = {"KVSTORE_SSD_ADMIT_MIN_HITS": "0"}
     daemons = [Serve(sock, *flags, env=env).wait_healthy()]
-    bar = {k: f"{work}/{k}" for k in ("down", "up", "stop", "cont", "kill", "up2", "bounce")}
+    names = ("down", "up", "stop", "cont", "resume", "kill", "up2", "bounce", "resave")
+    bar = {k: f"{work}/{k}" for k in names}
     notes: dict = {}
 
     def ssd_blocks() -> int:
@@ -87,6 +90,7 @@ def life(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             daemons[-1].terminate()  # write-back: a clean stop writes the DRAM blocks to SSD first
             go("down")
             at("up")
+            time.sleep(2 * RETRY_INTERVAL)  # (R_down's failed calls set the worker's retry interval: see "resave")
             daemons.append(Serve(sock, *flags, env=env).wait_healthy())
             notes["ssd_after_restart"] = ssd_blocks()
             go("up")
@@ -96,6 +100,9 @@ def life(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             at("cont")
             os.kill(daemons[-1].pid, signal.SIGCONT)
             go("cont")
+            at("resume")  # (as at "resave" below: the save that timed out set the worker's retry interval)
+            time.sleep(2 * RETRY_INTERVAL)
+            go("resume")
             at("kill")
             go("kill")
             time.sleep(0.02)  # the request after the barrier is looking up / loading P's blocks now
@@ -107,6 +114,12 @@ def life(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             daemons[-1].terminate()
             daemons.append(Serve(sock, *flags, env=env).wait_healthy())
             go("bounce")
+            # P's requests after the bounce are done: the worker's calls that failed on the old
+            # daemon did so before this point, and it connects again only after its retry interval
+            # (0.5 s). S's save must come after that however fast those requests ran.
+            at("resave")
+            time.sleep(2 * RETRY_INTERVAL)
+            go("resave")
         except BaseException as e:  # noqa: BLE001 - reported by the test
             notes["harness_error"] = repr(e)
             for b in bar.values():
@@ -123,13 +136,13 @@ def life(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
                {"name": "P_stopped", "tokens": P, "wait_for": bar["stop"], "reset_prefix_cache": True},
                {"name": "U_stopped", "tokens": U, "reset_prefix_cache": True},
                *_again("P_cont", P, AFTER_RESTART, bar["cont"]),
-               *_again("U_cont", U, 2),
+               *_again("U_cont", U, 2, bar["resume"]),
                {"name": "P_killed", "tokens": P, "wait_for": bar["kill"], "reset_prefix_cache": True},
                *_again("P_up2_", P, AFTER_RESTART, bar["up2"]),
                *_again("P_bounce", P, AFTER_RESTART, bar["bounce"]),
-               *_again("S_bounce", S, 2)]
+               *_again("S_bounce", S, 2, bar["resave"])]
     spec = {"model": tiny_model, "target": daemons[0].target, "max_tokens": 16, "dtype": "float32",
-            "stats_path": f"{work}/life.jsonl", "extra": {"timeout": TIMEOUT, "retry_interval": 0.5},
+            "stats_path": f"{work}/life.jsonl", "extra": {"timeout": TIMEOUT, "retry_interval": RETRY_INTERVAL},
             "prompts": prompts}
     spec_path, out_path = f"{work}/life.spec.json", f"{work}/life.out.json"
     with open(spec_path, "w") as f:
