@@ -76,7 +76,8 @@ class LookupSocketClient:
         """Writes of corked frames the ``cork_s`` timer made (no later frame or flush came first)."""
         self._wake = threading.Event()
         self._timer: threading.Thread | None = None
-        self._closed = False
+        self.closed = False
+        """``close`` was called (the timer thread, if any, ends)."""
         try:
             self.sock.connect(path)
             self._send(frames.hello_frame(session, token))
@@ -96,7 +97,7 @@ class LookupSocketClient:
         except OSError:
             pass  # (already closed, or the daemon hung up first)
         self.sock.close()
-        self._closed = True
+        self.closed = True
         self._wake.set()
 
     def _send(self, data: bytes) -> None:
@@ -283,13 +284,13 @@ class LookupSocketClient:
             self._timer.start()
         self._wake.set()
 
-    def _uncork_due(self) -> float | None:
+    def uncork_due(self) -> float | None:
         """For the timer thread: write the corked frames if ``cork_s`` has
         passed since the first of them; else the seconds left (None: nothing
         is corked now, or the socket is closed). A socket that fails here is
         closed: the client's next call on it fails over."""
         with self.lock:
-            if not self.corked or self._closed:
+            if not self.corked or self.closed:
                 return None
             wait = self.corked_at + self.cork_s - time.monotonic()
             if wait > 0:
@@ -364,9 +365,9 @@ def _uncork_later(ref: "weakref.ref[LookupSocketClient]", wake: threading.Event)
         wake.clear()
         while True:
             fast = ref()
-            if fast is None or fast._closed:
+            if fast is None or fast.closed:
                 return
-            wait = fast._uncork_due()
+            wait = fast.uncork_due()
             del fast
             if wait is None:
                 break

@@ -35,7 +35,7 @@ from kvstore.checksum import copy_many
 from kvstore.client.grants import GrantPool
 from kvstore.client.shared import OwnWrites, SharedPath
 from kvstore.client.socket import LookupSocketClient
-from kvstore.errors import KeyStatus, KVStoreError
+from kvstore.errors import InvalidArgument, KeyStatus, KVStoreError
 from kvstore.wire.frames import fits_frame, granted_put_frame, put_frame
 from kvstore.wire.shm import SlabMapping
 
@@ -82,8 +82,13 @@ class WriteBehind:
     (kvstore/client/grants.py) and staging ring (asked for on first use),
     and the puts it sends through them."""
 
-    def __init__(self, own: OwnWrites, enabled: bool = True, grants: bool = True) -> None:
+    def __init__(self, own: OwnWrites, enabled: bool = True, grants: bool = True,
+                 delay: float = WRITE_BEHIND_DELAY) -> None:
+        if not delay >= 0:  # (NaN too)
+            raise InvalidArgument(f"write_behind_delay must be >= 0 seconds, got {delay}")
         self.own = own
+        self.delay = delay
+        """How long its frames wait for the client's next frame (``LookupSocketClient.cork_s``)."""
         self.ring: StagingRing | None = None
         self.failed = not enabled
         """Off, or no staging file (the daemon refused one, the socket broke): no staged puts."""

@@ -59,38 +59,31 @@ class Client(ControlCalls):
                  tls_ca_file: str | None = None, name: str = "kvstore-client", use_shm: bool = True,
                  timeout: float = 30.0, session: bool = True, fast_lookup: bool = True,
                  pipeline: bool = True, shared_index: bool = True, write_behind: bool | str = True,
-                 prefault: bool = False, hold_counts: bool = False,
-                 write_behind_delay: float = WRITE_BEHIND_DELAY) -> None:
-        """``fast_lookup``: on the daemon's host, send ``lookup`` and the
-        shared-memory path's control calls over its same-host socket
-        (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that
-        socket): ``put`` sends its ``Commit`` and ``get_into`` its ``Release``
-        without waiting for the answer (kvstore.client.socket); the daemon
-        runs them before this client's next call, so this client always reads
-        its own writes, and another client sees the blocks once the daemon
-        has taken in the ``Commit`` (microseconds later). ``shared_index``
-        (with that socket): answer ``lookup`` from the daemon's shared index
-        when it publishes one (kvstore/wire/shared_index.py), without a
-        round trip. ``write_behind`` (with the shared index and ``pipeline``):
-        a put is copied into slots the daemon granted ahead (one put of up to
-        64 MiB; kvstore/client/grants.py) or a small one into a staging ring
-        ("staged": the ring only), and sent without waiting
-        (kvstore/client/staging.py); blocks the daemon then cannot store
-        are counted in ``late_rejected``. ``write_behind_delay``: seconds such a
-        put's frame may wait to go out with this client's next frame (a ``flush``, any call on the
-        same-host socket; another write-behind put joins it) before it is sent on its own; meanwhile the daemon does not land it, so the
-        client's own work right after the put (a get of those blocks: read from where it wrote
-        them) has the machine's cores. Other clients see the put at most that much later. 0:
-        sent at once. ``prefault``: once the slab is mapped, map its resident
-        pages on a background thread (``SlabMapping.prefault``), so the first read of an old block
-        takes no page faults; for a long-lived engine process. ``hold_counts``: counts of
+                 prefault: bool = False, hold_counts: bool = False, write_behind_delay: float = WRITE_BEHIND_DELAY) -> None:
+        """``fast_lookup``: on the daemon's host, send ``lookup`` and the shared-memory path's control calls
+        over its same-host socket (kvstore.client.socket) instead of gRPC. ``pipeline`` (with that socket):
+        ``put`` sends its ``Commit`` and ``get_into`` its ``Release`` without waiting for the answer
+        (kvstore.client.socket); the daemon runs them before this client's next call, so this client always
+        reads its own writes, and another client sees the blocks once the daemon has taken in the ``Commit``
+        (microseconds later). ``shared_index`` (with that socket): answer ``lookup`` from the daemon's shared
+        index when it publishes one (kvstore/wire/shared_index.py), without a round trip. ``write_behind``
+        (with the shared index and ``pipeline``): a put is copied into slots the daemon granted ahead (one put
+        of up to 64 MiB; kvstore/client/grants.py) or a small one into a staging ring ("staged": the ring
+        only), and sent without waiting (kvstore/client/staging.py); blocks the daemon then cannot store are
+        counted in ``late_rejected``. ``write_behind_delay``: seconds such a put's frames may wait to go out
+        with this client's next frame on the socket (a ``flush``, any call; another write-behind put joins
+        them) before they are sent on their own; meanwhile the daemon does not land the put, so the client's
+        own work right after it (a get of those blocks, read from where it wrote them) has the machine's
+        cores. Other clients see the put at most that much later. 0: sent at once. ``prefault``: once the slab
+        is mapped, map its resident pages on a background thread (``SlabMapping.prefault``), so the first read
+        of an old block takes no page faults; for a long-lived engine process. ``hold_counts``: counts of
         shared-index reads and lookups wait for ``send_counts`` (or a call)."""
-        if not write_behind_delay >= 0:  # (NaN too)
-            raise InvalidArgument(f"write_behind_delay must be >= 0 seconds, got {write_behind_delay}")
+        self._own = OwnWrites()
+        """This client's puts in flight (Commit or write-behind frame unanswered), for its own reads."""
+        self._wb = WriteBehind(self._own, bool(write_behind), write_behind != "staged", write_behind_delay)
+        self.write_behind_delay = self._wb.delay
         super().__init__(target, token, token_file, tls_ca_file, name, use_shm, timeout)
         self.prefault = prefault
-        self.write_behind_delay = write_behind_delay
-        """Seconds a write-behind put's frames may wait for this client's next frame (see above)."""
         creds = self._creds()
         self.channel = (grpc.secure_channel(self.target, creds, self._options()) if creds
                         else grpc.insecure_channel(self.target, self._options()))
@@ -101,9 +94,6 @@ class Client(ControlCalls):
         self._shared: SharedPath | None = None
         """Lookups and lease-free reads from the daemon's shared index, when
         it publishes one (same host; kvstore/client/shared.py)."""
-        self._own = OwnWrites()
-        """This client's puts in flight (Commit or write-behind frame unanswered), for its own reads."""
-        self._wb = WriteBehind(self._own, bool(write_behind), grants=write_behind != "staged")
         if session:
             resp = self._call(self.stub.Handshake, pb.HandshakeRequest(
                 client_name=name, pid=os.getpid(), host_id=host_identity(), protocol_version=1))
@@ -113,8 +103,7 @@ class Client(ControlCalls):
             threading.Thread(target=self._drain_keepalive, daemon=True, name="kvstore-keepalive").start()
             if fast_lookup and self._fast_path:
                 try:
-                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token,
-                                                    write_behind_delay)
+                    self._fast = LookupSocketClient(self._fast_path, self.session, timeout, self.token, self._wb.delay)
                 except (OSError, KVStoreError) as e:
                     log.info("fast Lookup socket %s unusable (%s): Lookup goes over gRPC", self._fast_path, e)
                 else:  # a process that exits without close() still lands its last pipelined Commit
