@@ -1032,6 +1032,18 @@ kv_copy_many_run(Py_buffer *views, Py_ssize_t n, unsigned long long *out, int nt
 {
     Py_ssize_t i;
 
+    if (out == NULL) {  /* plain copies: no checksum */
+        for (i = 0; i < n; i++) {
+            size_t len = (size_t)views[2 * i].len;
+            if (nt || len >= KV_NT_MIN) {
+                KV_STREAM_COPY((unsigned char *)views[2 * i].buf, (const unsigned char *)views[2 * i + 1].buf, len);
+            } else {
+                memcpy(views[2 * i].buf, views[2 * i + 1].buf, len);
+            }
+        }
+        KV_STORE_FENCE();
+        return;
+    }
     for (i = 0; i < n; i++) {
         size_t len = (size_t)views[2 * i].len;
         out[i] = (unsigned long long)kv_copy_hash_with(kv_fused, (unsigned char *)views[2 * i].buf,
@@ -1049,6 +1061,8 @@ PyDoc_STRVAR(copy_checksum_many_doc,
 "Non-temporal stores for every block when the batch (or batch_bytes, the\n"
 "whole batch of which this call copies a part) is NONTEMPORAL_MIN bytes or\n"
 "more.\n"
+"sums=None: the same copies with no checksum (a read of bytes that need no\n"
+"check, such as a client's own staged put).\n"
 "Every pair is checked as copy_checksum checks it before anything is\n"
 "copied; the GIL is released once for the whole batch (not once per\n"
 "block, which makes two threads copying small blocks queue on it).");
@@ -1072,7 +1086,9 @@ kv_copy_checksum_many(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "batch_bytes must be >= 0");
         return NULL;
     }
-    if (kv_get_rw(sums_obj, &sums, "sums") < 0) {
+    if (sums_obj == Py_None) {
+        memset(&sums, 0, sizeof(sums));  /* (PyBuffer_Release of a view with no obj does nothing) */
+    } else if (kv_get_rw(sums_obj, &sums, "sums") < 0) {
         return NULL;
     }
     dsts = PySequence_Fast(dst_seq, "dsts must be a sequence");
@@ -1081,7 +1097,7 @@ kv_copy_checksum_many(PyObject *self, PyObject *args)
         goto done;
     }
     n = PySequence_Fast_GET_SIZE(dsts);
-    if (PySequence_Fast_GET_SIZE(srcs) != n || sums.len != n * 8) {
+    if (PySequence_Fast_GET_SIZE(srcs) != n || (sums_obj != Py_None && sums.len != n * 8)) {
         PyErr_Format(PyExc_ValueError,
                      "%zd dsts, %zd srcs and %zd bytes of sums (8 per block)",
                      n, PySequence_Fast_GET_SIZE(srcs), sums.len);
@@ -1101,7 +1117,7 @@ kv_copy_checksum_many(PyObject *self, PyObject *args)
         total += (size_t)views[2 * got].len;
     }
     if (got == n) {
-        out = (unsigned long long *)sums.buf;
+        out = sums_obj == Py_None ? NULL : (unsigned long long *)sums.buf;
         int nt = total >= KV_NT_MIN || (size_t)batch_bytes >= KV_NT_MIN;
         if (total >= KV_NOGIL_MIN) {
             Py_BEGIN_ALLOW_THREADS

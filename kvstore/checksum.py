@@ -394,6 +394,29 @@ def copy_many(dsts: Any, srcs: Any, threads: int = 2, stream_from: int | None = 
     return out
 
 
+def copy_blocks(dsts: Any, srcs: Any, threads: int = 2) -> None:
+    """``dsts[i] <- srcs[i]`` over a batch with no checksum, split over up
+    to ``threads`` threads as ``copy_many`` splits it (one native call per
+    part; its stores stream from ``READ_STREAM_MIN`` bytes, as a verified
+    read's do). For bytes that need no check: a client reading back its own
+    staged put (kvstore/client/shared.py, ``SharedPath.read``)."""
+    n = len(srcs)
+    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
+    batch_bytes = max(nbytes, STREAM_MIN) if nbytes >= READ_STREAM_MIN else nbytes
+
+    def run(a: int, b: int) -> None:
+        if _native is not None:
+            _native.copy_checksum_many([_native_arg(d, "dsts[i]") for d in dsts[a:b]],
+                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], None, batch_bytes)
+            return
+        for i in range(a, b):
+            d, s = _as_bytes(dsts[i], "dsts[i]"), _as_bytes(srcs[i], "srcs[i]")
+            _check_pair(d, s)
+            np.copyto(d, s)
+
+    _run_parts(run, _split(n, nbytes, threads))
+
+
 def checksum_many(bufs: Any, threads: int = 2) -> np.ndarray:
     """``checksum`` over a batch of blocks, spread over up to ``threads``
     threads (the hash releases the GIL); returns the checksums (uint64)."""

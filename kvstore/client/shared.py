@@ -24,11 +24,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.client.sinks import BlockSink, read_slots, sizes_of, write_with
+from kvstore.client.sinks import BlockSink, BufferSink, read_slots, sizes_of, write_with
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import KeyStatus, KVStoreError
 from kvstore.wire.frames import NO_NSID, reads_frame, tally_frame
@@ -61,6 +62,8 @@ class _Written:
     """Where the blocks are: the slab (reserved slots) or the staging ring (a write-behind put)."""
     seq: int
     """The Commit's number on the same-host socket (``LookupSocketClient.sent``)."""
+    private: bool = False
+    """``buf`` is this client's staging ring (no other process writes it)."""
 
 
 class OwnRun(NamedTuple):
@@ -74,6 +77,10 @@ class OwnRun(NamedTuple):
     buf: np.ndarray
     quiet: bool = False
     """The put's frame is still corked: the daemon is not copying its blocks now."""
+    held: Callable[[], bool] | None = None
+    """For a put in this client's staging ring: whether it is still in
+    flight (asked after a copy: if so, its bytes stayed as this client wrote
+    them throughout, and need no checksum)."""
 
 
 class OwnWrites:
@@ -96,10 +103,10 @@ class OwnWrites:
         self.recent: deque[_Written] = deque(maxlen=limit)
 
     def add(self, wire: bytes, packed: bytes, offsets: Sequence[int] | np.ndarray, sizes: list[int] | int,
-            csums: list[int] | np.ndarray, buf: np.ndarray, seq: int) -> None:
+            csums: list[int] | np.ndarray, buf: np.ndarray, seq: int, private: bool = False) -> None:
         """Record a put in flight (nothing is copied: the caller leaves
-        ``offsets`` and ``csums`` as they are)."""
-        self.recent.append(_Written(wire, packed, offsets, sizes, csums, buf, seq))
+        ``offsets`` and ``csums`` as they are); ``private``: in the staging ring."""
+        self.recent.append(_Written(wire, packed, offsets, sizes, csums, buf, seq, private))
 
     def find(self, wire: bytes, keys: bytes, in_flight: Callable[[int], bool],
              corked: Callable[[int], bool] | None = None) -> OwnRun | None:
@@ -116,7 +123,7 @@ class OwnWrites:
         return OwnRun(offsets.tolist() if isinstance(offsets, np.ndarray) else list(offsets),
                       [w.sizes] * (b - a) if isinstance(w.sizes, int) else list(w.sizes[a:b]),
                       sums.tolist() if isinstance(sums, np.ndarray) else list(sums), w.buf,
-                      corked is not None and corked(w.seq))
+                      corked is not None and corked(w.seq), partial(in_flight, w.seq) if w.private else None)
 
     def _locate(self, wire: bytes, keys: bytes,
                 in_flight: Callable[[int], bool]) -> tuple[_Written, int, int] | None:
@@ -290,6 +297,8 @@ class SharedPath:
         if first is None or not first[1]:
             return None
         hit, _, raw = first
+        if mine is not None and not hit and mine.held is not None and isinstance(sink, BufferSink):
+            return self.read_own(nid, packed, n, mine, sink)
         if mine is None and hit:
             placed = read_slots(sink, slab.buf, raw)  # an engine's sink: one native call, no object per block
             if placed is not None:
@@ -321,6 +330,26 @@ class SharedPath:
             if not good.all():
                 return None
         return self.read_done(nid, packed, n, hit, raw, done)
+
+    def read_own(self, nid: int, packed: bytes, n: int, mine: OwnRun, sink: BufferSink) -> list[KeyStatus] | None:
+        """``read`` of blocks that are all in one of this client's own
+        write-behind puts in flight (``mine``: in its staging ring), into
+        caller buffers: a plain copy, no checksum. The ring is this client's
+        (mode 0600, the daemon only reads it) and the put's part of it is
+        written again only after the put is answered (``StagingRing.place``
+        settles first), so when the put is still in flight after the copy,
+        the bytes copied are the ones this client wrote, as the checksum
+        would have shown at twice the cost (docs/daemon.md). Else None (the
+        caller takes the lease path, which writes the sink again)."""
+        done = len(mine.offsets)
+        if sink.sizes(done) != mine.sizes:
+            return None
+        buf = mine.buf
+        # (one thread while the daemon copies these very blocks on the other core, as in ``read``)
+        sink.copy(done, [buf[o : o + z] for o, z in zip(mine.offsets, mine.sizes)], None if mine.quiet else 1)
+        if mine.held is None or not mine.held():
+            return None
+        return self.read_done(nid, packed, n, 0, b"", done)
 
     def read_done(self, nid: int, packed: bytes, n: int, hit: int, raw: bytes,
                   done: int) -> list[KeyStatus] | None:

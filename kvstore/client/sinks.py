@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from kvstore.buffers import KEY_BYTES, as_u8_writable, keys_at, pack_keys
-from kvstore.checksum import (HAVE_NATIVE, PIECE_FIELDS, gather_many, run_split, scatter_slots, splits, verify_many,
-                              verify_scatter_many)
+from kvstore.checksum import (HAVE_NATIVE, PIECE_FIELDS, copy_blocks, gather_many, run_split, scatter_slots, splits,
+                              verify_many, verify_scatter_many)
 from kvstore.client.shards import own_sums, seal_bytes, u8_views, write_seals
 from kvstore.errors import InvalidArgument
 from tiers.base import Buffer
@@ -99,6 +99,11 @@ class BufferSink:
         dsts = views[: len(idx)] if isinstance(idx, range) and idx.start == 0 and idx.step == 1 else \
             [views[i] for i in idx]
         return verify_many(dsts, srcs, expected, threads or self.threads)
+
+    def copy(self, n: int, srcs: Sequence[Any], threads: int | None = None) -> None:
+        """Blocks ``0..n-1`` from ``srcs`` with no checksum (bytes that need
+        none: a client's own staged put, ``SharedPath.read``)."""
+        copy_blocks(self.views()[:n], srcs, threads or self.threads)
 
 
 class LayerScatter:

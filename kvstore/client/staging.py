@@ -162,7 +162,7 @@ class WriteBehind:
             csums = copy_many(dsts, srcs, threads)
             seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()),
                                   cork=True)
-            self.own.add(wire, packed, range(at, at + m * size, size), size, csums, ring.buf, seq)
+            self.own.add(wire, packed, range(at, at + m * size, size), size, csums, ring.buf, seq, private=True)
         return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
 
     def _open(self, fast: LookupSocketClient) -> StagingRing | None:

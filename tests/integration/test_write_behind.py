@@ -242,6 +242,48 @@ def test_a_put_through_reserve_is_read_from_its_slots_before_its_commit_lands(ud
         assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3 and c.own_write_reads == 3
 
 
+def test_a_read_of_an_own_staged_put_is_kept_only_while_the_put_is_in_flight(uds_daemon, monkeypatch):
+    """A read of the writer's own staged put copies its ring with no
+    checksum (``SharedPath.read_own``). That is sound only because the ring
+    is written again after the put is answered: here the answer is read
+    under the copy and the ring then scribbled over (as a later put would),
+    so the copy got other bytes, and the read must drop them and take the
+    lease path, which reads the landed blocks. Without the check after the
+    copy the read returns the scribbled bytes."""
+    import kvstore.client.sinks as sinks
+
+    with Client(uds_daemon.target) as a:
+        ns = _ns()
+        _ready(a, ns)
+        keys = _keys(ns, 4, 800)
+        data = [np.full(BS, 40 + i, np.uint8) for i in range(4)]
+        assert a.put(ns, keys, data) == [KeyStatus.OK] * 4
+        run = a._own.recent[-1]
+        assert run.private and run.buf is a._wb.ring.buf  # (the staging ring)
+        copy = sinks.copy_blocks
+        copies: list[int] = []
+
+        def answered_then_reused(dsts: Any, srcs: Any, threads: int = 2) -> None:
+            a.flush()  # the put's answer is read: its ring bytes are free again
+            for s in srcs:
+                s[:] = 0xEE
+            copies.append(len(srcs))
+            copy(dsts, srcs, threads)
+
+        monkeypatch.setattr(sinks, "copy_blocks", answered_then_reused)
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        reads = a.own_write_reads
+        assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 4
+        assert copies == [4] and a.own_write_reads == reads  # copied from the ring, then dropped
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data))  # the lease path's bytes
+        monkeypatch.setattr(sinks, "copy_blocks", copy)
+        more = _keys(ns, 2, 900)
+        assert a.put(ns, more, data[:2]) == [KeyStatus.OK] * 2
+        outs = [np.zeros(BS, np.uint8) for _ in more]
+        assert a.get_into(ns, more, outs) == [KeyStatus.OK] * 2 and a.own_write_reads == reads + 2
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+
+
 def test_a_put_whose_staging_bytes_do_not_match_their_checksums_stores_nothing(uds_daemon):
     with Client(uds_daemon.target, write_behind=False) as c:
         ns = _ns()

@@ -180,6 +180,26 @@ def test_own_writes_keep_a_staged_puts_offsets_and_checksums_as_given():
     assert not own.find(b"ns", keys[16:], {1}.__contains__, set().__contains__).quiet  # type: ignore[union-attr]
 
 
+def test_own_writes_say_whether_a_staged_put_is_still_held():
+    """A put recorded as ``private`` (in the client's staging ring) comes
+    back with ``held``: whether it is still in flight, asked when called (a
+    read asks it after its copy); a put into the slab has none (its read is
+    verified against the checksums)."""
+    from kvstore.client.shared import OwnWrites
+
+    own = OwnWrites()
+    buf = np.zeros(64, np.uint8)
+    live = {1, 2}
+    own.add(b"ns", b"\x01" * 16, [0], 8, [1], buf, seq=1, private=True)
+    own.add(b"ns", b"\x02" * 16, [8], 8, [2], buf, seq=2)
+    ring = own.find(b"ns", b"\x01" * 16, live.__contains__)
+    slab = own.find(b"ns", b"\x02" * 16, live.__contains__)
+    assert ring is not None and ring.held is not None and ring.held()
+    assert slab is not None and slab.held is None
+    live.discard(1)  # its answer is read after the find: the ring may be written again
+    assert not ring.held()
+
+
 @pytest.mark.parametrize("answer, call", [
     (struct.pack("<I", 0), "lookup"),  # a frame with no status byte
     (struct.pack("<I", 0xFFFFFFFF), "lookup"),  # past any answer the daemon may send

@@ -196,24 +196,66 @@ def test_reads_stream_from_a_quarter_of_the_cache_and_writes_from_half(monkeypat
 
     monkeypatch.setattr(cks, "_native", Spy())
     size = 1 << 16
-    for n, read, streams in ((cks.READ_STREAM_MIN // size, True, True),
-                             (cks.READ_STREAM_MIN // size - 1, True, False),
-                             (cks.READ_STREAM_MIN // size, False, cks.READ_STREAM_MIN >= nat.NONTEMPORAL_MIN)):
+    for n, op, streams in ((cks.READ_STREAM_MIN // size, "read", True),
+                           (cks.READ_STREAM_MIN // size - 1, "read", False),
+                           (cks.READ_STREAM_MIN // size, "plain", True),  # copy_blocks: a read too
+                           (cks.READ_STREAM_MIN // size - 1, "plain", False),
+                           (cks.READ_STREAM_MIN // size, "write", cks.READ_STREAM_MIN >= nat.NONTEMPORAL_MIN)):
         srcs = _blocks(n, size, n)
         want = [xxhash.xxh3_64_intdigest(s.tobytes()) for s in srcs]
         dsts = [np.zeros(size, np.uint8) for _ in range(n)]
         asked.clear()
-        if read:
+        if op == "read":
             assert bool(cks.verify_many(dsts, srcs, want, threads=1).all())
+        elif op == "plain":
+            cks.copy_blocks(dsts, srcs, threads=1)
         else:
             assert cks.copy_many(dsts, srcs, threads=1).tolist() == want
         assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
-        assert asked and all((b >= nat.NONTEMPORAL_MIN) == streams for b in asked), (n, read, asked)
+        assert asked and all((b >= nat.NONTEMPORAL_MIN) == streams for b in asked), (n, op, asked)
+
+
+@needs_native
+@pytest.mark.parametrize("batch_bytes", [0, None])
+def test_a_batch_copy_with_no_sums_copies_only(batch_bytes: int | None) -> None:
+    """``copy_checksum_many(dsts, srcs, None)`` copies each block, with
+    ordinary or streaming stores alike, and writes nothing past it; its
+    pairs are checked as with sums."""
+    nat = cks._native
+    assert nat is not None
+    srcs = _blocks(4, 3 * 1024 + 77, 5)
+    raw = [np.zeros(s.size + 64, np.uint8) for s in srcs]
+    dsts = [r[32 : 32 + s.size] for r, s in zip(raw, srcs)]
+    assert nat.copy_checksum_many(dsts, srcs, None, nat.NONTEMPORAL_MIN if batch_bytes is None else batch_bytes) is None
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs))
+    assert not any(r[:32].any() or r[32 + s.size :].any() for r, s in zip(raw, srcs))
+    with pytest.raises(ValueError, match="same length"):
+        nat.copy_checksum_many([dsts[0][1:]], [srcs[0]], None)
+    with pytest.raises(ValueError, match="1 dsts, 2 srcs"):
+        nat.copy_checksum_many(dsts[:1], srcs[:2], None)
+    with pytest.raises(TypeError, match="writable"):
+        nat.copy_checksum_many([srcs[0].tobytes()], [srcs[0]], None)
 
 
 # --------------------------------------------------------------------------
 # batches: copy_many, checksum_many, verify_many
 # --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,size", [(0, 64), (1, 100), (16, 4096), (8, 1 << 20)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_blocks_copies_every_block_with_no_checksum(n: int, size: int, threads: int, impl: str) -> None:
+    """``copy_blocks``: each source into its destination, on one thread or
+    split over two; a pair of other lengths is refused before anything is
+    copied."""
+    srcs = _blocks(n, size, n + size)
+    dsts: list[object] = [bytearray(size) if i % 2 else np.zeros(size, np.uint8) for i in range(n)]
+    assert cks.copy_blocks(dsts, srcs, threads=threads) is None
+    assert all(bytes(d) == s.tobytes() for d, s in zip(dsts, srcs))  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="same length"):
+        cks.copy_blocks([np.zeros(3, np.uint8)], [np.ones(4, np.uint8)])
+    with pytest.raises(TypeError):
+        cks.copy_blocks([b"abcd"], [np.ones(4, np.uint8)])
 
 
 def _blocks(n: int, size: int, seed: int) -> list[np.ndarray]:
