@@ -11,9 +11,10 @@ a probe that comes back short while the client has ``Commit``s in flight
 (pipelined, their answers unread) is made again once those have landed
 (``again``); a full answer needs no wait, since a commit only ever adds
 blocks. Before it waits, a read looks in ``OwnWrites``: blocks of this
-client's puts still in flight are read from where it wrote them (its
-staging ring, or the slots it reserved), checked against the checksums it
-computed while writing them, so a get right after a put does not wait for
+client's puts still in flight are read from where it wrote them (the
+slots it reserved, checked against the checksums it computed while writing
+them; or its staging ring, copied as they are while the put stays in
+flight: ``SharedPath.read``), so a get right after a put does not wait for
 that put (issue 18).
 """
 
@@ -29,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstore.checksum import checksum_many
 from kvstore.client.sinks import BlockSink, BufferSink, read_slots, sizes_of, write_with
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import KeyStatus, KVStoreError
@@ -56,8 +58,8 @@ class _Written:
     """Each block's offset in ``buf``."""
     sizes: list[int] | int
     """Each block's size (one int: all the same)."""
-    csums: list[int] | np.ndarray
-    """Each block's checksum (uint64 values)."""
+    csums: list[int] | np.ndarray | None
+    """Each block's checksum (uint64 values); None: not taken (a staged put, ``PUT_UNHASHED``)."""
     buf: np.ndarray
     """Where the blocks are: the slab (reserved slots) or the staging ring (a write-behind put)."""
     seq: int
@@ -72,8 +74,8 @@ class OwnRun(NamedTuple):
     offsets: list[int]
     """Each block's offset in ``buf``."""
     sizes: list[int]
-    sums: list[int]
-    """Each block's checksum (uint64 values)."""
+    sums: list[int] | None
+    """Each block's checksum (uint64 values), or None (not taken)."""
     buf: np.ndarray
     quiet: bool = False
     """The put's frame is still corked: the daemon is not copying its blocks now."""
@@ -90,8 +92,9 @@ class OwnWrites:
     them.
 
     Why reading them is safe: a write-behind put's bytes sit in the
-    client's staging ring, which it reuses only after the put is answered.
-    A reserved slot belongs to the client's reservation, and nobody else
+    client's staging ring, which it reuses only after the put is answered
+    (so a read that finds the put still in flight after its copy copied
+    them as written, with no checksum: ``SharedPath.read``). A reserved slot belongs to the client's reservation, and nobody else
     writes it, until the daemon has run the ``Commit``; after that the block
     may be evicted and its slot reused, but the reader checks every block
     against the checksum this client computed while writing it, so a slot
@@ -103,9 +106,10 @@ class OwnWrites:
         self.recent: deque[_Written] = deque(maxlen=limit)
 
     def add(self, wire: bytes, packed: bytes, offsets: Sequence[int] | np.ndarray, sizes: list[int] | int,
-            csums: list[int] | np.ndarray, buf: np.ndarray, seq: int, private: bool = False) -> None:
+            csums: list[int] | np.ndarray | None, buf: np.ndarray, seq: int, private: bool = False) -> None:
         """Record a put in flight (nothing is copied: the caller leaves
-        ``offsets`` and ``csums`` as they are); ``private``: in the staging ring."""
+        ``offsets`` and ``csums`` as they are); ``private``: in the staging
+        ring (``csums`` may then be None: none were taken)."""
         self.recent.append(_Written(wire, packed, offsets, sizes, csums, buf, seq, private))
 
     def find(self, wire: bytes, keys: bytes, in_flight: Callable[[int], bool],
@@ -119,10 +123,10 @@ class OwnWrites:
             return None
         w, a, b = got
         offsets = w.offsets[a:b]
-        sums = w.csums[a:b]
+        sums = w.csums[a:b] if w.csums is not None else None
         return OwnRun(offsets.tolist() if isinstance(offsets, np.ndarray) else list(offsets),
                       [w.sizes] * (b - a) if isinstance(w.sizes, int) else list(w.sizes[a:b]),
-                      sums.tolist() if isinstance(sums, np.ndarray) else list(sums), w.buf,
+                      sums.tolist() if isinstance(sums, np.ndarray) else None if sums is None else list(sums), w.buf,
                       corked is not None and corked(w.seq), partial(in_flight, w.seq) if w.private else None)
 
     def _locate(self, wire: bytes, keys: bytes,
@@ -286,7 +290,16 @@ class SharedPath:
         (``queue_reads``).
         ``again`` as for ``lookup``; before it, ``own`` (``OwnWrites.find``
         for this namespace) may give the slots of the keys after the hit:
-        blocks of this client's own puts in flight, read the same way."""
+        blocks of this client's own puts in flight, read the same way.
+        Except one case: blocks of its own write-behind put in flight, in its
+        staging ring (``OwnRun.held``), are copied into caller buffers (a
+        ``BufferSink``) with no checksum (the put carried none either:
+        ``PUT_UNHASHED``). The ring is this client's (mode 0600; the daemon
+        only reads it) and the put's part of it is written again only after
+        the put is answered (``StagingRing.place`` settles first), so if the
+        put is still in flight after the copy, the bytes copied are the ones
+        this client wrote; else None (the lease path). Another sink gets them
+        verified, against checksums taken from the ring then (same check after)."""
         n = len(packed) // 16
         first = self.reader.raw_slots(nid, packed)
         mine = None
@@ -297,8 +310,6 @@ class SharedPath:
         if first is None or not first[1]:
             return None
         hit, _, raw = first
-        if mine is not None and not hit and mine.held is not None and isinstance(sink, BufferSink):
-            return self.read_own(nid, packed, n, mine, sink)
         if mine is None and hit:
             placed = read_slots(sink, slab.buf, raw)  # an engine's sink: one native call, no object per block
             if placed is not None:
@@ -312,44 +323,33 @@ class SharedPath:
         if mine is not None:  # (lists throughout: a get right after a put builds no array)
             offsets += mine.offsets
             sizes += mine.sizes
-            sums += mine.sums
         done = len(offsets)
         in_slab = done if mine is None or mine.buf is slab.buf else hit  # (ring offsets are the client's own)
         if sizes_of(sink, done) != sizes or not all(map(slab.covers, offsets[:in_slab], sizes[:in_slab])):
             return None  # (the lease path answers INVALID for a size that does not fit)
-        if done:
-            bufs = [slab.buf] * hit + ([mine.buf] * (done - hit) if mine is not None else [])
-            srcs = [b[o : o + z] for b, o, z in zip(bufs, offsets, sizes)]
-            if mine is not None and mine.buf is not slab.buf and not mine.quiet:
-                # a write-behind put in flight whose frame went out: the daemon is copying these
-                # very blocks on the other core now, so a second thread here would only wait for a
-                # core (a corked one it has not seen: both cores are the reader's)
-                good = write_with(sink, 1, range(done), srcs, sums)
-            else:
-                good = sink.write(range(done), srcs, sums)
+        if not done:
+            return self.read_done(nid, packed, n, hit, raw, done)
+        bufs = [slab.buf] * hit + ([mine.buf] * (done - hit) if mine is not None else [])
+        srcs = [b[o : o + z] for b, o, z in zip(bufs, offsets, sizes)]
+        # a write-behind put in flight whose frame went out: the daemon is copying these very
+        # blocks on the other core now, so a second thread here would only wait for a core (a
+        # corked one it has not seen: both cores are the reader's)
+        one = mine is not None and mine.buf is not slab.buf and not mine.quiet
+        # blocks [plain, done): this client's staged put, copied into caller buffers unhashed
+        plain = hit if mine is not None and mine.held is not None and isinstance(sink, BufferSink) else done
+        if mine is not None and plain == done:
+            sums += mine.sums if mine.sums is not None else checksum_many(srcs[hit:]).tolist()
+        if plain:
+            good = write_with(sink, 1, range(plain), srcs[:plain], sums) if one else \
+                sink.write(range(plain), srcs[:plain], sums)
             if not good.all():
                 return None
+        if plain < done:
+            assert isinstance(sink, BufferSink)
+            sink.copy(plain, done, srcs[plain:], 1 if one else None)
+        if mine is not None and mine.held is not None and not mine.held():
+            return None  # answered under the copy: its part of the ring may have been written again
         return self.read_done(nid, packed, n, hit, raw, done)
-
-    def read_own(self, nid: int, packed: bytes, n: int, mine: OwnRun, sink: BufferSink) -> list[KeyStatus] | None:
-        """``read`` of blocks that are all in one of this client's own
-        write-behind puts in flight (``mine``: in its staging ring), into
-        caller buffers: a plain copy, no checksum. The ring is this client's
-        (mode 0600, the daemon only reads it) and the put's part of it is
-        written again only after the put is answered (``StagingRing.place``
-        settles first), so when the put is still in flight after the copy,
-        the bytes copied are the ones this client wrote, as the checksum
-        would have shown at twice the cost (docs/daemon.md). Else None (the
-        caller takes the lease path, which writes the sink again)."""
-        done = len(mine.offsets)
-        if sink.sizes(done) != mine.sizes:
-            return None
-        buf = mine.buf
-        # (one thread while the daemon copies these very blocks on the other core, as in ``read``)
-        sink.copy(done, [buf[o : o + z] for o, z in zip(mine.offsets, mine.sizes)], None if mine.quiet else 1)
-        if mine.held is None or not mine.held():
-            return None
-        return self.read_done(nid, packed, n, 0, b"", done)
 
     def read_done(self, nid: int, packed: bytes, n: int, hit: int, raw: bytes,
                   done: int) -> list[KeyStatus] | None:

@@ -100,10 +100,10 @@ class BufferSink:
             [views[i] for i in idx]
         return verify_many(dsts, srcs, expected, threads or self.threads)
 
-    def copy(self, n: int, srcs: Sequence[Any], threads: int | None = None) -> None:
-        """Blocks ``0..n-1`` from ``srcs`` with no checksum (bytes that need
+    def copy(self, a: int, b: int, srcs: Sequence[Any], threads: int | None = None) -> None:
+        """Blocks ``a..b-1`` from ``srcs`` with no checksum (bytes that need
         none: a client's own staged put, ``SharedPath.read``)."""
-        copy_blocks(self.views()[:n], srcs, threads or self.threads)
+        copy_blocks(self.views()[a:b], srcs, threads or self.threads)
 
 
 class LayerScatter:

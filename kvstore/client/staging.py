@@ -2,9 +2,10 @@
 daemon gave this connection (kvstore.daemon.socket_server: ``stage`` and
 ``put`` frames), used as a ring.
 
-A small put copies its blocks into the ring (fused with their xxh3_64
-checksums), sends one ``put`` frame without waiting and returns; the
-daemon reserves, copies and commits. No round trip is on the put's path.
+A small put copies its blocks into the ring, sends one ``put`` frame
+without waiting and returns; the daemon reserves, copies (hashing the
+blocks on the way: the frame carries no checksums, ``PUT_UNHASHED``) and
+commits. No round trip is on the put's path.
 The frame is corked (``LookupSocketClient.send_frame``): it goes out with
 the client's next frame, or ``write_behind_delay`` later on its own, so a
 get that follows the put at once (its own blocks, read from the ring) has
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvstore.checksum import copy_many
+from kvstore.checksum import copy_blocks, copy_many
 from kvstore.client.grants import GrantPool
 from kvstore.client.shared import OwnWrites, SharedPath
 from kvstore.client.socket import LookupSocketClient
@@ -158,11 +159,11 @@ class WriteBehind:
             at = ring.place(m * size, settle)
             if self.ring is not ring:  # settling found the socket broken (and closed us)
                 return None
-            dsts = [ring.buf[at + i * size : at + (i + 1) * size] for i in range(m)]
-            csums = copy_many(dsts, srcs, threads)
-            seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, csums.astype("<u8").tobytes()),
-                                  cork=True)
-            self.own.add(wire, packed, range(at, at + m * size, size), size, csums, ring.buf, seq, private=True)
+            # a plain copy: the daemon hashes the blocks as it lands them (PUT_UNHASHED), and this
+            # client reads them back from here unhashed too (``SharedPath.read``)
+            copy_blocks([ring.buf[at + i * size : at + (i + 1) * size] for i in range(m)], srcs, threads)
+            seq = fast.send_frame("Put", put_frame(wire, parent, packed, size, at, None), cork=True)
+            self.own.add(wire, packed, range(at, at + m * size, size), size, None, ring.buf, seq, private=True)
         return [KeyStatus.EXISTS] * hit + [KeyStatus.OK] * m
 
     def _open(self, fast: LookupSocketClient) -> StagingRing | None:

@@ -40,8 +40,9 @@ unlinked once the client has mapped it, i.e. at its first ``put`` frame,
 or when the connection closes). A ``put`` frame names blocks the client
 copied there; the daemon runs ``Reserve`` (DRAM slots), copies the blocks
 from staging into them (hashing them on the way: a block that no longer
-matches the checksum the client sent fails the whole put, nothing stored)
-and runs ``Commit``, through the same servicer methods as the calls above:
+matches the checksum the client sent fails the whole put, nothing stored;
+a put sent ``PUT_UNHASHED`` is stored with the hashes of that copy) and
+runs ``Commit``, through the same servicer methods as the calls above:
 a put lands whole or not at all, and a client that dies mid-batch leaves
 nothing reserved. At most
 ``MAX_STAGED`` connections hold a staging file at a time.
@@ -453,14 +454,17 @@ class _Connection(asyncio.Protocol):
             return statuses
         ok = [i for i, x in enumerate(statuses) if x == 0]
         st, size, at = self.staging, put.block_bytes, put.offset
-        want = [put.checksums[i] for i in ok]
+        sent = put.checksums
+        want = [sent[i] for i in ok] if sent is not None else None
         try:
             if st is None:
                 raise Aborted(grpc.StatusCode.UNAVAILABLE, "the connection closed")
             dram = d.store.dram
             got = copy_many([dram.view(int(sa.offset[i]), size) for i in ok],
                             [st.buf[at + i * size : at + (i + 1) * size] for i in ok], dram.copy_threads)
-            if got.tolist() != want:  # the staging bytes changed after the client hashed them
+            if want is None:  # (PUT_UNHASHED: the landing copy's hashes are the blocks')
+                want = got.tolist()
+            elif got.tolist() != want:  # the staging bytes changed after the client hashed them
                 raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
                               "a block of the put does not match its checksum: the put is not stored")
         except BaseException as e:

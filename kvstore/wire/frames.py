@@ -21,9 +21,9 @@ Frames (u32 = little-endian uint32; ``len`` counts the bytes after it)::
     reads ok  u32 len | u8 0
     stage     u32 len | u16 0xFFFB
     stage ok  u32 len | u8 0 | u64 staging bytes | staging file path (UTF-8)
-    put       u32 len | u16 0xFFFA | u16 ns_len | u8 has_parent | u8 0 | u32 n | u32 block bytes
+    put       u32 len | u16 0xFFFA | u16 ns_len | u8 has_parent | u8 flags | u32 n | u32 block bytes
                       | u64 staging offset | Namespace message (protobuf) | parent key (16 bytes, if any)
-                      | keys (n x 16 bytes) | checksums (n x u64)
+                      | keys (n x 16 bytes) | checksums (n x u64; none with flags PUT_UNHASHED)
     put ok    u32 len | u8 0 | n x u8 KeyStatus
     grant     u32 len | u16 0xFFF9 | u16 ns_len | u32 count | u32 block bytes | u32 r
                       | Namespace message (protobuf) | r x u64 slab offset given back
@@ -113,7 +113,11 @@ STAGE_MARK = b"\xff\xfb"
 PUT_MARK = b"\xff\xfa"
 """A put frame's first two bytes."""
 PUT = struct.Struct("<HBBIIQ")
-"""A put frame's fixed fields after the mark: ns_len, has_parent, reserved (0), n, block bytes, staging offset."""
+"""A put frame's fixed fields after the mark: ns_len, has_parent, flags (``PUT_UNHASHED`` or 0), n, block
+bytes, staging offset."""
+PUT_UNHASHED = 1
+"""A put frame's flag: no checksums follow the keys; the daemon hashes the blocks as it lands them (a staged
+put only: a granted put's blocks are never copied by the daemon, so it must carry them)."""
 GRANT_MARK = b"\xff\xf9"
 """A grant frame's first two bytes."""
 GPUT_MARK = b"\xff\xf8"
@@ -232,22 +236,26 @@ def stage_frame() -> bytes:
 
 
 def put_frame(ns_wire: bytes, parent: bytes | None, packed_keys: bytes, block_bytes: int, offset: int,
-              checksums: bytes) -> bytes:
+              checksums: bytes | None) -> bytes:
     """A write-behind put of ``len(packed_keys) // 16`` blocks of
     ``block_bytes``, back to back in the staging file from ``offset``;
-    ``checksums``: their xxh3_64 values as little-endian u64."""
+    ``checksums``: their xxh3_64 values as little-endian u64, which the
+    daemon checks as it lands the blocks, or None (``PUT_UNHASHED``: it
+    hashes them as it lands them)."""
     if len(ns_wire) >= MAX_NS_WIRE:
         raise InvalidArgument("namespace message too long")
-    head = PUT.pack(len(ns_wire), 1 if parent else 0, 0, len(packed_keys) // 16, block_bytes, offset)
-    body_len = 2 + PUT.size + len(ns_wire) + (16 if parent else 0) + len(packed_keys) + len(checksums)
-    return b"".join((HEADER.pack(body_len), PUT_MARK, head, ns_wire, parent or b"", packed_keys, checksums))
+    head = PUT.pack(len(ns_wire), 1 if parent else 0, 0 if checksums is not None else PUT_UNHASHED,
+                    len(packed_keys) // 16, block_bytes, offset)
+    sums = checksums if checksums is not None else b""
+    body_len = 2 + PUT.size + len(ns_wire) + (16 if parent else 0) + len(packed_keys) + len(sums)
+    return b"".join((HEADER.pack(body_len), PUT_MARK, head, ns_wire, parent or b"", packed_keys, sums))
 
 
 def granted_put_frame(ns_wire: bytes, parent: bytes | None, packed_keys: bytes, block_bytes: int,
                       checksums: bytes, offsets: bytes) -> bytes:
     """A granted put: the blocks are in the slab slots ``offsets`` (n
     little-endian u64, granted to this connection)."""
-    put = put_frame(ns_wire, parent, packed_keys, block_bytes, 0, checksums)
+    put = put_frame(ns_wire, parent, packed_keys, block_bytes, 0, checksums)  # (checksums: always, see PUT_UNHASHED)
     return b"".join((HEADER.pack(len(put) - 4 + len(offsets)), GPUT_MARK, put[6:], offsets))
 
 
@@ -280,7 +288,10 @@ def parse_granted_put(body: bytes) -> tuple[PutFrame, list[int]]:
     if len(body) < 8 * n:
         raise InvalidArgument(f"granted put frame of {len(body)} bytes does not hold {n} offsets")
     cut = len(body) - 8 * n
-    return parse_put(body[:cut]), list(struct.unpack_from(f"<{n}Q", body, cut))
+    put = parse_put(body[:cut])
+    if put.checksums is None:
+        raise InvalidArgument("a granted put frame must carry its blocks' checksums")
+    return put, list(struct.unpack_from(f"<{n}Q", body, cut))
 
 
 @dataclass(slots=True, frozen=True)
@@ -292,27 +303,30 @@ class PutFrame:
     keys: bytes
     block_bytes: int
     offset: int
-    checksums: list[int]
+    checksums: list[int] | None
+    """None: ``PUT_UNHASHED``."""
 
 
 def parse_put(body: bytes) -> PutFrame:
     """A put frame's fields; InvalidArgument when its lengths do not add up."""
     if len(body) < 2 + PUT.size:
         raise InvalidArgument("short put frame")
-    nslen, has_parent, reserved, n, size, offset = PUT.unpack_from(body, 2)
-    if has_parent > 1 or reserved:
-        raise InvalidArgument(f"put frame with flags 0x{has_parent:02x} 0x{reserved:02x} this daemon does not know")
+    nslen, has_parent, flags, n, size, offset = PUT.unpack_from(body, 2)
+    if has_parent > 1 or flags & ~PUT_UNHASHED:
+        raise InvalidArgument(f"put frame with flags 0x{has_parent:02x} 0x{flags:02x} this daemon does not know")
     at = 2 + PUT.size
     plen = 16 if has_parent else 0
-    if len(body) != at + nslen + plen + 24 * n:
-        raise InvalidArgument(f"put frame of {len(body)} bytes does not hold {n} keys and checksums")
+    hashed = not flags & PUT_UNHASHED
+    if len(body) != at + nslen + plen + (24 if hashed else 16) * n:
+        raise InvalidArgument(f"put frame of {len(body)} bytes does not hold {n} keys"
+                              + (" and checksums" if hashed else ""))
     ns_wire = body[at : at + nslen]
     at += nslen
     parent = body[at : at + plen]
     at += plen
     keys = body[at : at + 16 * n]
-    sums = struct.unpack_from(f"<{n}Q", body, at + 16 * n)
-    return PutFrame(ns_wire, parent, keys, size, offset, list(sums))
+    sums = list(struct.unpack_from(f"<{n}Q", body, at + 16 * n)) if hashed else None
+    return PutFrame(ns_wire, parent, keys, size, offset, sums)
 
 
 def tally_frame(records: bytes) -> bytes:

@@ -284,6 +284,49 @@ def test_a_read_of_an_own_staged_put_is_kept_only_while_the_put_is_in_flight(uds
         assert all(np.array_equal(o, d) for o, d in zip(outs, data))
 
 
+def test_a_staged_put_carries_no_checksums_and_reads_of_it_still_check_what_they_must(uds_daemon):
+    """A ring put's frame is ``PUT_UNHASHED``: the daemon stores the hashes
+    of its landing copy, so another client's verified read of those blocks
+    passes. The writer reads blocks of it in flight unhashed into buffers,
+    also behind stored blocks (those verified from the slab), and through an
+    engine sink (verified against hashes taken from the ring)."""
+    from kvstore.client.sinks import LayerScatter
+
+    with Client(uds_daemon.target) as a, Client(uds_daemon.target) as b:
+        ns = _ns()
+        _ready(a, ns)
+        keys = _keys(ns, 6, 1000)
+        data = [np.full(BS, 60 + i, np.uint8) for i in range(6)]
+        sent: list[bytes] = []
+        send = a._fast.send_frame
+
+        def spy(name: str, msg: bytes, keep: bool = False, cork: bool = False) -> int:
+            sent.append(msg)
+            return send(name, msg, keep, cork)
+
+        a._fast.send_frame = spy  # type: ignore[method-assign]
+        assert a.put(ns, keys[:3], data[:3]) == [KeyStatus.OK] * 3
+        assert sent[-1][4:6] == frames.PUT_MARK and frames.parse_put(sent[-1][4:]).checksums is None
+        a.flush()
+        got = b.get(ns, keys[:3])  # verified against the hashes the daemon took as it landed them
+        assert all(g is not None and np.array_equal(g, d) for g, d in zip(got, data[:3]))
+        reads = a.own_write_reads
+        assert a.put(ns, keys[3:], data[3:], parent=keys[2]) == [KeyStatus.OK] * 3
+        outs = [np.zeros(BS, np.uint8) for _ in keys]
+        assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 6  # 3 from the slab, 3 from the ring
+        assert a.own_write_reads == reads + 3 and a._fast.corked
+        assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+        layer = np.zeros(8 * BS, np.uint8)
+        lay = LayerScatter(BS, np.array([(0, BS, 0, 0, BS)], np.int64), [layer])
+        assert a.get_into(ns, keys[3:], lay.sink([5, 1, 7])) == [KeyStatus.OK] * 3
+        assert a.own_write_reads == reads + 6 and a._fast.corked
+        for slot, d in zip([5, 1, 7], data[3:]):
+            assert np.array_equal(layer[slot * BS : (slot + 1) * BS], d)
+        a.flush()
+        got = b.get(ns, keys)
+        assert all(g is not None and np.array_equal(g, d) for g, d in zip(got, data)) and a.late_rejected == 0
+
+
 def test_a_put_whose_staging_bytes_do_not_match_their_checksums_stores_nothing(uds_daemon):
     with Client(uds_daemon.target, write_behind=False) as c:
         ns = _ns()

@@ -87,6 +87,14 @@ def test_put_frame_round_trips_and_refuses_lengths_that_do_not_add_up():
     for bad in (body[:-1], body + b"x", body[:5]):
         with pytest.raises(InvalidArgument):
             frames.parse_put(bad)
+    # unhashed (PUT_UNHASHED): the keys end the frame, and the daemon takes the landing copy's hashes
+    bare = frames.put_frame(b"ns", b"p" * 16, keys, 4096, 8192, None)[4:]
+    assert bare[5] == frames.PUT_UNHASHED and len(bare) == len(body) - 16
+    put = frames.parse_put(bare)
+    assert (put.parent, put.keys, put.block_bytes, put.offset, put.checksums) == (b"p" * 16, keys, 4096, 8192, None)
+    for bad in (bare[:-1], bare + b"\0" * 16, bytes(bare[:5]) + b"\0" + bare[6:]):
+        with pytest.raises(InvalidArgument, match="does not hold"):
+            frames.parse_put(bad)
 
 
 def test_grant_and_granted_put_frames_round_trip_and_refuse_lengths_that_do_not_add_up():
@@ -109,6 +117,9 @@ def test_grant_and_granted_put_frames_round_trip_and_refuse_lengths_that_do_not_
     for bad in (msg[4:-8], msg[4:-1], msg[4:] + b"\0" * 8, msg[4:8]):
         with pytest.raises(InvalidArgument):
             frames.parse_granted_put(bad)
+    bare = frames.put_frame(b"ns", None, keys, 4096, 0, None)  # a granted put must carry its checksums
+    with pytest.raises(InvalidArgument, match="must carry"):
+        frames.parse_granted_put(frames.GPUT_MARK + bare[6:] + offs)
 
 
 def test_a_lookup_frame_refuses_an_unknown_mark_and_a_namespace_past_its_end() -> None:
@@ -130,12 +141,12 @@ def test_a_lookup_frame_never_starts_like_another_frames_mark(mark: bytes) -> No
 
 
 def test_a_put_frame_with_flags_this_side_does_not_know_is_refused() -> None:
-    """A newer client's flag (in has_parent's high bits or the reserved byte) is
+    """A newer client's flag (in has_parent's high bits or the flags byte) is
     refused, never ignored: ignoring it could store its blocks under another meaning."""
     keys = b"k" * 32
     good = bytearray(frames.put_frame(b"ns", None, keys, 4096, 0, b"\0" * 16)[4:])
     assert frames.parse_put(bytes(good)).parent == b""
-    for at, value in ((4, 2), (5, 1)):  # has_parent = 2; the reserved byte set
+    for at, value in ((4, 2), (5, 2), (5, 3)):  # has_parent = 2; a flag besides PUT_UNHASHED
         bad = bytearray(good)
         bad[at] = value
         with pytest.raises(InvalidArgument, match="flag"):
