@@ -494,6 +494,10 @@ def measure(quick: bool, venv: str, mooncake_note: str, sizes: tuple[int, ...] =
         ours.start()
         notes.append(f"kvstore client: write_behind_delay {ours.client.write_behind_delay * 1e3:g} ms (a write-behind "
                      "put's frames wait that long for the client's next frame)")
+        notes.append("kvstore client: a put of at most 8 MiB is copied into the connection's staging ring unhashed "
+                     "(the daemon hashes it as it lands it), and a get of those blocks while the put is in flight "
+                     "copies them from there unhashed (docs/daemon.md, 'Unhashed staged puts'); larger puts and "
+                     "every other read are hashed and verified")
         if mooncake_note:
             notes.append(f"Mooncake not measured: {mooncake_note}")
         else:

@@ -39,13 +39,11 @@ staging file of its own (``STAGING_BYTES``, mode 0600 in ``/dev/shm``,
 unlinked once the client has mapped it, i.e. at its first ``put`` frame,
 or when the connection closes). A ``put`` frame names blocks the client
 copied there; the daemon runs ``Reserve`` (DRAM slots), copies the blocks
-from staging into them (hashing them on the way: a block that no longer
-matches the checksum the client sent fails the whole put, nothing stored;
-a put sent ``PUT_UNHASHED`` is stored with the hashes of that copy) and
-runs ``Commit``, through the same servicer methods as the calls above:
-a put lands whole or not at all, and a client that dies mid-batch leaves
-nothing reserved. At most
-``MAX_STAGED`` connections hold a staging file at a time.
+from staging into them, hashing them (``PUT_UNHASHED``: stored with those
+hashes; else a block not matching the client's fails the put whole) and
+runs ``Commit``, through the same servicer methods as the calls above: a
+put lands whole or not at all, and a client that dies mid-batch leaves
+nothing reserved. At most ``MAX_STAGED`` connections hold a staging file.
 
 Who may use it: the socket is created mode 0600, either beside
 ``server.unix_socket`` or in a private directory (mode 0700) of the
@@ -453,18 +451,16 @@ class _Connection(asyncio.Protocol):
         if not r.reservation_id:
             return statuses
         ok = [i for i, x in enumerate(statuses) if x == 0]
-        st, size, at = self.staging, put.block_bytes, put.offset
-        sent = put.checksums
-        want = [sent[i] for i in ok] if sent is not None else None
+        st, size, at, sent = self.staging, put.block_bytes, put.offset, put.checksums
         try:
             if st is None:
                 raise Aborted(grpc.StatusCode.UNAVAILABLE, "the connection closed")
             dram = d.store.dram
-            got = copy_many([dram.view(int(sa.offset[i]), size) for i in ok],
-                            [st.buf[at + i * size : at + (i + 1) * size] for i in ok], dram.copy_threads)
-            if want is None:  # (PUT_UNHASHED: the landing copy's hashes are the blocks')
-                want = got.tolist()
-            elif got.tolist() != want:  # the staging bytes changed after the client hashed them
+            want = got = copy_many([dram.view(int(sa.offset[i]), size) for i in ok],
+                                   [st.buf[at + i * size : at + (i + 1) * size] for i in ok], dram.copy_threads).tolist()
+            if sent is not None:  # (else PUT_UNHASHED: the blocks' hashes are the landing copy's)
+                want = [sent[i] for i in ok]
+            if got != want:  # the staging bytes changed after the client hashed them
                 raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
                               "a block of the put does not match its checksum: the put is not stored")
         except BaseException as e:
