@@ -94,8 +94,9 @@ class OwnWrites:
     Why reading them is safe: a write-behind put's bytes sit in the
     client's staging ring, which it reuses only after the put is answered
     (so a read that finds the put still in flight after its copy copied
-    them as written, with no checksum: ``SharedPath.read``). A reserved slot belongs to the client's reservation, and nobody else
-    writes it, until the daemon has run the ``Commit``; after that the block
+    them as written, with no checksum: ``SharedPath.read``). A reserved
+    slot belongs to the client's reservation, and nobody else writes it,
+    until the daemon has run the ``Commit``; after that the block
     may be evicted and its slot reused, but the reader checks every block
     against the checksum this client computed while writing it, so a slot
     that changed is a mismatch and the read then goes the ordinary way
