@@ -376,40 +376,37 @@ def copy_many(dsts: Any, srcs: Any, threads: int = 2, stream_from: int | None = 
     ``NONTEMPORAL_MIN`` bytes or more (or of ``stream_from`` bytes or more,
     when given) is copied with non-temporal stores, whichever thread copies
     each part."""
+    out = np.empty(len(srcs), dtype=np.uint64)
+    _copy_batch(dsts, srcs, threads, stream_from, out)
+    return out
+
+
+def copy_blocks(dsts: Any, srcs: Any, threads: int = 2) -> None:
+    """``dsts[i] <- srcs[i]`` over a batch with no checksum, split as
+    ``copy_many`` splits it, its stores streamed from ``READ_STREAM_MIN``
+    bytes as a verified read's are. For bytes that need no check: a client
+    reading back its own staged put (kvstore/client/shared.py,
+    ``SharedPath.read``)."""
+    _copy_batch(dsts, srcs, threads, READ_STREAM_MIN, None)
+
+
+def _copy_batch(dsts: Any, srcs: Any, threads: int, stream_from: int | None, out: np.ndarray | None) -> None:
+    """``copy_many`` (checksums into ``out``) or ``copy_blocks`` (``out`` None)."""
     n = len(srcs)
-    out = np.empty(n, dtype=np.uint64)
-    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
+    nbytes = _batch_nbytes(srcs)
     # (the native helper streams a batch whose batch_bytes reach NONTEMPORAL_MIN)
     batch_bytes = max(nbytes, STREAM_MIN) if stream_from is not None and nbytes >= stream_from else nbytes
 
     def run(a: int, b: int) -> None:
         if _native is not None:  # one call, one GIL release, per part
             _native.copy_checksum_many([_native_arg(d, "dsts[i]") for d in dsts[a:b]],
-                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], out[a:b], batch_bytes)
+                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]],
+                                       None if out is None else out[a:b], batch_bytes)
             return
         for i in range(a, b):
-            out[i] = copy_checksum(dsts[i], srcs[i])
-
-    _run_parts(run, _split(n, nbytes, threads))
-    return out
-
-
-def copy_blocks(dsts: Any, srcs: Any, threads: int = 2) -> None:
-    """``dsts[i] <- srcs[i]`` over a batch with no checksum, split over up
-    to ``threads`` threads as ``copy_many`` splits it (one native call per
-    part; its stores stream from ``READ_STREAM_MIN`` bytes, as a verified
-    read's do). For bytes that need no check: a client reading back its own
-    staged put (kvstore/client/shared.py, ``SharedPath.read``)."""
-    n = len(srcs)
-    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
-    batch_bytes = max(nbytes, STREAM_MIN) if nbytes >= READ_STREAM_MIN else nbytes
-
-    def run(a: int, b: int) -> None:
-        if _native is not None:
-            _native.copy_checksum_many([_native_arg(d, "dsts[i]") for d in dsts[a:b]],
-                                       [_native_arg(s, "srcs[i]") for s in srcs[a:b]], None, batch_bytes)
-            return
-        for i in range(a, b):
+            if out is not None:
+                out[i] = copy_checksum(dsts[i], srcs[i])
+                continue
             d, s = _as_bytes(dsts[i], "dsts[i]"), _as_bytes(srcs[i], "srcs[i]")
             _check_pair(d, s)
             np.copyto(d, s)
@@ -417,12 +414,18 @@ def copy_blocks(dsts: Any, srcs: Any, threads: int = 2) -> None:
     _run_parts(run, _split(n, nbytes, threads))
 
 
+def _batch_nbytes(bufs: Any) -> int:
+    """A batch's bytes, estimated from its first four blocks (the batches here hold blocks of one size)."""
+    n = len(bufs)
+    return sum(int(getattr(s, "nbytes", len(s))) for s in bufs[: min(n, 4)]) * max(1, n // 4)
+
+
 def checksum_many(bufs: Any, threads: int = 2) -> np.ndarray:
     """``checksum`` over a batch of blocks, spread over up to ``threads``
     threads (the hash releases the GIL); returns the checksums (uint64)."""
     n = len(bufs)
     out = np.empty(n, dtype=np.uint64)
-    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in bufs[: min(n, 4)]) * max(1, n // 4)
+    nbytes = _batch_nbytes(bufs)
 
     def run(a: int, b: int) -> None:
         for i in range(a, b):
@@ -447,7 +450,7 @@ def verify_many(dsts: Any, srcs: Any, expected: Any, threads: int = 2) -> np.nda
         return copy_many(dsts, srcs, threads, READ_STREAM_MIN) == want
     exp = [int(x) for x in expected]
     ok = np.empty(n, dtype=bool)
-    nbytes = sum(int(getattr(s, "nbytes", len(s))) for s in srcs[: min(n, 4)]) * max(1, n // 4)
+    nbytes = _batch_nbytes(srcs)
 
     def run(a: int, b: int) -> None:
         for i in range(a, b):
