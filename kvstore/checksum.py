@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-__all__ = ["HAVE_NATIVE", "READ_STREAM_MIN", "STREAM_MIN", "checksum", "copy_checksum", "copy_many", "copy_verify", "gather_many", "run_split",
-           "scatter_slots", "verify_many", "verify_scatter", "verify_scatter_many"]
+__all__ = ["HAVE_NATIVE", "READ_STREAM_MIN", "STREAM_MIN", "checksum", "copy_checksum", "copy_many", "copy_run",
+           "copy_verify", "gather_many", "run_split", "scatter_slots", "verify_many", "verify_scatter", "verify_scatter_many"]
 
 
 def load_native() -> ModuleType | None:
@@ -388,6 +388,34 @@ def copy_blocks(dsts: Any, srcs: Any, threads: int = 2) -> None:
     reading back its own staged put (kvstore/client/shared.py,
     ``SharedPath.read``)."""
     _copy_batch(dsts, srcs, threads, READ_STREAM_MIN, None)
+
+
+def copy_run(dsts: Sequence[Any], src: np.ndarray, at: int, size: int, threads: int = 2) -> bool:
+    """``dsts[i] <- src[at + i * size : at + (i + 1) * size]`` with no
+    checksum: ``copy_blocks`` (split and streamed as it is) for blocks that
+    lie back to back in one array, with less Python around the native call:
+    ``dsts`` go to it as they are (a client reading back its own staged put,
+    kvstore/client/shared.py ``SharedPath.read_staged``). False when the
+    native helper refuses a destination (not a writable C-contiguous buffer
+    of ``size`` bytes: a tensor, say) or there is none; it checks every
+    destination of a part before copying any, so the caller's other path
+    writes them all again (and on two threads the other part, if written,
+    holds these same bytes)."""
+    if _native is None:
+        return False
+    n = len(dsts)
+    nbytes = n * size
+    srcs = [src[a : a + size] for a in range(at, at + nbytes, size)]
+    batch_bytes = max(nbytes, STREAM_MIN) if nbytes >= READ_STREAM_MIN else nbytes
+    parts = _split(n, nbytes, threads)
+    try:
+        if len(parts) == 1:
+            _native.copy_checksum_many(dsts, srcs, None, batch_bytes)
+        else:
+            _run_parts(lambda a, b: _native.copy_checksum_many(dsts[a:b], srcs[a:b], None, batch_bytes), parts)
+    except (TypeError, ValueError, BufferError):
+        return False
+    return True
 
 
 def _copy_batch(dsts: Any, srcs: Any, threads: int, stream_from: int | None, out: np.ndarray | None) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 from kvstore.buffers import as_u8, as_u8_writable, pack_keys
 from kvstore.checksum import checksum_many, copy_many
 from kvstore.client.sinks import BlockSink
-from kvstore.errors import InvalidArgument, KeyStatus
+from kvstore.errors import InvalidArgument, KeyStatus, Unavailable
 from kvstore.keys import Namespace
 from kvstore.results import HbmRegion
 from kvstore.wire.answers import hbm_region_from_pb
@@ -144,6 +144,24 @@ class ClientBase:
         if not self.session:
             return "no session (session=False)"
         return "the daemon is on another host (or sent no slab)"
+
+    def map_hbm(self) -> Any:
+        """Map the daemon's HBM slab through CUDA IPC (once per process) and
+        return the mapping (``view(offset, length)`` gives device tensors).
+        Raises Unavailable without an HBM tier, on another host, when the
+        tier runs on the host (hbm.on_cpu) or without CUDA here."""
+        if self.hbm is None:
+            if not self.hbm_regions:
+                raise Unavailable("the daemon has no hbm tier this client can map (none, or another host)")
+            from kvstore.wire.hbm_ipc import open_region
+
+            r = self.hbm_regions[0]
+            self.hbm = open_region(r.device, r.ipc_handle, r.base_offset, r.size_bytes, r.slab_id, r.ipc)
+        return self.hbm
+
+    def hbm_view(self, offset: int, length: int) -> Any:
+        """Device tensor view of an HBM slot (after map_hbm)."""
+        return self.map_hbm().view(offset, length)
 
     def _view(self, offset: int, length: int) -> np.ndarray:
         assert self.slab is not None

@@ -26,11 +26,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvstore.checksum import checksum_many
+from kvstore.checksum import checksum_many, copy_run
 from kvstore.client.sinks import BlockSink, BufferSink, read_slots, sizes_of, write_with
 from kvstore.client.socket import LookupSocketClient
 from kvstore.errors import KeyStatus, KVStoreError
@@ -129,6 +129,18 @@ class OwnWrites:
                       [w.sizes] * (b - a) if isinstance(w.sizes, int) else list(w.sizes[a:b]),
                       sums.tolist() if isinstance(sums, np.ndarray) else None if sums is None else list(sums), w.buf,
                       corked is not None and corked(w.seq), partial(in_flight, w.seq) if w.private else None)
+
+    def staged(self, wire: bytes, keys: bytes, in_flight: Callable[[int], bool]) -> tuple[np.ndarray, int, int, int] | None:
+        """For ``keys`` that all lie in one write-behind put in flight in
+        the staging ring (``private``): (the ring, the first block's offset
+        in it, the block size, the put's frame number); else None."""
+        got = self._locate(wire, keys, in_flight)
+        if got is None or not got[0].private:
+            return None
+        w, a, _ = got
+        if not isinstance(w.offsets, range) or not isinstance(w.sizes, int):
+            return None
+        return w.buf, w.offsets[a], w.sizes, w.seq
 
     def _locate(self, wire: bytes, keys: bytes,
                 in_flight: Callable[[int], bool]) -> tuple[_Written, int, int] | None:
@@ -351,6 +363,28 @@ class SharedPath:
         if mine is not None and mine.held is not None and not mine.held():
             return None  # answered under the copy: its part of the ring may have been written again
         return self.read_done(nid, packed, n, hit, raw, done)
+
+    def read_staged(self, fast: LookupSocketClient, own: OwnWrites, wire: bytes, packed: bytes,
+                    outs: Sequence[Any], threads: int) -> list[KeyStatus] | None:
+        """``read``'s case of a get whose every key lies in this client's own
+        write-behind put in flight (``OwnWrites.staged``), into plain buffers
+        ``outs``, with nothing more around the copy than it needs (a get right
+        after a put; issue 18). The blocks are copied from the staging ring
+        unhashed (``copy_run``, on one thread once the put's frame went out:
+        the daemon is landing them on the other core) and kept if the put is
+        still in flight after the copy (why that suffices: ``read``); the read
+        is counted as ``read_done`` counts it. No index probe: these are the
+        bytes this client wrote under those keys. None (the caller takes
+        ``read``, which writes ``outs`` again): not such a get, a buffer the
+        copy refuses, or the put was answered under the copy."""
+        run = own.staged(wire, packed, fast.in_flight)
+        nid = self.nid(fast, wire) if run is not None else None  # (known: the put went out under it)
+        if run is None or nid is None:
+            return None
+        buf, at, size, seq = run
+        if not copy_run(outs, buf, at, size, threads if fast.is_corked(seq) else 1) or not fast.in_flight(seq):
+            return None
+        return self.read_done(nid, packed, len(outs), 0, b"", len(outs))
 
     def read_done(self, nid: int, packed: bytes, n: int, hit: int, raw: bytes,
                   done: int) -> list[KeyStatus] | None:

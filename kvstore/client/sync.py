@@ -380,7 +380,8 @@ class Client(ControlCalls):
         if len(outs) != len(packed) // KEY_BYTES:
             raise InvalidArgument(f"{len(packed) // KEY_BYTES} keys but {len(outs)} output buffers")
         if self.slab is not None:
-            return self._get_shm(ns, packed, as_sink(outs, self.copy_threads))
+            got = self._read_staged(ns, packed, outs) if self._own.recent and type(outs) is list else None
+            return got if got is not None else self._get_shm(ns, packed, as_sink(outs, self.copy_threads))
         keys = split_keys(packed)
         if is_sink(outs):
             parts, sums = self._inline_parts(outs)
@@ -425,6 +426,17 @@ class Client(ControlCalls):
     def reads_without_lease(self) -> bool:
         """Whether ``get_into`` may read DRAM blocks from the daemon's shared index without a lease."""
         return self._shared is not None
+
+    def _read_staged(self, ns: Namespace, packed: bytes, outs: list[Buffer]) -> list[KeyStatus] | None:
+        """``get_into`` of keys that all lie in this client's own write-behind put in flight
+        (``SharedPath.read_staged``), or None (the ordinary way)."""
+        shared, fast, wire = self._shared, self._fast, self._ns_wire.get(ns)
+        if shared is None or fast is None or wire is None:
+            return None
+        got = shared.read_staged(fast, self._own, wire, packed, outs, self.copy_threads)
+        if got is not None and shared.tally_due():
+            self.send_counts()
+        return got
 
     def _shared_read(self, ns: Namespace, packed: bytes, sink: BlockSink) -> list[KeyStatus] | None:
         """``get_into`` without a lease from the shared index (``SharedPath.read``), or None (take a lease)."""
@@ -472,24 +484,6 @@ class Client(ControlCalls):
         if self.slab is None:
             raise Unavailable(f"no shared-memory slab: {self.no_slab_reason()}")
         return self._view(offset, length)
-
-    def map_hbm(self) -> Any:
-        """Map the daemon's HBM slab through CUDA IPC (once per process) and
-        return the mapping (``view(offset, length)`` gives device tensors).
-        Raises Unavailable without an HBM tier, on another host, when the
-        tier runs on the host (hbm.on_cpu) or without CUDA here."""
-        if self.hbm is None:
-            if not self.hbm_regions:
-                raise Unavailable("the daemon has no hbm tier this client can map (none, or another host)")
-            from kvstore.wire.hbm_ipc import open_region
-
-            r = self.hbm_regions[0]
-            self.hbm = open_region(r.device, r.ipc_handle, r.base_offset, r.size_bytes, r.slab_id, r.ipc)
-        return self.hbm
-
-    def hbm_view(self, offset: int, length: int) -> Any:
-        """Device tensor view of an HBM slot (after map_hbm)."""
-        return self.map_hbm().view(offset, length)
 
     def reserve(self, ns: Namespace, keys: Sequence[bytes] | bytes, block_bytes: int,
                 parent: bytes | None = None, tier: str | None = None) -> "Reservation":

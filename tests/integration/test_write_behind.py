@@ -242,15 +242,20 @@ def test_a_put_through_reserve_is_read_from_its_slots_before_its_commit_lands(ud
         assert c.get_into(ns, keys, outs) == [KeyStatus.OK] * 3 and c.own_write_reads == 3
 
 
-def test_a_read_of_an_own_staged_put_is_kept_only_while_the_put_is_in_flight(uds_daemon, monkeypatch):
+@pytest.mark.parametrize("via", ["list", "sink"])
+def test_a_read_of_an_own_staged_put_is_kept_only_while_the_put_is_in_flight(uds_daemon, monkeypatch, via):
     """A read of the writer's own staged put copies its ring with no
-    checksum (``SharedPath.read_own``). That is sound only because the ring
-    is written again after the put is answered: here the answer is read
-    under the copy and the ring then scribbled over (as a later put would),
-    so the copy got other bytes, and the read must drop them and take the
-    lease path, which reads the landed blocks. Without the check after the
-    copy the read returns the scribbled bytes."""
+    checksum: buffers given as a list through ``SharedPath.read_staged``
+    (``copy_run``), a ``BufferSink`` through ``SharedPath.read``
+    (``copy_blocks``). That is sound only because the ring is written again
+    after the put is answered: here the answer is read under the copy and
+    the ring then scribbled over (as a later put would), so the copy got
+    other bytes, and the read must drop them and take the lease path, which
+    reads the landed blocks. Without the check after the copy the read
+    returns the scribbled bytes."""
+    import kvstore.client.shared as shared
     import kvstore.client.sinks as sinks
+    from kvstore.client.sinks import BufferSink
 
     with Client(uds_daemon.target) as a:
         ns = _ns()
@@ -260,28 +265,87 @@ def test_a_read_of_an_own_staged_put_is_kept_only_while_the_put_is_in_flight(uds
         assert a.put(ns, keys, data) == [KeyStatus.OK] * 4
         run = a._own.recent[-1]
         assert run.private and run.buf is a._wb.ring.buf  # (the staging ring)
-        copy = sinks.copy_blocks
         copies: list[int] = []
+        if via == "list":
+            copy_run = shared.copy_run
 
-        def answered_then_reused(dsts: Any, srcs: Any, threads: int = 2) -> None:
-            a.flush()  # the put's answer is read: its ring bytes are free again
-            for s in srcs:
-                s[:] = 0xEE
-            copies.append(len(srcs))
-            copy(dsts, srcs, threads)
+            def answered_then_reused_run(dsts: Any, src: Any, at: int, size: int, threads: int = 2) -> bool:
+                a.flush()  # the put's answer is read: its ring bytes are free again
+                src[at : at + len(dsts) * size] = 0xEE
+                copies.append(len(dsts))
+                return copy_run(dsts, src, at, size, threads)
 
-        monkeypatch.setattr(sinks, "copy_blocks", answered_then_reused)
-        outs = [np.zeros(BS, np.uint8) for _ in keys]
+            monkeypatch.setattr(shared, "copy_run", answered_then_reused_run)
+        else:
+            copy = sinks.copy_blocks
+
+            def answered_then_reused(dsts: Any, srcs: Any, threads: int = 2) -> None:
+                a.flush()
+                for s in srcs:
+                    s[:] = 0xEE
+                copies.append(len(srcs))
+                copy(dsts, srcs, threads)
+
+            monkeypatch.setattr(sinks, "copy_blocks", answered_then_reused)
+
+        def outs_for(n: int) -> tuple[list[np.ndarray], Any]:
+            bufs = [np.zeros(BS, np.uint8) for _ in range(n)]
+            return bufs, (bufs if via == "list" else BufferSink(bufs))
+
+        bufs, outs = outs_for(4)
         reads = a.own_write_reads
         assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 4
         assert copies == [4] and a.own_write_reads == reads  # copied from the ring, then dropped
-        assert all(np.array_equal(o, d) for o, d in zip(outs, data))  # the lease path's bytes
-        monkeypatch.setattr(sinks, "copy_blocks", copy)
+        assert all(np.array_equal(o, d) for o, d in zip(bufs, data))  # the lease path's bytes
+        monkeypatch.undo()
         more = _keys(ns, 2, 900)
         assert a.put(ns, more, data[:2]) == [KeyStatus.OK] * 2
-        outs = [np.zeros(BS, np.uint8) for _ in more]
+        bufs, outs = outs_for(2)
         assert a.get_into(ns, more, outs) == [KeyStatus.OK] * 2 and a.own_write_reads == reads + 2
-        assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+        assert all(np.array_equal(o, d) for o, d in zip(bufs, data))
+
+
+def test_a_get_of_a_whole_own_staged_put_goes_straight_to_the_copy(uds_daemon, monkeypatch):
+    """``get_into`` of every key of the writer's staged put in flight, into
+    a list of buffers, is one ``copy_run`` out of the ring: no index probe,
+    no ``SharedPath.read``. Buffers it refuses (a size that does not fit,
+    bytes not writable) take the ordinary path, which answers as before,
+    and a list of other buffers (bytearrays, memoryviews) is copied too."""
+    import kvstore.client.shared as shared
+
+    with Client(uds_daemon.target) as a:
+        ns = _ns()
+        _ready(a, ns)
+        reader = a._shared.reader
+        probes: list[int] = []
+        raw_slots = reader.raw_slots
+        monkeypatch.setattr(reader, "raw_slots", lambda *x: probes.append(1) or raw_slots(*x))
+        runs: list[bool] = []
+        copy_run = shared.copy_run
+        monkeypatch.setattr(shared, "copy_run", lambda *x: runs.append(copy_run(*x)) or runs[-1])
+        keys = _keys(ns, 5, 1500)
+        data = [np.full(BS, 90 + i, np.uint8) for i in range(5)]
+        assert a.put(ns, keys, data) == [KeyStatus.OK] * 5  # in flight until a call reads its answer
+        reads = a.own_write_reads
+        outs: list[Any] = [bytearray(BS), memoryview(bytearray(BS)), *(np.zeros(BS, np.uint8) for _ in range(3))]
+        assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 5
+        assert runs == [True] and probes == [] and a.own_write_reads == reads + 5
+        assert all(bytes(o) == d.tobytes() for o, d in zip(outs, data))
+        assert a.get_into(ns, keys[1:4], outs[:3]) == [KeyStatus.OK] * 3  # a run inside the put
+        assert runs == [True] * 2 and probes == [] and bytes(outs[0]) == data[1].tobytes()
+        # buffers the copy refuses, with nothing written: the ordinary path answers as it did
+        with pytest.raises(TypeError, match="writable"):
+            a.get_into(ns, keys[:1], [bytes(BS)])
+        strided = np.zeros((BS, 2), np.uint8)[:, 0]  # its flat form is a copy: bytes written there would be lost
+        with pytest.raises(InvalidArgument, match="C-contiguous"):
+            a.get_into(ns, keys[:1], [strided])
+        assert runs == [True] * 2 + [False] * 2 and probes and not strided.any()
+        short = [np.zeros(BS, np.uint8) for _ in range(4)] + [np.zeros(BS // 2, np.uint8)]
+        got = a.get_into(ns, keys, short)
+        assert runs[-1] is False and got[:4] == [KeyStatus.OK] * 4 and got[4] != KeyStatus.OK
+        assert all(np.array_equal(o, d) for o, d in zip(short[:4], data)) and not short[4].any()
+        a.flush()
+        assert a.lookup(ns, keys).hit_blocks == 5
 
 
 def test_a_staged_put_carries_no_checksums_and_reads_of_it_still_check_what_they_must(uds_daemon):

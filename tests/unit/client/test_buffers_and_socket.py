@@ -33,6 +33,12 @@ def test_as_u8_views_without_copying() -> None:
     mv = memoryview(bytearray(8)).cast("I")
     as_u8_writable(mv)[0] = 1
     assert mv.obj[0] == 1  # type: ignore[index]
+    m = np.zeros((4, 8), np.uint16)
+    as_u8_writable(m[1:3])[:] = 255  # rows of a C-contiguous array: a view that writes through
+    assert m[1:3].all() and not m[0].any() and not m[3].any()
+    for strided in (np.zeros((4, 8), np.uint8)[:, :3], np.zeros(16, np.uint8)[::2]):
+        with pytest.raises(InvalidArgument, match="C-contiguous"):  # a flat copy would swallow the bytes
+            as_u8_writable(strided)
 
 
 def test_pack_and_split_keys() -> None:

@@ -258,6 +258,55 @@ def test_copy_blocks_copies_every_block_with_no_checksum(n: int, size: int, thre
         cks.copy_blocks([b"abcd"], [np.ones(4, np.uint8)])
 
 
+@pytest.mark.parametrize("n,size", [(0, 64), (1, 100), (16, 4096), (8, 1 << 20)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_run_copies_blocks_lying_back_to_back(n: int, size: int, threads: int, impl: str) -> None:
+    """``copy_run``: block ``i`` of a run starting at ``at`` in one array
+    into ``dsts[i]``, on one thread or split over two (8 x 1 MiB), streamed
+    as ``copy_blocks`` streams; a destination the native helper refuses (of
+    another size, not writable, not a buffer) gives False with nothing
+    written, and so does no native helper at all (the caller's other path
+    copies then)."""
+    at = 3 * size + 5
+    src = _blocks(1, at + n * size + 7, n + size)[0]
+    dsts: list[object] = [bytearray(size) if i % 2 else np.zeros(size, np.uint8) for i in range(n)]
+    ok = cks.copy_run(dsts, src, at, size, threads)
+    if impl == "python":
+        assert ok is False and not any(any(bytes(d)) for d in dsts)  # type: ignore[call-overload]
+        return
+    assert ok is True
+    assert all(bytes(d) == src[at + i * size : at + (i + 1) * size].tobytes() for i, d in enumerate(dsts))
+    for bad in (np.zeros(size + 1, np.uint8), bytes(size), "not a buffer"):
+        outs: list[object] = [np.zeros(size, np.uint8) for _ in range(max(n, 1) - 1)] + [bad]
+        assert cks.copy_run(outs, src, at, size, 1) is False
+        assert not any(o.any() for o in outs[:-1])  # type: ignore[union-attr]
+
+
+def test_copy_run_streams_where_copy_blocks_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch size ``copy_run`` hands the native helper: its own below
+    ``READ_STREAM_MIN``, at least ``STREAM_MIN`` (non-temporal stores) from there."""
+    if not cks.HAVE_NATIVE:
+        pytest.skip("kvstore._native is not built")
+    seen: list[int] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(native, name)
+
+        @staticmethod
+        def copy_checksum_many(d: object, s: object, sums: object, batch_bytes: int) -> None:
+            seen.append(batch_bytes)
+            native.copy_checksum_many(d, s, sums, batch_bytes)
+
+    native = cks._native
+    monkeypatch.setattr(cks, "_native", Spy())
+    small, big = 4096, cks.READ_STREAM_MIN // 2
+    src = np.ones(4 * big, np.uint8)
+    assert cks.copy_run([np.zeros(small, np.uint8)] * 2, src, 0, small, 1)
+    assert cks.copy_run([np.zeros(big, np.uint8) for _ in range(2)], src, big, big, 1)
+    assert seen == [2 * small, max(2 * big, cks.STREAM_MIN)]
+
+
 def _blocks(n: int, size: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=size, dtype=np.uint8) for _ in range(n)]
