@@ -380,7 +380,7 @@ class Client(ControlCalls):
         if len(outs) != len(packed) // KEY_BYTES:
             raise InvalidArgument(f"{len(packed) // KEY_BYTES} keys but {len(outs)} output buffers")
         if self.slab is not None:
-            got = self._read_staged(ns, packed, outs) if self._own.recent and type(outs) is list else None
+            got = self._read_staged(ns, packed, outs) if self._own.recent and isinstance(outs, (list, tuple)) else None
             return got if got is not None else self._get_shm(ns, packed, as_sink(outs, self.copy_threads))
         keys = split_keys(packed)
         if is_sink(outs):
@@ -427,7 +427,7 @@ class Client(ControlCalls):
         """Whether ``get_into`` may read DRAM blocks from the daemon's shared index without a lease."""
         return self._shared is not None
 
-    def _read_staged(self, ns: Namespace, packed: bytes, outs: list[Buffer]) -> list[KeyStatus] | None:
+    def _read_staged(self, ns: Namespace, packed: bytes, outs: Sequence[Buffer]) -> list[KeyStatus] | None:
         """``get_into`` of keys that all lie in this client's own write-behind put in flight
         (``SharedPath.read_staged``), or None (the ordinary way)."""
         shared, fast, wire = self._shared, self._fast, self._ns_wire.get(ns)

@@ -306,11 +306,12 @@ def test_a_read_of_an_own_staged_put_is_kept_only_while_the_put_is_in_flight(uds
 
 
 def test_a_get_of_a_whole_own_staged_put_goes_straight_to_the_copy(uds_daemon, monkeypatch):
-    """``get_into`` of every key of the writer's staged put in flight, into
-    a list of buffers, is one ``copy_run`` out of the ring: no index probe,
-    no ``SharedPath.read``. Buffers it refuses (a size that does not fit,
-    bytes not writable) take the ordinary path, which answers as before,
-    and a list of other buffers (bytearrays, memoryviews) is copied too."""
+    """``get_into`` of every key of the writer's staged put in flight (or
+    of a run inside it), into a list or tuple of buffers, is one
+    ``copy_run`` out of the ring: no index probe, no ``SharedPath.read``.
+    Buffers it refuses (a size that does not fit, bytes not writable, an
+    array that is not C-contiguous) take the ordinary path, which answers
+    as before, and other buffers (bytearrays, memoryviews) are copied too."""
     import kvstore.client.shared as shared
 
     with Client(uds_daemon.target) as a:
@@ -331,7 +332,7 @@ def test_a_get_of_a_whole_own_staged_put_goes_straight_to_the_copy(uds_daemon, m
         assert a.get_into(ns, keys, outs) == [KeyStatus.OK] * 5
         assert runs == [True] and probes == [] and a.own_write_reads == reads + 5
         assert all(bytes(o) == d.tobytes() for o, d in zip(outs, data))
-        assert a.get_into(ns, keys[1:4], outs[:3]) == [KeyStatus.OK] * 3  # a run inside the put
+        assert a.get_into(ns, keys[1:4], tuple(outs[:3])) == [KeyStatus.OK] * 3  # a run inside the put
         assert runs == [True] * 2 and probes == [] and bytes(outs[0]) == data[1].tobytes()
         # buffers the copy refuses, with nothing written: the ordinary path answers as it did
         with pytest.raises(TypeError, match="writable"):
