@@ -29,7 +29,8 @@ import numpy.typing as npt
 import xxhash
 
 __all__ = ["HAVE_NATIVE", "READ_STREAM_MIN", "STREAM_MIN", "checksum", "copy_checksum", "copy_many", "copy_run",
-           "copy_verify", "gather_many", "run_split", "scatter_slots", "verify_many", "verify_scatter", "verify_scatter_many"]
+           "copy_verify", "gather_many", "run_split", "scatter_slots", "verify_many", "verify_scatter",
+           "verify_scatter_many"]
 
 
 def load_native() -> ModuleType | None:

@@ -130,7 +130,8 @@ class OwnWrites:
                       sums.tolist() if isinstance(sums, np.ndarray) else None if sums is None else list(sums), w.buf,
                       corked is not None and corked(w.seq), partial(in_flight, w.seq) if w.private else None)
 
-    def staged(self, wire: bytes, keys: bytes, in_flight: Callable[[int], bool]) -> tuple[np.ndarray, int, int, int] | None:
+    def staged(self, wire: bytes, keys: bytes,
+               in_flight: Callable[[int], bool]) -> tuple[np.ndarray, int, int, int] | None:
         """For ``keys`` that all lie in one write-behind put in flight in
         the staging ring (``private``): (the ring, the first block's offset
         in it, the block size, the put's frame number); else None."""
