@@ -32,10 +32,10 @@ def as_u8_writable(buf: Buffer) -> np.ndarray:
     An array that is not C-contiguous is refused (``InvalidArgument``): its
     flat form may be a copy, and bytes written there would be lost."""
     if isinstance(buf, np.ndarray):
-        if buf.ndim == 1 and buf.dtype == np.uint8 and buf.flags.c_contiguous:
-            return buf  # already one (the common case: a slice of a byte array)
         if not buf.flags.c_contiguous:
             raise InvalidArgument(f"an output buffer must be C-contiguous (shape {buf.shape}, strides {buf.strides})")
+        if buf.ndim == 1 and buf.dtype == np.uint8:
+            return buf  # already one (the common case: a slice of a byte array)
         return buf.reshape(-1).view(np.uint8)
     return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
 

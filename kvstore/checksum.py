@@ -407,7 +407,7 @@ def copy_run(dsts: Sequence[Any], src: np.ndarray, at: int, size: int, threads: 
     n = len(dsts)
     nbytes = n * size
     srcs = [src[a : a + size] for a in range(at, at + nbytes, size)]
-    batch_bytes = max(nbytes, STREAM_MIN) if nbytes >= READ_STREAM_MIN else nbytes
+    batch_bytes = _streamed(nbytes, READ_STREAM_MIN)
     parts = _split(n, nbytes, threads)
     try:
         if len(parts) == 1:
@@ -423,8 +423,7 @@ def _copy_batch(dsts: Any, srcs: Any, threads: int, stream_from: int | None, out
     """``copy_many`` (checksums into ``out``) or ``copy_blocks`` (``out`` None)."""
     n = len(srcs)
     nbytes = _batch_nbytes(srcs)
-    # (the native helper streams a batch whose batch_bytes reach NONTEMPORAL_MIN)
-    batch_bytes = max(nbytes, STREAM_MIN) if stream_from is not None and nbytes >= stream_from else nbytes
+    batch_bytes = _streamed(nbytes, stream_from)
 
     def run(a: int, b: int) -> None:
         if _native is not None:  # one call, one GIL release, per part
@@ -441,6 +440,13 @@ def _copy_batch(dsts: Any, srcs: Any, threads: int, stream_from: int | None, out
             np.copyto(d, s)
 
     _run_parts(run, _split(n, nbytes, threads))
+
+
+def _streamed(nbytes: int, stream_from: int | None) -> int:
+    """The ``batch_bytes`` to hand the native copy for a batch of ``nbytes``:
+    at least ``STREAM_MIN`` (it streams a batch whose batch_bytes reach
+    ``NONTEMPORAL_MIN``) from ``stream_from`` bytes on, else ``nbytes``."""
+    return max(nbytes, STREAM_MIN) if stream_from is not None and nbytes >= stream_from else nbytes
 
 
 def _batch_nbytes(bufs: Any) -> int:

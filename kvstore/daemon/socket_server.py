@@ -456,11 +456,11 @@ class _Connection(asyncio.Protocol):
             if st is None:
                 raise Aborted(grpc.StatusCode.UNAVAILABLE, "the connection closed")
             dram = d.store.dram
-            want = got = copy_many([dram.view(int(sa.offset[i]), size) for i in ok],
-                                   [st.buf[at + i * size : at + (i + 1) * size] for i in ok], dram.copy_threads).tolist()
-            if sent is not None:  # (else PUT_UNHASHED: the blocks' hashes are the landing copy's)
-                want = [sent[i] for i in ok]
-            if got != want:  # the staging bytes changed after the client hashed them
+            got = copy_many([dram.view(int(sa.offset[i]), size) for i in ok],
+                            [st.buf[at + i * size : at + (i + 1) * size] for i in ok], dram.copy_threads).tolist()
+            # the staging bytes changed after the client hashed them (PUT_UNHASHED: nothing to
+            # compare, the blocks are stored with the landing copy's hashes)
+            if sent is not None and got != [sent[i] for i in ok]:
                 raise Aborted(grpc.StatusCode.INVALID_ARGUMENT,
                               "a block of the put does not match its checksum: the put is not stored")
         except BaseException as e:
@@ -469,7 +469,7 @@ class _Connection(asyncio.Protocol):
                 raise
             log.exception("a staged put failed")
             raise Aborted(grpc.StatusCode.INTERNAL, f"internal error in a staged put: {type(e).__name__}") from None
-        c = await d.Commit(pb.CommitRequest(reservation_id=r.reservation_id, checksums=want), ctx)
+        c = await d.Commit(pb.CommitRequest(reservation_id=r.reservation_id, checksums=got), ctx)
         for i, res in zip(ok, c.results):
             statuses[i] = int(res.status)
         return statuses
