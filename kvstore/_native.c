@@ -328,7 +328,10 @@ kv_chain_xxh3(const unsigned char *seed, const unsigned char *tokens,
  * functions, but copy each 1 KiB block on its way through:
  *
  *   large copies (>= KV_NT_MIN):  src --load--> 1 KiB L1 bounce buffer,
- *       hash the bounce buffer, stream it to dst with non-temporal stores;
+ *       hash the bounce buffer, stream it to dst with non-temporal stores
+ *       (with AVX-512, no bounce buffer: each 64-byte stripe is hashed in
+ *       the register it was loaded into and streamed from it;
+ *       kv_stream_hash_avx512);
  *   smaller copies:               src --memcpy--> dst (stays in cache),
  *       hash from dst while it is in L1.
  *
@@ -686,7 +689,109 @@ KV_DEFINE_FUSED(kv_fused_sse2, kv_scatter_sse2)
 KV_DEFINE_FUSED(kv_fused_avx2, kv_scatter_avx2)
 #  endif
 #  if XXH_DISPATCH_AVX512
-KV_DEFINE_FUSED(kv_fused_avx512, kv_scatter_avx512)
+/*
+ * The non-temporal fused copy of one block, AVX-512, with no bounce buffer:
+ * each 64-byte stripe is loaded into a register once, accumulated from that
+ * register and streamed to dst from it.  The bounce buffer's store and two
+ * reloads per stripe are what kept the hash from hiding behind the copy: a
+ * core copying out of RAM is itself the bound (two threads copy about twice
+ * what one does on the EPYC of docs/performance.md), and the bounce kernel
+ * took the plain copy's time plus the hash's, as if in series.  Measured
+ * there, 8 x 4 MiB on two threads, medians of 40 (docs/performance.md,
+ * twenty-seventh round): streamed plain copy 1.61-1.73 ms, the bounce
+ * kernel 2.10-2.34 ms, this one 1.70-2.02 ms.
+ *
+ * dst need not be 64-aligned.  With dst + k the first 64-byte boundary (k
+ * a multiple of 4), the aligned store before stripe g is the last 64 - k
+ * bytes of stripe g - 1 and the first k of stripe g (vpermt2d), made once
+ * both are hashed; the first k bytes and what follows the last aligned
+ * store go with ordinary stores, from the registers or the tail's bounce
+ * buffer the hash read.  So the hashed bytes are still exactly the bytes
+ * written.  Requires len >= KV_REG_MIN and dst 4-aligned (else the bounce
+ * kernel).
+ */
+#define KV_REG_MIN (4 * KV_XXH_BLOCK)
+
+static inline XXH_TARGET_AVX512 __m512i
+kv_acc_reg(__m512i acc, __m512i data, __m512i key)   /* XXH3_accumulate_512_avx512, data in a register */
+{
+    __m512i const data_key = _mm512_xor_si512(data, key);
+    __m512i const product = _mm512_mul_epu32(data_key, _mm512_srli_epi64(data_key, 32));
+    __m512i const swap = _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+    return _mm512_add_epi64(product, _mm512_add_epi64(acc, swap));
+}
+
+static XXH_TARGET_AVX512 XXH64_hash_t
+kv_stream_hash_avx512(unsigned char *dst, const unsigned char *src, size_t len)
+{
+    XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    XXH_ALIGN(64) unsigned char tail[KV_XXH_BLOCK];
+    XXH_ALIGN(64) unsigned char reg[KV_XXH_STRIPE];
+    XXH_ALIGN(64) unsigned char last[KV_XXH_STRIPE];
+    const xxh_u8 *secret = XXH3_kSecret;
+    const size_t nb = (len - 1) / KV_XXH_BLOCK;                    /* >= 3 full blocks */
+    const size_t k = (KV_XXH_STRIPE - ((uintptr_t)dst & 63)) & 63;  /* dst + k is 64-aligned */
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32((int)(k / 4)));
+    unsigned char *out = dst + k - KV_XXH_STRIPE;   /* + 64 g: the aligned store made at stripe g */
+    __m512i key[KV_XXH_STRIPES];
+    __m512i a = _mm512_load_si512((const void *)acc), v, p;
+    size_t n, s, q, off, rem;
+
+    for (s = 0; s < KV_XXH_STRIPES; s++) {
+        key[s] = _mm512_loadu_si512((const void *)(secret + 8 * s));
+    }
+    v = _mm512_loadu_si512((const void *)src);
+    a = kv_acc_reg(a, v, key[0]);
+    _mm512_store_si512((void *)reg, v);
+    memcpy(dst, reg, k);
+    for (n = 0; n < nb; n++) {
+        off = n * KV_XXH_BLOCK;
+        if (off + KV_PREFETCH + KV_XXH_BLOCK <= len) {
+            for (q = 0; q < KV_XXH_BLOCK; q += 64) {
+                KV_PREFETCH_READ(src + off + KV_PREFETCH + q);
+            }
+        }
+        for (s = (n == 0); s < KV_XXH_STRIPES; s++) {
+            p = v;
+            v = _mm512_loadu_si512((const void *)(src + off + 64 * s));
+            _mm512_stream_si512((void *)(out + off + 64 * s), _mm512_permutex2var_epi32(p, idx, v));
+            a = kv_acc_reg(a, v, key[s]);
+        }
+        _mm512_store_si512((void *)acc, a);
+        XXH3_scrambleAcc_avx512(acc, secret + KV_XXH_SECRET - KV_XXH_STRIPE);
+        a = _mm512_load_si512((const void *)acc);
+    }
+    off = nb * KV_XXH_BLOCK;
+    rem = len - off;   /* 1..1024 */
+    _mm512_store_si512((void *)reg, v);   /* the last full stripe: what its aligned store did not place */
+    memcpy(out + off, reg + k, KV_XXH_STRIPE - k);
+    kv_chunk_copy(tail, src + off, rem);
+    memcpy(dst + off, tail, rem);
+    XXH3_accumulate_avx512(acc, tail, secret, (rem - 1) / KV_XXH_STRIPE);
+    if (rem < KV_XXH_STRIPE) {
+        memcpy(last, reg + rem, KV_XXH_STRIPE - rem);
+        memcpy(last + KV_XXH_STRIPE - rem, tail, rem);
+    } else {
+        memcpy(last, tail + rem - KV_XXH_STRIPE, KV_XXH_STRIPE);
+    }
+    XXH3_accumulate_512_avx512(acc, last, secret + KV_XXH_SECRET - KV_XXH_STRIPE - KV_XXH_LASTACC);
+    KV_STORE_FENCE();
+    return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)len);
+}
+
+static XXH64_hash_t
+kv_fused_avx512(unsigned char *dst, const unsigned char *src, size_t len, int nt)
+{
+    kv_span one;
+    if (nt && len >= KV_REG_MIN && ((uintptr_t)dst & 3) == 0) {
+        return kv_stream_hash_avx512(dst, src, len);
+    }
+    one.off = 0;
+    one.len = len;
+    one.dst = dst;
+    return kv_scatter_avx512(src, len, &one, 1, nt);
+}
 #  endif
 #else
 KV_DEFINE_FUSED(kv_fused_default, kv_scatter_default)

@@ -156,6 +156,34 @@ def test_every_kernel_copies_at_every_page_offset_between_its_buffers(gap: int) 
 
 
 @needs_native
+@pytest.mark.parametrize("n", [4095, 4096, 4097, 4096 + 63, 4096 + 64, 4096 + 65, 5 * 1024, 5 * 1024 + 1,
+                               (1 << 16) + 1000])
+def test_the_streamed_copy_places_and_hashes_every_byte_at_every_destination_offset(n: int) -> None:
+    """Non-temporal copies of 4 KiB or more take the AVX-512 kernel's
+    register path (no bounce buffer), which realigns stripes to the
+    destination's 64-byte boundaries: at every destination offset modulo 64
+    (those not a multiple of 4 take the bounce kernel) and around 1 KiB
+    block and 64-byte stripe tails, the hash is the source's, every byte is
+    placed, and nothing outside the destination is written."""
+    nat = cks._native
+    assert nat is not None
+    rng = np.random.default_rng(n)
+    raw_src = rng.integers(0, 256, size=n + 128, dtype=np.uint8)
+    raw_dst = np.zeros(n + 256, np.uint8)
+    base = (-raw_dst.ctypes.data) % 64
+    for s0 in (0, 16, 3):
+        src = raw_src[s0 : s0 + n]
+        want = xxhash.xxh3_64_intdigest(src.tobytes())
+        for kernel in nat.kernels():
+            for d0 in range(base, base + 64):
+                raw_dst[:] = 0
+                dst = raw_dst[d0 : d0 + n]
+                assert nat._copy_checksum_with(dst, src, kernel, True) == want, (kernel, s0, d0 - base)
+                assert np.array_equal(dst, src), (kernel, s0, d0 - base)
+                assert not raw_dst[:d0].any() and not raw_dst[d0 + n :].any()
+
+
+@needs_native
 @pytest.mark.parametrize("batch_bytes", [0, 1, None])
 def test_a_batch_copied_with_non_temporal_stores_is_the_same_copy(batch_bytes: int | None) -> None:
     """``copy_checksum_many``'s ``batch_bytes`` (the whole batch a thread
