@@ -329,9 +329,9 @@ kv_chain_xxh3(const unsigned char *seed, const unsigned char *tokens,
  *
  *   large copies (>= KV_NT_MIN):  src --load--> 1 KiB L1 bounce buffer,
  *       hash the bounce buffer, stream it to dst with non-temporal stores
- *       (with AVX-512, no bounce buffer: each 64-byte stripe is hashed in
- *       the register it was loaded into and streamed from it;
- *       kv_stream_hash_avx512);
+ *       (with AVX-512 or AVX2, no bounce buffer: each 64-byte stripe is
+ *       hashed in the registers it was loaded into and streamed from them;
+ *       kv_stream_hash_avx512, kv_stream_hash_avx2);
  *   smaller copies:               src --memcpy--> dst (stays in cache),
  *       hash from dst while it is in L1.
  *
@@ -354,6 +354,7 @@ kv_chain_xxh3(const unsigned char *seed, const unsigned char *tokens,
 #define KV_XXH_LASTACC    7            /* XXH_SECRET_LASTACC_START */
 #define KV_PREFETCH       4096
 #define KV_NT_FLOOR       (1024 * 1024)
+#define KV_REG_MIN        (4 * KV_XXH_BLOCK)   /* the register kernels' shortest copy */
 
 /* Copies of at least kv_nt_min bytes use non-temporal stores, and so does
  * every block of a batch (copy_checksum_many) of at least kv_nt_min bytes in
@@ -686,7 +687,104 @@ NAME(unsigned char *dst, const unsigned char *src, size_t len, int nt)        \
 #if KV_X86_64
 KV_DEFINE_FUSED(kv_fused_sse2, kv_scatter_sse2)
 #  if XXH_DISPATCH_AVX2
-KV_DEFINE_FUSED(kv_fused_avx2, kv_scatter_avx2)
+/*
+ * The same with AVX2 (kv_stream_hash_avx512 below tells why): a stripe is
+ * two 32-byte registers, each accumulated and streamed from where it was
+ * loaded.  The stores are 32 bytes, so dst must be 16-aligned (a page-
+ * aligned slab slot, a malloc'd buffer); with dst 16 short of a 32-byte
+ * boundary each aligned store is the high half of one register and the low
+ * half of the next (vperm2i128).  Else the bounce kernel.
+ */
+static inline XXH_TARGET_AVX2 __m256i
+kv_acc_reg_avx2(__m256i acc, __m256i data, const xxh_u8 *key)   /* half of XXH3_accumulate_512_avx2 */
+{
+    __m256i const data_key = _mm256_xor_si256(data, _mm256_loadu_si256((const __m256i *)key));
+    __m256i const product = _mm256_mul_epu32(data_key, _mm256_srli_epi64(data_key, 32));
+    __m256i const swap = _mm256_shuffle_epi32(data, _MM_SHUFFLE(1, 0, 3, 2));
+    return _mm256_add_epi64(product, _mm256_add_epi64(acc, swap));
+}
+
+#define KV_AVX2_STEP(Y, P, SRC, OUT, K16)                                     \
+    do {                                                                      \
+        (P) = (Y);                                                            \
+        (Y) = _mm256_loadu_si256((const __m256i *)(SRC));                     \
+        _mm256_stream_si256((__m256i *)(OUT),                                 \
+                            (K16) ? _mm256_permute2x128_si256((P), (Y), 0x21) \
+                                  : (P));                                     \
+    } while (0)
+
+static XXH_TARGET_AVX2 XXH64_hash_t
+kv_stream_hash_avx2(unsigned char *dst, const unsigned char *src, size_t len)
+{
+    XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
+    XXH_ALIGN(64) unsigned char tail[KV_XXH_BLOCK];
+    XXH_ALIGN(64) unsigned char reg[KV_XXH_STRIPE];
+    XXH_ALIGN(64) unsigned char last[KV_XXH_STRIPE];
+    const xxh_u8 *secret = XXH3_kSecret;
+    const size_t nb = (len - 1) / KV_XXH_BLOCK;                    /* >= 3 full blocks */
+    const size_t k = (32 - ((uintptr_t)dst & 31)) & 31;            /* 0 or 16: dst + k is 32-aligned */
+    const int k16 = k != 0;
+    unsigned char *out = dst + k - 32;   /* + 32 u: the aligned store made at half-stripe u */
+    __m256i a0 = _mm256_load_si256((const __m256i *)acc), a1 = _mm256_load_si256((const __m256i *)acc + 1);
+    __m256i y, p = _mm256_setzero_si256();
+    size_t n, s, q, off, rem;
+
+    y = _mm256_loadu_si256((const __m256i *)src);
+    a0 = kv_acc_reg_avx2(a0, y, secret);
+    _mm256_store_si256((__m256i *)reg, y);
+    memcpy(dst, reg, k);
+    KV_AVX2_STEP(y, p, src + 32, out + 32, k16);
+    a1 = kv_acc_reg_avx2(a1, y, secret + 32);
+    for (n = 0; n < nb; n++) {
+        off = n * KV_XXH_BLOCK;
+        if (off + KV_PREFETCH + KV_XXH_BLOCK <= len) {
+            for (q = 0; q < KV_XXH_BLOCK; q += 64) {
+                KV_PREFETCH_READ(src + off + KV_PREFETCH + q);
+            }
+        }
+        for (s = (n == 0); s < KV_XXH_STRIPES; s++) {
+            KV_AVX2_STEP(y, p, src + off + 64 * s, out + off + 64 * s, k16);
+            a0 = kv_acc_reg_avx2(a0, y, secret + 8 * s);
+            KV_AVX2_STEP(y, p, src + off + 64 * s + 32, out + off + 64 * s + 32, k16);
+            a1 = kv_acc_reg_avx2(a1, y, secret + 8 * s + 32);
+        }
+        _mm256_store_si256((__m256i *)acc, a0);
+        _mm256_store_si256((__m256i *)acc + 1, a1);
+        XXH3_scrambleAcc_avx2(acc, secret + KV_XXH_SECRET - KV_XXH_STRIPE);
+        a0 = _mm256_load_si256((const __m256i *)acc);
+        a1 = _mm256_load_si256((const __m256i *)acc + 1);
+    }
+    off = nb * KV_XXH_BLOCK;
+    rem = len - off;   /* 1..1024 */
+    _mm256_store_si256((__m256i *)reg, p);   /* the last full stripe: what its aligned stores did not place */
+    _mm256_store_si256((__m256i *)reg + 1, y);
+    memcpy(out + off, reg + 32 + k, 32 - k);
+    kv_chunk_copy(tail, src + off, rem);
+    memcpy(dst + off, tail, rem);
+    XXH3_accumulate_avx2(acc, tail, secret, (rem - 1) / KV_XXH_STRIPE);
+    if (rem < KV_XXH_STRIPE) {
+        memcpy(last, reg + rem, KV_XXH_STRIPE - rem);
+        memcpy(last + KV_XXH_STRIPE - rem, tail, rem);
+    } else {
+        memcpy(last, tail + rem - KV_XXH_STRIPE, KV_XXH_STRIPE);
+    }
+    XXH3_accumulate_512_avx2(acc, last, secret + KV_XXH_SECRET - KV_XXH_STRIPE - KV_XXH_LASTACC);
+    KV_STORE_FENCE();
+    return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)len);
+}
+
+static XXH64_hash_t
+kv_fused_avx2(unsigned char *dst, const unsigned char *src, size_t len, int nt)
+{
+    kv_span one;
+    if (nt && len >= KV_REG_MIN && ((uintptr_t)dst & 15) == 0) {
+        return kv_stream_hash_avx2(dst, src, len);
+    }
+    one.off = 0;
+    one.len = len;
+    one.dst = dst;
+    return kv_scatter_avx2(src, len, &one, 1, nt);
+}
 #  endif
 #  if XXH_DISPATCH_AVX512
 /*
@@ -710,8 +808,6 @@ KV_DEFINE_FUSED(kv_fused_avx2, kv_scatter_avx2)
  * written.  Requires len >= KV_REG_MIN and dst 4-aligned (else the bounce
  * kernel).
  */
-#define KV_REG_MIN (4 * KV_XXH_BLOCK)
-
 static inline XXH_TARGET_AVX512 __m512i
 kv_acc_reg(__m512i acc, __m512i data, __m512i key)   /* XXH3_accumulate_512_avx512, data in a register */
 {
