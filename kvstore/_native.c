@@ -795,9 +795,11 @@ kv_fused_avx2(unsigned char *dst, const unsigned char *src, size_t len, int nt)
  * core copying out of RAM is itself the bound (two threads copy about twice
  * what one does on the EPYC of docs/performance.md), and the bounce kernel
  * took the plain copy's time plus the hash's, as if in series.  Measured
- * there, 8 x 4 MiB on two threads, medians of 40 (docs/performance.md,
- * twenty-seventh round): streamed plain copy 1.61-1.73 ms, the bounce
- * kernel 2.10-2.34 ms, this one 1.70-2.02 ms.
+ * there, 8 x 4 MiB on two threads, medians of 30, three runs each
+ * (docs/performance.md, twenty-seventh round): the hashed copy into a slab
+ * mapping 1.58-2.53 ms with the bounce kernel, 1.52-1.61 ms with this one;
+ * the verified copy out 2.11-2.86 and 1.75-1.77 ms; a plain streamed copy
+ * 1.51-1.97 ms.
  *
  * dst need not be 64-aligned.  With dst + k the first 64-byte boundary (k
  * a multiple of 4), the aligned store before stripe g is the last 64 - k
