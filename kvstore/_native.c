@@ -686,6 +686,68 @@ NAME(unsigned char *dst, const unsigned char *src, size_t len, int nt)        \
 
 #if KV_X86_64
 KV_DEFINE_FUSED(kv_fused_sse2, kv_scatter_sse2)
+/* Prefetch the 1 KiB KV_PREFETCH bytes past src + off, where it lies within len. */
+static inline void
+kv_prefetch_ahead(const unsigned char *src, size_t off, size_t len)
+{
+    size_t q;
+    if (off + KV_PREFETCH + KV_XXH_BLOCK <= len) {
+        for (q = 0; q < KV_XXH_BLOCK; q += 64) {
+            KV_PREFETCH_READ(src + off + KV_PREFETCH + q);
+        }
+    }
+}
+
+/*
+ * The end of a register kernel's copy (kv_stream_hash_avx2/avx512): the
+ * last `rest` bytes of the last full stripe (reg), which its aligned stores
+ * did not place; the last partial 1 KiB, through a small bounce buffer; the
+ * last stripe; then the hash.  acc holds the accumulators after the last
+ * full block.  XXH3's accumulate gives the same values with any kernel, so
+ * SSE2 serves both (for at most 1 KiB a block).
+ */
+static XXH64_hash_t
+kv_stream_tail(xxh_u64 *acc, unsigned char *dst, const unsigned char *src, size_t len,
+               const unsigned char *reg, size_t rest)
+{
+    XXH_ALIGN(64) unsigned char tail[KV_XXH_BLOCK];
+    XXH_ALIGN(64) unsigned char last[KV_XXH_STRIPE];
+    const xxh_u8 *secret = XXH3_kSecret;
+    const size_t off = (len - 1) / KV_XXH_BLOCK * KV_XXH_BLOCK;
+    const size_t rem = len - off;   /* 1..1024 */
+
+    memcpy(dst + off - rest, reg + KV_XXH_STRIPE - rest, rest);
+    kv_chunk_copy(tail, src + off, rem);
+    memcpy(dst + off, tail, rem);
+    XXH3_accumulate_sse2(acc, tail, secret, (rem - 1) / KV_XXH_STRIPE);
+    if (rem < KV_XXH_STRIPE) {
+        memcpy(last, reg + rem, KV_XXH_STRIPE - rem);
+        memcpy(last + KV_XXH_STRIPE - rem, tail, rem);
+    } else {
+        memcpy(last, tail + rem - KV_XXH_STRIPE, KV_XXH_STRIPE);
+    }
+    XXH3_accumulate_512_sse2(acc, last, secret + KV_XXH_SECRET - KV_XXH_STRIPE - KV_XXH_LASTACC);
+    KV_STORE_FENCE();
+    return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)len);
+}
+
+/* The fused copy of one block: the register kernel REG where it applies (a
+ * streamed copy of KV_REG_MIN bytes or more, dst aligned to ALIGN), else
+ * SCATTER's bounce kernel. */
+#define KV_DEFINE_FUSED_REG(NAME, SCATTER, REG, ALIGN)                        \
+static XXH64_hash_t                                                           \
+NAME(unsigned char *dst, const unsigned char *src, size_t len, int nt)        \
+{                                                                             \
+    kv_span one;                                                              \
+    if (nt && len >= KV_REG_MIN && ((uintptr_t)dst & ((ALIGN) - 1)) == 0) {   \
+        return REG(dst, src, len);                                            \
+    }                                                                         \
+    one.off = 0;                                                              \
+    one.len = len;                                                            \
+    one.dst = dst;                                                            \
+    return SCATTER(src, len, &one, 1, nt);                                    \
+}
+
 #  if XXH_DISPATCH_AVX2
 /*
  * The same with AVX2 (kv_stream_hash_avx512 below tells why): a stripe is
@@ -717,9 +779,7 @@ static XXH_TARGET_AVX2 XXH64_hash_t
 kv_stream_hash_avx2(unsigned char *dst, const unsigned char *src, size_t len)
 {
     XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
-    XXH_ALIGN(64) unsigned char tail[KV_XXH_BLOCK];
     XXH_ALIGN(64) unsigned char reg[KV_XXH_STRIPE];
-    XXH_ALIGN(64) unsigned char last[KV_XXH_STRIPE];
     const xxh_u8 *secret = XXH3_kSecret;
     const size_t nb = (len - 1) / KV_XXH_BLOCK;                    /* >= 3 full blocks */
     const size_t k = (32 - ((uintptr_t)dst & 31)) & 31;            /* 0 or 16: dst + k is 32-aligned */
@@ -727,7 +787,7 @@ kv_stream_hash_avx2(unsigned char *dst, const unsigned char *src, size_t len)
     unsigned char *out = dst + k - 32;   /* + 32 u: the aligned store made at half-stripe u */
     __m256i a0 = _mm256_load_si256((const __m256i *)acc), a1 = _mm256_load_si256((const __m256i *)acc + 1);
     __m256i y, p = _mm256_setzero_si256();
-    size_t n, s, q, off, rem;
+    size_t n, s, off;
 
     y = _mm256_loadu_si256((const __m256i *)src);
     a0 = kv_acc_reg_avx2(a0, y, secret);
@@ -737,11 +797,7 @@ kv_stream_hash_avx2(unsigned char *dst, const unsigned char *src, size_t len)
     a1 = kv_acc_reg_avx2(a1, y, secret + 32);
     for (n = 0; n < nb; n++) {
         off = n * KV_XXH_BLOCK;
-        if (off + KV_PREFETCH + KV_XXH_BLOCK <= len) {
-            for (q = 0; q < KV_XXH_BLOCK; q += 64) {
-                KV_PREFETCH_READ(src + off + KV_PREFETCH + q);
-            }
-        }
+        kv_prefetch_ahead(src, off, len);
         for (s = (n == 0); s < KV_XXH_STRIPES; s++) {
             KV_AVX2_STEP(y, p, src + off + 64 * s, out + off + 64 * s, k16);
             a0 = kv_acc_reg_avx2(a0, y, secret + 8 * s);
@@ -754,37 +810,12 @@ kv_stream_hash_avx2(unsigned char *dst, const unsigned char *src, size_t len)
         a0 = _mm256_load_si256((const __m256i *)acc);
         a1 = _mm256_load_si256((const __m256i *)acc + 1);
     }
-    off = nb * KV_XXH_BLOCK;
-    rem = len - off;   /* 1..1024 */
-    _mm256_store_si256((__m256i *)reg, p);   /* the last full stripe: what its aligned stores did not place */
+    _mm256_store_si256((__m256i *)reg, p);   /* the last full stripe */
     _mm256_store_si256((__m256i *)reg + 1, y);
-    memcpy(out + off, reg + 32 + k, 32 - k);
-    kv_chunk_copy(tail, src + off, rem);
-    memcpy(dst + off, tail, rem);
-    XXH3_accumulate_avx2(acc, tail, secret, (rem - 1) / KV_XXH_STRIPE);
-    if (rem < KV_XXH_STRIPE) {
-        memcpy(last, reg + rem, KV_XXH_STRIPE - rem);
-        memcpy(last + KV_XXH_STRIPE - rem, tail, rem);
-    } else {
-        memcpy(last, tail + rem - KV_XXH_STRIPE, KV_XXH_STRIPE);
-    }
-    XXH3_accumulate_512_avx2(acc, last, secret + KV_XXH_SECRET - KV_XXH_STRIPE - KV_XXH_LASTACC);
-    KV_STORE_FENCE();
-    return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)len);
+    return kv_stream_tail(acc, dst, src, len, reg, 32 - k);
 }
 
-static XXH64_hash_t
-kv_fused_avx2(unsigned char *dst, const unsigned char *src, size_t len, int nt)
-{
-    kv_span one;
-    if (nt && len >= KV_REG_MIN && ((uintptr_t)dst & 15) == 0) {
-        return kv_stream_hash_avx2(dst, src, len);
-    }
-    one.off = 0;
-    one.len = len;
-    one.dst = dst;
-    return kv_scatter_avx2(src, len, &one, 1, nt);
-}
+KV_DEFINE_FUSED_REG(kv_fused_avx2, kv_scatter_avx2, kv_stream_hash_avx2, 16)
 #  endif
 #  if XXH_DISPATCH_AVX512
 /*
@@ -823,9 +854,7 @@ static XXH_TARGET_AVX512 XXH64_hash_t
 kv_stream_hash_avx512(unsigned char *dst, const unsigned char *src, size_t len)
 {
     XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;
-    XXH_ALIGN(64) unsigned char tail[KV_XXH_BLOCK];
     XXH_ALIGN(64) unsigned char reg[KV_XXH_STRIPE];
-    XXH_ALIGN(64) unsigned char last[KV_XXH_STRIPE];
     const xxh_u8 *secret = XXH3_kSecret;
     const size_t nb = (len - 1) / KV_XXH_BLOCK;                    /* >= 3 full blocks */
     const size_t k = (KV_XXH_STRIPE - ((uintptr_t)dst & 63)) & 63;  /* dst + k is 64-aligned */
@@ -834,7 +863,7 @@ kv_stream_hash_avx512(unsigned char *dst, const unsigned char *src, size_t len)
     unsigned char *out = dst + k - KV_XXH_STRIPE;   /* + 64 g: the aligned store made at stripe g */
     __m512i key[KV_XXH_STRIPES];
     __m512i a = _mm512_load_si512((const void *)acc), v, p;
-    size_t n, s, q, off, rem;
+    size_t n, s, off;
 
     for (s = 0; s < KV_XXH_STRIPES; s++) {
         key[s] = _mm512_loadu_si512((const void *)(secret + 8 * s));
@@ -845,11 +874,7 @@ kv_stream_hash_avx512(unsigned char *dst, const unsigned char *src, size_t len)
     memcpy(dst, reg, k);
     for (n = 0; n < nb; n++) {
         off = n * KV_XXH_BLOCK;
-        if (off + KV_PREFETCH + KV_XXH_BLOCK <= len) {
-            for (q = 0; q < KV_XXH_BLOCK; q += 64) {
-                KV_PREFETCH_READ(src + off + KV_PREFETCH + q);
-            }
-        }
+        kv_prefetch_ahead(src, off, len);
         for (s = (n == 0); s < KV_XXH_STRIPES; s++) {
             p = v;
             v = _mm512_loadu_si512((const void *)(src + off + 64 * s));
@@ -860,36 +885,11 @@ kv_stream_hash_avx512(unsigned char *dst, const unsigned char *src, size_t len)
         XXH3_scrambleAcc_avx512(acc, secret + KV_XXH_SECRET - KV_XXH_STRIPE);
         a = _mm512_load_si512((const void *)acc);
     }
-    off = nb * KV_XXH_BLOCK;
-    rem = len - off;   /* 1..1024 */
-    _mm512_store_si512((void *)reg, v);   /* the last full stripe: what its aligned store did not place */
-    memcpy(out + off, reg + k, KV_XXH_STRIPE - k);
-    kv_chunk_copy(tail, src + off, rem);
-    memcpy(dst + off, tail, rem);
-    XXH3_accumulate_avx512(acc, tail, secret, (rem - 1) / KV_XXH_STRIPE);
-    if (rem < KV_XXH_STRIPE) {
-        memcpy(last, reg + rem, KV_XXH_STRIPE - rem);
-        memcpy(last + KV_XXH_STRIPE - rem, tail, rem);
-    } else {
-        memcpy(last, tail + rem - KV_XXH_STRIPE, KV_XXH_STRIPE);
-    }
-    XXH3_accumulate_512_avx512(acc, last, secret + KV_XXH_SECRET - KV_XXH_STRIPE - KV_XXH_LASTACC);
-    KV_STORE_FENCE();
-    return XXH3_finalizeLong_64b(acc, secret, (xxh_u64)len);
+    _mm512_store_si512((void *)reg, v);   /* the last full stripe */
+    return kv_stream_tail(acc, dst, src, len, reg, KV_XXH_STRIPE - k);
 }
 
-static XXH64_hash_t
-kv_fused_avx512(unsigned char *dst, const unsigned char *src, size_t len, int nt)
-{
-    kv_span one;
-    if (nt && len >= KV_REG_MIN && ((uintptr_t)dst & 3) == 0) {
-        return kv_stream_hash_avx512(dst, src, len);
-    }
-    one.off = 0;
-    one.len = len;
-    one.dst = dst;
-    return kv_scatter_avx512(src, len, &one, 1, nt);
-}
+KV_DEFINE_FUSED_REG(kv_fused_avx512, kv_scatter_avx512, kv_stream_hash_avx512, 4)
 #  endif
 #else
 KV_DEFINE_FUSED(kv_fused_default, kv_scatter_default)
