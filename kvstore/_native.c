@@ -823,7 +823,7 @@ KV_DEFINE_FUSED_REG(kv_fused_avx2, kv_scatter_avx2, kv_stream_hash_avx2, 16)
  * each 64-byte stripe is loaded into a register once, accumulated from that
  * register and streamed to dst from it.  The bounce buffer's store and two
  * reloads per stripe are what kept the hash from hiding behind the copy: a
- * core copying out of RAM is itself the bound (two threads copy about twice
+ * core copying out of RAM is itself the bound (two threads copy 1.65 times
  * what one does on the EPYC of docs/performance.md), and the bounce kernel
  * took the plain copy's time plus the hash's, as if in series.  Measured
  * there, 8 x 4 MiB on two threads, medians of 30, three runs each
