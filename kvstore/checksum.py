@@ -408,12 +408,9 @@ def copy_run(dsts: Sequence[Any], src: np.ndarray, at: int, size: int, threads: 
     nbytes = n * size
     srcs = [src[a : a + size] for a in range(at, at + nbytes, size)]
     batch_bytes = _streamed(nbytes, READ_STREAM_MIN)
-    parts = _split(n, nbytes, threads)
     try:
-        if len(parts) == 1:
-            _native.copy_checksum_many(dsts, srcs, None, batch_bytes)
-        else:
-            _run_parts(lambda a, b: _native.copy_checksum_many(dsts[a:b], srcs[a:b], None, batch_bytes), parts)
+        _run_parts(lambda a, b: _native.copy_checksum_many(dsts[a:b], srcs[a:b], None, batch_bytes),
+                   _split(n, nbytes, threads))
     except (TypeError, ValueError, BufferError):
         return False
     return True
